@@ -1,0 +1,43 @@
+"""Every number the spec fixes, in one place, with the section it comes from.
+
+spec = ../shared/spec/engine-proxy.md, protocol = ../shared/protocol.md.
+"""
+
+# spec 5.1, protocol 7: retry bounds.
+MAX_DISPATCH_ATTEMPTS = 5
+JOB_DEADLINE = 600.0
+DIAL_TIMEOUT = 10.0
+DEFAULT_RESPONSE_TIMEOUT = 30 * 60.0
+
+# protocol 7: backoff by dispatches so far (last repeating), with +-25% jitter.
+BACKOFF_SCHEDULE = (1.0, 2.0, 4.0, 8.0)
+BACKOFF_JITTER = 0.25
+
+# spec 5.3, protocol 7: how often an attempt checks its target is still in discovery.
+TARGET_WATCH_INTERVAL = 0.5
+
+# protocol 7: a client that stops taking data for this long is gone (cancelled).
+DEAD_CLIENT_WRITE_DEADLINE = 30.0
+
+# protocol 5, 7: request body limit (exactly this much is accepted).
+MAX_REQUEST_BODY = 32 * 1024 * 1024
+
+# protocol 7: model-list fan-out.
+MODEL_LIST_TIMEOUT = 10.0
+MODEL_LIST_MAX_BODY = 16 * 1024 * 1024
+
+# protocol 7: servers and pool.
+SERVER_HEADER_READ_TIMEOUT = 10.0
+SERVER_IDLE_TIMEOUT = 90.0
+POOL_IDLE_TIMEOUT = 90.0
+FACADE_SHUTDOWN_GRACE = 3.0
+
+# protocol 4, 7: node/activity throttle per node.
+ACTIVITY_INTERVAL = 2.0
+
+# design 8.15: standalone nodes-file check and inventory probe periods.
+NODES_FILE_CHECK_INTERVAL = 2.0
+INVENTORY_PROBE_INTERVAL = 5.0
+
+# protocol 1: JSON-RPC line limit.
+MAX_RPC_LINE = 1024 * 1024
