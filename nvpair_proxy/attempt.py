@@ -1,0 +1,296 @@
+"""One dispatch to one node, as an explicit state machine (spec 5.2, 5.3).
+
+dialing -> peeking -> committed, or -> failed / cancelled. The state field is the single
+claim that decides commit versus cancel: the first transition out of ``dialing`` or
+``peeking`` wins and the loser is a no-op, so an attempt can never be both served and
+abandoned. A delivered first byte commits before any later cancel can land, because both run
+in the reactor thread and the byte's arrival changes the state synchronously.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import attrs
+from twisted.internet import error as ierror
+from twisted.internet.defer import CancelledError, Deferred
+from twisted.internet.interfaces import IDelayedCall, IReactorTime
+from twisted.internet.protocol import Protocol
+from twisted.python.failure import Failure
+from twisted.web.client import ResponseDone
+from twisted.web.http import PotentialDataLoss
+from twisted.web.http_headers import Headers
+from twisted.web.iweb import IAgent, IResponse
+
+from .discovery import Node, host_port
+from .requestbody import BytesProducer
+
+DIALING, PEEKING, COMMITTED, FAILED, CANCELLED = "dialing", "peeking", "committed", "failed", "cancelled"
+
+# Failure kinds of an attempt that did not commit.
+STATUS, TRANSPORT, NO_CONTENT, ATTEMPT_CANCELLED = "status", "transport", "no-content", "cancelled"
+
+# Failures while connecting mean "try the node's next address" (design decision 4).
+_DIAL_ERRORS = (ierror.ConnectError, ierror.TimeoutError, ierror.DNSLookupError)
+
+# A failed-over response with a known body at most this long is read out so its connection
+# goes back to the pool; anything else is aborted (twisted-notes: never left dangling).
+_DRAIN_LIMIT = 64 * 1024
+
+
+@attrs.frozen
+class Committed:
+    """The attempt won: its response is the client's answer, body waiting in ``relay``."""
+
+    node: Node
+    address: str
+    response: IResponse
+    relay: "BodyRelay"
+
+
+@attrs.frozen
+class Failed:
+    """The attempt ended without commit; ``kind`` says how, ``status`` for a refused answer."""
+
+    node: Node
+    kind: str
+    reason: str
+    status: int | None = None
+
+
+class AddressMemory:
+    """The address of each node that last answered, tried first next time (design 4)."""
+
+    def __init__(self) -> None:
+        self._answered: dict[str, str] = {}
+
+    def order(self, node: Node) -> list[str]:
+        addresses = node.dial_order()
+        preferred = self._answered.get(node.id)
+        if preferred in addresses:
+            addresses.remove(preferred)
+            addresses.insert(0, preferred)
+        return addresses
+
+    def answered(self, node: Node, address: str) -> None:
+        self._answered[node.id] = address
+
+    def forget(self, node: Node) -> None:
+        self._answered.pop(node.id, None)
+
+
+class BodyRelay(Protocol):
+    """Receives the upstream body; holds it until a sink attaches, then streams it through.
+
+    Holding is what lets the first byte be peeked and spliced back in front of the stream.
+    While unattached the upstream transport is paused, so nothing but the first chunk is held.
+    """
+
+    def __init__(self, on_first_data: Callable[[], None], on_end: Callable[[Failure], None]):
+        self._on_first_data = on_first_data
+        self._on_end = on_end
+        self._held: list[bytes] = []
+        self._ended: Failure | None = None
+        self._sink = None
+        self.bytes_received = 0
+
+    def connectionMade(self) -> None:
+        if self._sink is None:
+            self.transport.pauseProducing()
+
+    def dataReceived(self, data: bytes) -> None:
+        if not data:
+            return
+        first = self.bytes_received == 0
+        self.bytes_received += len(data)
+        if self._sink is not None:
+            self._sink.write(data)
+            return
+        self._held.append(data)
+        self.transport.pauseProducing()
+        if first:
+            self._on_first_data()
+
+    def connectionLost(self, reason: Failure) -> None:
+        if self._sink is not None:
+            self._sink.upstream_done(reason)
+            return
+        self._ended = reason
+        self._on_end(reason)
+
+    def attach(self, sink) -> None:
+        """Deliver what was held to ``sink`` and stream the rest (``write``/``upstream_done``)."""
+        self._sink = sink
+        held, self._held = self._held, []
+        for data in held:
+            sink.write(data)
+        if self._ended is not None:
+            sink.upstream_done(self._ended)
+        else:
+            self.transport.resumeProducing()
+
+    def abort(self) -> None:
+        if self.transport is not None and self._ended is None:
+            self.transport.stopProducing()
+
+
+def clean_end(reason: Failure) -> bool:
+    """A body that ended as the framing said it would (close-delimited counts)."""
+    return reason.check(ResponseDone, PotentialDataLoss) is not None
+
+
+class _Drain(Protocol):
+    def dataReceived(self, data: bytes) -> None:
+        pass
+
+    def connectionLost(self, reason: Failure) -> None:
+        pass
+
+
+def discard(response: IResponse) -> None:
+    """Read out a small answer we fail over from, abort anything else (twisted-notes)."""
+    drain = _Drain()
+    response.deliverBody(drain)
+    if not (isinstance(response.length, int) and response.length <= _DRAIN_LIMIT):
+        drain.transport.stopProducing()
+
+
+class Attempt:
+    """One dispatch: dial the node's addresses, wait for headers, peek the first body byte.
+
+    ``inference`` makes a 2xx wait for its first body byte (spec 5.2); every other answer
+    commits on its headers (design decision 3). ``final`` means this answer is the client's
+    whatever its status (spec 5.4).
+    """
+
+    def __init__(self, *, agent: IAgent, clock: IReactorTime, addresses: AddressMemory,
+                 node: Node, method: bytes, path: bytes, headers: Headers, body: bytes,
+                 response_timeout: float, inference: bool, final: bool,
+                 retryable: Callable[[int], bool]):
+        self.agent, self.clock, self.addresses, self.node = agent, clock, addresses, node
+        self.method, self.path, self.headers, self.body = method, path, headers, body
+        self.response_timeout, self.inference, self.final = response_timeout, inference, final
+        self.retryable = retryable
+        self.state = DIALING
+        self.result: Deferred = Deferred()
+        self._request: Deferred | None = None
+        self._timer: IDelayedCall | None = None
+        self._relay: BodyRelay | None = None
+        self._response: IResponse | None = None
+        self._pending_addresses: list[str] = []
+        self._address = ""
+
+    def start(self) -> Deferred:
+        """Begin; the result fires with Committed or Failed, never with an error."""
+        self._pending_addresses = self.addresses.order(self.node)
+        if self.response_timeout > 0:
+            self._timer = self.clock.callLater(self.response_timeout, self._timed_out)
+        self._dial_next()
+        return self.result
+
+    def cancel(self, reason: str) -> bool:
+        """Abandon the attempt unless it already committed or ended; True if this call won."""
+        if self.state not in (DIALING, PEEKING):
+            return False
+        self._end(Failed(self.node, ATTEMPT_CANCELLED, reason), CANCELLED)
+        return True
+
+    def _dial_next(self) -> None:
+        self._address = self._pending_addresses.pop(0)
+        url = f"{self.node.scheme}://{host_port(self._address, self.node.port)}".encode() + self.path
+        request = self.agent.request(self.method, url, self.headers.copy(),
+                                     BytesProducer(self.body) if self.body else None)
+        self._request = request
+        request.addCallbacks(self._got_response, self._dial_failed)
+
+    def _dial_failed(self, failure: Failure) -> None:
+        self._request = None
+        if self.state != DIALING:
+            return
+        if failure.check(*_DIAL_ERRORS) and self._pending_addresses:
+            self._dial_next()
+            return
+        self.addresses.forget(self.node)
+        self._end(Failed(self.node, TRANSPORT, _reason(failure)), FAILED)
+
+    def _got_response(self, response: IResponse) -> None:
+        self._request = None
+        if self.state != DIALING:
+            discard(response)
+            return
+        self.addresses.answered(self.node, self._address)
+        self._response = response
+        status = response.code
+        if not self.final and self.retryable(status):
+            discard(response)
+            self._end(Failed(self.node, STATUS, f"upstream returned HTTP {status}", status), FAILED)
+            return
+        self._relay = BodyRelay(self._first_data, self._body_ended)
+        if self.inference and 200 <= status < 300:
+            self.state = PEEKING
+            self._cancel_timer()
+            if self.response_timeout > 0:
+                self._timer = self.clock.callLater(self.response_timeout, self._timed_out)
+            response.deliverBody(self._relay)
+            return
+        response.deliverBody(self._relay)
+        self._commit()
+
+    def _first_data(self) -> None:
+        if self.state == PEEKING:
+            self._commit()
+
+    def _body_ended(self, reason: Failure) -> None:
+        if self.state != PEEKING:
+            return
+        if clean_end(reason):
+            self._commit()
+        else:
+            self.addresses.forget(self.node)
+            self._end(Failed(self.node, TRANSPORT, _reason(reason)), FAILED)
+
+    def _commit(self) -> None:
+        self._cancel_timer()
+        self.state = COMMITTED
+        self.result.callback(Committed(self.node, self._address, self._response, self._relay))
+
+    def _timed_out(self) -> None:
+        self._timer = None
+        if self.state == DIALING:
+            self._end(Failed(self.node, TRANSPORT, "timeout awaiting response headers"), FAILED)
+        elif self.state == PEEKING:
+            self._end(Failed(self.node, NO_CONTENT,
+                             "upstream sent no response body within the first-byte budget"), FAILED)
+
+    def _end(self, outcome: Failed, state: str) -> None:
+        self.state = state
+        self._cancel_timer()
+        if self._request is not None:
+            request, self._request = self._request, None
+            request.cancel()
+        if self._relay is not None:
+            self._relay.abort()
+        self.result.callback(outcome)
+
+    def _cancel_timer(self) -> None:
+        if self._timer is not None and self._timer.active():
+            self._timer.cancel()
+        self._timer = None
+
+
+def _reason(failure: Failure) -> str:
+    """Short, body-free text for an upstream failure (spec 9: operational detail only)."""
+    value = failure.value
+    inner = getattr(value, "reasons", None)
+    if inner:
+        value = inner[0].value
+        if isinstance(value, CancelledError):
+            return "request cancelled"
+    if isinstance(value, ierror.ConnectionRefusedError):
+        return "connection refused"
+    if isinstance(value, (ierror.TimeoutError, ierror.TCPTimedOutError)):
+        return "dial timeout"
+    if isinstance(value, ierror.ConnectionLost) or isinstance(value, ierror.ConnectionDone):
+        return "connection closed before the response completed"
+    text = str(value).strip() or type(value).__name__
+    return text.splitlines()[0][:200]

@@ -1,0 +1,181 @@
+"""The nodes a facade can route to, whatever their source.
+
+A facade's node set is the union of discovered nodes (broker snapshots, replaced wholesale),
+manual nodes (``node/add-manual``, which survive snapshots) and, in standalone mode, the
+nodes file. Every resolution reads this set as it is now (spec 5.1 "no memory of nodes seen
+in the past"), so the set is the single source of truth for "routable right now".
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from typing import Callable, Iterable, Mapping, Sequence
+
+import attrs
+
+from .engines import Engine
+
+
+def is_loopback(host: str) -> bool:
+    """Loopback test that survives dual-stack listeners and scoped addresses (twisted-notes)."""
+    host = host.strip("[]").split("%", 1)[0]
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    return address.is_loopback
+
+
+def host_port(host: str, port: int) -> str:
+    """``host:port`` with IPv6 literals bracketed, as in a URL."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+@attrs.frozen
+class Node:
+    """One routable node of one engine.
+
+    ``models`` holds normalized model ids; None means the inventory is not known yet
+    (a probed node before its first probe), which advertises nothing.
+    """
+
+    id: str
+    name: str
+    port: int
+    addresses: tuple[str, ...]
+    source: str = "manual"
+    models: frozenset[str] | None = None
+    advertised: tuple[str, ...] | None = None
+    scheme: str = "http"
+    cluster_uuid: str = ""
+    txt: Mapping[str, str] = attrs.field(factory=dict)
+
+    def advertises(self, model: str) -> bool:
+        return self.models is not None and model in self.models
+
+    def dial_order(self) -> list[str]:
+        """Addresses to dial: loopback first, then the published order, de-duplicated."""
+        seen: set[str] = set()
+        ordered: list[str] = []
+        for address in sorted(self.addresses, key=lambda a: not is_loopback(a)):
+            if address and address not in seen:
+                seen.add(address)
+                ordered.append(address)
+        return ordered
+
+    def describe(self) -> dict:
+        """The Node object of ``nodes/list`` and the node diffs (protocol 3, 4)."""
+        out: dict = {"id": self.id, "host": self.name, "port": self.port,
+                     "addresses": list(self.addresses), "txt": dict(self.txt)}
+        if self.advertised is not None:
+            out["models"] = list(self.advertised)
+        if self.addresses:
+            out["ip"] = self.addresses[0]
+        return out
+
+
+def make_node(engine: Engine, *, id: str, name: str | None = None, port: int,
+              addresses: Sequence[str], models: Iterable[str] | None = None,
+              source: str = "manual", **extra) -> Node:
+    """A Node whose advertised models are normalized by the engine's model-id rule."""
+    advertised = None if models is None else tuple(models)
+    normalized = None if advertised is None else frozenset(engine.normalize_model(m) for m in advertised)
+    return Node(id=id, name=name or id, port=port, addresses=tuple(addresses), source=source,
+                models=normalized, advertised=advertised, **extra)
+
+
+@attrs.frozen
+class Diff:
+    discovered: tuple[Node, ...] = ()
+    updated: tuple[Node, ...] = ()
+    removed: tuple[Node, ...] = ()
+
+    def __bool__(self) -> bool:
+        return bool(self.discovered or self.updated or self.removed)
+
+
+def _changed(old: Node, new: Node) -> bool:
+    return (old.models, old.addresses, old.port) != (new.models, new.addresses, new.port)
+
+
+def diff(old: Mapping[str, Node], new: Mapping[str, Node]) -> Diff:
+    """Discovered, updated (models or address changed) and removed nodes, each in id order."""
+    return Diff(
+        discovered=tuple(new[i] for i in sorted(new) if i not in old),
+        updated=tuple(new[i] for i in sorted(new) if i in old and _changed(old[i], new[i])),
+        removed=tuple(old[i] for i in sorted(old) if i not in new))
+
+
+@attrs.define
+class NodeSet:
+    """One facade's routable nodes: discovered (wholesale) plus manual (kept across snapshots).
+
+    ``admit`` filters discovered nodes at read time (pins, self without a local backend), so a
+    trust change needs no new snapshot to take effect.
+    """
+
+    discovered: dict[str, Node] = attrs.field(factory=dict)
+    manual: dict[str, Node] = attrs.field(factory=dict)
+    admit: Callable[[Node], bool] = lambda node: True
+    _observers: list[Callable[[], None]] = attrs.field(factory=list)
+
+    def routable(self) -> list[Node]:
+        nodes = {n.id: n for n in self.discovered.values() if self.admit(n)}
+        nodes.update(self.manual)
+        return [nodes[i] for i in sorted(nodes)]
+
+    def get(self, node_id: str) -> Node | None:
+        for node in self.routable():
+            if node.id == node_id:
+                return node
+        return None
+
+    def __contains__(self, node_id: str) -> bool:
+        return self.get(node_id) is not None
+
+    def replace_discovered(self, nodes: Iterable[Node]) -> Diff:
+        new = {n.id: n for n in nodes}
+        change = diff(self.discovered, new)
+        self.discovered = new
+        self._changed()
+        return change
+
+    def put_manual(self, node: Node) -> bool:
+        """Add or update a manual node; True when it was added."""
+        added = node.id not in self.manual
+        self.manual[node.id] = node
+        self._changed()
+        return added
+
+    def remove_manual(self, node_id: str) -> Node | None:
+        node = self.manual.pop(node_id, None)
+        if node is not None:
+            self._changed()
+        return node
+
+    def replace_manual(self, nodes: Iterable[Node]) -> Diff:
+        new = {n.id: n for n in nodes}
+        change = diff(self.manual, new)
+        self.manual = new
+        self._changed()
+        return change
+
+    def set_models(self, node_id: str, engine: Engine, models: Iterable[str]) -> None:
+        """Replace a node's inventory (a probe result), wherever the node came from."""
+        for table in (self.discovered, self.manual):
+            node = table.get(node_id)
+            if node is not None:
+                advertised = tuple(models)
+                table[node_id] = attrs.evolve(
+                    node, advertised=advertised,
+                    models=frozenset(engine.normalize_model(m) for m in advertised))
+                self._changed()
+
+    def observe(self, callback: Callable[[], None]) -> None:
+        self._observers.append(callback)
+
+    def _changed(self) -> None:
+        for callback in list(self._observers):
+            callback()

@@ -1,0 +1,251 @@
+"""The attempt loop: resolve, order, reserve, dispatch, fail over, back off (spec 5, 5.1, 5.4).
+
+A caller is promised a persistent, bounded attempt to *start* its request: failures before
+the first body byte are absorbed while budget remains, and the budget is two bounds that
+each end a different kind of job (five dispatches for fast failures, the ten-minute
+"no new attempts after" line for slow failures and for waiting on an owner). Both are checked
+before each dispatch and neither ever cuts an attempt in flight.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Protocol, Sequence
+
+import attrs
+from twisted.internet.defer import Deferred
+from twisted.internet.interfaces import IDelayedCall, IReactorTime
+from twisted.internet.task import LoopingCall
+
+from . import constants
+from .attempt import ATTEMPT_CANCELLED, NO_CONTENT, Attempt, Committed, Failed
+from .discovery import Node
+
+NO_OWNER = "no available node advertises the requested model"
+NO_CANDIDATE = "no active node selected or available"
+DEADLINE_PASSED = "the retry deadline passed while dispatch attempts were still failing"
+NO_OWNER_RETURNED = "no node advertising the requested model became available before the retry deadline"
+EVERY_ATTEMPT_FAILED = "every dispatch attempt failed"
+NO_CONTENT_TEXT = "upstream error: upstream sent no response body within the first-byte budget"
+
+
+@attrs.frozen
+class Bounds:
+    """Spec 5.1. ``response_timeout`` 0 disables both the header and first-content caps."""
+
+    max_attempts: int = constants.MAX_DISPATCH_ATTEMPTS
+    deadline: float = constants.JOB_DEADLINE
+    response_timeout: float = constants.DEFAULT_RESPONSE_TIMEOUT
+    backoff: tuple[float, ...] = constants.BACKOFF_SCHEDULE
+    jitter: float = constants.BACKOFF_JITTER
+    watch_interval: float = constants.TARGET_WATCH_INTERVAL
+
+
+@attrs.frozen
+class Answer:
+    """An answer the proxy generates itself (protocol 5): nothing upstream is relayed."""
+
+    status: int
+    text: str
+    retry_after: bool = False
+
+
+@attrs.frozen
+class Gone:
+    """The loop stopped because the requester left or we are shutting down."""
+
+    reason: str
+
+
+class Reserve(Protocol):
+    def __call__(self, nodes: Sequence[Node]) -> tuple[list[Node], object | None]: ...
+
+
+class Observer(Protocol):
+    """What the loop tells the workload events (spec 5.5, design decision 1)."""
+
+    def dispatched(self, node: Node) -> None: ...
+
+    def cleared(self) -> None: ...
+
+
+class _Silent:
+    def dispatched(self, node: Node) -> None:
+        pass
+
+    def cleared(self) -> None:
+        pass
+
+
+def retryable_status(inference: bool) -> Callable[[int], bool]:
+    """Spec 5.4: 408, 429 and 5xx always; 404 only where inventory may be stale (inference)."""
+    def retryable(status: int) -> bool:
+        return status in (408, 429) or status >= 500 or (inference and status == 404)
+    return retryable
+
+
+def final_answer(failure: Failed) -> Answer:
+    """The final permitted attempt answers for itself (spec 5.4)."""
+    if failure.kind == NO_CONTENT:
+        return Answer(504, NO_CONTENT_TEXT)
+    return Answer(502, f"upstream error: {failure.reason}")
+
+
+class Dispatch:
+    """One request's loop. ``run`` fires once with Committed, Answer or Gone.
+
+    ``inference`` selects the full budget (re-resolve, back off, deadline, discovery watch);
+    otherwise a single pass over the candidates resolved once, each tried at most once,
+    because non-inference routes can change state (``POST /api/pull``) and must not repeat.
+    """
+
+    def __init__(self, *, clock: IReactorTime, random: Callable[[], float],
+                 resolve: Callable[[], list[Node]], make_attempt: Callable[[Node, bool], Attempt],
+                 is_routable: Callable[[str], bool], inference: bool, created_at: float,
+                 no_candidate_text: str, bounds: Bounds = Bounds(),
+                 reserve: Reserve | None = None,
+                 pick: Callable[[list[Node]], list[Node]] | None = None,
+                 observer: Observer = _Silent()):
+        self.clock, self.random, self.resolve, self.make_attempt = clock, random, resolve, make_attempt
+        self.is_routable, self.inference, self.bounds = is_routable, inference, bounds
+        self.deadline = created_at + bounds.deadline
+        self.no_candidate_text = no_candidate_text
+        self.reserve, self.pick, self.observer = reserve, pick, observer
+        self.dispatches = 0
+        self.result: Deferred = Deferred()
+        self.attempt: Attempt | None = None
+        self.reservation = None
+        self._queue: list[Node] = []
+        self._timer: IDelayedCall | None = None
+        self._watch: LoopingCall | None = None
+        self._owner_missing = False
+        self._failed_in_round = False
+        self._done = False
+
+    def run(self) -> Deferred:
+        self._round()
+        return self.result
+
+    def stop(self, reason: str) -> None:
+        """The requester left (or we shut down): end at once, no further dispatch."""
+        if self._done:
+            return
+        self._finish(Gone(reason))
+
+    # The loop, in the spec's order.
+
+    def _round(self) -> None:
+        candidates = self.resolve()
+        if not candidates:
+            if self.dispatches == 0:
+                self._finish(Answer(502, self.no_candidate_text))
+            else:
+                self._owner_missing = True
+                self._back_off()
+            return
+        self._owner_missing = False
+        if not self.inference:
+            self._queue = list(candidates)
+            self._dispatch_next()
+            return
+        if self.reserve is not None:
+            candidates, self.reservation = self.reserve(candidates)
+        self._queue = list(candidates)
+        self._failed_in_round = False
+        self._dispatch_next()
+
+    def _dispatch_next(self) -> None:
+        if not self._queue:
+            self._release()
+            self.observer.cleared()
+            self._back_off()
+            return
+        if self.inference and self.dispatches >= self.bounds.max_attempts:
+            self._finish(Answer(503, EVERY_ATTEMPT_FAILED, retry_after=True))
+            return
+        if self.inference and self.clock.seconds() >= self.deadline:
+            self._finish(Answer(503, DEADLINE_PASSED, retry_after=True))
+            return
+        if self.reservation is not None and self.pick is not None and self._failed_in_round:
+            self._queue = self.pick(self._queue)
+        node = self._queue.pop(0)
+        self._failed_in_round = True
+        self.dispatches += 1
+        final = (self.dispatches == self.bounds.max_attempts) if self.inference else not self._queue
+        if self.reservation is not None:
+            self.reservation.move(node.id)
+        self.observer.dispatched(node)
+        self.attempt = self.make_attempt(node, final)
+        if self.inference:
+            self._watch = LoopingCall(self._check_target, self.attempt)
+            self._watch.clock = self.clock
+            self._watch.start(self.bounds.watch_interval, now=False)
+        self.attempt.start().addCallback(self._attempt_ended, final)
+
+    def _check_target(self, attempt: Attempt) -> None:
+        """Spec 5.3: a target that left discovery cannot be trusted to serve; abandon it."""
+        if not self.is_routable(attempt.node.id):
+            attempt.cancel("target left discovery")
+
+    def _attempt_ended(self, outcome: Committed | Failed, final: bool) -> None:
+        self._stop_watch()
+        self.attempt = None
+        if self._done:
+            return
+        if isinstance(outcome, Committed):
+            self._finish(outcome)
+        elif final:
+            self._finish(final_answer(outcome))
+        elif not self.inference:
+            self._dispatch_next()
+        elif self.clock.seconds() >= self.deadline:
+            self._finish(Answer(503, DEADLINE_PASSED, retry_after=True))
+        else:
+            self._dispatch_next()
+
+    def _back_off(self) -> None:
+        """Wait before the next round; also paces the wait for an owner (protocol 7)."""
+        if not self.inference:
+            self._finish(Answer(503, EVERY_ATTEMPT_FAILED, retry_after=True))
+            return
+        remaining = self.deadline - self.clock.seconds()
+        if remaining <= 0:
+            self._finish_deadline()
+            return
+        schedule = self.bounds.backoff
+        base = schedule[min(self.dispatches, len(schedule)) - 1]
+        delay = base * (1 + self.bounds.jitter * (2 * self.random() - 1))
+        self._timer = self.clock.callLater(min(delay, remaining), self._wake)
+
+    def _wake(self) -> None:
+        self._timer = None
+        if self.clock.seconds() >= self.deadline:
+            self._finish_deadline()
+        else:
+            self._round()
+
+    def _finish_deadline(self) -> None:
+        text = NO_OWNER_RETURNED if self._owner_missing else DEADLINE_PASSED
+        self._finish(Answer(503, text, retry_after=True))
+
+    def _finish(self, result: Committed | Answer | Gone) -> None:
+        self._done = True
+        if self._timer is not None and self._timer.active():
+            self._timer.cancel()
+        self._timer = None
+        self._stop_watch()
+        if self.attempt is not None:
+            attempt, self.attempt = self.attempt, None
+            attempt.cancel("request ended")
+        if not isinstance(result, Committed):
+            self._release()
+        self.result.callback(result)
+
+    def _release(self) -> None:
+        if self.reservation is not None:
+            self.reservation.release()
+            self.reservation = None
+
+    def _stop_watch(self) -> None:
+        if self._watch is not None and self._watch.running:
+            self._watch.stop()
+        self._watch = None

@@ -1,0 +1,146 @@
+"""Workload lifecycle and request events (spec 5.5, protocol 4, design 6 and decision 1).
+
+Every admitted request ends in exactly one terminal event: ``terminal`` is idempotent and
+anything after it is dropped, so the many paths that can end a request (commit and stream end,
+client gone, shutdown, an unexpected exception, the backstop) can all call it safely.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Callable
+
+import attrs
+from .logs import logger
+from zope.interface import implementer
+
+from . import constants
+from .interfaces import IEmitter
+
+QUEUED, RUNNING, COMPLETED, FAILED, CANCELLED = "queued", "running", "completed", "failed", "cancelled"
+
+CLIENT_GONE = "client disconnected before completion"
+SHUTDOWN = "request cancelled before completion"
+BACKSTOP = "request handler exited before completion"
+
+log = logger()
+
+
+def new_run_id() -> str:
+    """16 hex digits, random per process start (protocol 4)."""
+    return os.urandom(8).hex()
+
+
+@implementer(IEmitter)
+class LogEmitter:
+    """Standalone mode: events to the log at debug, one line each (design decision 20)."""
+
+    def notify(self, method: str, params: dict, engine: str | None = None) -> None:
+        name = f"{engine}:{method}" if engine else method
+        log.debug("event {method} {params}", method=name, params=json.dumps(params, sort_keys=True),
+                  engine=engine)
+
+
+@implementer(IEmitter)
+class RecordingEmitter:
+    """Keeps every notification in order; the tests' view of the link."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, dict]] = []
+
+    def notify(self, method: str, params: dict, engine: str | None = None) -> None:
+        self.sent.append((f"{engine}:{method}" if engine else method, params))
+
+    def methods(self, prefix: str = "") -> list[str]:
+        return [m for m, _ in self.sent if m.startswith(prefix)]
+
+    def workload(self) -> list[tuple[str, dict]]:
+        return [(m, p["workloadInfo"]) for m, p in self.sent if m.startswith("workload:")]
+
+
+def _ms(seconds: float | None) -> int | None:
+    return None if seconds is None else int(round(seconds * 1000))
+
+
+@attrs.define
+class Workload:
+    """One admitted inference request's lifecycle as the broker sees it."""
+
+    emitter: IEmitter
+    clock: Callable[[], float]
+    run_id: str
+    engine: str
+    id: str
+    model: str
+    created_at: float
+    state: str = QUEUED
+    scheduled_on: str | None = None
+    started_at: float | None = None
+    seq: int = 0
+    ended: bool = False
+    _sent_any: bool = False
+
+    def admitted(self) -> None:
+        self._submit(None)
+
+    def dispatched(self, node_id: str) -> None:
+        self._submit(node_id)
+
+    def cleared(self) -> None:
+        self._submit(None)
+
+    def started(self, node_id: str) -> None:
+        if self.ended:
+            return
+        self.state, self.scheduled_on, self.started_at = RUNNING, node_id, self.clock()
+        self._emit("workload:started", None, None, None)
+
+    def terminal(self, state: str, error: str | None = None, stats: dict | None = None) -> bool:
+        """Emit the one terminal event; False (and nothing sent) if one was sent already."""
+        if self.ended:
+            return False
+        self.state = state
+        method = "workload:completed" if state == COMPLETED else "workload:errored"
+        self._emit(method, error, self.clock(), stats)
+        self.ended = True
+        return True
+
+    def _submit(self, node_id: str | None) -> None:
+        """Re-pointing a job at its current placement says nothing new, so sends nothing."""
+        if self.ended or (self._sent_any and node_id == self.scheduled_on):
+            return
+        self.scheduled_on = node_id
+        self._emit("workload:submitted", None, None, None)
+
+    def _emit(self, method: str, error: str | None, completed_at: float | None,
+              stats: dict | None) -> None:
+        self._sent_any = True
+        self.seq += 1
+        info = {"id": self.id, "model": self.model, "engine": self.engine, "runId": self.run_id,
+                "state": self.state, "originatedFrom": ""}
+        if self.scheduled_on:
+            info["scheduledOn"] = self.scheduled_on
+        info.update({"createdAt": _ms(self.created_at), "startedAt": _ms(self.started_at),
+                     "completedAt": _ms(completed_at), "error": error, "requesterId": None,
+                     "seq": self.seq})
+        if stats:
+            info["stats"] = stats
+        self.emitter.notify(method, {"workloadInfo": info})
+
+
+class ActivityThrottle:
+    """``node/activity`` on streamed bytes, at most once per node per 2 s (protocol 4)."""
+
+    def __init__(self, emitter: IEmitter, clock: Callable[[], float],
+                 interval: float = constants.ACTIVITY_INTERVAL) -> None:
+        self.emitter, self.clock, self.interval = emitter, clock, interval
+        self._last: dict[str, float] = {}
+
+    def touch(self, node_id: str) -> None:
+        now = self.clock()
+        last = self._last.get(node_id)
+        if last is not None and now - last < self.interval:
+            return
+        self._last[node_id] = now
+        self.emitter.notify("node/activity", {"hostUuid": node_id, "msSince": 0})

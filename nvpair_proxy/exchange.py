@@ -1,0 +1,332 @@
+"""One client request through a facade, top to bottom as spec 5 numbers it.
+
+admit (classify, name the model, filter to owners: none is a local 502) -> dispatch (the loop
+in dispatch.py) -> commit (status, headers, the spliced first byte) -> stream with
+backpressure -> end. Every way a request can end funnels into ``_end``, which runs once:
+it is the one place the outcome is decided, reported and the reservation released.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING
+
+from twisted.internet.interfaces import IDelayedCall, IPushProducer
+from .logs import logger
+from twisted.python.failure import Failure
+from twisted.web.server import Request
+from zope.interface import implementer
+
+from . import constants
+from .answers import send_error
+from .attempt import Attempt, Committed, clean_end
+from .discovery import Node, host_port
+from .dispatch import NO_CANDIDATE, NO_OWNER, Answer, Dispatch, Gone, retryable_status
+from .events import BACKSTOP, CANCELLED, CLIENT_GONE, COMPLETED, FAILED, SHUTDOWN, Workload
+from .hopbyhop import end_to_end
+from .selection import order, owners
+from .stats import BodyObserver
+
+if TYPE_CHECKING:
+    from .facade import Facade
+
+log = logger()
+
+
+def requested_model(body: bytes) -> str | None:
+    """The ``model`` a body names, or None (design decision 7): not JSON, not a string, empty."""
+    try:
+        data = json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    model = data.get("model") if isinstance(data, dict) else None
+    if not isinstance(model, str) or not model.strip():
+        return None
+    return model
+
+
+@implementer(IPushProducer)
+class ClientWatch:
+    """The upstream body as seen by the client connection, with the dead-client deadline.
+
+    Registered as the request's producer, so a client that stops reading pauses the upstream
+    socket (backpressure) and starts the 30 s deadline; resuming stops it (design 11).
+    """
+
+    def __init__(self, upstream: IPushProducer, clock, on_dead, deadline: float) -> None:
+        self.upstream, self.clock, self.on_dead, self.deadline = upstream, clock, on_dead, deadline
+        self.timer: IDelayedCall | None = None
+
+    def pauseProducing(self) -> None:
+        self.upstream.pauseProducing()
+        if self.timer is None:
+            self.timer = self.clock.callLater(self.deadline, self._expired)
+
+    def resumeProducing(self) -> None:
+        self.stop_timer()
+        self.upstream.resumeProducing()
+
+    def stopProducing(self) -> None:
+        self.stop_timer()
+        self.upstream.stopProducing()
+
+    def stop_timer(self) -> None:
+        if self.timer is not None and self.timer.active():
+            self.timer.cancel()
+        self.timer = None
+
+    def _expired(self) -> None:
+        self.timer = None
+        self.on_dead()
+
+
+class Exchange:
+    """A client request's whole life in one facade."""
+
+    def __init__(self, facade: "Facade", request: Request) -> None:
+        self.facade, self.request = facade, request
+        self.clock = facade.clock
+        self.admitted_at = self.clock.seconds()
+        self.id = facade.next_request_id()
+        self.method = request.method.decode("latin-1")
+        self.path = request.path.decode("latin-1")
+        self.route = facade.engine.classify(request.method, request.path)
+        self.inference = self.route is not None and self.route.is_inference
+        self.workload: Workload | None = None
+        self.dispatch: Dispatch | None = None
+        self.committed: Committed | None = None
+        self.watch: ClientWatch | None = None
+        self.observer: BodyObserver | None = None
+        self.first_byte_at: float | None = None
+        self.bytes_written = 0
+        self.ended = False
+        self.target = ""
+        self.node_id: str | None = None
+
+    # Admission.
+
+    def start(self) -> None:
+        body = self.request.content.read()
+        model = requested_model(body) if self.inference else None
+        if model is not None:
+            wanted = self.facade.engine.normalize_model(model)
+            candidates = lambda: self._order(owners(self.facade.nodes.routable(), wanted))
+            no_candidate = NO_OWNER
+        else:
+            candidates = lambda: self._order(self.facade.nodes.routable())
+            no_candidate = NO_CANDIDATE
+        if not candidates():
+            self._answer(Answer(502, no_candidate))
+            return
+        if model is not None:
+            self.workload = self.facade.new_workload(model, self.admitted_at)
+            self.workload.admitted()
+        self.facade.in_flight.add(self)
+        self.request.notifyFinish().addErrback(self._client_gone)
+        headers = end_to_end(self.request.requestHeaders, drop=(b"host", b"content-length"))
+
+        def make_attempt(node: Node, final: bool) -> Attempt:
+            self.target = host_port(node.addresses[0] if node.addresses else "", node.port)
+            return Attempt(agent=self.facade.agent_for(node), clock=self.clock,
+                           addresses=self.facade.addresses, node=node, method=self.request.method,
+                           path=self.request.uri, headers=headers, body=body,
+                           response_timeout=self.facade.bounds.response_timeout,
+                           inference=self.inference, final=final,
+                           retryable=retryable_status(self.inference))
+
+        self.dispatch = Dispatch(
+            clock=self.clock, random=self.facade.random, resolve=candidates,
+            make_attempt=make_attempt, is_routable=self.facade.nodes.__contains__,
+            inference=self.inference, created_at=self.admitted_at, no_candidate_text=no_candidate,
+            bounds=self.facade.bounds, reserve=self._reserve if self.workload else None,
+            pick=self._pick, observer=self)
+        self.dispatch.run().addCallback(self._dispatched).addErrback(self.crashed)
+
+    def _order(self, nodes: list[Node]) -> list[Node]:
+        return order(nodes, self.facade.pin, self.facade.priority())
+
+    def _reserve(self, nodes):
+        """Spec 5 step 3; an eligible pin takes no reservation and keeps its place."""
+        reservations = self.facade.reservations
+        if reservations is None or (self.facade.pin and nodes[0].id == self.facade.pin):
+            return list(nodes), None
+        by_id = {n.id: n for n in nodes}
+        ids, reservation = reservations.reorder([n.id for n in nodes])
+        return [by_id[i] for i in ids], reservation
+
+    def _pick(self, remaining: list[Node]) -> list[Node]:
+        """Failover goes to the least loaded remaining owner, not the list's head (README)."""
+        chosen = self.facade.reservations.pick([n.id for n in remaining])
+        return sorted(remaining, key=lambda n: n.id != chosen)
+
+    # Dispatch observer (workload events, spec 5.5).
+
+    def dispatched(self, node: Node) -> None:
+        if self.workload is not None:
+            self.workload.dispatched(node.id)
+
+    def cleared(self) -> None:
+        if self.workload is not None:
+            self.workload.cleared()
+
+    # Outcome of the loop.
+
+    def _dispatched(self, result: Committed | Answer | Gone) -> None:
+        if isinstance(result, Answer):
+            self._answer(result)
+        elif isinstance(result, Committed):
+            self._commit(result)
+
+    def _answer(self, answer: Answer) -> None:
+        if not self.request.finished and not self.request._disconnected:
+            send_error(self.request, answer.status, answer.text, retry_after=answer.retry_after)
+        self._end(FAILED, answer.text, status=answer.status)
+
+    def _commit(self, committed: Committed) -> None:
+        """Spec 5.2: the first byte (or a non-retried answer's headers) made this node ours."""
+        self.committed = committed
+        response, node = committed.response, committed.node
+        self.node_id = node.id
+        self.target = host_port(committed.address, node.port)
+        if self.workload is not None:
+            self.workload.started(node.id)
+        self.facade.notify("proxy/request-started", {
+            "id": self.id, "node_id": node.id, "method": self.method, "path": self.path,
+            "target": self.target})
+        request = self.request
+        request.setResponseCode(response.code, response.phrase)
+        for name, values in end_to_end(response.headers).getAllRawHeaders():
+            request.responseHeaders.setRawHeaders(name, list(values))
+        if response.code < 400:
+            content_type = response.headers.getRawHeaders(b"content-type", [b""])[0]
+            self.observer = BodyObserver(self.route.terminal if self.route else None,
+                                         content_type.decode("latin-1"))
+        self.watch = ClientWatch(committed.relay.transport, self.clock, self._client_stalled,
+                                 constants.DEAD_CLIENT_WRITE_DEADLINE)
+        request.registerProducer(self.watch, True)
+        committed.relay.attach(self)
+
+    # The sink the committed relay streams into.
+
+    def write(self, data: bytes) -> None:
+        if self.ended:
+            return
+        if self.first_byte_at is None:
+            self.first_byte_at = self.clock.seconds()
+        if self.observer is not None:
+            self.observer.feed(data)
+        self.facade.activity.touch(self.node_id)
+        self.bytes_written += len(data)
+        self.request.write(data)
+
+    def upstream_done(self, reason: Failure) -> None:
+        """The body ended; cleanly or not, a committed request is the caller's (spec 1.1)."""
+        if self.ended:
+            return
+        self.request.unregisterProducer()
+        if self.first_byte_at is None:
+            self.first_byte_at = self.clock.seconds()
+        if clean_end(reason):
+            self.request.finish()
+        else:
+            self.request.loseConnection()
+        self._end_committed()
+
+    def _end_committed(self) -> None:
+        code = self.committed.response.code
+        stats = None
+        if self.observer is not None and code < 400:
+            stats = self.observer.measure(admitted_at=self.admitted_at,
+                                          first_byte_at=self.first_byte_at,
+                                          ended_at=self.clock.seconds())
+        if 200 <= code < 300:
+            self._end(COMPLETED, None, status=code, stats=stats)
+        else:
+            self._end(FAILED, f"upstream returned HTTP {code}", status=code, stats=stats)
+
+    # The client side going away.
+
+    def _client_stalled(self) -> None:
+        """Design 11: a client that took nothing for 30 s is gone."""
+        transport = self.request.channel.transport if self.request.channel else None
+        self._client_gone(None)
+        if transport is not None:
+            transport.abortConnection()
+
+    def _client_gone(self, failure: Failure | None) -> None:
+        if self.ended:
+            return
+        if self.committed is not None and self._delivered_terminal():
+            self.committed.relay.abort()
+            self._end_committed()
+            return
+        self._stop_upstream(CLIENT_GONE)
+        self._end(CANCELLED, CLIENT_GONE)
+
+    def _delivered_terminal(self) -> bool:
+        """Design 6: the stream's terminal frame, or its declared length, reached the client."""
+        if self.observer is not None and self.observer.terminal_seen:
+            return True
+        length = self.committed.response.length
+        return isinstance(length, int) and self.bytes_written >= length
+
+    def shutdown(self) -> None:
+        """Our own shutdown cancels in-flight requests (design decision 13)."""
+        if self.ended:
+            return
+        self._stop_upstream(SHUTDOWN)
+        self._end(CANCELLED, SHUTDOWN)
+        transport = self.request.channel.transport if self.request.channel else None
+        if transport is not None:
+            transport.abortConnection()
+
+    def _stop_upstream(self, reason: str) -> None:
+        if self.dispatch is not None:
+            self.dispatch.stop(reason)
+        if self.committed is not None:
+            if self.watch is not None:
+                self.watch.stop_timer()
+            self.committed.relay.abort()
+
+    def crashed(self, failure: Failure) -> None:
+        """Spec 3.2: a bug costs this request only: logged with its traceback, answered 500."""
+        log.failure("unexpected error handling {method} {path}", failure, method=self.method,
+                    path=self.path, engine=self.facade.engine.id)
+        if self.dispatch is not None:
+            self.dispatch.stop(BACKSTOP)
+        if self.committed is not None:
+            self.committed.relay.abort()
+        request = self.request
+        if not request.startedWriting and not request.finished and not request._disconnected:
+            send_error(request, 500, "internal error")
+        elif not request.finished and request.channel is not None:
+            request.channel.transport.abortConnection()
+        self._end(FAILED, BACKSTOP, status=500)
+
+    # The one end.
+
+    def _end(self, state: str, error: str | None, *, status: int | None = None,
+             stats: dict | None = None) -> None:
+        if self.ended:
+            return
+        self.ended = True
+        if self.watch is not None:
+            self.watch.stop_timer()
+        if self.dispatch is not None and self.dispatch.reservation is not None:
+            self.dispatch.reservation.release()
+            self.dispatch.reservation = None
+        self.facade.in_flight.discard(self)
+        if self.workload is not None:
+            self.workload.terminal(state, error, stats)
+        now = self.clock.seconds()
+        params = {"id": self.id}
+        if self.node_id:
+            params["node_id"] = self.node_id
+        params.update({"method": self.method, "path": self.path, "target": self.target,
+                       "status": status if status is not None else 499,
+                       "duration_ms": int(round((now - self.admitted_at) * 1000))})
+        if self.first_byte_at is not None:
+            params["ttfb_ms"] = int(round((self.first_byte_at - self.admitted_at) * 1000))
+        if error:
+            params["error"] = error
+        self.facade.notify("proxy/request", params)

@@ -1,0 +1,153 @@
+"""One HTTP facade per engine: its state, its Resource, and the request class that bounds bodies.
+
+The facade speaks its engine's own dialect to clients and hands each request to an Exchange.
+Its state (node set, pin, counters) is per engine; the reservation map, the agent pool and
+the emitter are shared across facades because one process hosts them all (spec 3.1).
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Callable
+
+import attrs
+from twisted.internet.interfaces import IReactorTime
+from .logs import logger
+from twisted.web.iweb import IAgent
+from twisted.web.resource import Resource
+from twisted.web.server import NOT_DONE_YET, Request, Site
+
+from . import constants
+from .answers import BODY_TOO_LARGE, raw_error, send_error
+from .attempt import AddressMemory
+from .discovery import Node, NodeSet
+from .dispatch import Bounds
+from .engines import Engine
+from .events import ActivityThrottle, Workload
+from .exchange import Exchange
+from .interfaces import IEmitter
+
+log = logger()
+
+IDENTITY_PROBE = b"x-nvpair-engine-identity-probe"
+
+
+@attrs.define(eq=False)
+class Facade:
+    """Everything one engine's facade routes with."""
+
+    engine: Engine
+    clock: IReactorTime
+    agent: IAgent
+    emitter: IEmitter
+    run_id: str
+    random: Callable[[], float]
+    bounds: Bounds = Bounds()
+    reservations: object | None = None
+    activity: ActivityThrottle | None = None
+    nodes: NodeSet = attrs.Factory(NodeSet)
+    addresses: AddressMemory = attrs.Factory(AddressMemory)
+    pin: str = ""
+    agent_for_node: Callable[[Node], IAgent] | None = None
+    in_flight: set = attrs.Factory(set)
+    _request_ids: itertools.count = attrs.Factory(lambda: itertools.count(1))
+    _workload_ids: itertools.count = attrs.Factory(lambda: itertools.count(1))
+
+    def __attrs_post_init__(self) -> None:
+        if self.activity is None:
+            self.activity = ActivityThrottle(self.emitter, self.clock.seconds)
+
+    def next_request_id(self) -> str:
+        return str(next(self._request_ids))
+
+    def new_workload(self, model: str, created_at: float) -> Workload:
+        return Workload(emitter=self.emitter, clock=self.clock.seconds, run_id=self.run_id,
+                        engine=self.engine.id, id=str(next(self._workload_ids)), model=model,
+                        created_at=created_at)
+
+    def priority(self) -> tuple[str, ...]:
+        return tuple(getattr(self.reservations, "priority", ()))
+
+    def agent_for(self, node: Node) -> IAgent:
+        if self.agent_for_node is not None:
+            return self.agent_for_node(node)
+        return self.agent
+
+    def notify(self, method: str, params: dict) -> None:
+        self.emitter.notify(method, params, engine=self.engine.id)
+
+    def shutdown(self) -> None:
+        """Cancel every request in flight; each reports ``cancelled`` once (protocol 1)."""
+        for exchange in list(self.in_flight):
+            exchange.shutdown()
+
+
+class FacadeResource(Resource):
+    """Every path of the facade: classify and hand to an Exchange; nothing is an allowlist."""
+
+    isLeaf = True
+
+    def __init__(self, facade: Facade) -> None:
+        super().__init__()
+        self.facade = facade
+
+    def render(self, request: Request):
+        if request.getHeader(IDENTITY_PROBE) == "1":
+            send_error(request, 409, f"this port is the nvpair-proxy facade for {self.facade.engine.id}",
+                       code="proxy-facade")
+            return NOT_DONE_YET
+        exchange = Exchange(self.facade, request)
+        try:
+            exchange.start()
+        except Exception:
+            from twisted.python.failure import Failure
+            exchange.crashed(Failure())
+        return NOT_DONE_YET
+
+
+class BoundedRequest(Request):
+    """A request whose body may not exceed 32 MiB (protocol 5), chunked bodies included.
+
+    twisted.web has no limit of its own and reads the body before ``render``; over the limit
+    we answer 413 at once, close, and keep none of the excess.
+    """
+
+    max_body = constants.MAX_REQUEST_BODY
+
+    def gotLength(self, length):
+        self._received = 0
+        self._rejected = False
+        if length is not None and length > self.max_body:
+            self._reject()
+            return
+        super().gotLength(length)
+
+    def handleContentChunk(self, data: bytes) -> None:
+        if self._rejected:
+            return
+        self._received += len(data)
+        if self._received > self.max_body:
+            self._reject()
+            return
+        super().handleContentChunk(data)
+
+    def process(self):
+        if getattr(self, "_rejected", False):
+            return
+        return super().process()
+
+    def _reject(self) -> None:
+        self._rejected = True
+        self.content = None
+        transport = self.channel.transport
+        transport.write(raw_error(413, BODY_TOO_LARGE))
+        transport.loseConnection()
+
+
+def facade_site(facade: Facade, reactor=None) -> Site:
+    """The Site serving one facade; idle timeout equal to the pool's (protocol 7)."""
+    site = Site(FacadeResource(facade), timeout=constants.SERVER_IDLE_TIMEOUT, reactor=reactor)
+    site.requestFactory = BoundedRequest
+    site.displayTracebacks = False
+    site.noisy = False
+    return site

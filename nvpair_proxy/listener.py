@@ -1,0 +1,96 @@
+"""One port per facade, demultiplexed on the connection's first byte (spec 7, design 1).
+
+``0x16`` (a TLS ClientHello) goes to the mutual-TLS ingress when this node is a cluster
+member; anything else is plaintext HTTP, served only to loopback peers. A LAN peer speaking
+plaintext still gets an HTTP answer (403 ``loopback-only``) rather than a silent close, so a
+misconfigured client learns why. The gate ships with the first listener: never an open relay.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from twisted.internet.interfaces import IAddress
+from twisted.internet.protocol import Factory, Protocol, ServerFactory
+from twisted.python.failure import Failure
+from twisted.web.resource import Resource
+from twisted.web.server import NOT_DONE_YET, Request, Site
+
+from .answers import LOOPBACK_ONLY, send_error
+from .discovery import is_loopback
+
+TLS_HANDSHAKE = 0x16
+
+
+class LoopbackOnly(Resource):
+    """What a non-loopback plaintext peer gets, whatever it asked (preflights included)."""
+
+    isLeaf = True
+
+    def render(self, request: Request):
+        code, text = LOOPBACK_ONLY
+        send_error(request, 403, text, code=code)
+        return NOT_DONE_YET
+
+
+class _Demux(Protocol):
+    def __init__(self, factory: "DemuxFactory", addr: IAddress) -> None:
+        self.factory, self.addr = factory, addr
+        self.inner: Protocol | None = None
+
+    def dataReceived(self, data: bytes) -> None:
+        if self.inner is None:
+            self.inner = self.factory.choose(data[0], self.addr)
+            if self.inner is None:
+                self.transport.abortConnection()
+                return
+            self.inner.makeConnection(self.transport)
+        self.inner.dataReceived(data)
+
+    def connectionLost(self, reason: Failure) -> None:
+        if self.inner is not None:
+            self.inner.connectionLost(reason)
+
+
+class DemuxFactory(ServerFactory):
+    """Builds the per-connection demultiplexer over a facade's Site.
+
+    ``tls`` is a factory for the mTLS ingress, or a callable returning None while this node
+    is not a cluster member (then a ClientHello is refused by closing).
+    """
+
+    noisy = False
+
+    def __init__(self, site: Site, gate: Site | None = None,
+                 tls: Callable[[], Factory | None] = lambda: None) -> None:
+        self.site = site
+        self.gate = gate or _gate_site(site)
+        self.tls = tls
+
+    def buildProtocol(self, addr: IAddress) -> Protocol:
+        return _Demux(self, addr)
+
+    def choose(self, first: int, addr: IAddress) -> Protocol | None:
+        if first == TLS_HANDSHAKE:
+            tls = self.tls()
+            return tls.buildProtocol(addr) if tls is not None else None
+        if is_loopback(getattr(addr, "host", "")):
+            return self.site.buildProtocol(addr)
+        return self.gate.buildProtocol(addr)
+
+
+def _gate_site(site: Site) -> Site:
+    gate = Site(LoopbackOnly(), timeout=site.timeOut, reactor=site.reactor)
+    gate.noisy = False
+    return gate
+
+
+def listen_everywhere(reactor, port: int, factory: ServerFactory, interface: str = "::"):
+    """Listen on every address, IPv4 and IPv6 (dual stack), else IPv4 only."""
+    from twisted.internet.error import CannotListenError
+    try:
+        return reactor.listenTCP(port, factory, interface=interface)
+    except CannotListenError as exc:
+        if interface != "::" or "Address family not supported" not in str(exc.socketError):
+            raise
+        return reactor.listenTCP(port, factory, interface="0.0.0.0")

@@ -1,0 +1,155 @@
+"""The standalone fleet: a TOML nodes file, re-read when it changes (design 4).
+
+A reload that fails keeps the last good snapshot and logs why: an operator mid-edit must not
+take the fleet down. At start-up a bad file is fatal instead, with one clear line.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from typing import Callable, Mapping
+
+import attrs
+from twisted.internet.interfaces import IReactorTime
+from twisted.internet.task import LoopingCall
+from .logs import logger
+
+from . import constants
+from .discovery import Node, make_node
+from .engines import Engine
+
+log = logger()
+
+
+class NodesFileError(ValueError):
+    """The nodes file cannot be read or has a bad field; the text names the file and field."""
+
+
+@attrs.frozen
+class Fleet:
+    """Per engine id: its nodes, and the ids whose inventory must be probed."""
+
+    nodes: Mapping[str, tuple[Node, ...]]
+    probed: frozenset[tuple[str, str]] = frozenset()
+
+
+def parse_nodes(text: str, engines: Mapping[str, Engine], source: str) -> Fleet:
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise NodesFileError(f"{source}: not valid TOML: {exc}") from None
+    unknown = set(data) - {"node"}
+    if unknown:
+        raise NodesFileError(f"{source}: unknown table {sorted(unknown)[0]!r} (expected [[node]])")
+    raw_nodes = data.get("node", [])
+    if not isinstance(raw_nodes, list):
+        raise NodesFileError(f"{source}: 'node' must be an array of tables ([[node]])")
+    nodes: dict[str, list[Node]] = {engine_id: [] for engine_id in engines}
+    probed = set()
+    seen = set()
+    for index, raw in enumerate(raw_nodes):
+        where = f"{source}: node[{index}]"
+        for key in raw:
+            if key not in ("id", "name", "address", "addresses", "engines"):
+                raise NodesFileError(f"{where}: unknown field {key!r}")
+        node_id = raw.get("id")
+        if not isinstance(node_id, str) or not node_id:
+            raise NodesFileError(f"{where}: field 'id' must be a non-empty string")
+        if node_id in seen:
+            raise NodesFileError(f"{where}: node id {node_id!r} appears twice")
+        seen.add(node_id)
+        where = f"{source}: node {node_id!r}"
+        addresses = raw.get("addresses", [raw["address"]] if "address" in raw else None)
+        if (not isinstance(addresses, list) or not addresses
+                or not all(isinstance(a, str) and a for a in addresses)):
+            raise NodesFileError(f"{where}: needs 'address' (a string) or 'addresses' (a list)")
+        name = raw.get("name", node_id)
+        if not isinstance(name, str):
+            raise NodesFileError(f"{where}: field 'name' must be a string")
+        node_engines = raw.get("engines")
+        if not isinstance(node_engines, dict) or not node_engines:
+            raise NodesFileError(f"{where}: needs at least one [node.engines.<engine>] table")
+        for engine_id, spec in node_engines.items():
+            engine = engines.get(engine_id)
+            if engine is None:
+                raise NodesFileError(f"{where}: unknown engine {engine_id!r}; want one of "
+                                     f"{', '.join(sorted(engines))}")
+            ewhere = f"{where}: engines.{engine_id}"
+            if not isinstance(spec, dict):
+                raise NodesFileError(f"{ewhere}: must be a table")
+            for key in spec:
+                if key not in ("port", "models"):
+                    raise NodesFileError(f"{ewhere}: unknown field {key!r}")
+            port = spec.get("port", engine.ports.own)
+            if not isinstance(port, int) or isinstance(port, bool) or not 1 <= port <= 65535:
+                raise NodesFileError(f"{ewhere}: field 'port' must be 1-65535 (got {port!r})")
+            models = spec.get("models")
+            if models is not None and (not isinstance(models, list)
+                                       or not all(isinstance(m, str) for m in models)):
+                raise NodesFileError(f"{ewhere}: field 'models' must be a list of strings")
+            if models is None:
+                probed.add((engine_id, node_id))
+            nodes[engine_id].append(make_node(engine, id=node_id, name=name, port=port,
+                                              addresses=addresses, models=models,
+                                              source="standalone"))
+    return Fleet({k: tuple(v) for k, v in nodes.items()}, frozenset(probed))
+
+
+def load_nodes_file(path: str, engines: Mapping[str, Engine]) -> Fleet:
+    try:
+        with open(path, "rb") as handle:
+            text = handle.read().decode("utf-8")
+    except OSError as exc:
+        raise NodesFileError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise NodesFileError(f"{path}: not UTF-8 text") from None
+    return parse_nodes(text, engines, path)
+
+
+class NodesFileWatcher:
+    """Checks the file every 2 s and applies a changed, valid file (design decision 15)."""
+
+    def __init__(self, path: str, engines: Mapping[str, Engine], clock: IReactorTime,
+                 apply: Callable[[Fleet], None],
+                 interval: float = constants.NODES_FILE_CHECK_INTERVAL) -> None:
+        self.path, self.engines, self.clock, self.apply = path, engines, clock, apply
+        self.interval = interval
+        self._stamp = None
+        self._loop: LoopingCall | None = None
+
+    def load(self) -> Fleet:
+        """The first load: errors propagate, because a bad file must stop start-up."""
+        self._stamp = self._current_stamp()
+        fleet = load_nodes_file(self.path, self.engines)
+        self.apply(fleet)
+        return fleet
+
+    def start(self) -> None:
+        self._loop = LoopingCall(self.check)
+        self._loop.clock = self.clock
+        self._loop.start(self.interval, now=False)
+
+    def stop(self) -> None:
+        if self._loop is not None and self._loop.running:
+            self._loop.stop()
+
+    def check(self) -> None:
+        stamp = self._current_stamp()
+        if stamp == self._stamp:
+            return
+        self._stamp = stamp
+        try:
+            fleet = load_nodes_file(self.path, self.engines)
+        except NodesFileError as exc:
+            log.warn("nodes file not reloaded, keeping the last good one: {why}", why=str(exc))
+            return
+        log.info("nodes file reloaded: {path}", path=self.path)
+        self.apply(fleet)
+
+    def _current_stamp(self):
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return None
+        return (st.st_mtime_ns, st.st_size, st.st_ino)

@@ -1,0 +1,134 @@
+"""The command line of ``twistd nvpair-proxy`` (design 3).
+
+Every bad value stops start-up with one line naming the flag, never a usage dump: under
+systemd the journal shows the last line, and it must say what to fix.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+from twisted.python import usage
+
+from . import __version__, constants
+from .engines import EngineFileError, load_engines
+from .logs import LEVELS
+
+DEFAULT_STATE_DIR = os.path.join("~", ".config", "Nvidia Corporation", "Personal AI Router")
+
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)(ns|us|µs|ms|s|m|h)")
+_UNIT = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def parse_duration(text: str) -> float:
+    """Seconds from ``90``, ``1.5``, or a Go duration (``90s``, ``30m``, ``1h30m``)."""
+    text = text.strip()
+    try:
+        value = float(text)
+    except ValueError:
+        pos, total = 0, 0.0
+        for match in _DURATION.finditer(text):
+            if match.start() != pos:
+                break
+            total += float(match.group(1)) * _UNIT[match.group(2)]
+            pos = match.end()
+        if pos != len(text) or not text:
+            raise ValueError(f"not a duration: {text!r} (use seconds or e.g. 90s, 30m, 1h30m)")
+        return total
+    if value < 0 or value != value or value == float("inf"):
+        raise ValueError(f"not a duration: {text!r} (use seconds or e.g. 90s, 30m, 1h30m)")
+    return value
+
+
+class Options(usage.Options):
+    synopsis = ("[--ipc PATH] [--cluster-dir DIR] [--log-level LEVEL] "
+                "[--response-header-timeout DURATION] [--state-dir DIR] [--version] "
+                "[--engine ENGINE[:PORT]]... [--nodes FILE] [--engines-dir DIR]")
+    longdesc = ("Broker mode (default): JSON-RPC on stdin/stdout or --ipc. Standalone mode: any "
+                "--engine; the fleet comes from --nodes, else this machine's engine.")
+
+    optParameters = [
+        ["ipc", None, None, "Unix socket of the broker to connect to (default: stdin/stdout)."],
+        ["cluster-dir", None, None, "Cluster directory (node identity, pins) for mTLS."],
+        ["log-level", None, None, "debug, info, warn or error (default $NVPAIR_LOG_LEVEL, else info)."],
+        ["response-header-timeout", None, None,
+         "Header and first-content cap: seconds or 30m-style (default "
+         "$NVPAIR_PROXY_RESPONSE_HEADER_TIMEOUT, else 30m; 0 disables both)."],
+        ["state-dir", None, None, "Where persisted ports live (default $STATE_DIRECTORY, else "
+                                  "~/.config/Nvidia Corporation/Personal AI Router)."],
+        ["nodes", None, None, "Standalone fleet: a TOML nodes file, reloaded on change."],
+        ["engines-dir", None, None, "Extra directory of engine files (*.toml)."],
+    ]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self["engine"] = []
+
+    def opt_version(self) -> None:
+        """Print the nvpair-proxy version and exit."""
+        print(f"nvpair-proxy {__version__}")
+        raise SystemExit(0)
+
+    def opt_engine(self, value: str) -> None:
+        """Standalone facade ENGINE[:PORT] (repeatable); port 0 or omitted: the standalone port."""
+        self["engine"].append(value)
+
+    def postOptions(self) -> None:
+        try:
+            self._validate()
+        except ValueError as exc:
+            raise SystemExit(f"nvpair-proxy: {exc}") from None
+
+    def _validate(self) -> None:
+        try:
+            self.engines = load_engines([self["engines-dir"]] if self["engines-dir"] else [])
+        except (EngineFileError, OSError) as exc:
+            raise ValueError(f"--engines-dir: {exc}") from None
+        level = self["log-level"] or os.environ.get("NVPAIR_LOG_LEVEL") or "info"
+        if level not in LEVELS:
+            raise ValueError(f"--log-level must be one of {', '.join(LEVELS)} (got {level!r})")
+        self["log-level"] = level
+        raw = self["response-header-timeout"]
+        flag = "--response-header-timeout"
+        if raw is None:
+            raw = os.environ.get("NVPAIR_PROXY_RESPONSE_HEADER_TIMEOUT")
+            flag = "NVPAIR_PROXY_RESPONSE_HEADER_TIMEOUT"
+        try:
+            self["response-timeout"] = (constants.DEFAULT_RESPONSE_TIMEOUT if raw in (None, "")
+                                        else parse_duration(raw))
+        except ValueError as exc:
+            raise ValueError(f"{flag}: {exc}") from None
+        state_dir = self["state-dir"] or os.environ.get("STATE_DIRECTORY") or DEFAULT_STATE_DIR
+        self["state-dir"] = os.path.expanduser(state_dir)
+        self["facades"] = self._facades()
+        if self["nodes"] is not None and not self["facades"]:
+            raise ValueError("--nodes needs at least one --engine (standalone mode)")
+        if self["nodes"] is not None and not os.path.isfile(self["nodes"]):
+            raise ValueError(f"--nodes: no such file: {self['nodes']}")
+        if self["cluster-dir"] is not None and not os.path.isdir(self["cluster-dir"]):
+            raise ValueError(f"--cluster-dir: no such directory: {self['cluster-dir']}")
+        if self["ipc"] is not None and self["facades"]:
+            raise ValueError("--ipc is for broker mode; it cannot be combined with --engine")
+
+    def _facades(self) -> list[tuple[str, int]]:
+        facades: list[tuple[str, int]] = []
+        for spec in self["engine"]:
+            engine_id, _, port_text = spec.partition(":")
+            engine = self.engines.get(engine_id)
+            if engine is None:
+                raise ValueError(f"--engine: unknown engine {engine_id!r}; want one of "
+                                 f"{', '.join(sorted(self.engines))}")
+            port = engine.ports.standalone
+            if port_text:
+                if not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
+                    raise ValueError(f"--engine {spec}: port must be between 1 and 65535")
+                port = int(port_text) or engine.ports.standalone
+            if any(engine_id == seen for seen, _ in facades):
+                raise ValueError(f"--engine: {engine_id} is given twice")
+            facades.append((engine_id, port))
+        return facades
+
+    @property
+    def standalone(self) -> bool:
+        return bool(self["facades"])

@@ -1,0 +1,145 @@
+"""Wiring: the only module that touches the global reactor (imported inside functions).
+
+Standalone mode builds its facades from the command line and its fleet from ``--nodes`` (or
+this machine's engine). Broker mode is driven by the JSON-RPC link.
+"""
+
+from __future__ import annotations
+
+import random
+
+import attrs
+
+from twisted.application.service import Service
+from twisted.internet.defer import Deferred, DeferredList, succeed
+from twisted.internet.error import CannotListenError
+from twisted.web.client import Agent, HTTPConnectionPool
+
+from . import constants
+from .discovery import make_node
+from .dispatch import Bounds
+from .events import ActivityThrottle, LogEmitter, new_run_id
+from .facade import Facade, facade_site
+from .inventory import Prober
+from .listener import DemuxFactory, listen_everywhere
+from .logs import logger, set_level
+from .nodesfile import Fleet, NodesFileError, NodesFileWatcher
+from .options import Options
+from .reservations import ReservationMap
+
+log = logger()
+
+
+def make_pool(reactor) -> HTTPConnectionPool:
+    """One process-wide pool; idle connections kept as long as the engines keep them."""
+    pool = HTTPConnectionPool(reactor, persistent=True)
+    pool.maxPersistentPerHost = 64
+    pool.cachedConnectionTimeout = constants.POOL_IDLE_TIMEOUT
+    pool.retryAutomatically = False
+    return pool
+
+
+def local_fleet(options: Options) -> Fleet:
+    """Without --nodes, this machine's engine is the fleet (design 3).
+
+    The engine is looked for on its own client-facing port, or on its relocated port when the
+    facade itself sits on the client-facing one.
+    """
+    nodes, probed = {}, set()
+    for engine_id, port in options["facades"]:
+        engine = options.engines[engine_id]
+        engine_port = engine.ports.relocated if port == engine.ports.own else engine.ports.own
+        nodes[engine_id] = (make_node(engine, id="local", name="local", port=engine_port,
+                                      addresses=["127.0.0.1"], source="standalone"),)
+        probed.add((engine_id, "local"))
+    return Fleet(nodes, frozenset(probed))
+
+
+class StandaloneService(Service):
+    """Facades from ``--engine``, fleet from ``--nodes``; events to the log."""
+
+    def __init__(self, options: Options, reactor) -> None:
+        self.options, self.reactor = options, reactor
+        self.facades: dict[str, Facade] = {}
+        self.ports = []
+        self.probers: list[Prober] = []
+        self.watcher: NodesFileWatcher | None = None
+        self.probed: frozenset = frozenset()
+
+    def privilegedStartService(self) -> None:
+        """Bind and load before the reactor runs, so a bad port or file stops start-up."""
+        options, reactor = self.options, self.reactor
+        set_level(options["log-level"])
+        self.pool = make_pool(reactor)
+        agent = Agent(reactor, pool=self.pool, connectTimeout=constants.DIAL_TIMEOUT)
+        emitter = LogEmitter()
+        reservations = ReservationMap()
+        activity = ActivityThrottle(emitter, reactor.seconds)
+        run_id = new_run_id()
+        rng = random.Random()
+        bounds = Bounds(response_timeout=options["response-timeout"])
+        for engine_id, port in options["facades"]:
+            facade = Facade(engine=options.engines[engine_id], clock=reactor, agent=agent,
+                            emitter=emitter, run_id=run_id, random=rng.random, bounds=bounds,
+                            reservations=reservations, activity=activity)
+            try:
+                listening = listen_everywhere(reactor, port, DemuxFactory(facade_site(facade, reactor)))
+            except CannotListenError as exc:
+                raise SystemExit(f"nvpair-proxy: {engine_id}: cannot listen on port {port}: "
+                                 f"{exc.socketError}") from None
+            self.facades[engine_id] = facade
+            self.ports.append(listening)
+            log.info("{engine} facade listening on port {port}", engine=engine_id,
+                     port=listening.getHost().port)
+        if options["nodes"]:
+            self.watcher = NodesFileWatcher(options["nodes"], options.engines, reactor, self.apply)
+            try:
+                self.watcher.load()
+            except NodesFileError as exc:
+                raise SystemExit(f"nvpair-proxy: --nodes: {exc}") from None
+        else:
+            self.apply(local_fleet(options))
+        for engine_id, facade in self.facades.items():
+            self.probers.append(Prober(
+                facade.engine, facade.nodes, agent, reactor,
+                should_probe=lambda node, e=engine_id: (e, node.id) in self.probed))
+
+    def apply(self, fleet: Fleet) -> None:
+        self.probed = fleet.probed
+        for engine_id, facade in self.facades.items():
+            known = {n.id: n for n in facade.nodes.routable()}
+            nodes = []
+            for node in fleet.nodes.get(engine_id, ()):
+                old = known.get(node.id)
+                if (engine_id, node.id) in fleet.probed and old is not None:
+                    node = attrs.evolve(node, models=old.models, advertised=old.advertised)
+                nodes.append(node)
+            facade.nodes.replace_discovered(nodes)
+
+    def startService(self) -> None:
+        super().startService()
+        if self.watcher is not None:
+            self.watcher.start()
+        for prober in self.probers:
+            prober.start()
+
+    def stopService(self) -> Deferred:
+        super().stopService()
+        if self.watcher is not None:
+            self.watcher.stop()
+        for prober in self.probers:
+            prober.stop()
+        for facade in self.facades.values():
+            facade.shutdown()
+        stopped = DeferredList([succeed(port.stopListening()) for port in self.ports])
+        stopped.addTimeout(constants.FACADE_SHUTDOWN_GRACE, self.reactor)
+        stopped.addBoth(lambda _: self.pool.closeCachedConnections())
+        return stopped
+
+
+def build_service(options: Options):
+    from twisted.internet import reactor
+    if options.standalone:
+        return StandaloneService(options, reactor)
+    raise SystemExit("nvpair-proxy: broker mode (the JSON-RPC link) is not available yet; "
+                     "run standalone with --engine ENGINE[:PORT]")

@@ -1,0 +1,160 @@
+"""A facade wired to fakes in a few lines: a Clock, a FakeAgent, a recording emitter.
+
+Requests enter through the real listener demux and HTTP channel over a StringTransport, so
+tests see the bytes a client would see.
+"""
+
+from __future__ import annotations
+
+import json
+
+from twisted.internet.task import Clock
+from twisted.internet.testing import StringTransport
+
+from nvpair_proxy.discovery import make_node
+from nvpair_proxy.dispatch import Bounds
+from nvpair_proxy.engines import load_engines
+from nvpair_proxy.events import RecordingEmitter
+from nvpair_proxy.facade import Facade, facade_site
+from nvpair_proxy.listener import DemuxFactory
+from nvpair_proxy.reservations import ReservationMap
+from nvpair_proxy.testing import FakeAgent, loopback
+
+ENGINES = load_engines()
+
+
+class Response:
+    """A parsed HTTP/1.1 response as the client received it (chunked decoded)."""
+
+    def __init__(self, raw: bytes) -> None:
+        head, _, rest = raw.partition(b"\r\n\r\n")
+        lines = head.split(b"\r\n")
+        self.status = int(lines[0].split(b" ")[1])
+        self.headers: dict[str, list[str]] = {}
+        for line in lines[1:]:
+            name, _, value = line.partition(b":")
+            self.headers.setdefault(name.decode().lower(), []).append(value.strip().decode())
+        self.complete = True
+        if self.header("transfer-encoding") == "chunked":
+            self.body, self.complete = _dechunk(rest)
+        else:
+            self.body = rest
+
+    def header(self, name: str) -> str | None:
+        values = self.headers.get(name.lower())
+        return values[0] if values else None
+
+    def json(self):
+        return json.loads(self.body)
+
+
+def _dechunk(data: bytes) -> tuple[bytes, bool]:
+    out = []
+    while data:
+        size_line, sep, data = data.partition(b"\r\n")
+        if not sep:
+            return b"".join(out), False
+        size = int(size_line, 16)
+        if size == 0:
+            return b"".join(out), True
+        if len(data) < size + 2:
+            out.append(data[:size])
+            return b"".join(out), False
+        out.append(data[:size])
+        data = data[size + 2:]
+    return b"".join(out), False
+
+
+class Client:
+    def __init__(self, transport: StringTransport, protocol) -> None:
+        self.transport, self.protocol = transport, protocol
+
+    def raw(self) -> bytes:
+        return self.transport.value()
+
+    def response(self) -> Response:
+        return Response(self.transport.value())
+
+    def answered(self) -> bool:
+        return b"\r\n\r\n" in self.transport.value()
+
+    def disconnect(self) -> None:
+        from twisted.internet.error import ConnectionDone
+        from twisted.python.failure import Failure
+        self.protocol.connectionLost(Failure(ConnectionDone()))
+
+    def pause(self) -> None:
+        """The client stops reading: the transport pauses its producer, as a full socket does."""
+        self.transport.producer.pauseProducing()
+
+    def resume(self) -> None:
+        self.transport.producer.resumeProducing()
+
+
+def request_bytes(method: str, path: str, body: bytes | dict | None = None,
+                  headers: dict | None = None) -> bytes:
+    if isinstance(body, dict):
+        body = json.dumps(body).encode()
+    lines = [f"{method} {path} HTTP/1.1", "Host: localhost"]
+    for name, value in (headers or {}).items():
+        lines.append(f"{name}: {value}")
+    if body is not None:
+        lines.append(f"Content-Length: {len(body)}")
+    return ("\r\n".join(lines) + "\r\n\r\n").encode() + (body or b"")
+
+
+class World:
+    def __init__(self, engine: str = "ollama", *, response_timeout: float = 1800.0,
+                 reservations: ReservationMap | None = None, clock: Clock | None = None,
+                 agent: FakeAgent | None = None, emitter: RecordingEmitter | None = None) -> None:
+        self.engine = ENGINES[engine]
+        self.clock = clock or Clock()
+        self.site_clock = Clock()
+        self.agent = agent or FakeAgent()
+        self.emitter = emitter or RecordingEmitter()
+        self.reservations = reservations if reservations is not None else ReservationMap()
+        self.facade = Facade(engine=self.engine, clock=self.clock, agent=self.agent,
+                             emitter=self.emitter, run_id="0123456789abcdef",
+                             random=lambda: 0.5, bounds=Bounds(response_timeout=response_timeout),
+                             reservations=self.reservations)
+        self.site = facade_site(self.facade, reactor=self.site_clock)
+        self.factory = DemuxFactory(self.site)
+
+    def add(self, node_id: str, models=("llama3:latest",), addresses=("10.0.0.1",),
+            port: int = 11434, manual: bool = True):
+        node = make_node(self.engine, id=node_id, port=port, addresses=list(addresses),
+                         models=models, source="manual" if manual else "discovered")
+        if manual:
+            self.facade.nodes.put_manual(node)
+        else:
+            self.facade.nodes.replace_discovered(
+                list(self.facade.nodes.discovered.values()) + [node])
+        return node
+
+    def remove(self, node_id: str) -> None:
+        self.facade.nodes.remove_manual(node_id)
+
+    def send(self, method: str, path: str, body=None, headers=None, peer=None) -> Client:
+        peer = peer or loopback()
+        protocol = self.factory.buildProtocol(peer)
+        transport = StringTransport(peerAddress=peer)
+        protocol.makeConnection(transport)
+        protocol.dataReceived(request_bytes(method, path, body, headers))
+        return Client(transport, protocol)
+
+    def chat(self, model: str = "llama3", stream: bool = True, path: str = "/api/chat") -> Client:
+        return self.send("POST", path, {"model": model, "stream": stream,
+                                        "messages": [{"role": "user", "content": "hi"}]})
+
+    def workload_events(self) -> list[tuple[str, str, str | None]]:
+        return [(m, info["state"], info.get("scheduledOn")) for m, info in self.emitter.workload()]
+
+    def assert_quiet(self, test) -> None:
+        """No timer left on the dispatch clock and no upstream request left open."""
+        test.assertEqual(self.clock.getDelayedCalls(), [])
+        for record in self.agent.requests:
+            if record.pending:
+                test.fail(f"upstream request {record.uri!r} still pending")
+            response = record.response
+            if response is not None and response._ended is None and not response.transport.stopped:
+                test.fail(f"upstream response of {record.uri!r} left open")
