@@ -92,7 +92,7 @@ class FacadeResource(Resource):
         self.facade = facade
 
     def render(self, request: Request):
-        if request.getHeader(IDENTITY_PROBE) == "1":
+        if request.getHeader(IDENTITY_PROBE) == b"1":
             send_error(request, 409, f"this port is the nvpair-proxy facade for {self.facade.engine.id}",
                        code="proxy-facade")
             return NOT_DONE_YET

@@ -102,9 +102,10 @@ class FakeRequest:
     response: FakeResponse | None = None
     cancelled: bool = False
 
-    def respond(self, code: int = 200, headers: dict | None = None, body: bytes | None = None,
+    def respond(self, code: int = 200, headers: dict | Headers | None = None, body: bytes | None = None,
                 length=UNKNOWN_LENGTH, finish: bool = False) -> FakeResponse:
-        raw = Headers({k.encode(): [v.encode()] for k, v in (headers or {}).items()})
+        raw = headers if isinstance(headers, Headers) else Headers(
+            {k.encode(): [v.encode()] for k, v in (headers or {}).items()})
         self.response = FakeResponse(self, code, raw, length)
         if body:
             self.response.write(body)

@@ -1,0 +1,154 @@
+"""What reaches the facade at all: the loopback gate, the identity probe, the body limit,
+hop-by-hop headers and backpressure (protocol 5, design decisions 10 and 16)."""
+
+from __future__ import annotations
+
+import json
+
+from twisted.trial.unittest import SynchronousTestCase
+
+from nvpair_proxy.constants import MAX_REQUEST_BODY
+from nvpair_proxy.test.world import Response, World
+from nvpair_proxy.testing import lan, mapped_loopback
+
+LOOPBACK_ONLY = {"error": "plaintext requests are accepted only from loopback; cluster peers "
+                          "must use the mTLS ingress", "code": "loopback-only"}
+
+
+class LoopbackGateTests(SynchronousTestCase):
+    def test_plaintext_from_a_lan_peer_gets_403_loopback_only_and_nothing_is_dialled(self):
+        w = World()
+        w.add("a")
+        client = w.send("POST", "/api/chat", {"model": "llama3"}, peer=lan())
+        response = client.response()
+        self.assertEqual((response.status, response.json()), (403, LOOPBACK_ONLY))
+        self.assertEqual(response.header("x-content-type-options"), "nosniff")
+        self.assertIsNone(response.header("access-control-allow-origin"))
+        self.assertEqual(w.agent.requests, [])
+
+    def test_a_lan_preflight_is_refused_too(self):
+        w = World()
+        client = w.send("OPTIONS", "/v1/chat/completions", peer=lan(), headers={
+            "Origin": "http://evil.example", "Access-Control-Request-Method": "POST"})
+        self.assertEqual(client.response().status, 403)
+
+    def test_ipv4_mapped_loopback_is_loopback(self):
+        w = World()
+        w.add("a")
+        w.send("POST", "/api/chat", {"model": "llama3"}, peer=mapped_loopback())
+        self.assertEqual(len(w.agent.requests), 1)
+        w.agent.last.respond(200, length=0, finish=True)
+
+    def test_a_tls_hello_is_refused_while_this_node_is_not_a_cluster_member(self):
+        w = World()
+        protocol = w.factory.buildProtocol(lan())
+        from twisted.internet.testing import StringTransport
+        transport = StringTransport(peerAddress=lan())
+        protocol.makeConnection(transport)
+        protocol.dataReceived(b"\x16\x03\x01\x00\xa5")
+        self.assertEqual(transport.value(), b"")
+        self.assertTrue(transport.disconnecting)
+
+
+class IdentityProbeTests(SynchronousTestCase):
+    def test_probe_header_gets_409_naming_the_engine(self):
+        w = World("lmstudio")
+        client = w.send("GET", "/v1/models", headers={"X-NVPAIR-Engine-Identity-Probe": "1"})
+        response = client.response()
+        self.assertEqual(response.status, 409)
+        self.assertEqual(response.json()["code"], "proxy-facade")
+        self.assertIn("lmstudio", response.json()["error"])
+        self.assertEqual(w.agent.requests, [])
+
+
+class BodyLimitTests(SynchronousTestCase):
+    def test_a_declared_length_over_32_mib_is_413_before_the_body_arrives(self):
+        w = World()
+        w.add("a")
+        from twisted.internet.testing import StringTransport
+        from nvpair_proxy.testing import loopback
+        protocol = w.factory.buildProtocol(loopback())
+        transport = StringTransport(peerAddress=loopback())
+        protocol.makeConnection(transport)
+        protocol.dataReceived(b"POST /api/chat HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n"
+                              % (MAX_REQUEST_BODY + 1))
+        response = Response(transport.value())
+        self.assertEqual((response.status, response.json()),
+                         (413, {"error": "request body exceeds 32 MiB limit"}))
+        self.assertTrue(transport.disconnecting)
+        self.assertEqual(w.agent.requests, [])
+
+    def test_a_chunked_body_over_32_mib_is_413(self):
+        w = World()
+        w.add("a")
+        from twisted.internet.testing import StringTransport
+        from nvpair_proxy.testing import loopback
+        protocol = w.factory.buildProtocol(loopback())
+        transport = StringTransport(peerAddress=loopback())
+        protocol.makeConnection(transport)
+        protocol.dataReceived(b"POST /api/chat HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n")
+        chunk = b"x" * (1024 * 1024)
+        for _ in range(33):
+            protocol.dataReceived(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+        self.assertEqual(Response(transport.value()).status, 413)
+        self.assertEqual(w.agent.requests, [])
+
+    def test_exactly_32_mib_is_accepted_and_forwarded_intact(self):
+        w = World()
+        w.add("a")
+        body = b'{"model":"llama3","pad":"' + b"x" * (MAX_REQUEST_BODY - 27) + b'"}'
+        self.assertEqual(len(body), MAX_REQUEST_BODY)
+        w.send("POST", "/api/chat", body)
+        self.assertEqual(len(w.agent.requests), 1)
+        self.assertEqual(w.agent.last.body, body)
+        w.agent.last.respond(200, length=0, finish=True)
+
+
+class HeaderTests(SynchronousTestCase):
+    def test_hop_by_hop_headers_are_removed_both_ways_and_host_is_the_target(self):
+        w = World()
+        w.add("a")
+        client = w.send("POST", "/api/chat", {"model": "llama3"}, headers={
+            "Connection": "keep-alive, X-Secret-Hop", "X-Secret-Hop": "1", "Keep-Alive": "300",
+            "TE": "trailers", "Proxy-Authorization": "Basic x", "Authorization": "Bearer t",
+            "X-Custom": "kept"})
+        sent = w.agent.last.headers
+        for name in (b"connection", b"x-secret-hop", b"keep-alive", b"te",
+                     b"proxy-authorization", b"host", b"content-length"):
+            self.assertFalse(sent.hasHeader(name), name)
+        self.assertEqual(sent.getRawHeaders(b"authorization"), [b"Bearer t"])
+        self.assertEqual(sent.getRawHeaders(b"x-custom"), [b"kept"])
+        self.assertFalse(any(n.lower().startswith(b"x-forwarded") or n.lower() == b"via"
+                             for n, _ in sent.getAllRawHeaders()))
+        w.agent.last.respond(200, {"Connection": "close, X-Up-Hop", "X-Up-Hop": "1",
+                                   "Keep-Alive": "5", "X-Engine": "kept"}, body=b"ok", finish=True)
+        response = client.response()
+        self.assertIsNone(response.header("x-up-hop"))
+        self.assertIsNone(response.header("keep-alive"))
+        self.assertEqual(response.header("x-engine"), "kept")
+
+    def test_repeated_headers_are_kept(self):
+        w = World()
+        w.add("a")
+        client = w.send("GET", "/api/ps")
+        from twisted.web.http_headers import Headers
+        w.agent.last.respond(200, Headers({b"set-cookie": [b"a=1", b"b=2"]}), length=0, finish=True)
+        self.assertEqual(client.response().headers["set-cookie"], ["a=1", "b=2"])
+
+
+class BackpressureTests(SynchronousTestCase):
+    def test_a_paused_client_pauses_the_upstream_read_and_resuming_resumes_it(self):
+        w = World()
+        w.add("a")
+        client = w.chat()
+        upstream = w.agent.last.respond(200, {"Content-Type": "application/x-ndjson"})
+        upstream.write(b'{"done":false}\n')
+        self.assertFalse(upstream.transport.paused)
+        client.pause()
+        self.assertTrue(upstream.transport.paused)
+        client.resume()
+        self.assertFalse(upstream.transport.paused)
+        upstream.write(json.dumps({"done": True}).encode() + b"\n")
+        upstream.finish()
+        self.assertEqual(client.response().body, b'{"done":false}\n{"done": true}\n')
+        w.assert_quiet(self)
