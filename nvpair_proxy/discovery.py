@@ -51,6 +51,7 @@ class Node:
     scheme: str = "http"
     cluster_uuid: str = ""
     txt: Mapping[str, str] = attrs.field(factory=dict)
+    local: bool = False
 
     def advertises(self, model: str) -> bool:
         return self.models is not None and model in self.models
@@ -108,21 +109,39 @@ def diff(old: Mapping[str, Node], new: Mapping[str, Node]) -> Diff:
         removed=tuple(old[i] for i in sorted(old) if i not in new))
 
 
+def _admit_all(node: Node) -> Node | None:
+    return node
+
+
 @attrs.define
 class NodeSet:
-    """One facade's routable nodes: discovered (wholesale) plus manual (kept across snapshots).
+    """One facade's nodes: discovered (replaced wholesale) plus manual (kept across snapshots).
 
-    ``admit`` filters discovered nodes at read time (pins, self without a local backend), so a
-    trust change needs no new snapshot to take effect.
+    ``admit`` decides at read time how a discovered node is reached, or that it is not
+    (a peer without a live pin, self without a local backend), so a trust change needs no new
+    snapshot to take effect (design decision 11).
     """
 
     discovered: dict[str, Node] = attrs.field(factory=dict)
     manual: dict[str, Node] = attrs.field(factory=dict)
-    admit: Callable[[Node], bool] = lambda node: True
+    admit: Callable[[Node], Node | None] = _admit_all
     _observers: list[Callable[[], None]] = attrs.field(factory=list)
 
+    def all(self) -> list[Node]:
+        """Every known node, routable or not: what ``nodes/list`` shows."""
+        nodes = dict(self.discovered)
+        nodes.update(self.manual)
+        return [nodes[i] for i in sorted(nodes)]
+
+    def known(self, node_id: str) -> bool:
+        return node_id in self.discovered or node_id in self.manual
+
     def routable(self) -> list[Node]:
-        nodes = {n.id: n for n in self.discovered.values() if self.admit(n)}
+        nodes = {}
+        for node in self.discovered.values():
+            admitted = self.admit(node)
+            if admitted is not None:
+                nodes[node.id] = admitted
         nodes.update(self.manual)
         return [nodes[i] for i in sorted(nodes)]
 
@@ -179,3 +198,55 @@ class NodeSet:
     def _changed(self) -> None:
         for callback in list(self._observers):
             callback()
+
+
+def is_local_address(address: str) -> bool:
+    """An address on one of this machine's interfaces: a UDP socket can bind to it (decision 17)."""
+    import socket
+    host = address.strip("[]")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        probe = socket.socket(family, socket.SOCK_DGRAM)
+    except OSError:
+        return False
+    try:
+        probe.bind((host, 0))
+        return True
+    except OSError:
+        return False
+    finally:
+        probe.close()
+
+
+def project(engine: Engine, raw: Mapping, is_self: Callable[[Sequence[str], int], bool]) -> Node | None:
+    """A DirectoryNode as this engine sees it, or None when it offers no route (protocol 3)."""
+    if not isinstance(raw, Mapping):
+        return None
+    node_id = raw.get("hostUuid")
+    services = raw.get("services")
+    ip = raw.get("ip")
+    if not isinstance(node_id, str) or not node_id or not isinstance(services, Mapping):
+        return None
+    service = services.get(engine.service_key)
+    if not isinstance(service, Mapping) or not isinstance(ip, str) or not ip:
+        return None
+    port = service.get("port")
+    if not isinstance(port, int) or isinstance(port, bool) or not 1 <= port <= 65535:
+        return None
+    ips = raw.get("ips")
+    addresses = [a for a in ips if isinstance(a, str) and a] if isinstance(ips, list) else []
+    if not addresses:
+        addresses = [ip]
+    if engine.inventory_source == "loaded":
+        loaded = raw.get("loadedByEngine")
+        models = loaded.get(engine.id, []) if isinstance(loaded, Mapping) else []
+    elif isinstance(raw.get("modelsByEngine"), Mapping):
+        models = raw["modelsByEngine"].get(engine.id, [])
+    else:
+        models = raw.get("models") or []
+    models = [m for m in models if isinstance(m, str)] if isinstance(models, list) else []
+    name = raw.get("name") if isinstance(raw.get("name"), str) else node_id
+    cluster = raw.get("clusterUuid") if isinstance(raw.get("clusterUuid"), str) else ""
+    return make_node(engine, id=node_id, name=name or node_id, port=port, addresses=addresses,
+                     models=models, source="discovered", cluster_uuid=cluster,
+                     local=is_self(addresses, port))

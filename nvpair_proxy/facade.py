@@ -25,7 +25,9 @@ from .dispatch import Bounds
 from .engines import Engine
 from .events import ActivityThrottle, Workload
 from .exchange import Exchange
+from .hopbyhop import end_to_end
 from .interfaces import IEmitter
+from .inventory import MODEL_LIST_STRIPPED, fleet_model_list
 
 log = logger()
 
@@ -96,6 +98,10 @@ class FacadeResource(Resource):
             send_error(request, 409, f"this port is the nvpair-proxy facade for {self.facade.engine.id}",
                        code="proxy-facade")
             return NOT_DONE_YET
+        route = self.facade.engine.classify(request.method, request.path)
+        if route is not None and route.is_models:
+            serve_model_list(self.facade, request, route)
+            return NOT_DONE_YET
         exchange = Exchange(self.facade, request)
         try:
             exchange.start()
@@ -103,6 +109,42 @@ class FacadeResource(Resource):
             from twisted.python.failure import Failure
             exchange.crashed(Failure())
         return NOT_DONE_YET
+
+
+def serve_model_list(facade: Facade, request: Request, route) -> None:
+    """A model list covers the whole fleet, whatever the selection (spec 5)."""
+    started = facade.clock.seconds()
+    request_id = facade.next_request_id()
+    query = request.uri.partition(b"?")[2]
+    path = route.upstream_path + ("?" + query.decode("latin-1") if query else "")
+    headers = end_to_end(request.requestHeaders, drop=MODEL_LIST_STRIPPED)
+    listing = fleet_model_list(facade.agent, facade.clock, facade.nodes.routable(), path,
+                               route.envelope, headers)
+    finished = []
+    request.notifyFinish().addErrback(lambda _: (finished or listing.cancel()))
+
+    def answer(body):
+        finished.append(True)
+        status = 200
+        if request._disconnected:
+            status = 499
+        elif body is None:
+            status = 502 if request.getHeader(b"origin") else 503
+            send_error(request, status, "model inventory unavailable")
+        else:
+            request.setHeader(b"content-type", b"application/json")
+            request.setHeader(b"content-length", str(len(body)).encode())
+            request.write(body)
+            request.finish()
+        params = {"id": request_id, "method": request.method.decode("latin-1"),
+                  "path": request.path.decode("latin-1"), "target": "cluster", "status": status,
+                  "duration_ms": int(round((facade.clock.seconds() - started) * 1000))}
+        if status != 200:
+            params["error"] = "model inventory unavailable"
+        facade.notify("proxy/request", params)
+
+    listing.addCallback(answer).addErrback(
+        lambda f: log.failure("model list failed", f, engine=facade.engine.id))
 
 
 class BoundedRequest(Request):

@@ -153,3 +153,39 @@ class Prober:
             self.nodes.set_models(node.id, self.engine, models)
 
         return d.addCallback(ok).addBoth(done)
+
+
+MODEL_LIST_STRIPPED = (b"host", b"content-length", b"authorization", b"cookie")
+
+
+def fleet_model_list(agent: IAgent, clock: IReactorTime, nodes: list[Node], path: str,
+                     envelope: str, headers: Headers) -> Deferred:
+    """Ask every node concurrently and merge: first occurrence of an id wins, in node order.
+
+    Fires with the merged body, or None when no node gave a valid list (all down or
+    malformed). Credentials never fan out to the fleet (behaviours: model lists).
+    """
+    asks = [fetch(agent, clock, node_url(node, path), headers) for node in nodes]
+
+    def merge(results):
+        seen: set[str] = set()
+        entries: list[dict] = []
+        valid = 0
+        for ok, result in results:
+            if not ok:
+                continue
+            status, _headers, body = result
+            if status != 200:
+                continue
+            try:
+                pairs = model_entries(body, envelope)
+            except InventoryError:
+                continue
+            valid += 1
+            for model_id, entry in pairs:
+                if model_id not in seen:
+                    seen.add(model_id)
+                    entries.append(entry)
+        return envelope_body(envelope, entries) if valid else None
+
+    return DeferredList(asks, consumeErrors=True).addCallback(merge)

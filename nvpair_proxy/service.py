@@ -137,9 +137,116 @@ class StandaloneService(Service):
         return stopped
 
 
+def connect_ipc(path: str):
+    """Connect to the broker's socket at start-up; failure is one clear line (decision 18)."""
+    import socket
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.connect(path)
+    except OSError as exc:
+        sock.close()
+        raise SystemExit(f"nvpair-proxy: --ipc: cannot connect to {path}: "
+                         f"{exc.strerror or exc}") from None
+    return sock
+
+
+class BrokerService(Service):
+    """Broker mode: no facade until ``facade/enable``; the link is stdio or ``--ipc``."""
+
+    def __init__(self, options: Options, reactor) -> None:
+        self.options, self.reactor = options, reactor
+        self.sock = None
+        self.link_fd = None
+        self.watchdog = None
+        self.stopping = False
+
+    def privilegedStartService(self) -> None:
+        import os
+        from .broker import Broker
+        from .rpc import RpcLink
+        options, reactor = self.options, self.reactor
+        set_level(options["log-level"])
+        if options["ipc"]:
+            self.sock = connect_ipc(options["ipc"])
+        else:
+            # The link owns the real stdout; fd 1 becomes stderr so nothing else reaches it.
+            self.link_fd = os.dup(1)
+            os.dup2(2, 1)
+        self.pool = make_pool(reactor)
+        agent = Agent(reactor, pool=self.pool, connectTimeout=constants.DIAL_TIMEOUT)
+        reservations = ReservationMap()
+        run_id = new_run_id()
+        rng = random.Random()
+        bounds = Bounds(response_timeout=options["response-timeout"])
+        self.link = RpcLink(lambda method, params: self.broker.dispatch(method, params),
+                            on_closed=self._link_closed)
+        activity = ActivityThrottle(self.link, reactor.seconds)
+
+        def make_facade(engine):
+            return Facade(engine=engine, clock=reactor, agent=agent, emitter=self.link,
+                          run_id=run_id, random=rng.random, bounds=bounds,
+                          reservations=reservations, activity=activity)
+
+        def make_prober(facade, should_probe):
+            return Prober(facade.engine, facade.nodes, agent, reactor, should_probe)
+
+        self.broker = Broker(
+            engines=options.engines, emitter=self.link, reservations=reservations,
+            state_dir=options["state-dir"], make_facade=make_facade,
+            listen=lambda port, factory, interface: (
+                listen_everywhere(reactor, port, factory) if interface == "::"
+                else reactor.listenTCP(port, factory, interface=interface)),
+            make_prober=make_prober, on_shutdown=self._shutdown_requested,
+            after_answer=self.link.after_answer.append)
+
+    def startService(self) -> None:
+        super().startService()
+        import socket
+        from twisted.internet.protocol import Factory
+        from twisted.internet.stdio import StandardIO
+        from .sdnotify import notify, start_watchdog
+        if self.sock is not None:
+            factory = Factory.forProtocol(lambda: self.link.framer)
+            self.reactor.adoptStreamConnection(self.sock.fileno(), socket.AF_UNIX, factory)
+            self.sock.close()
+        else:
+            StandardIO(self.link.framer, stdin=0, stdout=self.link_fd, reactor=self.reactor)
+        notify("READY=1")
+        self.watchdog = start_watchdog(self.reactor)
+        log.info("nvpair-proxy broker link up ({channel})",
+                 channel=self.options["ipc"] or "stdio")
+
+    def _link_closed(self) -> None:
+        if self.running and not self.stopping:
+            log.info("broker link closed; shutting down")
+            self.reactor.stop()
+
+    def _shutdown_requested(self) -> None:
+        self.reactor.callLater(0, self.reactor.stop)
+
+    def stopService(self) -> Deferred:
+        from .sdnotify import notify
+        super().stopService()
+        notify("STOPPING=1")
+        if self.watchdog is not None and self.watchdog.running:
+            self.watchdog.stop()
+        closing = self.broker.stop_all()
+        stopped = DeferredList([succeed(port.stopListening()) for port in closing])
+        stopped.addTimeout(constants.FACADE_SHUTDOWN_GRACE, self.reactor)
+        stopped.addBoth(lambda _: self.pool.closeCachedConnections())
+        stopped.addBoth(self._close_link)
+        return stopped
+
+    def _close_link(self, result):
+        self.stopping = True
+        transport = self.link.framer.transport
+        if transport is not None:
+            transport.loseConnection()
+        return result
+
+
 def build_service(options: Options):
     from twisted.internet import reactor
     if options.standalone:
         return StandaloneService(options, reactor)
-    raise SystemExit("nvpair-proxy: broker mode (the JSON-RPC link) is not available yet; "
-                     "run standalone with --engine ENGINE[:PORT]")
+    return BrokerService(options, reactor)

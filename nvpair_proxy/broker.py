@@ -1,0 +1,412 @@
+"""The broker's methods (protocol 2 and 3): addressing, facade lifecycle, discovery, selection.
+
+Each facade-scoped method names its engine (``ollama:nodes/list``), because one process hosts
+every facade (spec 4); an unaddressed one resolves to no facade rather than guessing. The
+notifications a method causes go out before its answer (design decision 8).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from typing import Any, Callable, Mapping
+
+import attrs
+from twisted.internet.error import CannotListenError
+from twisted.internet.interfaces import IListeningPort
+
+from . import __version__
+from .aliases import parse_aliases
+from .discovery import Node, is_local_address, make_node, project
+from .engines import Engine
+from .facade import Facade, facade_site
+from .inventory import Prober
+from .listener import DemuxFactory
+from .logs import LEVELS, logger, set_level
+from .ports import read_port, write_port
+from .reservations import Rank
+from .rpc import (BIND_FAILED, INVALID_PARAMS, NO_FACADE, SERVER_ERROR, MethodNotFound,
+                  NoAnswer, RpcError)
+from .selection import order, owners
+
+log = logger()
+
+FACADE_METHODS = ("set-port", "discovery:nodes", "node/select", "node/selected", "nodes/list",
+                  "node/add-manual", "node/remove-manual", "node/set-local-backend",
+                  "node/model-owners")
+
+
+@attrs.define(eq=False)
+class Running:
+    """An enabled facade and everything bound for it."""
+
+    facade: Facade
+    port: int
+    listening: IListeningPort
+    factory: DemuxFactory
+    prober: Prober
+    aliases: list = attrs.Factory(list)
+    alias_port: int | None = None
+    local_backend: tuple[str, int] | None = None
+    unreachable: set = attrs.Factory(set)
+    probed: set = attrs.Factory(set)
+
+
+def _params(params: Any) -> dict:
+    if params is None:
+        return {}
+    if not isinstance(params, dict):
+        raise RpcError(INVALID_PARAMS, "params must be an object")
+    return params
+
+
+def _int(params: dict, key: str, default=None):
+    value = params.get(key, default)
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise RpcError(INVALID_PARAMS, f"{key} must be an integer")
+    return value
+
+
+class Broker:
+    """Handles every inbound method; ``make_facade`` and ``listen`` are the wiring's seams."""
+
+    def __init__(self, *, engines: Mapping[str, Engine], emitter, reservations, state_dir: str,
+                 make_facade: Callable[[Engine], Facade], listen: Callable,
+                 make_prober: Callable[[Facade, Callable[[Node], bool]], Prober],
+                 on_shutdown: Callable[[], None], after_answer: Callable[[Callable], None],
+                 is_local: Callable[[str], bool] = is_local_address) -> None:
+        self.engines, self.emitter, self.reservations = engines, emitter, reservations
+        self.state_dir, self.make_facade, self.listen = state_dir, make_facade, listen
+        self.make_prober, self.on_shutdown, self.after_answer = make_prober, on_shutdown, after_answer
+        self.is_local = is_local
+        self.running: dict[str, Running] = {}
+        self._process = {"facade/enable": self.enable, "node/set-priority": self.set_priority,
+                         "log/set-level": self.set_level, "shutdown": self.shutdown}
+        self._facade = {"set-port": self.set_port, "discovery:nodes": self.discovery_nodes,
+                        "node/select": self.select, "node/selected": self.selected,
+                        "nodes/list": self.nodes_list, "node/add-manual": self.add_manual,
+                        "node/remove-manual": self.remove_manual,
+                        "node/set-local-backend": self.set_local_backend,
+                        "node/model-owners": self.model_owners}
+
+    # Addressing (protocol 2).
+
+    def dispatch(self, method: str, params: Any) -> Any:
+        engine_id, sep, bare = method.partition(":")
+        if not sep or engine_id not in self.engines:
+            engine_id, bare = "", method
+        if not engine_id:
+            if bare in self._process:
+                return self._process[bare](_params(params))
+            if bare == "discovery:nodes":
+                log.warn("ignored discovery:nodes without an engine")
+                raise NoAnswer()
+            if bare in self._facade:
+                raise RpcError(NO_FACADE, 'no facade is enabled for engine "" on this proxy')
+            raise MethodNotFound(method)
+        if bare == "node/set-priority":
+            return self.set_priority(_params(params))
+        if bare not in self._facade:
+            raise MethodNotFound(method)
+        running = self.running.get(engine_id)
+        if bare == "discovery:nodes":
+            if running is not None:
+                self.discovery_nodes(running, _params(params))
+            raise NoAnswer()
+        if running is None:
+            raise RpcError(NO_FACADE, f'no facade is enabled for engine "{engine_id}" on this proxy')
+        return self._facade[bare](running, _params(params))
+
+    def notify(self, engine_id: str, method: str, params: dict) -> None:
+        self.emitter.notify(method, params, engine=engine_id)
+
+    # Process-scoped methods.
+
+    def enable(self, params: dict) -> dict:
+        engine_id = params.get("engine")
+        if not isinstance(engine_id, str):
+            raise RpcError(INVALID_PARAMS, "engine is required")
+        engine = self.engines.get(engine_id)
+        if engine is None:
+            raise RpcError(SERVER_ERROR, f'unknown engine "{engine_id}"; want one of '
+                                         f'{", ".join(self.engines)}')
+        port = _int(params, "port", 0)
+        if port != 0 and not 1 <= port <= 65535:
+            raise RpcError(SERVER_ERROR, f"port must be between 1 and 65535 (got {port})")
+        ignore = params.get("ignorePersistedPort", False)
+        if not isinstance(ignore, bool):
+            raise RpcError(INVALID_PARAMS, "ignorePersistedPort must be a boolean")
+        alias_values = params.get("aliasAddresses")
+        if alias_values is not None and not isinstance(alias_values, list):
+            raise RpcError(INVALID_PARAMS, "aliasAddresses must be a list")
+        if engine_id in self.running:
+            return {"engine": engine_id, "port": self.running[engine_id].port}
+        if alias_values and engine.host_variable is None:
+            raise RpcError(SERVER_ERROR, f"aliasAddresses are not supported for {engine_id}")
+        persisted = None if ignore else read_port(self.state_dir, engine)
+        port = persisted or port or engine.ports.standalone
+        aliases = parse_aliases(alias_values, port)
+        facade = self.make_facade(engine)
+        factory = DemuxFactory(facade_site(facade, facade.clock))
+        try:
+            listening = self.listen(port, factory, "::")
+        except CannotListenError as exc:
+            reason = _reason(exc)
+            self.notify(engine_id, "error", {"code": "bind-failed",
+                                             "message": f"failed to bind port {port}: {reason}",
+                                             "port": port})
+            raise RpcError(BIND_FAILED, f"facade bind failed: port {port}: {reason}") from None
+        running = Running(facade=facade, port=port, listening=listening, factory=factory,
+                          prober=None)
+        running.prober = self.make_prober(facade, lambda node: node.id in running.probed)
+        facade.nodes.admit = lambda node: self._admit(running, node)
+        self.running[engine_id] = running
+        if aliases is not None:
+            self._bind_aliases(running, *aliases)
+        self.notify(engine_id, "ready", {"version": __version__, "port": port})
+        self.notify(engine_id, "discovery:subscribe", {"services": [engine.service_key]})
+        running.prober.start()
+        log.info("{engine} facade enabled on port {port}", engine=engine_id, port=port)
+        return {"engine": engine_id, "port": port}
+
+    def _bind_aliases(self, running: Running, hosts: list[str], port: int) -> None:
+        """Both families bound together or neither; an occupied alias is only a warning."""
+        engine_id = running.facade.engine.id
+        alert = f"{engine_id}-proxy:{engine_id}-host-alias-blocked"
+        bound = []
+        try:
+            for host in hosts:
+                bound.append(self.listen(port, running.factory, host))
+        except CannotListenError as exc:
+            for listening in bound:
+                listening.stopListening()
+            variable = running.facade.engine.host_variable
+            self.notify(engine_id, "errors:report", {
+                "id": alert, "severity": "warning", "action": "none",
+                "message": f"{variable} alias port {port} is in use by another process "
+                           f"({_reason(exc)}); clients using {variable} will not reach the proxy"})
+            return
+        running.aliases, running.alias_port = bound, port
+        self.notify(engine_id, "errors:clear", {"id": alert})
+
+    def set_priority(self, params: dict) -> dict:
+        generation = params.get("generation")
+        if not isinstance(generation, int) or isinstance(generation, bool) or generation <= 0:
+            raise RpcError(INVALID_PARAMS, "generation is required and must be greater than 0")
+        nodes = params.get("nodes") or []
+        ranks = params.get("ranks") or []
+        if not isinstance(nodes, list) or not isinstance(ranks, list):
+            raise RpcError(INVALID_PARAMS, "nodes and ranks must be lists")
+        parsed = []
+        for rank in ranks:
+            if isinstance(rank, dict) and isinstance(rank.get("id"), str):
+                parsed.append(Rank(id=rank["id"], pending=_number(rank.get("pending")),
+                                   gpu_pressure=_number(rank.get("gpuPressure")),
+                                   rank=int(_number(rank.get("rank")))))
+        self.reservations.set_priority(generation, [n for n in nodes if isinstance(n, str)], parsed)
+        return {"count": self.reservations.count}
+
+    def set_level(self, params: dict) -> dict:
+        level = params.get("level")
+        if level not in LEVELS:
+            raise RpcError(INVALID_PARAMS, "level must be one of debug, info, warn, error")
+        set_level(level)
+        return {"level": level}
+
+    def shutdown(self, params: dict) -> None:
+        self.after_answer(self.on_shutdown)
+        return None
+
+    # Facade-scoped methods.
+
+    def set_port(self, running: Running, params: dict) -> dict:
+        port = _int(params, "port")
+        if port is None or not 1 <= port <= 65535:
+            raise RpcError(INVALID_PARAMS, f"port must be between 1 and 65535 (got {port})")
+        engine = running.facade.engine
+        if port == running.port:
+            self._persist(engine, port)
+            return {"version": __version__, "port": port}
+        try:
+            listening = self.listen(port, running.factory, "::")
+        except CannotListenError as exc:
+            raise RpcError(SERVER_ERROR, f"failed to bind port {port}: {_reason(exc)}") from None
+        try:
+            self._persist(engine, port)
+        except RpcError:
+            listening.stopListening()
+            raise
+        old, running.listening, running.port = running.listening, listening, port
+        old.stopListening()
+        self.notify(engine.id, "ready", {"version": __version__, "port": port})
+        return {"version": __version__, "port": port}
+
+    def _persist(self, engine: Engine, port: int) -> None:
+        try:
+            write_port(self.state_dir, engine, port)
+        except OSError as exc:
+            raise RpcError(SERVER_ERROR, f"failed to persist port {port}: "
+                                         f"{exc.strerror or exc}") from None
+
+    def discovery_nodes(self, running: Running, params: dict) -> None:
+        facade = running.facade
+        engine = facade.engine
+        raw = params.get("nodes")
+        if not isinstance(raw, list):
+            log.warn("ignored discovery:nodes without a nodes list", engine=engine.id)
+            return
+        projected = [project(engine, item, lambda addrs, port: self._is_self(running, addrs, port))
+                     for item in raw]
+        previous = dict(facade.nodes.discovered)
+        change = facade.nodes.replace_discovered([n for n in projected if n is not None])
+        for kind, nodes in (("node/discovered", change.discovered),
+                            ("node/updated", change.updated), ("node/removed", change.removed)):
+            for node in nodes:
+                self.notify(engine.id, kind, node.describe())
+        for node in change.removed:
+            running.unreachable.add(node.id)
+            self.notify(engine.id, "errors:report", {
+                "id": f"{engine.id}-proxy:upstream-unreachable:{node.id}",
+                "message": f'Upstream node "{node.name}" is no longer reachable '
+                           "(dropped from discovery)", "severity": "warning", "action": "none"})
+        for node in change.discovered:
+            if node.id in running.unreachable:
+                running.unreachable.discard(node.id)
+                self.notify(engine.id, "errors:clear",
+                            {"id": f"{engine.id}-proxy:upstream-unreachable:{node.id}"})
+        if facade.pin and facade.pin in previous and not facade.nodes.known(facade.pin):
+            facade.pin = ""
+            self.notify(engine.id, "node/selection-changed", {"id": ""})
+
+    def _is_self(self, running: Running, addresses, port: int) -> bool:
+        ports = {running.port} | ({running.alias_port} if running.alias_port else set())
+        return port in ports and any(self.is_local(a) for a in addresses)
+
+    def _admit(self, running: Running, node: Node) -> Node | None:
+        """How a discovered node is reached: self through the local backend, peers over
+        pinned mTLS only (not available until this node is a cluster member)."""
+        if node.local:
+            if running.local_backend is None:
+                return None
+            host, port = running.local_backend
+            return attrs.evolve(node, addresses=(host,), port=port, scheme="http")
+        return None
+
+    def select(self, running: Running, params: dict) -> dict:
+        node_id = params.get("id", "")
+        if not isinstance(node_id, str):
+            raise RpcError(INVALID_PARAMS, "id must be a string")
+        if node_id and not running.facade.nodes.known(node_id):
+            raise RpcError(INVALID_PARAMS, f'node "{node_id}" not found')
+        running.facade.pin = node_id
+        self.notify(running.facade.engine.id, "node/selection-changed", {"id": node_id})
+        return {"id": node_id}
+
+    def selected(self, running: Running, params: dict) -> dict:
+        return {"id": running.facade.pin}
+
+    def nodes_list(self, running: Running, params: dict) -> dict:
+        return {"nodes": [node.describe() for node in running.facade.nodes.all()]}
+
+    def add_manual(self, running: Running, params: dict) -> dict:
+        node_id, port = params.get("id"), params.get("port")
+        addresses = params.get("addresses")
+        if isinstance(addresses, list):
+            addresses = [a for a in addresses if isinstance(a, str) and a]
+        if (not isinstance(node_id, str) or not node_id or not isinstance(port, int)
+                or isinstance(port, bool) or not 1 <= port <= 65535 or not addresses):
+            raise RpcError(INVALID_PARAMS, "id, port, and at least one address are required")
+        models = params.get("models")
+        if models is not None and (not isinstance(models, list)
+                                   or not all(isinstance(m, str) for m in models)):
+            raise RpcError(INVALID_PARAMS, "models must be a list of strings")
+        txt = params.get("txt") if isinstance(params.get("txt"), dict) else {}
+        host = params.get("host") if isinstance(params.get("host"), str) else node_id
+        facade = running.facade
+        node = make_node(facade.engine, id=node_id, name=host or node_id, port=port,
+                         addresses=addresses, models=models, source="manual", txt=txt)
+        if models is None:
+            running.probed.add(node_id)
+        else:
+            running.probed.discard(node_id)
+        added = facade.nodes.put_manual(node)
+        self.notify(facade.engine.id, "node/discovered" if added else "node/updated", node.describe())
+        if models is None:
+            running.prober.probe(node)
+        return {"added": added}
+
+    def remove_manual(self, running: Running, params: dict) -> dict:
+        node_id = params.get("id")
+        if not isinstance(node_id, str) or not node_id:
+            raise RpcError(INVALID_PARAMS, "id is required")
+        facade = running.facade
+        node = facade.nodes.remove_manual(node_id)
+        running.probed.discard(node_id)
+        if node is None:
+            return {"removed": False}
+        self.notify(facade.engine.id, "node/removed", node.describe())
+        if facade.pin == node_id:
+            facade.pin = ""
+            self.notify(facade.engine.id, "node/selection-changed", {"id": ""})
+        return {"removed": True}
+
+    def set_local_backend(self, running: Running, params: dict) -> dict:
+        engine_id = running.facade.engine.id
+        if params.get("engine", engine_id) != engine_id:
+            raise RpcError(INVALID_PARAMS, f"engine must be {engine_id!r}")
+        host = params.get("host") or "127.0.0.1"
+        port = params.get("port", 0)
+        healthy = params.get("healthy", True)
+        if not isinstance(host, str) or not _loopback_literal(host):
+            raise RpcError(INVALID_PARAMS, "host must be a loopback address")
+        if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535:
+            raise RpcError(INVALID_PARAMS, "port must be between 0 and 65535")
+        running.local_backend = (host.strip("[]"), port) if port and healthy is not False else None
+        running.facade.nodes._changed()
+        return {"ok": True}
+
+    def model_owners(self, running: Running, params: dict) -> dict:
+        model = params.get("model")
+        if not isinstance(model, str) or not model.strip():
+            raise RpcError(INVALID_PARAMS, "model is required")
+        facade = running.facade
+        wanted = facade.engine.normalize_model(model)
+        ordered = order(owners(facade.nodes.routable(), wanted), facade.pin, facade.priority())
+        ids = [n.id for n in ordered]
+        if ids and not (facade.pin and ids[0] == facade.pin) and facade.reservations is not None:
+            chosen = facade.reservations.pick(ids)
+            ids.sort(key=lambda i: i != chosen)
+        return {"nodes": ids}
+
+    # Process end.
+
+    def stop_all(self) -> list:
+        """Cancel in-flight requests, stop probers; the listeners to close (grace is the caller's)."""
+        closing = []
+        for running in self.running.values():
+            running.prober.stop()
+            running.facade.shutdown()
+            closing.append(running.listening)
+            closing.extend(running.aliases)
+        return closing
+
+
+def _number(value) -> float:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0.0
+
+
+def _loopback_literal(host: str) -> bool:
+    """Loopback only; an IPv4-mapped LAN address is not loopback (behaviours)."""
+    try:
+        address = ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return host == "localhost"
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        return address.ipv4_mapped.is_loopback
+    return address.is_loopback
+
+
+def _reason(exc: CannotListenError) -> str:
+    error = exc.socketError
+    return getattr(error, "strerror", None) or str(error)

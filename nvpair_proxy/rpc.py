@@ -1,0 +1,150 @@
+"""Newline-delimited JSON-RPC 2.0 (protocol 1): framing, parsing, answering.
+
+Bad input never stops the link: a line that is not JSON, not an object or not 2.0 is logged
+and skipped, and an over-long line is discarded up to its newline (LineReceiver would drop
+the connection instead, twisted-notes). Requests get exactly one answer; notifications none.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Callable
+
+from twisted.internet.protocol import Protocol
+from twisted.python.failure import Failure
+from zope.interface import implementer
+
+from . import constants
+from .interfaces import IEmitter
+from .logs import logger
+
+log = logger()
+
+PARSE_ERROR = -32700
+INVALID_PARAMS = -32602
+METHOD_NOT_FOUND = -32601
+INTERNAL_ERROR = -32603
+SERVER_ERROR = -32000
+NO_FACADE = -32002
+BIND_FAILED = -32010
+
+
+class RpcError(Exception):
+    """An error answer with a code and an exact message (protocol 3)."""
+
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+class MethodNotFound(RpcError):
+    def __init__(self, method: str) -> None:
+        super().__init__(METHOD_NOT_FOUND, f"method not found: {method}")
+
+
+class NoAnswer(Exception):
+    """Raised by a handler whose method is never answered (``discovery:nodes``)."""
+
+
+class LineFramer(Protocol):
+    """Splits the stream into lines of at most ``max_line`` bytes; discards longer ones."""
+
+    def __init__(self, on_line: Callable[[bytes], None], on_closed: Callable[[Failure], None],
+                 max_line: int = constants.MAX_RPC_LINE) -> None:
+        self.on_line, self.on_closed, self.max_line = on_line, on_closed, max_line
+        self._buffer = b""
+        self._discarding = False
+
+    def dataReceived(self, data: bytes) -> None:
+        self._buffer += data
+        while True:
+            line, newline, rest = self._buffer.partition(b"\n")
+            if not newline:
+                break
+            self._buffer = rest
+            if self._discarding:
+                self._discarding = False
+                continue
+            if len(line) > self.max_line:
+                log.warn("discarded an over-long JSON-RPC line ({size} bytes)", size=len(line))
+                continue
+            self.on_line(line.rstrip(b"\r"))
+        if len(self._buffer) > self.max_line:
+            if not self._discarding:
+                log.warn("discarding an over-long JSON-RPC line (over {limit} bytes)",
+                         limit=self.max_line)
+            self._discarding = True
+            self._buffer = b""
+
+    def connectionLost(self, reason: Failure) -> None:
+        self.on_closed(reason)
+
+    def send(self, message: dict) -> None:
+        if self.transport is None or getattr(self.transport, "disconnected", False):
+            log.debug("link closed; dropped {method}", method=message.get("method", "a reply"))
+            return
+        self.transport.write(json.dumps(message, separators=(",", ":")).encode() + b"\n")
+
+
+@implementer(IEmitter)
+class RpcLink:
+    """The broker link: routes inbound messages to ``dispatch`` and sends what it answers.
+
+    ``dispatch(method, params)`` returns the result, or raises RpcError / NoAnswer.
+    """
+
+    def __init__(self, dispatch: Callable[[str, Any], Any],
+                 on_closed: Callable[[], None] = lambda: None) -> None:
+        self.dispatch = dispatch
+        self.framer = LineFramer(self.line_received, lambda reason: on_closed())
+        self.after_answer: list[Callable[[], None]] = []
+
+    def notify(self, method: str, params: dict, engine: str | None = None) -> None:
+        name = f"{engine}:{method}" if engine else method
+        self.framer.send({"jsonrpc": "2.0", "method": name, "params": params})
+
+    def line_received(self, line: bytes) -> None:
+        if not line.strip():
+            return
+        try:
+            message = json.loads(line)
+        except (ValueError, UnicodeDecodeError):
+            log.warn("skipped a JSON-RPC line that is not JSON")
+            return
+        if not isinstance(message, dict) or message.get("jsonrpc") != "2.0":
+            log.warn("skipped a JSON-RPC line that is not a 2.0 object")
+            return
+        method = message.get("method")
+        if not isinstance(method, str):
+            if "result" not in message and "error" not in message:
+                log.warn("skipped a JSON-RPC message without a method")
+            return
+        has_id = "id" in message
+        params = message.get("params", {})
+        try:
+            result = self.dispatch(method, params)
+        except NoAnswer:
+            return
+        except RpcError as exc:
+            if has_id:
+                self._answer(message["id"], error={"code": exc.code, "message": exc.message})
+            return
+        except Exception:
+            log.failure("internal error handling {method}", method=method)
+            if has_id:
+                self._answer(message["id"], error={"code": INTERNAL_ERROR,
+                                                   "message": f"internal error handling {method}"})
+            return
+        if has_id:
+            self._answer(message["id"], result=result)
+        callbacks, self.after_answer = self.after_answer, []
+        for callback in callbacks:
+            callback()
+
+    def _answer(self, message_id, result=None, error=None) -> None:
+        reply = {"jsonrpc": "2.0", "id": message_id}
+        if error is not None:
+            reply["error"] = error
+        else:
+            reply["result"] = result
+        self.framer.send(reply)

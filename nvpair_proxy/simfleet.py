@@ -1,0 +1,842 @@
+"""A simulated fleet of LLM engine nodes (Ollama, LM Studio, llama.cpp) on real sockets.
+
+The proxy is only as well tested as its fake engine is honest, so each node speaks its
+dialect's real wire formats (Ollama NDJSON, OpenAI SSE, Anthropic SSE, the model-list
+envelopes, the error bodies) and fails on demand in the ways real engines fail: an error
+status, silence before or after the headers, or a connection that drops mid-stream. Time
+comes from the injected reactor, so tests drive token spacing with a ``Clock``.
+
+Every response carries ``X-Sim-Node: <id>`` so a demo or a test can see which node answered.
+
+Admin routes: ``POST /_sim/fault`` (a JSON object of ``FAULT_FIELDS``) changes a node at
+runtime, and ``GET /_sim/state`` reports its fields and what it served. They are loopback
+test aids with no authentication: the CLI listens on 127.0.0.1 only, and nothing should ever
+expose them further.
+
+CLI: ``python -m nvpair_proxy.simfleet FLEET.toml`` (the file format is in ``parse_fleet``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import sys
+import tomllib
+from datetime import datetime, timezone
+from typing import Any, Mapping, Sequence
+
+import attrs
+from twisted.internet.error import CannotListenError
+from twisted.internet.interfaces import IListeningPort, IReactorTCP, IReactorTime
+from twisted.python.failure import Failure
+from twisted.web.resource import Resource
+from twisted.web.server import NOT_DONE_YET, Request, Site
+
+DIALECTS = ("ollama", "lmstudio", "llamacpp")
+
+# The fields POST /_sim/fault may change; identity (id, dialect, port) and records may not.
+FAULT_FIELDS = ("models", "loaded", "tokens", "token_delay", "chunk_size", "status",
+                "hang_before_headers", "hang_after_headers", "die_after_tokens")
+
+_FILLER = "abcdefghijklmnopqrstuvwxyz0123456789"
+
+# Simulated cost floors, so a zero-delay run still reports finite, non-zero rates.
+_SECONDS_PER_PROMPT_TOKEN = 0.001
+_MIN_SECONDS_PER_TOKEN = 0.001
+_LOAD_SECONDS = 0.001
+
+
+def token_text(node_id: str, index: int, chunk_size: int = 0) -> str:
+    """The content of token ``index``; it names the node so a test can see who answered.
+
+    With ``chunk_size`` the text is padded with a fixed pattern to that many characters, so
+    multi-megabyte streams stay deterministic and can be compared byte for byte.
+    """
+    text = f"{node_id} says hello {index} "
+    missing = chunk_size - len(text)
+    if missing > 0:
+        text += (_FILLER * (missing // len(_FILLER) + 1))[:missing]
+    return text
+
+
+# -- the node ------------------------------------------------------------------------------
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _int_in(low: int, high: int | None = None):
+    def check(instance, attribute, value):
+        if not _is_int(value) or value < low or (high is not None and value > high):
+            bound = f"{low}-{high}" if high is not None else f">= {low}"
+            raise ValueError(f"{attribute.name} must be an integer {bound} (got {value!r})")
+    return check
+
+
+def _optional(check):
+    def optional_check(instance, attribute, value):
+        if value is not None:
+            check(instance, attribute, value)
+    return optional_check
+
+
+def _flag(instance, attribute, value):
+    if not isinstance(value, bool):
+        raise ValueError(f"{attribute.name} must be true or false (got {value!r})")
+
+
+def _seconds(value: object) -> object:
+    return float(value) if _is_int(value) else value
+
+
+def _non_negative_seconds(instance, attribute, value):
+    if not isinstance(value, float) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"{attribute.name} must be a number of seconds >= 0 (got {value!r})")
+
+
+def _names(instance, attribute, value):
+    if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+        raise ValueError(f"{attribute.name} must be a list of non-empty strings (got {value!r})")
+
+
+def _node_id(instance, attribute, value):
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"id must be a non-empty string (got {value!r})")
+
+
+def _dialect(instance, attribute, value):
+    if value not in DIALECTS:
+        raise ValueError(f"dialect must be one of {', '.join(DIALECTS)} (got {value!r})")
+
+
+def ollama_name(name: str) -> str:
+    """Ollama's own naming rule: a missing tag means ``:latest``."""
+    name = name.strip()
+    last = name.rsplit("/", 1)[-1]
+    if name and ":" not in last and "@" not in last:
+        name += ":latest"
+    return name
+
+
+@attrs.define
+class SimNode:
+    """One simulated engine node: its identity, catalog, pacing, fault switches and records.
+
+    Fault switches are read when a request arrives, so a change through ``/_sim/fault``
+    applies to the next request and never to one already streaming.
+    """
+
+    node_id: str = attrs.field(validator=_node_id)
+    dialect: str = attrs.field(validator=_dialect)
+    models: list[str] = attrs.field(factory=list, validator=_names)
+    # llama.cpp runs without model autoload: only these make it answer. None: all of models.
+    loaded: list[str] | None = attrs.field(default=None, validator=_optional(_names))
+    port: int = attrs.field(default=0, validator=_int_in(0, 65535))
+    tokens: int = attrs.field(default=6, validator=_int_in(0))
+    token_delay: float = attrs.field(default=0.0, converter=_seconds,
+                                     validator=_non_negative_seconds)
+    chunk_size: int = attrs.field(default=0, validator=_int_in(0))
+    status: int | None = attrs.field(default=None, validator=_optional(_int_in(400, 599)))
+    hang_before_headers: bool = attrs.field(default=False, validator=_flag)
+    hang_after_headers: bool = attrs.field(default=False, validator=_flag)
+    die_after_tokens: int | None = attrs.field(default=None, validator=_optional(_int_in(0)))
+    # Every inference request that reached this node, whatever it was answered.
+    served: list[tuple[str, str]] = attrs.field(factory=list)
+    # The last non-admin request's headers: lower-case name -> values in arrival order
+    # (a list, so a test can see whether a proxy kept repeated headers apart).
+    headers_seen: dict[str, list[str]] = attrs.field(factory=dict)
+
+    def available(self) -> list[str]:
+        """The models this node answers for (and lists, for llama.cpp)."""
+        if self.dialect == "llamacpp" and self.loaded is not None:
+            return list(self.loaded)
+        return list(self.models)
+
+    def has_model(self, model: str) -> bool:
+        if self.dialect == "ollama":
+            return ollama_name(model) in {ollama_name(m) for m in self.available()}
+        return model in self.available()
+
+    def set_faults(self, changes: Mapping[str, Any]) -> None:
+        """Apply a ``/_sim/fault`` body all or nothing; ValueError names the bad field."""
+        unknown = sorted(set(changes) - set(FAULT_FIELDS))
+        if unknown:
+            raise ValueError(f"unknown field(s): {', '.join(unknown)}; "
+                             f"want any of {', '.join(FAULT_FIELDS)}")
+        checked = attrs.evolve(self, **changes)
+        for name in changes:
+            setattr(self, name, getattr(checked, name))
+
+    def state(self) -> dict[str, Any]:
+        """The node as ``/_sim/state`` reports it."""
+        return {**attrs.asdict(self), "served_count": len(self.served)}
+
+
+# -- wire helpers --------------------------------------------------------------------------
+
+def _dumps(value: Any) -> bytes:
+    return json.dumps(value, separators=(",", ":")).encode("utf-8")
+
+
+def _rfc3339(seconds: float) -> str:
+    return datetime.fromtimestamp(seconds, timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def _sse(value: Any, event: str | None = None) -> bytes:
+    prefix = f"event: {event}\n".encode("ascii") if event else b""
+    return prefix + b"data: " + _dumps(value) + b"\n\n"
+
+
+def _ndjson(value: Any) -> bytes:
+    return _dumps(value) + b"\n"
+
+
+def _headers_of(request: Request) -> dict[str, list[str]]:
+    return {name.decode("latin-1").lower(): [v.decode("latin-1") for v in values]
+            for name, values in request.requestHeaders.getAllRawHeaders()}
+
+
+_ANTHROPIC_ERRORS = {400: "invalid_request_error", 404: "not_found_error",
+                     429: "rate_limit_error", 503: "overloaded_error"}
+_LLAMACPP_ERRORS = {400: "invalid_request_error", 404: "not_found_error",
+                    501: "not_supported_error", 503: "unavailable_error"}
+
+
+def _error_body(style: str, status: int, message: str) -> dict[str, Any]:
+    """An error in the shape the route's own clients parse."""
+    if style == "ollama":
+        return {"error": message}
+    if style == "anthropic":
+        return {"type": "error",
+                "error": {"type": _ANTHROPIC_ERRORS.get(status, "api_error"), "message": message}}
+    if style == "llamacpp":
+        return {"error": {"code": status, "message": message,
+                          "type": _LLAMACPP_ERRORS.get(status, "server_error")}}
+    return {"error": {"message": message,
+                      "type": "invalid_request_error" if status < 500 else "server_error",
+                      "param": None, "code": None}}
+
+
+def _prompt_words(value: Any) -> int:
+    if isinstance(value, str):
+        return len(value.split())
+    if isinstance(value, list):
+        return sum(_prompt_words(item) for item in value)
+    if isinstance(value, dict):
+        return sum(_prompt_words(v) for k, v in value.items() if k in ("content", "text"))
+    return 0
+
+
+def _prompt_tokens(body: Mapping[str, Any]) -> int:
+    """Words of the prompt stand in for tokens, so a test can predict the count."""
+    return max(1, sum(_prompt_words(body.get(key))
+                      for key in ("prompt", "system", "messages", "input")))
+
+
+def _embedding(node_id: str, model: str, text: str) -> list[float]:
+    digest = hashlib.sha256(f"{node_id}\0{model}\0{text}".encode("utf-8")).digest()
+    return [round(byte / 127.5 - 1.0, 6) for byte in digest[:4]]
+
+
+def _inputs(value: Any) -> list[str]:
+    items = value if isinstance(value, list) else ([] if value is None else [value])
+    return [item if isinstance(item, str) else json.dumps(item) for item in items]
+
+
+# -- one generation ------------------------------------------------------------------------
+
+@attrs.frozen
+class _Job:
+    """What one generation request asked for, fixed when it arrived."""
+
+    node_id: str
+    dialect: str
+    model: str
+    reply_id: str
+    created: float
+    prompt_tokens: int
+    completion_tokens: int
+    chunk_size: int
+    include_usage: bool
+
+    def text(self, index: int) -> str:
+        return token_text(self.node_id, index, self.chunk_size)
+
+    def full_text(self) -> str:
+        return "".join(self.text(i) for i in range(self.completion_tokens))
+
+    def eval_seconds(self, now: float) -> float:
+        return max(now - self.created, self.completion_tokens * _MIN_SECONDS_PER_TOKEN)
+
+    def usage(self) -> dict[str, int]:
+        return {"prompt_tokens": self.prompt_tokens,
+                "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens}
+
+    def timings(self, now: float) -> dict[str, float]:
+        predicted_ms = self.eval_seconds(now) * 1000.0
+        return {"prompt_n": self.prompt_tokens,
+                "prompt_ms": self.prompt_tokens * _SECONDS_PER_PROMPT_TOKEN * 1000.0,
+                "predicted_n": self.completion_tokens, "predicted_ms": predicted_ms,
+                "predicted_per_second":
+                    self.completion_tokens / predicted_ms * 1000.0 if predicted_ms else 0.0}
+
+    def ollama_stats(self, now: float) -> dict[str, int]:
+        load = round(_LOAD_SECONDS * 1e9)
+        prompt = round(self.prompt_tokens * _SECONDS_PER_PROMPT_TOKEN * 1e9)
+        evaluation = round(self.eval_seconds(now) * 1e9)
+        return {"total_duration": load + prompt + evaluation, "load_duration": load,
+                "prompt_eval_count": self.prompt_tokens, "prompt_eval_duration": prompt,
+                "eval_count": self.completion_tokens, "eval_duration": evaluation}
+
+    def openai_extras(self, now: float, streaming: bool) -> dict[str, Any]:
+        """Usage (always off-stream; on a stream when asked, or always for LM Studio) and
+        llama.cpp's own timings."""
+        extras: dict[str, Any] = {}
+        if not streaming or self.include_usage:
+            extras["usage"] = self.usage()
+        if self.dialect == "llamacpp":
+            extras["timings"] = self.timings(now)
+        return extras
+
+
+class _OllamaNative:
+    """``/api/chat`` and ``/api/generate``: NDJSON lines, the last one ``"done":true``."""
+
+    content_type = b"application/x-ndjson"
+    id_prefix = ""
+
+    def __init__(self, chat: bool):
+        self._chat = chat
+
+    def _frame(self, job: _Job, now: float, content: str) -> dict[str, Any]:
+        frame: dict[str, Any] = {"model": job.model, "created_at": _rfc3339(now)}
+        if self._chat:
+            frame["message"] = {"role": "assistant", "content": content}
+        else:
+            frame["response"] = content
+        return frame
+
+    def prologue(self, job: _Job) -> bytes:
+        return b""
+
+    def token(self, job: _Job, index: int, now: float) -> bytes:
+        return _ndjson({**self._frame(job, now, job.text(index)), "done": False})
+
+    def epilogue(self, job: _Job, now: float) -> bytes:
+        return _ndjson(self._whole(job, "", now))
+
+    def whole(self, job: _Job, now: float) -> dict[str, Any]:
+        return self._whole(job, job.full_text(), now)
+
+    def _whole(self, job: _Job, content: str, now: float) -> dict[str, Any]:
+        return {**self._frame(job, now, content), "done_reason": "stop", "done": True,
+                **job.ollama_stats(now)}
+
+
+class _OpenAI:
+    """``/v1/chat/completions`` and ``/v1/completions``: SSE chunks, then ``data: [DONE]``."""
+
+    content_type = b"text/event-stream"
+
+    def __init__(self, chat: bool):
+        self._chat = chat
+        self.id_prefix = "chatcmpl-" if chat else "cmpl-"
+
+    def _head(self, job: _Job, obj: str) -> dict[str, Any]:
+        return {"id": job.reply_id, "object": obj, "created": int(job.created),
+                "model": job.model}
+
+    def _choice(self, content: str | None, finish: str | None, streaming: bool):
+        if not self._chat:
+            return {"index": 0, "text": content or "", "logprobs": None, "finish_reason": finish}
+        if streaming:
+            delta = {} if content is None else {"role": "assistant", "content": content}
+            return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        return {"index": 0, "message": {"role": "assistant", "content": content},
+                "logprobs": None, "finish_reason": finish}
+
+    def prologue(self, job: _Job) -> bytes:
+        return b""
+
+    def token(self, job: _Job, index: int, now: float) -> bytes:
+        obj = "chat.completion.chunk" if self._chat else "text_completion"
+        return _sse({**self._head(job, obj),
+                     "choices": [self._choice(job.text(index), None, streaming=True)]})
+
+    def epilogue(self, job: _Job, now: float) -> bytes:
+        obj = "chat.completion.chunk" if self._chat else "text_completion"
+        final = {**self._head(job, obj), "choices": [self._choice(None, "stop", streaming=True)],
+                 **job.openai_extras(now, streaming=True)}
+        return _sse(final) + b"data: [DONE]\n\n"
+
+    def whole(self, job: _Job, now: float) -> dict[str, Any]:
+        obj = "chat.completion" if self._chat else "text_completion"
+        return {**self._head(job, obj),
+                "choices": [self._choice(job.full_text(), "stop", streaming=False)],
+                **job.openai_extras(now, streaming=False)}
+
+
+class _Anthropic:
+    """``/v1/messages``: named SSE events, ``message_stop`` last."""
+
+    content_type = b"text/event-stream"
+    id_prefix = "msg_"
+
+    def _message(self, job: _Job, content: list, stop: str | None, output: int):
+        return {"id": job.reply_id, "type": "message", "role": "assistant", "model": job.model,
+                "content": content, "stop_reason": stop, "stop_sequence": None,
+                "usage": {"input_tokens": job.prompt_tokens, "output_tokens": output}}
+
+    def prologue(self, job: _Job) -> bytes:
+        return (_sse({"type": "message_start", "message": self._message(job, [], None, 0)},
+                     "message_start")
+                + _sse({"type": "content_block_start", "index": 0,
+                        "content_block": {"type": "text", "text": ""}}, "content_block_start"))
+
+    def token(self, job: _Job, index: int, now: float) -> bytes:
+        return _sse({"type": "content_block_delta", "index": 0,
+                     "delta": {"type": "text_delta", "text": job.text(index)}},
+                    "content_block_delta")
+
+    def epilogue(self, job: _Job, now: float) -> bytes:
+        return (_sse({"type": "content_block_stop", "index": 0}, "content_block_stop")
+                + _sse({"type": "message_delta",
+                        "delta": {"stop_reason": "end_turn", "stop_sequence": None},
+                        "usage": {"output_tokens": job.completion_tokens}}, "message_delta")
+                + _sse({"type": "message_stop"}, "message_stop"))
+
+    def whole(self, job: _Job, now: float) -> dict[str, Any]:
+        return self._message(job, [{"type": "text", "text": job.full_text()}], "end_turn",
+                             job.completion_tokens)
+
+
+class _Generation:
+    """Writes one answer as time passes on the injected clock.
+
+    Step ``i`` (at ``i * delay`` after arrival) writes token ``i``; step ``tokens`` the terminal
+    frame (or, off-stream, the whole body: headers come only when generation is done, as
+    with a real engine). It is the request's push producer, so a slow reader slows it.
+    """
+
+    def __init__(self, request: Request, clock: IReactorTime, fmt, job: _Job, streaming: bool,
+                 delay: float, die_after: int | None):
+        self._request = request
+        self._clock = clock
+        self._fmt = fmt
+        self._job = job
+        self._streaming = streaming
+        self._delay = delay
+        self._die_after = die_after
+        self._step = 0
+        self._call = None
+        self._paused = False
+        self._done = False
+
+    def start(self) -> None:
+        content_type = self._fmt.content_type if self._streaming else b"application/json"
+        self._request.setHeader(b"Content-Type", content_type)
+        self._request.notifyFinish().addErrback(self._client_gone)
+        self._request.registerProducer(self, True)
+        self._run()
+
+    def _run(self) -> None:
+        """Take every step that is due; steps keep to ``start + i * delay``, so a late
+        wake-up (a busy reactor, a paused client) catches up instead of drifting."""
+        self._call = None
+        while not self._done and not self._paused:
+            self._take_step()
+            wait = self._job.created + self._step * self._delay - self._clock.seconds()
+            if not self._done and wait > 0:
+                self._call = self._clock.callLater(wait, self._run)
+                return
+
+    def _take_step(self) -> None:
+        index, job = self._step, self._job
+        self._step += 1
+        if index == self._die_after:
+            if self._streaming:
+                self._request.write(self._fmt.prologue(job) if index == 0 else b"")
+            self._end(die=True)
+            return
+        head = self._fmt.prologue(job) if index == 0 and self._streaming else b""
+        if index < job.completion_tokens:
+            if self._streaming:
+                self._request.write(head + self._fmt.token(job, index, self._clock.seconds()))
+            return
+        if self._streaming:
+            self._request.write(head + self._fmt.epilogue(job, self._clock.seconds()))
+        else:
+            body = _dumps(self._fmt.whole(job, self._clock.seconds()))
+            self._request.setHeader(b"Content-Length", b"%d" % len(body))
+            self._request.write(body)
+        self._end(die=False)
+
+    def _end(self, die: bool) -> None:
+        """Stop for good; a death closes the socket without the chunked terminator.
+
+        ``loseConnection`` (not an abort) so the tokens already written still reach the
+        client: it sees exactly ``die_after_tokens`` tokens, then the connection closing.
+        """
+        self._stop()
+        self._request.unregisterProducer()
+        if die:
+            self._request.channel.transport.loseConnection()
+        else:
+            self._request.finish()
+
+    def _stop(self) -> None:
+        self._done = True
+        if self._call is not None and self._call.active():
+            self._call.cancel()
+        self._call = None
+
+    def _client_gone(self, reason: Failure) -> None:
+        self._stop()
+
+    def pauseProducing(self) -> None:
+        self._paused = True
+
+    def resumeProducing(self) -> None:
+        self._paused = False
+        if not self._done and self._call is None:
+            self._run()
+
+    def stopProducing(self) -> None:
+        self._stop()
+
+
+# -- the resource --------------------------------------------------------------------------
+
+_GENERATION = {"ollama-chat": _OllamaNative(chat=True),
+               "ollama-generate": _OllamaNative(chat=False),
+               "chat": _OpenAI(chat=True), "completion": _OpenAI(chat=False),
+               "messages": _Anthropic()}
+
+_OPENAI_ROUTES = {("POST", "/v1/chat/completions"): "chat",
+                  ("POST", "/v1/completions"): "completion",
+                  ("POST", "/v1/embeddings"): "embeddings"}
+
+_INFERENCE = {
+    "ollama": {("POST", "/api/chat"): "ollama-chat", ("POST", "/api/generate"): "ollama-generate",
+               ("POST", "/api/embed"): "ollama-embed",
+               ("POST", "/api/embeddings"): "ollama-embeddings",
+               **_OPENAI_ROUTES, ("POST", "/v1/messages"): "messages"},
+    "lmstudio": {**_OPENAI_ROUTES, ("POST", "/v1/messages"): "messages"},
+    "llamacpp": dict(_OPENAI_ROUTES),
+}
+
+_MODEL_LISTS = {"ollama": {"/api/tags": "ollama", "/v1/models": "openai"},
+                "lmstudio": {"/v1/models": "openai"},
+                "llamacpp": {"/models": "openai", "/v1/models": "openai"}}
+
+_OWNED_BY = {"ollama": "library", "lmstudio": "organization_owner", "llamacpp": "llamacpp"}
+
+
+def _error_style(dialect: str, kind: str) -> str:
+    if kind == "messages":
+        return "anthropic"
+    if kind.startswith("ollama-"):
+        return "ollama"
+    return "llamacpp" if dialect == "llamacpp" else "openai"
+
+
+def _wants_stream(kind: str, body: Mapping[str, Any]) -> bool:
+    """Ollama's native routes stream unless told not to; the OpenAI and Anthropic ones only
+    when asked."""
+    if kind in ("ollama-chat", "ollama-generate"):
+        return body.get("stream") is not False
+    return kind in _GENERATION and body.get("stream") is True
+
+
+class SimNodeResource(Resource):
+    """One node's HTTP surface, rendered entirely here (a leaf: no child lookup)."""
+
+    isLeaf = True
+
+    def __init__(self, node: SimNode, reactor: IReactorTime):
+        super().__init__()
+        self.node = node
+        self._clock = reactor
+        self._serial = 0
+
+    def render(self, request: Request):
+        request.setHeader(b"X-Sim-Node", self.node.node_id.encode("utf-8"))
+        method = request.method.decode("latin-1")
+        path = request.path.decode("latin-1")
+        if path.startswith("/_sim/"):
+            return self._admin(request, method, path)
+        self.node.headers_seen = _headers_of(request)
+        kind = _INFERENCE[self.node.dialect].get((method, path))
+        if kind is not None:
+            self.node.served.append((method, path))
+            return self._infer(request, kind)
+        envelope = _MODEL_LISTS[self.node.dialect].get(path) if method == "GET" else None
+        if envelope is not None:
+            return self._model_list(request, envelope)
+        return self._no_route(request, method, path)
+
+    def _json(self, request: Request, value: Any, status: int = 200) -> bytes:
+        request.setResponseCode(status)
+        request.setHeader(b"Content-Type", b"application/json")
+        return _dumps(value)
+
+    def _error(self, request: Request, style: str, status: int, message: str) -> bytes:
+        return self._json(request, _error_body(style, status, message), status)
+
+    def _no_route(self, request: Request, method: str, path: str) -> bytes:
+        """Each engine's own 404 for a path it does not serve."""
+        dialect = self.node.dialect
+        if dialect == "ollama":
+            request.setResponseCode(404)
+            request.setHeader(b"Content-Type", b"text/plain")
+            return b"404 page not found"
+        if dialect == "lmstudio":
+            return self._json(request, {"error": f"Unexpected endpoint or method. ({method} {path})"}, 404)
+        return self._error(request, "llamacpp", 404, "File Not Found")
+
+    def _admin(self, request: Request, method: str, path: str) -> bytes:
+        if (method, path) == ("GET", "/_sim/state"):
+            return self._json(request, self.node.state())
+        if (method, path) == ("POST", "/_sim/fault"):
+            try:
+                changes = json.loads(request.content.read())
+                if not isinstance(changes, dict):
+                    raise ValueError("the body must be a JSON object")
+                self.node.set_faults(changes)
+            except (TypeError, ValueError) as exc:
+                return self._json(request, {"error": str(exc)}, 400)
+            return self._json(request, self.node.state())
+        return self._json(request, {"error": f"no admin route {method} {path}"}, 404)
+
+    def _model_list(self, request: Request, envelope: str) -> bytes:
+        node = self.node
+        now = self._clock.seconds()
+        if node.dialect == "ollama":
+            names = list(dict.fromkeys(ollama_name(m) for m in node.available()))
+        else:
+            names = node.available()
+        if envelope == "ollama":
+            return self._json(request, {"models": [
+                {"name": name, "model": name, "modified_at": _rfc3339(now),
+                 "size": 1_000_000_000 + len(name),
+                 "digest": hashlib.sha256(name.encode("utf-8")).hexdigest(), "details": {}}
+                for name in names]})
+        entries = []
+        for name in names:
+            entry: dict[str, Any] = {"id": name, "object": "model"}
+            if node.dialect != "lmstudio":
+                entry["created"] = int(now)
+            entry["owned_by"] = _OWNED_BY[node.dialect]
+            entries.append(entry)
+        return self._json(request, {"object": "list", "data": entries})
+
+    def _infer(self, request: Request, kind: str):
+        node = self.node
+        style = _error_style(node.dialect, kind)
+        try:
+            body = json.loads(request.content.read())
+        except ValueError as exc:
+            return self._error(request, style, 400, f"invalid JSON body: {exc}")
+        if not isinstance(body, dict):
+            return self._error(request, style, 400, "the request body must be a JSON object")
+        if node.hang_before_headers:
+            return NOT_DONE_YET
+        if node.status is not None:
+            return self._error(request, style, node.status,
+                               f"simulated fault on {node.node_id}: HTTP {node.status}")
+        model = body.get("model")
+        if not isinstance(model, str) or not model.strip():
+            # Ollama insists on a model; the OpenAI-style servers answer with what they have.
+            if node.dialect == "ollama" or not node.available():
+                return self._error(request, style, 400, "model is required")
+            model = node.available()[0]
+        elif not node.has_model(model):
+            return self._error(request, style, 404,
+                               f'model "{model}" not found on {node.node_id}')
+        streaming = _wants_stream(kind, body)
+        fmt = _GENERATION.get(kind)
+        if node.hang_after_headers:
+            request.setHeader(b"Content-Type",
+                              fmt.content_type if streaming else b"application/json")
+            request.write(b"")
+            return NOT_DONE_YET
+        if fmt is None:
+            return self._json(request, self._embeddings(kind, model, body))
+        self._serial += 1
+        stream_options = body.get("stream_options")
+        job = _Job(node_id=node.node_id, dialect=node.dialect, model=model,
+                   reply_id=f"{fmt.id_prefix}{node.node_id}-{self._serial}",
+                   created=self._clock.seconds(), prompt_tokens=_prompt_tokens(body),
+                   completion_tokens=node.tokens, chunk_size=node.chunk_size,
+                   include_usage=(node.dialect == "lmstudio" or
+                                  (isinstance(stream_options, dict)
+                                   and stream_options.get("include_usage") is True)))
+        _Generation(request, self._clock, fmt, job, streaming, node.token_delay,
+                    node.die_after_tokens).start()
+        return NOT_DONE_YET
+
+    def _embeddings(self, kind: str, model: str, body: Mapping[str, Any]) -> dict[str, Any]:
+        node_id = self.node.node_id
+        if kind == "ollama-embeddings":
+            prompt = body.get("prompt")
+            return {"embedding": _embedding(node_id, model, prompt if isinstance(prompt, str) else "")}
+        texts = _inputs(body.get("input"))
+        count = sum(len(text.split()) for text in texts)
+        vectors = [_embedding(node_id, model, text) for text in texts]
+        if kind == "ollama-embed":
+            load = round(_LOAD_SECONDS * 1e9)
+            return {"model": model, "embeddings": vectors,
+                    "total_duration": load + round(count * _SECONDS_PER_PROMPT_TOKEN * 1e9),
+                    "load_duration": load, "prompt_eval_count": count}
+        return {"object": "list",
+                "data": [{"object": "embedding", "embedding": vector, "index": index}
+                         for index, vector in enumerate(vectors)],
+                "model": model, "usage": {"prompt_tokens": count, "total_tokens": count}}
+
+
+# -- fleets --------------------------------------------------------------------------------
+
+def start_fleet(reactor: IReactorTCP, nodes: Sequence[SimNode],
+                interface: str = "127.0.0.1") -> list[tuple[SimNode, IListeningPort]]:
+    """Listen every node on its ``port`` (0: ephemeral) and record the bound port on it.
+
+    All or nothing: if one node cannot listen, the ones already listening are stopped and
+    the CannotListenError is raised. ``reactor`` must also provide IReactorTime.
+    """
+    started: list[tuple[SimNode, IListeningPort]] = []
+    try:
+        for node in nodes:
+            site = Site(SimNodeResource(node, reactor), reactor=reactor)
+            port = reactor.listenTCP(node.port, site, interface=interface)
+            node.port = port.getHost().port
+            started.append((node, port))
+    except CannotListenError:
+        for _, port in started:
+            port.stopListening()
+        raise
+    return started
+
+
+class FleetFileError(ValueError):
+    """A fleet file that cannot be used; the message names the file and the node."""
+
+
+_FILE_KEYS = {"id": "node_id", "dialect": "dialect", "port": "port", "models": "models",
+              "loaded": "loaded", "tokens": "tokens", "token_delay": "token_delay",
+              "chunk_size": "chunk_size", "status": "status",
+              "hang_before_headers": "hang_before_headers",
+              "hang_after_headers": "hang_after_headers", "die_after_tokens": "die_after_tokens"}
+
+
+def parse_fleet(data: Mapping[str, Any], source: str) -> list[SimNode]:
+    """Nodes from a decoded fleet file::
+
+        [[node]]
+        id = "gpu-a"            # required
+        dialect = "ollama"      # required: ollama, lmstudio or llamacpp
+        port = 11434            # optional, 0 (default): ephemeral
+        models = ["llama3:latest"]
+        loaded = ["llama3"]     # llama.cpp: the loaded subset (default: all of models)
+        tokens = 6
+        token_delay = 0.05      # seconds between streamed tokens
+        chunk_size = 0          # pad each token to about this many bytes
+        status = 503            # fault: answer inference with this error status
+        hang_before_headers = false
+        hang_after_headers = false
+        die_after_tokens = 3    # fault: drop the connection after this many tokens
+
+    A typo must fail loudly: a silently ignored fault switch makes a demo lie.
+    """
+    unknown = sorted(set(data) - {"node"})
+    if unknown:
+        raise FleetFileError(f"{source}: unknown top-level key(s): {', '.join(unknown)}")
+    tables = data.get("node")
+    if not isinstance(tables, list) or not tables:
+        raise FleetFileError(f"{source}: needs at least one [[node]] table")
+    nodes: list[SimNode] = []
+    ids: set[str] = set()
+    ports: set[int] = set()
+    for index, table in enumerate(tables):
+        where = f"{source}: node[{index}]"
+        if not isinstance(table, dict):
+            raise FleetFileError(f"{where}: must be a table")
+        if isinstance(table.get("id"), str):
+            where += f" ({table['id']})"
+        bad = sorted(set(table) - set(_FILE_KEYS))
+        if bad:
+            raise FleetFileError(f"{where}: unknown key(s): {', '.join(bad)}; "
+                                 f"want any of {', '.join(_FILE_KEYS)}")
+        for key in ("id", "dialect"):
+            if key not in table:
+                raise FleetFileError(f"{where}: missing key {key!r}")
+        try:
+            node = SimNode(**{_FILE_KEYS[key]: value for key, value in table.items()})
+        except (TypeError, ValueError) as exc:
+            raise FleetFileError(f"{where}: {exc}") from None
+        if node.node_id in ids:
+            raise FleetFileError(f"{where}: id {node.node_id!r} is used twice")
+        if node.port and node.port in ports:
+            raise FleetFileError(f"{where}: port {node.port} is used twice")
+        ids.add(node.node_id)
+        ports.add(node.port)
+        nodes.append(node)
+    return nodes
+
+
+def load_fleet(path: str) -> list[SimNode]:
+    """Read and check a fleet file; every failure is a FleetFileError."""
+    try:
+        with open(path, "rb") as handle:
+            data = tomllib.load(handle)
+    except OSError as exc:
+        raise FleetFileError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise FleetFileError(f"{path}: not valid TOML: {exc}") from None
+    return parse_fleet(data, path)
+
+
+_USAGE = "usage: python -m nvpair_proxy.simfleet FLEET.toml"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run a fleet on 127.0.0.1 until SIGTERM or SIGINT.
+
+    The ready line is the contract with the demo script: it waits for it, then reads the
+    ports from it (useful when the file asks for port 0).
+    """
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args in (["-h"], ["--help"]):
+        print(_USAGE)
+        return 0
+    if len(args) != 1:
+        print(_USAGE, file=sys.stderr)
+        return 2
+    try:
+        nodes = load_fleet(args[0])
+    except FleetFileError as exc:
+        print(f"simfleet: {exc}", file=sys.stderr)
+        return 2
+
+    from twisted.internet import reactor
+    from twisted.logger import (FilteringLogObserver, LogLevel, LogLevelFilterPredicate,
+                                globalLogBeginner, textFileLogObserver)
+
+    globalLogBeginner.beginLoggingTo(
+        [FilteringLogObserver(textFileLogObserver(sys.stderr),
+                              [LogLevelFilterPredicate(defaultLogLevel=LogLevel.warn)])],
+        redirectStandardIO=False)
+    try:
+        listening = start_fleet(reactor, nodes)
+    except CannotListenError as exc:
+        print(f"simfleet: {exc}", file=sys.stderr)
+        return 1
+    ready = " ".join(f"{node.node_id}={port.getHost().port}" for node, port in listening)
+    print(f"simfleet ready: {ready}", flush=True)
+    reactor.run()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

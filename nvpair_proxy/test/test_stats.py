@@ -1,0 +1,568 @@
+"""Tests for nvpair_proxy.stats: terminal frames and the stats block, read from a bounded tail."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import json
+
+from twisted.trial.unittest import SynchronousTestCase
+
+from nvpair_proxy import stats
+from nvpair_proxy.stats import LINE_LIMIT, TAIL_LIMIT, BodyObserver
+
+# One clock for every measurement: admission, first body byte 250 ms later, end 2 s after that.
+ADMITTED = 1000.0
+FIRST_BYTE = 1000.25
+ENDED = 1002.25
+
+NDJSON = "application/x-ndjson"
+SSE = "text/event-stream"
+JSON = "application/json; charset=utf-8"
+
+
+def _ndjson(*objects: dict) -> bytes:
+    return b"".join(json.dumps(o, separators=(",", ":"), ensure_ascii=False).encode() + b"\n"
+                    for o in objects)
+
+
+def _ollama_token(text: str) -> dict:
+    return {"model": "llama3:latest", "created_at": "2024-05-29T16:00:01.1Z",
+            "message": {"role": "assistant", "content": text}, "done": False}
+
+
+# Ollama /api/chat, streaming (Go's encoding/json: compact, non-ASCII kept as UTF-8).
+OLLAMA_STREAM = _ndjson(
+    _ollama_token("Bonjour"),
+    _ollama_token(" à"),
+    _ollama_token(" vous"),
+    _ollama_token(" 😀"),
+    {"model": "llama3:latest", "created_at": "2024-05-29T16:00:03.5Z",
+     "message": {"role": "assistant", "content": ""}, "done_reason": "stop", "done": True,
+     "total_duration": 5191566416, "load_duration": 2154458, "prompt_eval_count": 26,
+     "prompt_eval_duration": 383809000, "eval_count": 298, "eval_duration": 4799921000},
+)
+OLLAMA_STREAM_STATS = {"promptTokens": 26, "completionTokens": 298, "tokensPerSecond": 62.1,
+                       "ttftMs": 250}
+
+# Ollama /api/chat with "stream": false: one object, no trailing newline.
+OLLAMA_JSON = json.dumps(
+    {"model": "llama3:latest", "created_at": "2024-05-29T16:00:12Z",
+     "message": {"role": "assistant", "content": "Hello! How can I help you today? 👋"},
+     "done_reason": "stop", "done": True, "total_duration": 8512345678,
+     "load_duration": 1234567, "prompt_eval_count": 12, "prompt_eval_duration": 45000000,
+     "eval_count": 340, "eval_duration": 8037825000},
+    separators=(",", ":"), ensure_ascii=False).encode()
+OLLAMA_JSON_STATS = {"promptTokens": 12, "completionTokens": 340, "tokensPerSecond": 42.3,
+                     "ttftMs": 250}
+
+
+def _sse(*frames: object, event: str | None = None) -> bytes:
+    out = []
+    for frame in frames:
+        if isinstance(frame, tuple):
+            out.append(("event: %s\n" % frame[0]).encode())
+            frame = frame[1]
+        payload = frame if isinstance(frame, str) else json.dumps(frame, separators=(",", ":"))
+        out.append(("data: %s\n\n" % payload).encode())
+    return b"".join(out)
+
+
+def _openai_chunk(delta: dict, finish: str | None = None, usage=None) -> dict:
+    return {"id": "chatcmpl-417", "object": "chat.completion.chunk", "created": 1716998400,
+            "model": "llama3:latest", "system_fingerprint": "fp_ollama",
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish}], "usage": usage}
+
+
+# OpenAI /v1/chat/completions streaming with stream_options.include_usage.
+OPENAI_SSE = _sse(
+    _openai_chunk({"role": "assistant", "content": ""}),
+    _openai_chunk({"content": "Hi"}),
+    _openai_chunk({"content": " thére"}),
+    _openai_chunk({}, finish="stop"),
+    {"id": "chatcmpl-417", "object": "chat.completion.chunk", "created": 1716998400,
+     "model": "llama3:latest", "system_fingerprint": "fp_ollama", "choices": [],
+     "usage": {"prompt_tokens": 12, "completion_tokens": 3, "total_tokens": 15}},
+    "[DONE]",
+)
+OPENAI_SSE_STATS = {"promptTokens": 12, "completionTokens": 3, "tokensPerSecond": 1.5,
+                    "ttftMs": 250}
+
+# The same stream without the usage chunk (no include_usage): the count is estimated.
+SSE_NO_USAGE = _sse(
+    _openai_chunk({"role": "assistant", "content": ""}),
+    _openai_chunk({"content": "Hi"}),
+    _openai_chunk({"content": " thére"}),
+    _openai_chunk({}, finish="stop"),
+    "[DONE]",
+)
+SSE_NO_USAGE_STATS = {"completionTokens": 4, "tokensPerSecond": 2.0, "ttftMs": 250,
+                      "estimated": True}
+
+# LM Studio /v1/chat/completions, non-streaming.
+OPENAI_JSON = json.dumps(
+    {"id": "chatcmpl-9x2", "object": "chat.completion", "created": 1716998400,
+     "model": "qwen2.5-7b-instruct",
+     "choices": [{"index": 0, "logprobs": None, "finish_reason": "stop",
+                  "message": {"role": "assistant", "content": "Paris is the capital."}}],
+     "usage": {"prompt_tokens": 20, "completion_tokens": 40, "total_tokens": 60},
+     "stats": {}, "system_fingerprint": "qwen2.5-7b-instruct"},
+    indent=2).encode() + b"\n"
+OPENAI_JSON_STATS = {"promptTokens": 20, "completionTokens": 40, "tokensPerSecond": 20.0,
+                     "ttftMs": 250}
+
+
+def _llama_chunk(delta: dict, finish: str | None = None, **extra) -> dict:
+    chunk = {"choices": [{"finish_reason": finish, "index": 0, "delta": delta}],
+             "created": 1716998400, "id": "chatcmpl-Xq1", "model": "gpt-3.5-turbo",
+             "system_fingerprint": "b4514-a0b1c2d3", "object": "chat.completion.chunk"}
+    chunk.update(extra)
+    return chunk
+
+
+# llama.cpp server /v1/chat/completions streaming: the last chunk carries usage and timings.
+LLAMACPP_SSE = _sse(
+    _llama_chunk({"role": "assistant", "content": None}),
+    _llama_chunk({"content": "Hel"}),
+    _llama_chunk({"content": "lo"}),
+    _llama_chunk({}, finish="stop",
+                 usage={"completion_tokens": 10, "prompt_tokens": 15, "total_tokens": 25},
+                 timings={"prompt_n": 15, "prompt_ms": 30.1, "prompt_per_token_ms": 2.006,
+                          "prompt_per_second": 498.3, "predicted_n": 10,
+                          "predicted_ms": 120.5, "predicted_per_token_ms": 12.05,
+                          "predicted_per_second": 82.98755186721992}),
+    "[DONE]",
+)
+LLAMACPP_SSE_STATS = {"promptTokens": 15, "completionTokens": 10, "tokensPerSecond": 83.0,
+                      "ttftMs": 250}
+
+# llama.cpp native /completion streaming: no usage, only timings and tokens_predicted.
+LLAMACPP_NATIVE_SSE = _sse(
+    {"content": "Once", "stop": False, "id_slot": 0, "multimodal": False, "index": 0},
+    {"content": " upon", "stop": False, "id_slot": 0, "multimodal": False, "index": 0},
+    {"content": "", "id_slot": 0, "stop": True, "model": "qwen2.5-0.5b-instruct-q4_k_m.gguf",
+     "tokens_predicted": 7, "tokens_evaluated": 9,
+     "generation_settings": {"n_predict": 7, "temperature": 0.8}, "prompt": "<redacted>",
+     "has_new_line": False, "truncated": False, "stop_type": "limit", "stopping_word": "",
+     "tokens_cached": 15,
+     "timings": {"prompt_n": 9, "prompt_ms": 12.2, "prompt_per_token_ms": 1.35,
+                 "prompt_per_second": 737.7, "predicted_n": 7, "predicted_ms": 126.0,
+                 "predicted_per_token_ms": 18.0, "predicted_per_second": 55.56}},
+)
+LLAMACPP_NATIVE_STATS = {"promptTokens": 9, "completionTokens": 7, "tokensPerSecond": 55.6,
+                         "ttftMs": 250}
+
+# Anthropic /v1/messages streaming (LM Studio, Ollama).
+ANTHROPIC_SSE = _sse(
+    ("message_start", {"type": "message_start", "message": {
+        "id": "msg_01", "type": "message", "role": "assistant", "model": "qwen3:8b",
+        "content": [], "stop_reason": None, "stop_sequence": None,
+        "usage": {"input_tokens": 25, "output_tokens": 1}}}),
+    ("content_block_start", {"type": "content_block_start", "index": 0,
+                             "content_block": {"type": "text", "text": ""}}),
+    ("ping", '{"type": "ping"}'),
+    ("content_block_delta", {"type": "content_block_delta", "index": 0,
+                             "delta": {"type": "text_delta", "text": "Hello"}}),
+    ("content_block_delta", {"type": "content_block_delta", "index": 0,
+                             "delta": {"type": "text_delta", "text": "!"}}),
+    ("content_block_stop", {"type": "content_block_stop", "index": 0}),
+    ("message_delta", {"type": "message_delta",
+                       "delta": {"stop_reason": "end_turn", "stop_sequence": None},
+                       "usage": {"output_tokens": 15}}),
+    ("message_stop", {"type": "message_stop"}),
+)
+ANTHROPIC_SSE_STATS = {"promptTokens": 25, "completionTokens": 15, "tokensPerSecond": 7.5,
+                       "ttftMs": 250}
+
+# (name, terminal rule, content type, body, stats)
+RECORDED = [
+    ("ollama stream", "ndjson-done", NDJSON, OLLAMA_STREAM, OLLAMA_STREAM_STATS),
+    ("ollama json", "ndjson-done", JSON, OLLAMA_JSON, OLLAMA_JSON_STATS),
+    ("ollama json, no type", "ndjson-done", None, OLLAMA_JSON, OLLAMA_JSON_STATS),
+    ("openai sse", "sse-done", SSE, OPENAI_SSE, OPENAI_SSE_STATS),
+    ("openai json", "sse-done", JSON, OPENAI_JSON, OPENAI_JSON_STATS),
+    ("openai json, no type", "sse-done", None, OPENAI_JSON, OPENAI_JSON_STATS),
+    ("llama.cpp sse", "sse-done", SSE, LLAMACPP_SSE, LLAMACPP_SSE_STATS),
+    ("anthropic sse", "sse-message-stop", SSE, ANTHROPIC_SSE, ANTHROPIC_SSE_STATS),
+    ("sse without usage", "sse-done", SSE, SSE_NO_USAGE, SSE_NO_USAGE_STATS),
+]
+
+
+def observe(terminal, content_type, chunks) -> BodyObserver:
+    observer = BodyObserver(terminal, content_type)
+    for chunk in chunks:
+        observer.feed(chunk)
+    return observer
+
+
+def measure(observer: BodyObserver, first_byte_at=FIRST_BYTE, ended_at=ENDED):
+    return observer.measure(admitted_at=ADMITTED, first_byte_at=first_byte_at, ended_at=ended_at)
+
+
+def chunked(body: bytes, size: int):
+    return [body[i:i + size] for i in range(0, len(body), size)]
+
+
+class RecordedBodyTests(SynchronousTestCase):
+    """Each dialect's recorded body gives its exact stats and its terminal frame."""
+
+    def test_exact_stats_and_terminal(self):
+        for name, terminal, content_type, body, expected in RECORDED:
+            observer = observe(terminal, content_type, [body])
+            self.assertEqual(measure(observer), expected, name)
+            self.assertTrue(observer.terminal_seen, name)
+            self.assertEqual(observer.bytes_seen, len(body), name)
+
+    def test_llamacpp_native_timings(self):
+        observer = observe(None, SSE, [LLAMACPP_NATIVE_SSE])
+        self.assertEqual(measure(observer), LLAMACPP_NATIVE_STATS)
+
+    def test_byte_at_a_time(self):
+        for name, terminal, content_type, body, expected in RECORDED:
+            observer = observe(terminal, content_type, chunked(body, 1))
+            self.assertEqual(measure(observer), expected, name)
+            self.assertTrue(observer.terminal_seen, name)
+
+    def test_every_two_way_split(self):
+        """A chunk boundary anywhere (mid-line, mid-marker, mid-UTF-8) changes nothing."""
+        for name, terminal, content_type, body, expected in RECORDED:
+            whole = observe(terminal, content_type, [body])
+            events = whole.events_seen
+            for cut in range(1, len(body)):
+                observer = observe(terminal, content_type, [body[:cut], body[cut:]])
+                self.assertTrue(observer.terminal_seen, (name, cut))
+                self.assertEqual(observer.events_seen, events, (name, cut))
+                self.assertEqual(measure(observer), expected, (name, cut))
+
+    def test_marker_split_across_feeds(self):
+        for terminal, body, marker in [
+            ("sse-done", OPENAI_SSE, b"data: [DONE]"),
+            ("sse-message-stop", ANTHROPIC_SSE, b"event: message_stop"),
+            ("ndjson-done", OLLAMA_STREAM, b'"done":true'),
+        ]:
+            at = body.index(marker)
+            for cut in range(at, at + len(marker)):
+                observer = BodyObserver(terminal, None)
+                observer.feed(body[:cut])
+                self.assertFalse(observer.terminal_seen, (terminal, cut))
+                observer.feed(body[cut:])
+                self.assertTrue(observer.terminal_seen, (terminal, cut))
+
+    def test_crlf_line_ends(self):
+        body = OPENAI_SSE.replace(b"\n", b"\r\n")
+        observer = observe("sse-done", SSE, chunked(body, 7))
+        self.assertTrue(observer.terminal_seen)
+        self.assertEqual(measure(observer), OPENAI_SSE_STATS)
+        anthropic = observe("sse-message-stop", SSE, [ANTHROPIC_SSE.replace(b"\n", b"\r\n")])
+        self.assertTrue(anthropic.terminal_seen)
+
+    def test_marker_without_space_or_trailing_newline(self):
+        observer = observe("sse-done", SSE, [b'data:{"x":1}\n\ndata:[DONE]'])
+        self.assertTrue(observer.terminal_seen)
+        observer = observe("sse-message-stop", SSE, [b"event:message_stop\ndata: {}\n\n"])
+        self.assertTrue(observer.terminal_seen)
+
+    def test_events_counted(self):
+        self.assertEqual(observe("sse-done", SSE, [OPENAI_SSE]).events_seen, 5)
+        self.assertEqual(observe("sse-done", SSE, [SSE_NO_USAGE]).events_seen, 4)
+        self.assertEqual(observe("ndjson-done", NDJSON, [OLLAMA_STREAM]).events_seen, 4)
+        self.assertEqual(observe("ndjson-done", JSON, [OLLAMA_JSON]).events_seen, 0)
+
+
+class TerminalFrameTests(SynchronousTestCase):
+    """Only a real terminal frame at a line start counts."""
+
+    def test_quoted_sse_done_in_content(self):
+        body = b'data: {"choices":[{"delta":{"content":"data: [DONE]"}}]}\n\n'
+        for chunks in ([body], chunked(body, 1)):
+            observer = observe("sse-done", SSE, chunks)
+            self.assertFalse(observer.terminal_seen)
+            self.assertEqual(observer.events_seen, 1)
+
+    def test_quoted_sse_done_after_escaped_newline(self):
+        body = _sse(_openai_chunk({"content": "x\ndata: [DONE]\n\n"}))
+        self.assertIn(b"\\ndata: [DONE]\\n", body)
+        self.assertFalse(observe("sse-done", SSE, [body]).terminal_seen)
+
+    def test_done_with_trailing_text_is_not_a_marker(self):
+        self.assertFalse(observe("sse-done", SSE, [b"data: [DONE]x\n\n"]).terminal_seen)
+        observer = observe("sse-done", SSE, [b"data: [DONE]"])
+        self.assertTrue(observer.terminal_seen)  # judged as it stands...
+        observer.feed(b"x\n\n")
+        self.assertFalse(observer.terminal_seen)  # ...and it was not a marker after all
+
+    def test_quoted_message_stop_in_content(self):
+        body = _sse(("content_block_delta", {
+            "type": "content_block_delta", "index": 0,
+            "delta": {"type": "text_delta", "text": "\nevent: message_stop\n"}}))
+        self.assertFalse(observe("sse-message-stop", SSE, [body]).terminal_seen)
+        self.assertFalse(observe("sse-message-stop", SSE, chunked(body, 1)).terminal_seen)
+
+    def test_route_rule_picks_the_marker(self):
+        self.assertFalse(observe("sse-message-stop", SSE, [OPENAI_SSE]).terminal_seen)
+        self.assertFalse(observe("sse-done", SSE, [ANTHROPIC_SSE]).terminal_seen)
+        self.assertTrue(observe(None, SSE, [OPENAI_SSE]).terminal_seen)
+        self.assertTrue(observe(None, SSE, [ANTHROPIC_SSE]).terminal_seen)
+
+    def test_quoted_done_in_ollama_token(self):
+        for text in ('"done":true', '{"done": true}', '"done":true}\n'):
+            body = _ndjson(_ollama_token(text))
+            self.assertFalse(observe("ndjson-done", NDJSON, [body]).terminal_seen, text)
+            self.assertFalse(observe("ndjson-done", NDJSON, chunked(body, 1)).terminal_seen, text)
+
+    def test_nested_done_is_not_terminal(self):
+        body = (b'{"model":"m","message":{"role":"assistant","content":"x","done":true},'
+                b'"done":false}\n')
+        self.assertFalse(observe("ndjson-done", NDJSON, [body]).terminal_seen)
+
+    def test_spaced_ndjson_done(self):
+        body = _ndjson(_ollama_token("a")) + b'{"model": "m", "done": true, "eval_count": 1}\n'
+        self.assertTrue(observe("ndjson-done", NDJSON, [body]).terminal_seen)
+
+    def test_truncated_streams(self):
+        for terminal, content_type, body, marker in [
+            ("sse-done", SSE, OPENAI_SSE, b"data: [DONE]"),
+            ("sse-done", SSE, LLAMACPP_SSE, b"data: [DONE]"),
+            ("sse-message-stop", SSE, ANTHROPIC_SSE, b"event: message_stop"),
+            ("ndjson-done", NDJSON, OLLAMA_STREAM, b'{"model":"llama3:latest","created_at'
+                                                   b'":"2024-05-29T16:00:03.5Z"'),
+        ]:
+            truncated = body[:body.index(marker)]
+            for chunks in ([truncated], chunked(truncated, 1)):
+                self.assertFalse(observe(terminal, content_type, chunks).terminal_seen, terminal)
+            # and cut inside the terminal frame itself
+            self.assertFalse(observe(terminal, content_type,
+                                     [body[:body.index(marker) + 5]]).terminal_seen)
+
+    def test_truncated_stream_still_measured(self):
+        truncated = OPENAI_SSE[:OPENAI_SSE.index(b'data: {"id":"chatcmpl-417","object":"chat.'
+                                                   b'completion.chunk","created":1716998400,"'
+                                                   b'model":"llama3:latest","system_fingerprint'
+                                                   b'":"fp_ollama","choices":[]')]
+        observer = observe("sse-done", SSE, [truncated])
+        self.assertEqual(measure(observer), {"completionTokens": 4, "tokensPerSecond": 2.0,
+                                             "ttftMs": 250, "estimated": True})
+        ollama = observe("ndjson-done", NDJSON,
+                         [OLLAMA_STREAM[:OLLAMA_STREAM.rindex(b"{")]])
+        self.assertEqual(measure(ollama), {"completionTokens": 4, "tokensPerSecond": 2.0,
+                                           "ttftMs": 250, "estimated": True})
+
+    def test_truncated_anthropic_stream(self):
+        """message_start's placeholder output_tokens is not a completion count."""
+        truncated = ANTHROPIC_SSE[:ANTHROPIC_SSE.index(b"event: message_delta")]
+        observer = observe("sse-message-stop", SSE, [truncated])
+        self.assertFalse(observer.terminal_seen)
+        self.assertEqual(measure(observer), {"promptTokens": 25, "completionTokens": 6,
+                                             "tokensPerSecond": 3.0, "ttftMs": 250,
+                                             "estimated": True})
+
+    def test_terminal_is_sticky(self):
+        observer = observe("sse-done", SSE, [OPENAI_SSE])
+        observer.feed(_sse(_openai_chunk({"content": "late"})))
+        self.assertTrue(observer.terminal_seen)
+        ollama = observe("ndjson-done", NDJSON, [OLLAMA_STREAM + _ndjson(_ollama_token("x"))])
+        self.assertTrue(ollama.terminal_seen)
+
+    def test_json_document_completeness(self):
+        for body, complete in [
+            (b'{"a":1}', True), (b'  [1, 2]\n', True), (b'{"a":1', False), (b'', False),
+            (b'{"a":"}"', False), (b'{"a":{"b":1}', False), (b'not json}', False),
+            (b'{"a":"\\"}"}', True), (b'{"a":"\\\\"}', True), (b'{"a":"\\\\"', False),
+            (b'{"a":"\\\\\\"}', False), (b'"a string"', False), (b'42', False),
+            (b'{"a":[{"b":"]}"},{}]}', True), (b'{"a":[{"b":"]}"},{}]', False),
+        ]:
+            for chunks in ([body], chunked(body, 1)):
+                self.assertEqual(observe(None, JSON, chunks).terminal_seen, complete, body)
+        truncated = OPENAI_JSON.rstrip()[:-1]
+        self.assertFalse(observe("sse-done", JSON, [truncated]).terminal_seen)
+        self.assertFalse(observe("sse-done", None, [truncated]).terminal_seen)
+
+
+class BoundedMemoryTests(SynchronousTestCase):
+    """Multi-megabyte bodies keep the tail bounded and still find the figures at the end."""
+
+    SIZE = 8 * 1024 * 1024
+
+    def _assert_bounded(self, terminal, content_type, body, size):
+        observer = BodyObserver(terminal, content_type)
+        for chunk in chunked(body, size):
+            observer.feed(chunk)
+            self.assertLessEqual(len(observer._tail), TAIL_LIMIT)
+        self.assertEqual(observer.bytes_seen, len(body))
+        return observer
+
+    def test_openai_stream(self):
+        token = _sse(_openai_chunk({"content": "tök"}))
+        count = self.SIZE // len(token) + 1
+        body = token * count + _sse(
+            {"id": "x", "choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": count}},
+            "[DONE]")
+        self.assertGreater(len(body), self.SIZE)
+        for size in (65536 + 17, 4093, len(body)):
+            observer = self._assert_bounded("sse-done", SSE, body, size)
+            self.assertTrue(observer.terminal_seen)
+            self.assertEqual(observer.events_seen, count + 1)
+            self.assertEqual(measure(observer), {
+                "promptTokens": 7, "completionTokens": count,
+                "tokensPerSecond": round(count / 2.0, 1), "ttftMs": 250})
+
+    def test_ollama_stream(self):
+        token = _ndjson(_ollama_token("tök"))
+        count = self.SIZE // len(token) + 1
+        body = token * count + OLLAMA_STREAM.splitlines(keepends=True)[-1]
+        observer = self._assert_bounded("ndjson-done", NDJSON, body, 65536 + 3)
+        self.assertTrue(observer.terminal_seen)
+        self.assertEqual(observer.events_seen, count)
+        self.assertEqual(measure(observer), OLLAMA_STREAM_STATS)
+
+    def test_anthropic_stream_prompt_scrolled_out(self):
+        delta = _sse(("content_block_delta", {"type": "content_block_delta", "index": 0,
+                                              "delta": {"type": "text_delta", "text": "tök"}}))
+        body = (ANTHROPIC_SSE[:ANTHROPIC_SSE.index(b"event: content_block_delta")]
+                + delta * (self.SIZE // len(delta) + 1)
+                + ANTHROPIC_SSE[ANTHROPIC_SSE.index(b"event: content_block_stop"):])
+        observer = self._assert_bounded("sse-message-stop", SSE, body, 65536)
+        self.assertTrue(observer.terminal_seen)
+        self.assertEqual(measure(observer), {"completionTokens": 15, "tokensPerSecond": 7.5,
+                                             "ttftMs": 250})
+
+    def test_openai_json_larger_than_tail(self):
+        # The content quotes a usage object of its own: escaped, so never read.
+        content = ('words "usage": {"prompt_tokens": 999, "completion_tokens": 999} ' * 8
+                   + "é" * (self.SIZE // 2))
+        document = {"id": "chatcmpl-big", "object": "chat.completion", "created": 1,
+                    "model": "m", "choices": [{"index": 0, "finish_reason": "length",
+                                               "message": {"role": "assistant",
+                                                           "content": content}}],
+                    "usage": {"prompt_tokens": 31, "completion_tokens": 4096,
+                              "total_tokens": 4127}}
+        body = json.dumps(document, ensure_ascii=False).encode()
+        self.assertGreater(len(body), self.SIZE)
+        for content_type in (JSON, None):
+            observer = self._assert_bounded("sse-done", content_type, body, 65536 + 1)
+            self.assertTrue(observer.terminal_seen)
+            self.assertEqual(measure(observer), {"promptTokens": 31, "completionTokens": 4096,
+                                                 "tokensPerSecond": 2048.0, "ttftMs": 250})
+            cut = self._assert_bounded("sse-done", content_type, body[:-1], 65536 + 1)
+            self.assertFalse(cut.terminal_seen)
+
+    def test_ollama_json_longer_than_a_line(self):
+        document = json.loads(OLLAMA_JSON)
+        document["message"]["content"] = "x" * (LINE_LIMIT * 3)
+        body = json.dumps(document, separators=(",", ":")).encode()
+        for terminal, content_type in (("ndjson-done", None), ("ndjson-done", JSON),
+                                       ("ndjson-done", NDJSON)):
+            observer = self._assert_bounded(terminal, content_type, body, 1000)
+            self.assertTrue(observer.terminal_seen, content_type)
+            self.assertEqual(measure(observer), OLLAMA_JSON_STATS)
+            # the same line completed by a newline in one big chunk
+            observer = self._assert_bounded(terminal, content_type, body + b"\n", len(body) + 1)
+            self.assertTrue(observer.terminal_seen, content_type)
+
+    def test_long_sse_line_counts_as_an_event(self):
+        line = b"data: " + json.dumps(_openai_chunk({"content": "y" * (LINE_LIMIT * 2)})).encode()
+        body = line + b"\n\n" + _sse(_openai_chunk({"content": "z"}), "[DONE]")
+        for size in (1000, len(body)):
+            observer = self._assert_bounded("sse-done", SSE, body, size)
+            self.assertEqual(observer.events_seen, 2)
+            self.assertTrue(observer.terminal_seen)
+
+
+class MeasureTests(SynchronousTestCase):
+    """What measure() reports when figures or times are missing."""
+
+    def test_empty_body(self):
+        for terminal, content_type in [("sse-done", SSE), ("sse-message-stop", None),
+                                       ("ndjson-done", NDJSON), (None, None)]:
+            observer = BodyObserver(terminal, content_type)
+            observer.feed(b"")
+            self.assertIsNone(measure(observer))
+            self.assertFalse(observer.terminal_seen)
+            self.assertEqual(observer.bytes_seen, 0)
+
+    def test_error_bodies(self):
+        for terminal, content_type, body in [
+            ("sse-done", JSON, b'{"error":{"message":"model \\"nope\\" not found",'
+                               b'"type":"invalid_request_error","param":null,"code":null}}'),
+            ("sse-done", None, b'{"error":"Unexpected endpoint or method."}'),
+            ("ndjson-done", JSON, b'{"error":"model \\"nope\\" not found, try pulling it first"}'),
+            ("ndjson-done", NDJSON, b'{"error":"an error was encountered while running the '
+                                    b'model: unexpected EOF"}\n'),
+            ("sse-message-stop", SSE, b": keep-alive\n\nevent: ping\n\n"),
+            (None, "text/plain", b"Internal Server Error\n"),
+            (None, None, b"<html><body>502 Bad Gateway</body></html>"),
+        ]:
+            observer = observe(terminal, content_type, [body])
+            self.assertIsNone(measure(observer), body)
+
+    def test_no_first_byte(self):
+        observer = observe("sse-done", SSE, [OPENAI_SSE])
+        self.assertEqual(measure(observer, first_byte_at=None),
+                         {"promptTokens": 12, "completionTokens": 3})
+        ollama = observe("ndjson-done", NDJSON, [OLLAMA_STREAM])
+        self.assertEqual(measure(ollama, first_byte_at=None),
+                         {"promptTokens": 26, "completionTokens": 298, "tokensPerSecond": 62.1})
+
+    def test_zero_interval_has_no_rate(self):
+        observer = observe("sse-done", SSE, [SSE_NO_USAGE])
+        self.assertEqual(measure(observer, ended_at=FIRST_BYTE),
+                         {"completionTokens": 4, "ttftMs": 250, "estimated": True})
+
+    def test_engine_rate_wins_over_wall_clock(self):
+        ollama = observe("ndjson-done", NDJSON, [OLLAMA_STREAM])
+        self.assertEqual(measure(ollama, ended_at=FIRST_BYTE + 100)["tokensPerSecond"], 62.1)
+        llama = observe("sse-done", SSE, [LLAMACPP_SSE])
+        self.assertEqual(measure(llama, ended_at=FIRST_BYTE + 100)["tokensPerSecond"], 83.0)
+
+    def test_prompt_only(self):
+        body = json.dumps({"object": "list", "data": [{"object": "embedding", "index": 0,
+                                                       "embedding": [0.1, 0.2]}],
+                           "model": "nomic-embed-text",
+                           "usage": {"prompt_tokens": 8, "total_tokens": 8}}).encode()
+        self.assertEqual(measure(observe(None, JSON, [body])), {"promptTokens": 8,
+                                                                 "ttftMs": 250})
+
+    def test_usage_null_chunks_are_skipped(self):
+        body = _sse(_openai_chunk({"content": "a"}, usage=None)) + b"data: [DONE]\n\n"
+        self.assertEqual(measure(observe("sse-done", SSE, [body])),
+                         {"completionTokens": 1, "tokensPerSecond": 0.5, "ttftMs": 250,
+                          "estimated": True})
+
+    def test_measure_does_not_consume(self):
+        observer = observe("sse-done", SSE, [OPENAI_SSE])
+        self.assertEqual(measure(observer), measure(observer))
+
+
+class HygieneTests(SynchronousTestCase):
+    """The module stays pure and never shows body bytes."""
+
+    def test_repr_shows_no_body(self):
+        observer = observe("ndjson-done", NDJSON,
+                           [_ndjson(_ollama_token("SECRET-PROMPT-TEXT")), b'{"partial SECRET'])
+        self.assertNotIn("SECRET", repr(observer))
+        self.assertNotIn("SECRET", str(observer))
+
+    def test_no_twisted_and_no_logging(self):
+        tree = ast.parse(inspect.getsource(stats))
+        imported = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                imported.update(alias.name.split(".")[0] for alias in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                imported.add((node.module or "").split(".")[0])
+        self.assertEqual(imported & {"twisted", "logging", "treq"}, set())
+        self.assertNotIn("print(", inspect.getsource(stats))
+
+    def test_unknown_rule_rejected(self):
+        self.assertRaises(ValueError, BodyObserver, "sse-finished")
+
+    def test_content_type_as_bytes(self):
+        observer = observe("sse-done", b"text/event-stream; charset=utf-8", [OPENAI_SSE])
+        self.assertTrue(observer.terminal_seen)
+        self.assertEqual(measure(observer), OPENAI_SSE_STATS)
+
+    def test_memoryview_and_bytearray_chunks(self):
+        observer = observe("sse-done", SSE, [bytearray(OPENAI_SSE[:50]),
+                                             memoryview(OPENAI_SSE[50:])])
+        self.assertTrue(observer.terminal_seen)
+        self.assertEqual(measure(observer), OPENAI_SSE_STATS)
