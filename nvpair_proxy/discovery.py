@@ -30,6 +30,7 @@ def is_loopback(host: str) -> bool:
 
 def host_port(host: str, port: int) -> str:
     """``host:port`` with IPv6 literals bracketed, as in a URL."""
+    host = host.strip("[]")
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 

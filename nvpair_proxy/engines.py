@@ -189,6 +189,8 @@ def load_engine_file(path: str) -> Engine:
         raise EngineFileError(f"{path}: cannot read: {exc.strerror or exc}") from None
     except tomllib.TOMLDecodeError as exc:
         raise EngineFileError(f"{path}: not valid TOML: {exc}") from None
+    except UnicodeDecodeError:
+        raise EngineFileError(f"{path}: not UTF-8 text") from None
     return parse_engine(data, path)
 
 

@@ -37,7 +37,7 @@ def requested_model(body: bytes) -> str | None:
     """The ``model`` a body names, or None (design decision 7): not JSON, not a string, empty."""
     try:
         data = json.loads(body)
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):
         return None
     model = data.get("model") if isinstance(data, dict) else None
     if not isinstance(model, str) or not model.strip():

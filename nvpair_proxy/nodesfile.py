@@ -50,6 +50,8 @@ def parse_nodes(text: str, engines: Mapping[str, Engine], source: str) -> Fleet:
     seen = set()
     for index, raw in enumerate(raw_nodes):
         where = f"{source}: node[{index}]"
+        if not isinstance(raw, dict):
+            raise NodesFileError(f"{where}: must be a table")
         for key in raw:
             if key not in ("id", "name", "address", "addresses", "engines"):
                 raise NodesFileError(f"{where}: unknown field {key!r}")
@@ -141,7 +143,7 @@ class NodesFileWatcher:
         self._stamp = stamp
         try:
             fleet = load_nodes_file(self.path, self.engines)
-        except NodesFileError as exc:
+        except (NodesFileError, ValueError, TypeError) as exc:
             log.warn("nodes file not reloaded, keeping the last good one: {why}", why=str(exc))
             return
         log.info("nodes file reloaded: {path}", path=self.path)

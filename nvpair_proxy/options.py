@@ -24,6 +24,8 @@ _UNIT = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "
 def parse_duration(text: str) -> float:
     """Seconds from ``90``, ``1.5``, or a Go duration (``90s``, ``30m``, ``1h30m``)."""
     text = text.strip()
+    if not re.fullmatch(r"\d+(\.\d+)?", text) and not _DURATION.match(text):
+        raise ValueError(f"not a duration: {text!r} (use seconds or e.g. 90s, 30m, 1h30m)")
     try:
         value = float(text)
     except ValueError:
@@ -85,9 +87,11 @@ class Options(usage.Options):
             self.engines = load_engines([self["engines-dir"]] if self["engines-dir"] else [])
         except (EngineFileError, OSError) as exc:
             raise ValueError(f"--engines-dir: {exc}") from None
-        level = self["log-level"] or os.environ.get("NVPAIR_LOG_LEVEL") or "info"
+        level, source = self["log-level"], "--log-level"
+        if level is None:
+            level, source = os.environ.get("NVPAIR_LOG_LEVEL") or "info", "NVPAIR_LOG_LEVEL"
         if level not in LEVELS:
-            raise ValueError(f"--log-level must be one of {', '.join(LEVELS)} (got {level!r})")
+            raise ValueError(f"{source} must be one of {', '.join(LEVELS)} (got {level!r})")
         self["log-level"] = level
         raw = self["response-header-timeout"]
         flag = "--response-header-timeout"
@@ -95,7 +99,8 @@ class Options(usage.Options):
             raw = os.environ.get("NVPAIR_PROXY_RESPONSE_HEADER_TIMEOUT")
             flag = "NVPAIR_PROXY_RESPONSE_HEADER_TIMEOUT"
         try:
-            self["response-timeout"] = (constants.DEFAULT_RESPONSE_TIMEOUT if raw in (None, "")
+            unset = raw is None or (raw == "" and flag != "--response-header-timeout")
+            self["response-timeout"] = (constants.DEFAULT_RESPONSE_TIMEOUT if unset
                                         else parse_duration(raw))
         except ValueError as exc:
             raise ValueError(f"{flag}: {exc}") from None
@@ -114,14 +119,14 @@ class Options(usage.Options):
     def _facades(self) -> list[tuple[str, int]]:
         facades: list[tuple[str, int]] = []
         for spec in self["engine"]:
-            engine_id, _, port_text = spec.partition(":")
+            engine_id, colon, port_text = spec.partition(":")
             engine = self.engines.get(engine_id)
             if engine is None:
                 raise ValueError(f"--engine: unknown engine {engine_id!r}; want one of "
                                  f"{', '.join(sorted(self.engines))}")
             port = engine.ports.standalone
-            if port_text:
-                if not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
+            if colon:
+                if not (port_text.isascii() and port_text.isdigit()) or int(port_text) > 65535:
                     raise ValueError(f"--engine {spec}: port must be between 1 and 65535")
                 port = int(port_text) or engine.ports.standalone
             if any(engine_id == seen for seen, _ in facades):

@@ -64,6 +64,7 @@ class StandaloneService(Service):
         self.ports = []
         self.probers: list[Prober] = []
         self.watcher: NodesFileWatcher | None = None
+        self.watchdog = None
         self.probed: frozenset = frozenset()
 
     def privilegedStartService(self) -> None:
@@ -117,14 +118,21 @@ class StandaloneService(Service):
             facade.nodes.replace_discovered(nodes)
 
     def startService(self) -> None:
+        from .sdnotify import notify, start_watchdog
         super().startService()
         if self.watcher is not None:
             self.watcher.start()
         for prober in self.probers:
             prober.start()
+        notify("READY=1")
+        self.watchdog = start_watchdog(self.reactor)
 
     def stopService(self) -> Deferred:
+        from .sdnotify import notify
         super().stopService()
+        notify("STOPPING=1")
+        if self.watchdog is not None and self.watchdog.running:
+            self.watchdog.stop()
         if self.watcher is not None:
             self.watcher.stop()
         for prober in self.probers:

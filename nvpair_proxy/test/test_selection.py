@@ -47,7 +47,7 @@ class OwnersTests(SynchronousTestCase):
     def test_a_node_whose_models_are_unknown_advertises_nothing(self) -> None:
         unknown = make_node(OLLAMA, id="a", port=11434, addresses=["10.0.0.1"], models=None)
         self.assertIsNone(unknown.models)
-        self.assertEqual(owners([unknown, node("b", "llama3")], "llama3:latest"), [node("b", "llama3")])
+        self.assertEqual(ids(owners([unknown, node("b", "llama3")], "llama3:latest")), ["b"])
 
     def test_a_node_with_no_models_advertises_nothing(self) -> None:
         self.assertEqual(owners([node("a")], "llama3:latest"), [])

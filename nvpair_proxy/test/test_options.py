@@ -1,0 +1,288 @@
+"""Tests for the command line (design 3, decisions 18-19) and the twistd dropin."""
+
+from __future__ import annotations
+
+import io
+import os
+import sys
+
+from twisted.application.service import IServiceMaker
+from twisted.plugin import getPlugins
+from twisted.trial.unittest import SynchronousTestCase
+
+from nvpair_proxy import options as options_module
+from nvpair_proxy.options import DEFAULT_STATE_DIR, Options, parse_duration
+
+HOME = "/home/tester"
+DEFAULT_STATE = "/home/tester/.config/Nvidia Corporation/Personal AI Router"
+
+VLLM = """\
+id = "vllm"
+service_key = "vl"
+persisted_port_file = "vllm-proxy-port.json"
+model_rule = "exact"
+inventory_source = "models"
+
+[ports]
+own = 8000
+relocated = 8001
+standalone = 8000
+
+[model_list]
+upstream_path = "/v1/models"
+envelope = "openai"
+
+[[routes]]
+method = "POST"
+path = "/v1/chat/completions"
+class = "inference"
+"""
+
+
+class OptionsCase(SynchronousTestCase):
+    """Each test sees only the environment it sets."""
+
+    def setUp(self) -> None:
+        self.environ = {"HOME": HOME}
+        self.patch(os, "environ", self.environ)
+
+    def parse(self, *argv: str) -> Options:
+        options = Options()
+        options.parseOptions(list(argv))
+        return options
+
+    def refused(self, *argv: str) -> str:
+        """The one line start-up stops with."""
+        with self.assertRaises(SystemExit) as caught:
+            self.parse(*argv)
+        message = caught.exception.code
+        self.assertIsInstance(message, str)
+        self.assertNotIn("\n", message)
+        self.assertTrue(message.startswith("nvpair-proxy: "), message)
+        return message
+
+    def existing_file(self) -> str:
+        path = self.mktemp()
+        with open(path, "w") as handle:
+            handle.write("")
+        return path
+
+
+class DefaultsTests(OptionsCase):
+
+    def test_defaults(self) -> None:
+        options = self.parse()
+        self.assertEqual(
+            (options["response-timeout"], options["log-level"], options["state-dir"],
+             options["facades"], options["ipc"], options["nodes"], options.standalone),
+            (1800.0, "info", DEFAULT_STATE, [], None, None, False))
+
+    def test_default_state_dir_is_the_existing_implementations(self) -> None:
+        self.assertEqual(DEFAULT_STATE_DIR,
+                         os.path.join("~", ".config", "Nvidia Corporation", "Personal AI Router"))
+
+    def test_state_dir_from_systemd(self) -> None:
+        self.environ["STATE_DIRECTORY"] = "/var/lib/nvpair-proxy"
+        self.assertEqual(self.parse()["state-dir"], "/var/lib/nvpair-proxy")
+
+    def test_state_dir_flag_wins_over_systemd(self) -> None:
+        self.environ["STATE_DIRECTORY"] = "/var/lib/nvpair-proxy"
+        self.assertEqual(self.parse("--state-dir", "/srv/ports")["state-dir"], "/srv/ports")
+
+    def test_state_dir_flag_expands_home(self) -> None:
+        self.assertEqual(self.parse("--state-dir", "~/ports")["state-dir"], "/home/tester/ports")
+
+    def test_log_level_from_environment(self) -> None:
+        self.environ["NVPAIR_LOG_LEVEL"] = "debug"
+        self.assertEqual(self.parse()["log-level"], "debug")
+
+    def test_log_level_flag_wins_over_environment(self) -> None:
+        self.environ["NVPAIR_LOG_LEVEL"] = "debug"
+        self.assertEqual(self.parse("--log-level", "warn")["log-level"], "warn")
+
+    def test_every_log_level_is_accepted(self) -> None:
+        self.assertEqual([self.parse("--log-level", level)["log-level"]
+                          for level in ("debug", "info", "warn", "error")],
+                         ["debug", "info", "warn", "error"])
+
+    def test_response_timeout_from_environment(self) -> None:
+        self.environ["NVPAIR_PROXY_RESPONSE_HEADER_TIMEOUT"] = "90s"
+        self.assertEqual(self.parse()["response-timeout"], 90.0)
+
+    def test_response_timeout_flag_wins_over_environment(self) -> None:
+        self.environ["NVPAIR_PROXY_RESPONSE_HEADER_TIMEOUT"] = "90s"
+        self.assertEqual(self.parse("--response-header-timeout", "1h30m")["response-timeout"],
+                         5400.0)
+
+    def test_zero_response_timeout_disables(self) -> None:
+        self.assertEqual(self.parse("--response-header-timeout", "0")["response-timeout"], 0.0)
+
+    def test_ipc_and_cluster_dir(self) -> None:
+        cluster = self.mktemp()
+        os.mkdir(cluster)
+        options = self.parse("--ipc", "/run/broker.sock", "--cluster-dir", cluster)
+        self.assertEqual((options["ipc"], options["cluster-dir"], options.standalone),
+                         ("/run/broker.sock", cluster, False))
+
+
+class DurationTests(SynchronousTestCase):
+    """Seconds or a Go-style duration (design 3)."""
+
+    GOOD = [("90", 90.0), ("1.5", 1.5), ("90s", 90.0), ("30m", 1800.0), ("1h30m", 5400.0),
+            ("500ms", 0.5), ("1h", 3600.0), ("2m30s", 150.0), ("0", 0.0), ("0s", 0.0),
+            (" 45s ", 45.0)]
+
+    BAD = ["abc", "-1", "1x", "", "-5s", "30M", "1h-30m", "s", "1.5.5s", "nan", "inf"]
+
+    def test_good_durations(self) -> None:
+        self.assertEqual([(text, parse_duration(text)) for text, _ in self.GOOD], self.GOOD)
+
+    def test_bad_durations(self) -> None:
+        for text in self.BAD:
+            with self.assertRaises(ValueError, msg=repr(text)) as caught:
+                parse_duration(text)
+            self.assertEqual(str(caught.exception),
+                             f"not a duration: {text.strip()!r} (use seconds or e.g. 90s, 30m, "
+                             "1h30m)")
+
+
+class EngineFlagTests(OptionsCase):
+    """Any --engine switches to standalone mode; port per engine when omitted or 0."""
+
+    def test_engine_without_port_uses_its_standalone_port(self) -> None:
+        options = self.parse("--engine", "ollama")
+        self.assertEqual(options["facades"], [("ollama", 11435)])
+        self.assertTrue(options.standalone)
+
+    def test_engine_port_zero_uses_its_standalone_port(self) -> None:
+        self.assertEqual(self.parse("--engine", "ollama:0")["facades"], [("ollama", 11435)])
+
+    def test_engine_with_a_port(self) -> None:
+        self.assertEqual(self.parse("--engine", "lmstudio:1300")["facades"], [("lmstudio", 1300)])
+
+    def test_every_engine_at_once(self) -> None:
+        options = self.parse("--engine", "llamacpp", "--engine", "ollama",
+                             "--engine", "lmstudio")
+        self.assertEqual(options["facades"],
+                         [("llamacpp", 8080), ("ollama", 11435), ("lmstudio", 1234)])
+
+    def test_nodes_file_with_an_engine(self) -> None:
+        path = self.existing_file()
+        self.assertEqual(self.parse("--engine", "ollama", "--nodes", path)["nodes"], path)
+
+    def test_engine_from_an_extra_engines_dir(self) -> None:
+        directory = self.mktemp()
+        os.mkdir(directory)
+        with open(os.path.join(directory, "vllm.toml"), "w") as handle:
+            handle.write(VLLM)
+        options = self.parse("--engines-dir", directory, "--engine", "vllm")
+        self.assertEqual(options["facades"], [("vllm", 8000)])
+        self.assertEqual(sorted(options.engines), ["llamacpp", "lmstudio", "ollama", "vllm"])
+
+
+class RefusalTests(OptionsCase):
+    """Bad values stop start-up with one line naming what to fix."""
+
+    def test_unknown_engine(self) -> None:
+        self.assertEqual(self.refused("--engine", "vllm"),
+                         "nvpair-proxy: --engine: unknown engine 'vllm'; want one of "
+                         "llamacpp, lmstudio, ollama")
+
+    def test_port_out_of_range(self) -> None:
+        self.assertEqual(self.refused("--engine", "ollama:70000"),
+                         "nvpair-proxy: --engine ollama:70000: port must be between 1 and 65535")
+
+    def test_port_that_is_not_a_number(self) -> None:
+        self.assertEqual(self.refused("--engine", "ollama:-1"),
+                         "nvpair-proxy: --engine ollama:-1: port must be between 1 and 65535")
+
+    def test_engine_given_twice(self) -> None:
+        self.assertEqual(self.refused("--engine", "ollama", "--engine", "ollama:11500"),
+                         "nvpair-proxy: --engine: ollama is given twice")
+
+    def test_bad_duration_flag(self) -> None:
+        self.assertEqual(self.refused("--response-header-timeout", "soon"),
+                         "nvpair-proxy: --response-header-timeout: not a duration: 'soon' "
+                         "(use seconds or e.g. 90s, 30m, 1h30m)")
+
+    def test_bad_duration_from_environment_names_the_variable(self) -> None:
+        self.environ["NVPAIR_PROXY_RESPONSE_HEADER_TIMEOUT"] = "-1"
+        self.assertEqual(self.refused(),
+                         "nvpair-proxy: NVPAIR_PROXY_RESPONSE_HEADER_TIMEOUT: not a duration: "
+                         "'-1' (use seconds or e.g. 90s, 30m, 1h30m)")
+
+    def test_bad_log_level(self) -> None:
+        self.assertEqual(self.refused("--log-level", "loud"),
+                         "nvpair-proxy: --log-level must be one of debug, info, warn, error "
+                         "(got 'loud')")
+
+    def test_bad_log_level_from_environment(self) -> None:
+        self.environ["NVPAIR_LOG_LEVEL"] = "trace"
+        self.assertTrue(self.refused().endswith(
+            "must be one of debug, info, warn, error (got 'trace')"))
+
+    def test_nodes_file_missing(self) -> None:
+        path = os.path.join(self.mktemp(), "nodes.toml")
+        self.assertEqual(self.refused("--engine", "ollama", "--nodes", path),
+                         f"nvpair-proxy: --nodes: no such file: {path}")
+
+    def test_nodes_without_engine(self) -> None:
+        self.assertEqual(self.refused("--nodes", self.existing_file()),
+                         "nvpair-proxy: --nodes needs at least one --engine (standalone mode)")
+
+    def test_ipc_with_engine(self) -> None:
+        self.assertEqual(self.refused("--ipc", "/run/broker.sock", "--engine", "ollama"),
+                         "nvpair-proxy: --ipc is for broker mode; it cannot be combined with "
+                         "--engine")
+
+    def test_cluster_dir_missing(self) -> None:
+        path = self.mktemp()
+        self.assertEqual(self.refused("--cluster-dir", path),
+                         f"nvpair-proxy: --cluster-dir: no such directory: {path}")
+
+    def test_engines_dir_missing(self) -> None:
+        path = self.mktemp()
+        message = self.refused("--engines-dir", path)
+        self.assertTrue(message.startswith("nvpair-proxy: --engines-dir: "), message)
+        self.assertIn(path, message)
+
+    def test_bad_engine_file_in_engines_dir_names_the_file(self) -> None:
+        directory = self.mktemp()
+        os.mkdir(directory)
+        path = os.path.join(directory, "vllm.toml")
+        with open(path, "w") as handle:
+            handle.write(VLLM.replace('class = "inference"', 'class = "chat"'))
+        self.assertEqual(self.refused("--engines-dir", directory),
+                         f"nvpair-proxy: --engines-dir: {path}: routes[0]: field 'class' must be "
+                         "one of inference, models (got 'chat')")
+
+
+class VersionTests(OptionsCase):
+
+    def test_version_prints_and_exits_zero(self) -> None:
+        out = io.StringIO()
+        self.patch(sys, "stdout", out)
+        with self.assertRaises(SystemExit) as caught:
+            self.parse("--version")
+        self.assertEqual(caught.exception.code, 0)
+        self.assertEqual(out.getvalue(), "nvpair-proxy 0.1.0\n")
+
+
+class PluginTests(SynchronousTestCase):
+    """``twistd nvpair-proxy`` finds the dropin, and it parses with our Options."""
+
+    def test_dropin_is_discoverable(self) -> None:
+        makers = [maker for maker in getPlugins(IServiceMaker) if maker.tapname == "nvpair-proxy"]
+        self.assertEqual(len(makers), 1)
+        (maker,) = makers
+        self.assertIs(maker.options, options_module.Options)
+        self.patch(os, "environ", {"HOME": HOME})
+        parsed = maker.options()
+        parsed.parseOptions(["--engine", "ollama"])
+        self.assertEqual(parsed["facades"], [("ollama", 11435)])
+
+    def test_dropin_makes_services_with_the_tap_module(self) -> None:
+        from nvpair_proxy import tap
+        (maker,) = [m for m in getPlugins(IServiceMaker) if m.tapname == "nvpair-proxy"]
+        self.assertIs(maker.options, tap.Options)
+        self.assertEqual(maker.module, "nvpair_proxy.tap")
