@@ -1,0 +1,207 @@
+"""The demo behind bin/demo: a real fleet of simulated engines, the real proxy, real HTTP.
+
+Three simulated GPU nodes each run Ollama, LM Studio and llama.cpp; gpu-a's Ollama answers
+503 to every inference request and `mistral` lives on gpu-c only. The proxy runs standalone
+with all three facades and the nodes file below; every request goes through it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PY = sys.executable
+TWISTD = os.path.join(os.path.dirname(PY), "twistd")
+
+FLEET = {
+    "gpu-a": {"ollama": {"models": ["llama3:latest"], "status": 503},
+              "lmstudio": {"models": ["qwen2.5-7b-instruct"]},
+              "llamacpp": {"models": ["phi-3-mini"], "loaded": ["phi-3-mini"]}},
+    "gpu-b": {"ollama": {"models": ["llama3:latest"]},
+              "lmstudio": {"models": ["qwen2.5-7b-instruct"]},
+              "llamacpp": {"models": ["phi-3-mini"], "loaded": []}},
+    "gpu-c": {"ollama": {"models": ["llama3:latest", "mistral:latest"]},
+              "lmstudio": {"models": ["gemma-3-4b"]},
+              "llamacpp": {"models": ["phi-3-mini"], "loaded": ["phi-3-mini"]}},
+}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def toml_list(values) -> str:
+    return "[" + ", ".join(json.dumps(v) for v in values) + "]"
+
+
+def write_files(workdir: str) -> tuple[str, str]:
+    fleet, nodes = [], []
+    for node_id, engines in FLEET.items():
+        nodes.append(f'[[node]]\nid = "{node_id}"\naddress = "127.0.0.1"\n')
+        for engine, spec in engines.items():
+            sim_id = f"{node_id}-{engine}"
+            lines = [f'[[node]]', f'id = "{sim_id}"', f'dialect = "{engine}"', "port = 0",
+                     f"models = {toml_list(spec['models'])}", "tokens = 5", "token_delay = 0.02"]
+            if "loaded" in spec:
+                lines.append(f"loaded = {toml_list(spec['loaded'])}")
+            if "status" in spec:
+                lines.append(f"status = {spec['status']}")
+            fleet.append("\n".join(lines) + "\n")
+    fleet_path = os.path.join(workdir, "fleet.toml")
+    with open(fleet_path, "w") as handle:
+        handle.write("\n".join(fleet))
+    return fleet_path, "".join(nodes)
+
+
+def start_fleet(fleet_path: str) -> tuple[subprocess.Popen, dict[str, int]]:
+    proc = subprocess.Popen([PY, "-m", "nvpair_proxy.simfleet", fleet_path],
+                            stdout=subprocess.PIPE, text=True)
+    line = proc.stdout.readline().strip()
+    if not line.startswith("simfleet ready:"):
+        raise SystemExit(f"demo: the simulated fleet did not start ({line!r})")
+    ports = dict(item.split("=") for item in line.split(":", 1)[1].split())
+    return proc, {k: int(v) for k, v in ports.items()}
+
+
+def write_nodes(workdir: str, ports: dict[str, int]) -> str:
+    out = []
+    for node_id, engines in FLEET.items():
+        out.append(f'[[node]]\nid = "{node_id}"\naddress = "127.0.0.1"')
+        for engine in engines:
+            out.append(f"[node.engines.{engine}]\nport = {ports[f'{node_id}-{engine}']}")
+            if engine == "llamacpp":
+                out.append(f"models = {toml_list(engines[engine]['loaded'])}")
+        out.append("")
+    path = os.path.join(workdir, "nodes.toml")
+    with open(path, "w") as handle:
+        handle.write("\n".join(out))
+    return path
+
+
+def start_proxy(workdir: str, nodes_path: str, facades: dict[str, int]) -> subprocess.Popen:
+    notify_path = os.path.join(workdir, "notify.sock")
+    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    notify.bind(notify_path)
+    notify.settimeout(30)
+    args = [TWISTD, "-n", "--pidfile=", "--logfile", os.path.join(workdir, "proxy.log"),
+            "nvpair-proxy", "--nodes", nodes_path, "--log-level", "debug",
+            "--state-dir", os.path.join(workdir, "state")]
+    for engine, port in facades.items():
+        args += ["--engine", f"{engine}:{port}"]
+    env = dict(os.environ, NOTIFY_SOCKET=notify_path)
+    proc = subprocess.Popen(args, env=env, cwd=workdir)
+    try:
+        message = notify.recv(64)
+    except socket.timeout:
+        proc.kill()
+        raise SystemExit("demo: the proxy did not report READY=1 within 30 s")
+    finally:
+        notify.close()
+    if message != b"READY=1":
+        raise SystemExit(f"demo: unexpected notification {message!r}")
+    return proc
+
+
+def call(port: int, method: str, path: str, body: dict | None = None):
+    data = json.dumps(body).encode() if body is not None else None
+    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=data, method=method,
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, response.headers.get("X-Sim-Node", ""), response.read()
+    except urllib.error.HTTPError as error:
+        return error.code, error.headers.get("X-Sim-Node", ""), error.read()
+
+
+def served(fleet_ports: dict[str, int], sim_id: str) -> int:
+    with urllib.request.urlopen(f"http://127.0.0.1:{fleet_ports[sim_id]}/_sim/state") as response:
+        return len(json.load(response)["served"])
+
+
+def outcome(status: int, body: bytes, stream: bool) -> str:
+    if status != 200:
+        try:
+            return f"error: {json.loads(body)['error']}"
+        except (ValueError, KeyError, TypeError):
+            return f"error body of {len(body)} bytes"
+    if stream:
+        frames = [line for line in body.splitlines() if line.strip()]
+        return f"streamed {len(frames)} frames, {len(body)} bytes"
+    return f"{len(body)} bytes"
+
+
+def main() -> int:
+    workdir = tempfile.mkdtemp(prefix="nvpair-demo-")
+    fleet_path, _ = write_files(workdir)
+    fleet, proc = None, None
+    failures = 0
+    try:
+        fleet, fleet_ports = start_fleet(fleet_path)
+        facades = {"ollama": free_port(), "lmstudio": free_port(), "llamacpp": free_port()}
+        proc = start_proxy(workdir, write_nodes(workdir, fleet_ports), facades)
+        print(f"simulated fleet: {len(fleet_ports)} engine servers on 3 nodes (gpu-a, gpu-b, gpu-c)")
+        print("proxy facades: " + ", ".join(f"{e} on :{p}" for e, p in facades.items()))
+        time.sleep(0.5)  # let the first inventory probe of the llama.cpp facade land
+        chat = [{"role": "user", "content": "Say hello"}]
+        cases = [
+            ("ollama", "POST", "/api/chat", {"model": "llama3", "messages": chat}, True,
+             200, "gpu-b", "gpu-a answers 503: fails over to gpu-b"),
+            ("ollama", "POST", "/api/generate", {"model": "llama3", "prompt": "hi", "stream": False},
+             False, 200, None, "non-streaming"),
+            ("ollama", "POST", "/api/chat", {"model": "mistral", "messages": chat}, True,
+             200, "gpu-c", "a model only gpu-c has"),
+            ("ollama", "POST", "/api/chat", {"model": "no-such-model", "messages": chat}, False,
+             502, "", "nobody advertises it: local 502, no engine contacted"),
+            ("ollama", "GET", "/api/tags", None, False, 200, "", "fleet-wide model list"),
+            ("lmstudio", "POST", "/v1/chat/completions",
+             {"model": "qwen2.5-7b-instruct", "messages": chat, "stream": True}, True, 200, None,
+             "OpenAI SSE"),
+            ("lmstudio", "POST", "/v1/chat/completions",
+             {"model": "gemma-3-4b", "messages": chat}, False, 200, "gpu-c", "non-streaming"),
+            ("llamacpp", "POST", "/v1/chat/completions",
+             {"model": "phi-3-mini", "messages": chat, "stream": True}, True, 200, None,
+             "only nodes with the model loaded"),
+            ("llamacpp", "GET", "/v1/models", None, False, 200, "", "fleet-wide, loaded models"),
+        ]
+        print()
+        print(f"{'facade':9} {'request':28} {'model':20} {'status':6} {'served by':16} outcome")
+        for engine, method, path, body, stream, want_status, want_node, note in cases:
+            before = served(fleet_ports, "gpu-a-ollama")
+            status, node, content = call(facades[engine], method, path, body)
+            model = (body or {}).get("model", "-")
+            ok = status == want_status and (want_node is None or node.startswith(want_node))
+            if engine == "llamacpp" and method == "POST":
+                ok = ok and not node.startswith("gpu-b")
+            failures += not ok
+            extra = ""
+            if engine == "ollama" and served(fleet_ports, "gpu-a-ollama") > before:
+                extra = " (after gpu-a answered 503)"
+            print(f"{engine:9} {method + ' ' + path:28} {model:20} {status:<6} "
+                  f"{(node.rsplit('-', 1)[0] if node else 'proxy'):16} "
+                  f"{outcome(status, content, stream)}{extra}  [{note}]{'' if ok else '  <- UNEXPECTED'}")
+        print()
+        print("all requests behaved as expected" if not failures else f"{failures} unexpected results")
+        return 1 if failures else 0
+    finally:
+        for child in (proc, fleet):
+            if child is not None and child.poll() is None:
+                child.send_signal(signal.SIGTERM)
+                try:
+                    child.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    child.kill()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
