@@ -145,6 +145,20 @@ class StandaloneService(Service):
         return stopped
 
 
+def claim_stdout() -> int:
+    """Give the link the real stdout and point fd 1 at stderr (design 3).
+
+    After this, a stray print or a library writing to stdout lands in the log, never in the
+    middle of a JSON-RPC line.
+    """
+    import os
+    import sys
+    sys.stdout.flush()
+    link_fd = os.dup(1)
+    os.dup2(2, 1)
+    return link_fd
+
+
 def connect_ipc(path: str):
     """Connect to the broker's socket at start-up; failure is one clear line (decision 18)."""
     import socket
@@ -164,7 +178,8 @@ class BrokerService(Service):
     def __init__(self, options: Options, reactor) -> None:
         self.options, self.reactor = options, reactor
         self.sock = None
-        self.link_fd = None
+        # Before twistd starts its log observer on stdout (makeService runs first).
+        self.link_fd = None if options["ipc"] else claim_stdout()
         self.watchdog = None
         self.stopping = False
 
@@ -176,10 +191,6 @@ class BrokerService(Service):
         set_level(options["log-level"])
         if options["ipc"]:
             self.sock = connect_ipc(options["ipc"])
-        else:
-            # The link owns the real stdout; fd 1 becomes stderr so nothing else reaches it.
-            self.link_fd = os.dup(1)
-            os.dup2(2, 1)
         self.pool = make_pool(reactor)
         agent = Agent(reactor, pool=self.pool, connectTimeout=constants.DIAL_TIMEOUT)
         reservations = ReservationMap()

@@ -1,0 +1,156 @@
+"""Running the real proxy and the simulated fleet as processes, for the few tests where the
+process boundary itself is the point (stdio link, twistd, real client packages).
+
+Waiting is event-driven and bounded: the fleet prints a ready line, the proxy sends systemd's
+READY=1 to a socket the test owns, and every read has a deadline.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import selectors
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+TWISTD = [sys.executable, "-c", "from twisted.scripts.twistd import run; run()"]
+DEADLINE = 30.0
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start_fleet(test, fleet_toml: str) -> dict[str, int]:
+    path = os.path.join(test.mktemp() + "-fleet.toml")
+    with open(path, "w") as handle:
+        handle.write(fleet_toml)
+    proc = subprocess.Popen([sys.executable, "-m", "nvpair_proxy.simfleet", path],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    test.addCleanup(stop, proc)
+    line = read_line(proc.stdout, DEADLINE)
+    if not line.startswith("simfleet ready:"):
+        test.fail(f"simfleet did not start: {line!r} {proc.stderr.read()}")
+    return {k: int(v) for k, v in (item.split("=") for item in line.split(":", 1)[1].split())}
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    for stream in (proc.stdin, proc.stdout, proc.stderr):
+        if stream is not None:
+            stream.close()
+
+
+class LineReader:
+    """Lines from a pipe with a deadline; buffers itself (a text wrapper's buffer would hide
+    lines from select)."""
+
+    def __init__(self, stream) -> None:
+        self.fd = stream.fileno()
+        self.buffer = b""
+        self.closed = False
+
+    def read_line(self, timeout: float) -> str:
+        end = time.monotonic() + timeout
+        while b"\n" not in self.buffer:
+            remaining = end - time.monotonic()
+            if remaining <= 0 or self.closed:
+                return ""
+            selector = selectors.DefaultSelector()
+            selector.register(self.fd, selectors.EVENT_READ)
+            try:
+                ready = selector.select(remaining)
+            finally:
+                selector.close()
+            if ready:
+                data = os.read(self.fd, 65536)
+                if not data:
+                    self.closed = True
+                self.buffer += data
+        line, _, self.buffer = self.buffer.partition(b"\n")
+        return line.decode().strip()
+
+
+def read_line(stream, timeout: float) -> str:
+    return LineReader(stream).read_line(timeout)
+
+
+def start_standalone(test, args: list[str]) -> subprocess.Popen:
+    """twistd nvpair-proxy standalone; returns once it reported READY=1."""
+    workdir = tempfile.mkdtemp(dir=".")
+    notify_path = os.path.join(os.path.abspath(workdir), "notify")
+    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    notify.bind(notify_path)
+    notify.settimeout(DEADLINE)
+    env = dict(os.environ, NOTIFY_SOCKET=notify_path)
+    proc = subprocess.Popen(TWISTD + ["-n", "--pidfile=", "nvpair-proxy",
+                                      "--state-dir", os.path.join(workdir, "state")] + args,
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    test.addCleanup(stop, proc)
+    try:
+        test.assertEqual(notify.recv(64), b"READY=1")
+    finally:
+        notify.close()
+    return proc
+
+
+class BrokerChannel:
+    """The broker's side of the stdio link: write requests, collect every line in order."""
+
+    def __init__(self, test, args: list[str] = ()) -> None:
+        workdir = os.path.abspath(test.mktemp())
+        os.makedirs(workdir)
+        self.proc = subprocess.Popen(
+            TWISTD + ["-n", "--pidfile=", "nvpair-proxy", "--state-dir",
+                      os.path.join(workdir, "state")] + list(args),
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            env=dict(os.environ, NVPAIR_LOG_LEVEL="debug"))
+        test.addCleanup(stop, self.proc)
+        self.reader = LineReader(self.proc.stdout)
+        self.lines: list[dict] = []
+        self.raw: list[str] = []
+        self.next_id = 1
+
+    def send(self, method: str, params=None, request: bool = True):
+        message = {"jsonrpc": "2.0", "method": method}
+        if params is not None:
+            message["params"] = params
+        if request:
+            message["id"] = self.next_id
+            self.next_id += 1
+        self.proc.stdin.write(json.dumps(message).encode() + b"\n")
+        self.proc.stdin.flush()
+        return message.get("id")
+
+    def call(self, method: str, params=None) -> dict:
+        message_id = self.send(method, params)
+        return self.wait(lambda m: m.get("id") == message_id)
+
+    def wait(self, predicate, timeout: float = DEADLINE) -> dict:
+        for message in self.lines:
+            if predicate(message):
+                return message
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            line = self.reader.read_line(end - time.monotonic())
+            if not line:
+                if self.proc.poll() is not None:
+                    break
+                continue
+            self.raw.append(line)
+            message = json.loads(line)
+            self.lines.append(message)
+            if predicate(message):
+                return message
+        raise AssertionError(f"no matching message; got {self.lines}")

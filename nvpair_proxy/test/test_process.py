@@ -1,0 +1,136 @@
+"""The proxy as a process: twistd, its stdio link, and the real client packages.
+
+The `ollama` and `openai` packages are blocking, so they run here against a proxy in a
+subprocess (twisted-notes), never against a reactor this test would have to spin.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+
+from twisted.trial.unittest import SynchronousTestCase
+
+from nvpair_proxy.test.processes import (TWISTD, BrokerChannel, free_port, start_fleet,
+                                         start_standalone)
+
+
+def nodes_toml(entries: list[tuple[str, str, int, list[str]]]) -> str:
+    out = []
+    for node_id, engine, port, models in entries:
+        out.append(f'[[node]]\nid = "{node_id}"\naddress = "127.0.0.1"\n'
+                   f"[node.engines.{engine}]\nport = {port}\nmodels = {json.dumps(models)}\n")
+    return "\n".join(out)
+
+
+class RealClientTests(SynchronousTestCase):
+    def _write(self, text: str) -> str:
+        path = self.mktemp() + ".toml"
+        with open(path, "w") as handle:
+            handle.write(text)
+        return path
+
+    def test_the_ollama_client_streams_a_chat_through_twistd_nvpair_proxy(self):
+        import ollama
+        fleet = start_fleet(self, '[[node]]\nid = "gpu-a"\ndialect = "ollama"\n'
+                                  'models = ["llama3:latest"]\ntokens = 4\n')
+        port = free_port()
+        nodes = self._write(nodes_toml([("gpu-a", "ollama", fleet["gpu-a"], ["llama3:latest"])]))
+        start_standalone(self, ["--engine", f"ollama:{port}", "--nodes", nodes])
+        client = ollama.Client(host=f"http://127.0.0.1:{port}")
+        chunks = list(client.chat(model="llama3", stream=True,
+                                  messages=[{"role": "user", "content": "hello there"}]))
+        text = "".join(chunk.message.content for chunk in chunks)
+        self.assertEqual(text, "".join(f"gpu-a says hello {i} " for i in range(4)))
+        self.assertTrue(chunks[-1].done)
+        self.assertEqual(chunks[-1].eval_count, 4)
+
+    def test_the_openai_client_streams_through_the_lmstudio_facade(self):
+        import openai
+        fleet = start_fleet(self, '[[node]]\nid = "gpu-b"\ndialect = "lmstudio"\n'
+                                  'models = ["qwen"]\ntokens = 3\n')
+        port = free_port()
+        nodes = self._write(nodes_toml([("gpu-b", "lmstudio", fleet["gpu-b"], ["qwen"])]))
+        start_standalone(self, ["--engine", f"lmstudio:{port}", "--nodes", nodes])
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused",
+                               max_retries=0)
+        stream = client.chat.completions.create(
+            model="qwen", stream=True, messages=[{"role": "user", "content": "hi"}])
+        text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+        self.assertEqual(text, "".join(f"gpu-b says hello {i} " for i in range(3)))
+
+
+class StartupTests(SynchronousTestCase):
+    def test_a_bad_flag_stops_start_up_with_one_clear_line(self):
+        result = subprocess.run(TWISTD + ["-n", "--pidfile=", "nvpair-proxy", "--engine",
+                                          "ollama", "--response-header-timeout", "soon"],
+                                capture_output=True, text=True, timeout=60)
+        self.assertNotEqual(result.returncode, 0)
+        lines = result.stderr.strip().splitlines()
+        self.assertEqual(lines, ["nvpair-proxy: --response-header-timeout: not a duration: "
+                                 "'soon' (use seconds or e.g. 90s, 30m, 1h30m)"])
+
+    def test_a_stray_print_cannot_reach_the_link(self):
+        code = ("import os\nfrom nvpair_proxy.service import claim_stdout\n"
+                "fd = claim_stdout()\nprint('stray output', flush=True)\n"
+                "os.write(1, b'raw fd 1 write\\n')\nos.write(fd, b'{\"jsonrpc\":\"2.0\"}\\n')\n")
+        result = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=60)
+        self.assertEqual(result.stdout, b'{"jsonrpc":"2.0"}\n')
+        self.assertIn(b"stray output", result.stderr)
+        self.assertIn(b"raw fd 1 write", result.stderr)
+
+
+class BrokerProcessTests(SynchronousTestCase):
+    def test_driven_over_stdio_enable_discover_fail_over_and_shut_down(self):
+        fleet = start_fleet(self, '[[node]]\nid = "bad"\ndialect = "ollama"\n'
+                                  'models = ["llama3:latest"]\nstatus = 503\n\n'
+                                  '[[node]]\nid = "good"\ndialect = "ollama"\n'
+                                  'models = ["llama3:latest"]\ntokens = 2\n')
+        link = BrokerChannel(self)
+        for _ in range(5):
+            port = free_port()
+            answer = link.call("facade/enable", {"engine": "ollama", "port": port,
+                                                 "ignorePersistedPort": True})
+            if "result" in answer:
+                break
+            self.assertEqual(answer["error"]["code"], -32010)
+        self.assertEqual(answer["result"], {"engine": "ollama", "port": port})
+        self.assertEqual([m.get("method") for m in link.lines[-3:]],
+                         ["ollama:ready", "ollama:discovery:subscribe", None])
+        link.send("ollama:discovery:nodes", {"nodes": [{
+            "hostUuid": "peer-1", "name": "gpu-peer", "ip": "192.0.2.7",
+            "services": {"ol": {"port": 11434}}, "modelsByEngine": {"ollama": ["llama3"]}}]},
+            request=False)
+        listed = link.call("ollama:nodes/list")["result"]["nodes"]
+        self.assertEqual([n["id"] for n in listed], ["peer-1"])
+        self.assertEqual(listed[0]["models"], ["llama3"])
+        for node_id in ("bad", "good"):
+            added = link.call("ollama:node/add-manual", {
+                "id": f"m-{node_id}", "host": node_id, "port": fleet[node_id],
+                "addresses": ["127.0.0.1"], "models": ["llama3:latest"]})
+            self.assertEqual(added["result"], {"added": True})
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{port}/api/chat", method="POST",
+            data=json.dumps({"model": "llama3", "messages": []}).encode())
+        with urllib.request.urlopen(request, timeout=30) as response:
+            self.assertEqual(response.status, 200)
+            self.assertEqual(response.headers["X-Sim-Node"], "good")
+            body = response.read()
+        self.assertTrue(json.loads(body.splitlines()[-1])["done"])
+        link.wait(lambda m: m.get("method") == "workload:completed")
+        workload = [(m["method"], m["params"]["workloadInfo"].get("scheduledOn"),
+                     m["params"]["workloadInfo"]["seq"])
+                    for m in link.lines if m.get("method", "").startswith("workload:")]
+        self.assertEqual(workload, [("workload:submitted", None, 1),
+                                    ("workload:submitted", "m-bad", 2),
+                                    ("workload:submitted", "m-good", 3),
+                                    ("workload:started", "m-good", 4),
+                                    ("workload:completed", "m-good", 5)])
+        link.wait(lambda m: m.get("method") == "ollama:proxy/request")
+        self.assertEqual(link.call("shutdown"), {"jsonrpc": "2.0", "id": link.next_id - 1,
+                                                 "result": None})
+        self.assertEqual(link.proc.wait(timeout=30), 0)
