@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import selectors
+import shutil
 import socket
 import subprocess
 import sys
@@ -88,8 +89,9 @@ def read_line(stream, timeout: float) -> str:
 
 def start_standalone(test, args: list[str]) -> subprocess.Popen:
     """twistd nvpair-proxy standalone; returns once it reported READY=1."""
-    workdir = tempfile.mkdtemp(dir=".")
-    notify_path = os.path.join(os.path.abspath(workdir), "notify")
+    workdir = tempfile.mkdtemp(prefix="nvp-")
+    test.addCleanup(shutil.rmtree, workdir, True)
+    notify_path = os.path.join(workdir, "notify")
     notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     notify.bind(notify_path)
     notify.settimeout(DEADLINE)

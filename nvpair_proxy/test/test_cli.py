@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import shutil
 import socket
+import tempfile
 
 from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
@@ -33,7 +35,9 @@ class TranslateTests(SynchronousTestCase):
 
 class NotifyTests(SynchronousTestCase):
     def _socket(self):
-        path = os.path.abspath(self.mktemp())
+        folder = tempfile.mkdtemp(prefix="nvp-")
+        self.addCleanup(shutil.rmtree, folder, True)
+        path = os.path.join(folder, "notify")
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         sock.bind(path)
         sock.settimeout(5)
