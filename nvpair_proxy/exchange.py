@@ -122,7 +122,7 @@ class Exchange:
             self.workload = self.facade.new_workload(model, self.admitted_at)
             self.workload.admitted()
         self.facade.in_flight.add(self)
-        self.request.notifyFinish().addErrback(self._client_gone)
+        self.request.notifyFinish().addCallbacks(self._request_finished, self._client_gone)
         headers = end_to_end(self.request.requestHeaders, drop=(b"host", b"content-length"))
 
         def make_attempt(node: Node, final: bool) -> Attempt:
@@ -178,9 +178,9 @@ class Exchange:
             self._commit(result)
 
     def _answer(self, answer: Answer) -> None:
+        self._end(FAILED, answer.text, status=answer.status)
         if not self.request.finished and not self.request._disconnected:
             send_error(self.request, answer.status, answer.text, retry_after=answer.retry_after)
-        self._end(FAILED, answer.text, status=answer.status)
 
     def _commit(self, committed: Committed) -> None:
         """Spec 5.2: the first byte (or a non-retried answer's headers) made this node ours."""
@@ -211,6 +211,12 @@ class Exchange:
     def write(self, data: bytes) -> None:
         if self.ended:
             return
+        try:
+            self._relay_data(data)
+        except Exception:
+            self.crashed(Failure())
+
+    def _relay_data(self, data: bytes) -> None:
         if self.first_byte_at is None:
             self.first_byte_at = self.clock.seconds()
         if self.observer is not None:
@@ -226,11 +232,11 @@ class Exchange:
         self.request.unregisterProducer()
         if self.first_byte_at is None:
             self.first_byte_at = self.clock.seconds()
+        self._end_committed()
         if clean_end(reason):
             self.request.finish()
         else:
             self.request.loseConnection()
-        self._end_committed()
 
     def _end_committed(self) -> None:
         code = self.committed.response.code
@@ -243,6 +249,13 @@ class Exchange:
             self._end(COMPLETED, None, status=code, stats=stats)
         else:
             self._end(FAILED, f"upstream returned HTTP {code}", status=code, stats=stats)
+
+    def _request_finished(self, _) -> None:
+        """The backstop: a response that ended without reporting still reports, once."""
+        if not self.ended:
+            log.error("request {id} finished without an outcome", id=self.id,
+                      engine=self.facade.engine.id)
+            self._end(FAILED, BACKSTOP, status=500)
 
     # The client side going away.
 
@@ -296,12 +309,12 @@ class Exchange:
             self.dispatch.stop(BACKSTOP)
         if self.committed is not None:
             self.committed.relay.abort()
+        self._end(FAILED, BACKSTOP, status=500)
         request = self.request
         if not request.startedWriting and not request.finished and not request._disconnected:
             send_error(request, 500, "internal error")
         elif not request.finished and request.channel is not None:
             request.channel.transport.abortConnection()
-        self._end(FAILED, BACKSTOP, status=500)
 
     # The one end.
 

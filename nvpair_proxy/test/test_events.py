@@ -1,0 +1,162 @@
+"""Workload and request events as the broker receives them (spec 5.5, protocol 4, design 6)."""
+
+from __future__ import annotations
+
+import json
+
+from twisted.logger import formatEvent, globalLogPublisher
+from twisted.trial.unittest import SynchronousTestCase
+
+from nvpair_proxy import logs
+from nvpair_proxy.test.world import World
+
+NDJSON = {"Content-Type": "application/x-ndjson"}
+
+
+class WorkloadSequenceTests(SynchronousTestCase):
+    def test_a_simple_job_is_seq_one_to_four_with_every_field(self):
+        w = World()
+        w.clock.advance(1716998400)
+        w.add("node-a")
+        w.chat(model="llama3")
+        w.clock.advance(0.25)
+        upstream = w.agent.last.respond(200, NDJSON)
+        upstream.write(b'{"message":{"content":"x"},"done":false}\n')
+        w.clock.advance(2)
+        upstream.write(b'{"done":true,"prompt_eval_count":7,"eval_count":20,'
+                       b'"eval_duration":1000000000}\n')
+        upstream.finish()
+        sent = w.emitter.workload()
+        self.assertEqual([m for m, _ in sent], ["workload:submitted", "workload:submitted",
+                                                 "workload:started", "workload:completed"])
+        base = {"id": "1", "model": "llama3", "engine": "ollama", "runId": "0123456789abcdef",
+                "originatedFrom": "", "createdAt": 1716998400000, "requesterId": None,
+                "error": None}
+        self.assertEqual(sent[0][1], {**base, "state": "queued", "startedAt": None,
+                                      "completedAt": None, "seq": 1})
+        self.assertEqual(sent[1][1], {**base, "state": "queued", "scheduledOn": "node-a",
+                                      "startedAt": None, "completedAt": None, "seq": 2})
+        self.assertEqual(sent[2][1], {**base, "state": "running", "scheduledOn": "node-a",
+                                      "startedAt": 1716998400250, "completedAt": None, "seq": 3})
+        self.assertEqual(sent[3][1], {**base, "state": "completed", "scheduledOn": "node-a",
+                                      "startedAt": 1716998400250,
+                                      "completedAt": 1716998402250, "seq": 4,
+                                      "stats": {"promptTokens": 7, "completionTokens": 20,
+                                                "tokensPerSecond": 20.0, "ttftMs": 250}})
+
+    def test_backing_off_between_rounds_clears_the_placement_then_returns_to_it(self):
+        w = World()
+        w.add("a")
+        w.chat()
+        w.agent.last.respond(503, length=0, finish=True)
+        w.clock.advance(1)
+        w.agent.last.respond(200, length=0, finish=True)
+        self.assertEqual(w.workload_events(), [
+            ("workload:submitted", "queued", None), ("workload:submitted", "queued", "a"),
+            ("workload:submitted", "queued", None), ("workload:submitted", "queued", "a"),
+            ("workload:started", "running", "a"), ("workload:completed", "completed", "a")])
+        self.assertEqual([i["seq"] for _, i in w.emitter.workload()], [1, 2, 3, 4, 5, 6])
+
+    def test_nothing_is_sent_after_the_terminal_event(self):
+        w = World()
+        w.add("a")
+        client = w.chat()
+        upstream = w.agent.last.respond(200, NDJSON)
+        upstream.write(b'{"done":true}\n')
+        upstream.finish()
+        count = len(w.emitter.sent)
+        client.disconnect()
+        w.facade.shutdown()
+        self.assertEqual(len(w.emitter.sent), count)
+
+    def test_failed_job_rides_errored_with_the_proxy_answer_text(self):
+        w = World()
+        w.add("a")
+        w.chat()
+        for index in range(5):
+            w.agent.requests[index].refuse()
+            w.clock.advance(8)
+        method, info = w.emitter.workload()[-1]
+        self.assertEqual((method, info["state"], info["error"]),
+                         ("workload:errored", "failed", "upstream error: connection refused"))
+
+    def test_a_request_without_a_model_is_not_a_workload(self):
+        w = World()
+        w.add("a")
+        w.send("POST", "/api/chat", {"messages": []})
+        w.agent.last.respond(200, length=0, finish=True)
+        self.assertEqual(w.emitter.workload(), [])
+        self.assertEqual(w.emitter.methods(), ["ollama:proxy/request-started",
+                                               "ollama:proxy/request"])
+
+
+class RequestEventTests(SynchronousTestCase):
+    def test_request_started_at_commit_and_request_at_the_end(self):
+        w = World()
+        w.add("a", port=11434)
+        w.chat()
+        w.clock.advance(0.5)
+        upstream = w.agent.last.respond(200, NDJSON)
+        upstream.write(b"{}\n")
+        w.clock.advance(1)
+        upstream.finish()
+        events = [(m, p) for m, p in w.emitter.sent if m.startswith("ollama:proxy/")]
+        self.assertEqual(events, [
+            ("ollama:proxy/request-started", {"id": "1", "node_id": "a", "method": "POST",
+                                              "path": "/api/chat", "target": "10.0.0.1:11434"}),
+            ("ollama:proxy/request", {"id": "1", "node_id": "a", "method": "POST",
+                                      "path": "/api/chat", "target": "10.0.0.1:11434",
+                                      "status": 200, "duration_ms": 1500, "ttfb_ms": 500})])
+
+    def test_a_rejection_is_reported_with_its_status_and_error(self):
+        w = World()
+        w.chat()
+        self.assertEqual(w.emitter.sent, [("ollama:proxy/request", {
+            "id": "1", "method": "POST", "path": "/api/chat", "target": "", "status": 502,
+            "duration_ms": 0, "error": "no available node advertises the requested model"})])
+
+
+class ActivityTests(SynchronousTestCase):
+    def test_streamed_bytes_report_node_activity_at_most_every_two_seconds(self):
+        w = World()
+        w.add("a")
+        w.chat()
+        upstream = w.agent.last.respond(200, NDJSON)
+        for step in (0, 1, 1.5, 0.5):
+            w.clock.advance(step)
+            upstream.write(b"{}\n")
+        upstream.finish()
+        activity = [(w_, p) for w_, p in w.emitter.sent if w_ == "node/activity"]
+        self.assertEqual(activity, [("node/activity", {"hostUuid": "a", "msSince": 0})] * 2)
+
+    def test_a_node_that_wrote_nothing_is_not_reported(self):
+        w = World()
+        w.add("a")
+        w.chat()
+        w.agent.last.respond(200, length=0, finish=True)
+        self.assertNotIn("node/activity", w.emitter.methods())
+
+
+class PrivacyTests(SynchronousTestCase):
+    def test_a_prompt_marker_never_reaches_the_log_at_debug(self):
+        marker = "MARKER-7f3a9c-secret-prompt"
+        seen = []
+        observer = seen.append
+        globalLogPublisher.addObserver(observer)
+        self.addCleanup(globalLogPublisher.removeObserver, observer)
+        logs.set_level("debug")
+        self.addCleanup(logs.set_level, "info")
+        from nvpair_proxy.events import LogEmitter
+        w = World()
+        w.facade.emitter = LogEmitter()
+        w.facade.activity.emitter = w.facade.emitter
+        w.add("a"), w.add("b", addresses=("10.0.0.2",))
+        w.send("POST", "/api/chat", {"model": "llama3", "messages": [
+            {"role": "user", "content": marker}]}, headers={"Authorization": f"Bearer {marker}"})
+        w.agent.requests[0].respond(503, body=marker.encode(), length=len(marker), finish=True)
+        upstream = w.agent.requests[1].respond(200, NDJSON)
+        upstream.write(json.dumps({"message": {"content": marker}, "done": True}).encode() + b"\n")
+        upstream.finish()
+        text = "\n".join(formatEvent(event) + repr(event) for event in seen)
+        self.assertIn("workload:completed", text)
+        self.assertNotIn(marker, text)
