@@ -257,11 +257,19 @@ class BrokerService(Service):
         return stopped
 
     def _close_link(self, result):
+        """Flush what the link still holds (the shutdown answer, the cancelled events)
+        before the reactor tears connections down."""
+        from twisted.internet.defer import Deferred
         self.stopping = True
         transport = self.link.framer.transport
-        if transport is not None:
-            transport.loseConnection()
-        return result
+        if transport is None or getattr(transport, "disconnected", False):
+            return result
+        flushed = Deferred()
+        self.link.framer.on_closed = lambda reason: flushed.called or flushed.callback(None)
+        transport.loseConnection()
+        flushed.addTimeout(constants.FACADE_SHUTDOWN_GRACE, self.reactor)
+        flushed.addErrback(lambda _: None)
+        return flushed.addCallback(lambda _: result)
 
 
 def build_service(options: Options):

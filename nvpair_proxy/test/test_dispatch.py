@@ -468,3 +468,59 @@ class CommittedTests(SynchronousTestCase):
         self.assertEqual(w.workload_events()[-1][:2], ("workload:errored", "cancelled"))
         self.assertTrue(upstream.transport.stopped)
         w.assert_quiet(self)
+
+
+class ConnectionTests(SynchronousTestCase):
+    def test_a_multi_homed_node_is_dialled_loopback_first_then_in_published_order(self):
+        w = World()
+        w.add("a", addresses=("10.0.0.9", "192.168.1.9", "127.0.0.1", "10.0.0.9"))
+        w.chat()
+        w.agent.last.refuse()
+        w.agent.last.refuse()
+        self.assertEqual(w.agent.hosts(), ["127.0.0.1:11434", "10.0.0.9:11434",
+                                           "192.168.1.9:11434"])
+        self.assertEqual(w.workload_events()[1:], [("workload:submitted", "queued", "a")])
+        w.agent.last.respond(200, length=0, finish=True)
+
+    def test_the_answering_address_is_remembered_and_forgotten_after_a_transport_error(self):
+        w = World()
+        w.add("a", addresses=("10.0.0.1", "10.0.0.2"))
+        w.chat()
+        w.agent.last.refuse()
+        w.agent.last.respond(200, length=0, finish=True)
+        w.chat()
+        self.assertEqual(w.agent.hosts()[-1], "10.0.0.2:11434")
+        w.agent.last.fail()
+        w.clock.advance(1)
+        self.assertEqual(w.agent.hosts()[-1], "10.0.0.1:11434")
+        w.agent.last.respond(200, length=0, finish=True)
+
+    def test_ipv6_literals_are_bracketed(self):
+        w = World()
+        w.add("a", addresses=("fd00::5",))
+        w.chat()
+        self.assertEqual(w.agent.last.uri, b"http://[fd00::5]:11434/api/chat")
+        w.agent.last.respond(200, length=0, finish=True)
+
+    def test_a_reused_pooled_connection_failing_before_the_response_fails_over(self):
+        from twisted.python.failure import Failure
+        from twisted.web._newclient import RequestNotSent, ResponseNeverReceived
+        for error in (RequestNotSent(), ResponseNeverReceived([Failure(Exception("reset"))])):
+            w = World()
+            w.add("a"), w.add("b", addresses=("10.0.0.2",))
+            client = w.chat()
+            w.agent.requests[0].fail(error)
+            self.assertEqual(w.agent.hosts(), ["10.0.0.1:11434", "10.0.0.2:11434"])
+            w.agent.last.respond(200, body=b"ok", finish=True)
+            self.assertEqual(client.response().body, b"ok")
+
+    def test_a_small_refused_answer_is_read_out_and_a_large_one_aborted(self):
+        w = World()
+        w.add("a"), w.add("b", addresses=("10.0.0.2",)), w.add("c", addresses=("10.0.0.3",))
+        w.chat()
+        small = w.agent.requests[0].respond(503, body=b"busy", length=4)
+        self.assertFalse(small.transport.stopped)
+        small.finish()
+        large = w.agent.requests[1].respond(503)
+        self.assertTrue(large.transport.stopped)
+        w.agent.requests[2].respond(200, length=0, finish=True)
