@@ -155,8 +155,22 @@ class BoundedRequest(Request):
     """
 
     max_body = constants.MAX_REQUEST_BODY
+    header_timeout = constants.SERVER_HEADER_READ_TIMEOUT
+
+    def __init__(self, channel, *args, **kwargs):
+        super().__init__(channel, *args, **kwargs)
+        # Created at the request line: the headers must follow within 10 s (protocol 7),
+        # so a client trickling headers cannot hold a connection for the idle timeout.
+        self._header_timer = channel.callLater(self.header_timeout, self._headers_too_slow)
+
+    def _headers_too_slow(self) -> None:
+        self._header_timer = None
+        self.channel.transport.abortConnection()
 
     def gotLength(self, length):
+        if self._header_timer is not None and self._header_timer.active():
+            self._header_timer.cancel()
+        self._header_timer = None
         self._received = 0
         self._rejected = False
         if length is not None and length > self.max_body:
@@ -172,6 +186,12 @@ class BoundedRequest(Request):
             self._reject()
             return
         super().handleContentChunk(data)
+
+    def connectionLost(self, reason):
+        if self._header_timer is not None and self._header_timer.active():
+            self._header_timer.cancel()
+        self._header_timer = None
+        super().connectionLost(reason)
 
     def process(self):
         if getattr(self, "_rejected", False):

@@ -152,3 +152,31 @@ class BackpressureTests(SynchronousTestCase):
         upstream.finish()
         self.assertEqual(client.response().body, b'{"done":false}\n{"done": true}\n')
         w.assert_quiet(self)
+
+
+class ServerTimeoutTests(SynchronousTestCase):
+    def test_headers_must_arrive_within_ten_seconds_of_the_request_line(self):
+        from twisted.internet.testing import StringTransport
+        from nvpair_proxy.testing import loopback
+        w = World()
+        protocol = w.factory.buildProtocol(loopback())
+        transport = StringTransport(peerAddress=loopback())
+        protocol.makeConnection(transport)
+        protocol.dataReceived(b"POST /api/chat HTTP/1.1\r\nHost: x\r\n")
+        w.site_clock.advance(9.9)
+        protocol.dataReceived(b"X-Slow: 1\r\n")
+        self.assertFalse(transport.disconnecting)
+        w.site_clock.advance(0.2)
+        self.assertTrue(transport.disconnecting)
+
+    def test_complete_headers_cancel_the_header_timer_and_idle_timeout_is_90s(self):
+        w = World()
+        w.add("a")
+        client = w.send("GET", "/api/ps")
+        w.site_clock.advance(60)
+        self.assertFalse(client.transport.disconnecting)
+        w.agent.last.respond(200, body=b"{}", length=2, finish=True)
+        self.assertEqual(client.response().status, 200)
+        self.assertEqual(w.site.timeOut, 90)
+        w.site_clock.advance(90)
+        self.assertTrue(client.transport.disconnecting)

@@ -141,3 +141,21 @@ class EndToEndTests(TestCase):
             self.assertEqual(response.code, 200)
             self.assertEqual(data["object"], "list")
             self.assertEqual([m["id"] for m in data["data"]], ["m1", "m2"])
+
+    @inlineCallbacks
+    def test_the_facade_listens_on_ipv4_and_ipv6_loopback(self):
+        import socket as socketlib
+        from nvpair_proxy.listener import listen_everywhere
+        if not socketlib.has_ipv6:
+            raise __import__("twisted.trial.unittest").trial.unittest.SkipTest("no IPv6")
+        node = self._node(SimNode("gpu-a", "ollama", models=["llama3:latest"], tokens=1))
+        self._proxy("ollama", [node])
+        listening = listen_everywhere(reactor, 0, DemuxFactory(facade_site(self.facade, reactor)))
+        self.addCleanup(listening.stopListening)
+        port = listening.getHost().port
+        agent = Agent(reactor, pool=self._pool())
+        for host in (b"127.0.0.1", b"[::1]"):
+            response = yield agent.request(b"GET", b"http://%s:%d/api/tags" % (host, port))
+            body = json.loads((yield readBody(response)))
+            self.assertEqual(response.code, 200, host)
+            self.assertEqual([m["name"] for m in body["models"]], ["llama3:latest"])
