@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from twisted.trial.unittest import SynchronousTestCase
 
-from nvpair_proxy.test.world import World
+from nvpair_proxy.test.world import WorldTestCase
 
 NDJSON = {"Content-Type": "application/x-ndjson"}
 
 
-class FailoverTests(SynchronousTestCase):
+class FailoverTests(WorldTestCase):
     def test_503_then_200_in_one_round_replays_the_body_and_emits_five_events(self):
-        w = World()
+        w = self.world()
         w.add("a"), w.add("b", addresses=("10.0.0.2",))
         client = w.chat()
         first = w.agent.requests[0]
@@ -35,7 +35,7 @@ class FailoverTests(SynchronousTestCase):
         w.assert_quiet(self)
 
     def test_first_byte_is_spliced_back_in_front_of_the_stream(self):
-        w = World("lmstudio")
+        w = self.world("lmstudio")
         w.add("a", models=("qwen",), port=1234)
         client = w.send("POST", "/v1/chat/completions", {"model": "qwen", "stream": True})
         upstream = w.agent.last.respond(200, {"Content-Type": "text/event-stream"})
@@ -46,7 +46,7 @@ class FailoverTests(SynchronousTestCase):
         self.assertEqual(client.response().body, b"data: {}\n\ndata: [DONE]\n\n")
 
     def test_headers_alone_do_not_commit(self):
-        w = World()
+        w = self.world()
         w.add("a")
         w.chat()
         w.agent.last.respond(200, NDJSON)
@@ -54,7 +54,7 @@ class FailoverTests(SynchronousTestCase):
         w.agent.last.response.finish()
 
     def test_empty_200_commits(self):
-        w = World()
+        w = self.world()
         w.add("a")
         client = w.chat()
         w.agent.last.respond(200, NDJSON, length=0, finish=True)
@@ -63,7 +63,7 @@ class FailoverTests(SynchronousTestCase):
         self.assertEqual(w.workload_events()[-1][0], "workload:completed")
 
     def test_sole_owner_is_retried_every_round_until_the_budget_and_the_fifth_answers(self):
-        w = World()
+        w = self.world()
         w.add("a")
         client = w.chat()
         for index in range(4):
@@ -80,7 +80,7 @@ class FailoverTests(SynchronousTestCase):
         w.assert_quiet(self)
 
     def test_backoff_schedule_is_by_dispatches_and_repeats_its_last_step(self):
-        w = World()
+        w = self.world()
         w.facade.bounds = w.facade.bounds.__class__(max_attempts=7)
         w.add("a")
         w.chat()
@@ -96,7 +96,7 @@ class FailoverTests(SynchronousTestCase):
 
     def test_jitter_stays_within_a_quarter(self):
         for draw, expected in ((0.0, 0.75), (0.999999, 1.25)):
-            w = World()
+            w = self.world()
             w.facade.random = lambda: draw
             w.add("a")
             w.chat()
@@ -108,7 +108,7 @@ class FailoverTests(SynchronousTestCase):
             w.agent.last.respond(200, length=0, finish=True)
 
     def test_final_attempt_transport_failure_answers_502(self):
-        w = World()
+        w = self.world()
         w.add("a")
         client = w.chat()
         for index in range(5):
@@ -122,7 +122,7 @@ class FailoverTests(SynchronousTestCase):
         w.assert_quiet(self)
 
     def test_final_attempt_without_content_answers_504_and_never_hangs(self):
-        w = World(response_timeout=60)
+        w = self.world(response_timeout=60)
         w.facade.bounds = w.facade.bounds.__class__(max_attempts=1, response_timeout=60)
         w.add("a")
         client = w.chat()
@@ -138,7 +138,7 @@ class FailoverTests(SynchronousTestCase):
         w.assert_quiet(self)
 
     def test_headers_without_content_fail_over(self):
-        w = World(response_timeout=60)
+        w = self.world(response_timeout=60)
         w.add("a"), w.add("b", addresses=("10.0.0.2",))
         client = w.chat()
         stalled = w.agent.requests[0].respond(200, NDJSON)
@@ -148,7 +148,7 @@ class FailoverTests(SynchronousTestCase):
         self.assertEqual(client.response().body, b'{"done":true}\n')
 
     def test_header_timeout_fails_over(self):
-        w = World(response_timeout=60)
+        w = self.world(response_timeout=60)
         w.add("a"), w.add("b", addresses=("10.0.0.2",))
         w.chat()
         w.clock.advance(60)
@@ -157,7 +157,7 @@ class FailoverTests(SynchronousTestCase):
         w.agent.requests[1].respond(200, body=b"x", finish=True)
 
     def test_zero_response_timeout_disables_both_caps(self):
-        w = World(response_timeout=0)
+        w = self.world(response_timeout=0)
         w.add("a")
         w.chat()
         w.clock.pump([600] * 30)
@@ -167,11 +167,11 @@ class FailoverTests(SynchronousTestCase):
         w.assert_quiet(self)
 
 
-class StatusTableTests(SynchronousTestCase):
+class StatusTableTests(WorldTestCase):
     """Spec 5.4, one row each: retried or the answer."""
 
     def _one(self, status: int, path: str = "/api/chat", method: str = "POST"):
-        w = World()
+        w = self.world()
         w.add("a"), w.add("b", addresses=("10.0.0.2",))
         if method == "POST":
             client = w.send(method, path, {"model": "llama3"})
@@ -208,7 +208,7 @@ class StatusTableTests(SynchronousTestCase):
         self.assertEqual((len(w.agent.requests), client.response().status), (1, 404))
 
     def test_non_inference_commits_on_headers_and_tries_each_node_once(self):
-        w = World()
+        w = self.world()
         w.add("a"), w.add("b", addresses=("10.0.0.2",))
         client = w.send("POST", "/api/pull", {"name": "llama3"})
         w.agent.requests[0].respond(500, length=0, finish=True)
@@ -223,7 +223,7 @@ class StatusTableTests(SynchronousTestCase):
         w.assert_quiet(self)
 
     def test_get_api_chat_is_not_inference(self):
-        w = World()
+        w = self.world()
         w.add("a")
         w.send("GET", "/api/chat")
         w.agent.last.respond(404, length=0, finish=True)
@@ -231,9 +231,9 @@ class StatusTableTests(SynchronousTestCase):
         self.assertEqual(w.emitter.workload(), [])
 
 
-class BoundsTests(SynchronousTestCase):
+class BoundsTests(WorldTestCase):
     def test_fast_failures_end_on_the_count(self):
-        w = World()
+        w = self.world()
         w.add("a")
         client = w.chat()
         for index in range(5):
@@ -245,7 +245,7 @@ class BoundsTests(SynchronousTestCase):
         self.assertLess(w.clock.seconds(), 600)
 
     def test_attempts_that_each_hang_240s_end_after_three_dispatches_on_the_deadline(self):
-        w = World(response_timeout=240)
+        w = self.world(response_timeout=240)
         w.add("a")
         client = w.chat()
         w.clock.advance(240)
@@ -263,7 +263,7 @@ class BoundsTests(SynchronousTestCase):
         w.assert_quiet(self)
 
     def test_no_owner_after_a_dispatch_waits_without_spending_attempts_then_503(self):
-        w = World()
+        w = self.world()
         w.add("a")
         client = w.chat()
         w.agent.last.respond(503, length=0, finish=True)
@@ -277,7 +277,7 @@ class BoundsTests(SynchronousTestCase):
         w.assert_quiet(self)
 
     def test_no_owner_at_admission_is_an_immediate_502_without_a_workload(self):
-        w = World()
+        w = self.world()
         w.add("a", models=("mistral:latest",))
         client = w.chat()
         response = client.response()
@@ -288,7 +288,7 @@ class BoundsTests(SynchronousTestCase):
         self.assertEqual(w.emitter.methods(), ["ollama:proxy/request"])
 
     def test_node_blinking_out_and_back_costs_no_attempt(self):
-        w = World()
+        w = self.world()
         node = w.add("a")
         client = w.chat()
         w.agent.last.respond(503, length=0, finish=True)
@@ -305,7 +305,7 @@ class BoundsTests(SynchronousTestCase):
         self.assertEqual(client.response().status, 503)
 
     def test_worst_case_last_dispatch_just_under_600s_runs_both_caps_in_full(self):
-        w = World(response_timeout=1800)
+        w = self.world(response_timeout=1800)
         w.add("a")
         client = w.chat()
         w.agent.last.respond(503, length=0, finish=True)
@@ -327,7 +327,7 @@ class BoundsTests(SynchronousTestCase):
         w.assert_quiet(self)
 
     def test_waking_at_the_deadline_answers_503_without_dispatching(self):
-        w = World(response_timeout=0)
+        w = self.world(response_timeout=0)
         w.add("a")
         client = w.chat()
         w.clock.advance(599.5)
@@ -337,9 +337,9 @@ class BoundsTests(SynchronousTestCase):
         self.assertEqual(client.response().status, 503)
 
 
-class CancellationTests(SynchronousTestCase):
+class CancellationTests(WorldTestCase):
     def test_target_leaving_discovery_aborts_its_attempt_and_the_job_completes_elsewhere(self):
-        w = World()
+        w = self.world()
         w.add("a"), w.add("b", addresses=("10.0.0.2",))
         client = w.chat()
         self.assertTrue(w.agent.requests[0].pending)
@@ -352,7 +352,7 @@ class CancellationTests(SynchronousTestCase):
         w.assert_quiet(self)
 
     def test_a_delivered_first_byte_wins_over_the_watcher(self):
-        w = World()
+        w = self.world()
         w.add("a")
         client = w.chat()
         upstream = w.agent.last.respond(200, NDJSON)
@@ -365,7 +365,7 @@ class CancellationTests(SynchronousTestCase):
         self.assertEqual(client.response().body, b'{"done":true}\n')
 
     def test_requester_leaving_during_backoff_ends_the_loop_with_no_further_dispatch(self):
-        w = World()
+        w = self.world()
         w.add("a")
         client = w.chat()
         w.agent.last.respond(503, length=0, finish=True)
@@ -377,7 +377,7 @@ class CancellationTests(SynchronousTestCase):
         w.assert_quiet(self)
 
     def test_requester_leaving_cancels_the_upstream_attempt(self):
-        w = World()
+        w = self.world()
         w.add("a")
         client = w.chat()
         client.disconnect()
@@ -386,7 +386,7 @@ class CancellationTests(SynchronousTestCase):
         w.assert_quiet(self)
 
     def test_shutdown_cancels_in_flight_requests(self):
-        w = World()
+        w = self.world()
         w.add("a")
         w.chat()
         w.facade.shutdown()
@@ -395,7 +395,7 @@ class CancellationTests(SynchronousTestCase):
         w.assert_quiet(self)
 
     def test_exception_is_contained_to_its_request_and_answered_500(self):
-        w = World()
+        w = self.world()
         w.add("a")
         w.facade.agent_for_node = lambda node: 1 / 0
         client = w.chat()
@@ -409,9 +409,9 @@ class CancellationTests(SynchronousTestCase):
                          "request handler exited before completion")
 
 
-class CommittedTests(SynchronousTestCase):
+class CommittedTests(WorldTestCase):
     def test_truncated_stream_is_completed_and_the_client_sees_the_truncation(self):
-        w = World()
+        w = self.world()
         w.add("a")
         client = w.chat()
         upstream = w.agent.last.respond(200, NDJSON)
@@ -424,7 +424,7 @@ class CommittedTests(SynchronousTestCase):
         self.assertEqual(len(w.agent.requests), 1)
 
     def test_committed_non_2xx_is_failed(self):
-        w = World()
+        w = self.world()
         w.add("a")
         client = w.chat()
         w.agent.last.respond(400, body=b"bad", length=3, finish=True)
@@ -432,7 +432,7 @@ class CommittedTests(SynchronousTestCase):
         self.assertEqual(w.emitter.workload()[-1][1]["error"], "upstream returned HTTP 400")
 
     def test_client_closing_after_the_terminal_frame_is_completed(self):
-        w = World()
+        w = self.world()
         w.add("a")
         client = w.chat()
         upstream = w.agent.last.respond(200, NDJSON)
@@ -442,7 +442,7 @@ class CommittedTests(SynchronousTestCase):
         self.assertTrue(upstream.transport.stopped)
 
     def test_client_vanishing_mid_stream_is_cancelled(self):
-        w = World()
+        w = self.world()
         w.add("a")
         client = w.chat()
         upstream = w.agent.last.respond(200, NDJSON)
@@ -452,7 +452,7 @@ class CommittedTests(SynchronousTestCase):
         self.assertTrue(upstream.transport.stopped)
 
     def test_dead_client_write_deadline_cancels_after_30s_paused(self):
-        w = World()
+        w = self.world()
         w.add("a")
         client = w.chat()
         upstream = w.agent.last.respond(200, NDJSON)
@@ -470,9 +470,9 @@ class CommittedTests(SynchronousTestCase):
         w.assert_quiet(self)
 
 
-class ConnectionTests(SynchronousTestCase):
+class ConnectionTests(WorldTestCase):
     def test_a_multi_homed_node_is_dialled_loopback_first_then_in_published_order(self):
-        w = World()
+        w = self.world()
         w.add("a", addresses=("10.0.0.9", "192.168.1.9", "127.0.0.1", "10.0.0.9"))
         w.chat()
         w.agent.last.refuse()
@@ -483,7 +483,7 @@ class ConnectionTests(SynchronousTestCase):
         w.agent.last.respond(200, length=0, finish=True)
 
     def test_the_answering_address_is_remembered_and_forgotten_after_a_transport_error(self):
-        w = World()
+        w = self.world()
         w.add("a", addresses=("10.0.0.1", "10.0.0.2"))
         w.chat()
         w.agent.last.refuse()
@@ -496,7 +496,7 @@ class ConnectionTests(SynchronousTestCase):
         w.agent.last.respond(200, length=0, finish=True)
 
     def test_ipv6_literals_are_bracketed(self):
-        w = World()
+        w = self.world()
         w.add("a", addresses=("fd00::5",))
         w.chat()
         self.assertEqual(w.agent.last.uri, b"http://[fd00::5]:11434/api/chat")
@@ -506,7 +506,7 @@ class ConnectionTests(SynchronousTestCase):
         from twisted.python.failure import Failure
         from twisted.web._newclient import RequestNotSent, ResponseNeverReceived
         for error in (RequestNotSent(), ResponseNeverReceived([Failure(Exception("reset"))])):
-            w = World()
+            w = self.world()
             w.add("a"), w.add("b", addresses=("10.0.0.2",))
             client = w.chat()
             w.agent.requests[0].fail(error)
@@ -515,7 +515,7 @@ class ConnectionTests(SynchronousTestCase):
             self.assertEqual(client.response().body, b"ok")
 
     def test_a_small_refused_answer_is_read_out_and_a_large_one_aborted(self):
-        w = World()
+        w = self.world()
         w.add("a"), w.add("b", addresses=("10.0.0.2",)), w.add("c", addresses=("10.0.0.3",))
         w.chat()
         small = w.agent.requests[0].respond(503, body=b"busy", length=4)

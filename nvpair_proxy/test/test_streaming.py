@@ -13,7 +13,7 @@ import random
 from twisted.internet import reactor
 from twisted.internet.defer import inlineCallbacks
 from twisted.internet.task import Clock
-from twisted.trial.unittest import TestCase
+from twisted.trial.unittest import SkipTest, TestCase
 from twisted.web.client import Agent, HTTPConnectionPool, readBody
 from twisted.web.http_headers import Headers
 from twisted.web.server import Site
@@ -147,7 +147,7 @@ class EndToEndTests(TestCase):
         import socket as socketlib
         from nvpair_proxy.listener import listen_everywhere
         if not socketlib.has_ipv6:
-            raise __import__("twisted.trial.unittest").trial.unittest.SkipTest("no IPv6")
+            raise SkipTest("no IPv6")
         node = self._node(SimNode("gpu-a", "ollama", models=["llama3:latest"], tokens=1))
         self._proxy("ollama", [node])
         listening = listen_everywhere(reactor, 0, DemuxFactory(facade_site(self.facade, reactor)))

@@ -10,6 +10,7 @@ import json
 
 from twisted.internet.task import Clock
 from twisted.internet.testing import StringTransport
+from twisted.trial.unittest import SynchronousTestCase
 
 from nvpair_proxy.discovery import make_node
 from nvpair_proxy.dispatch import Bounds
@@ -158,3 +159,13 @@ class World:
             response = record.response
             if response is not None and response._ended is None and not response.transport.stopped:
                 test.fail(f"upstream response of {record.uri!r} left open")
+
+
+class WorldTestCase(SynchronousTestCase):
+    """Every world a test builds is checked when the test ends: no timer left on the dispatch
+    clock, no upstream request or response left open."""
+
+    def world(self, *args, **kwargs) -> World:
+        w = World(*args, **kwargs)
+        self.addCleanup(w.assert_quiet, self)
+        return w

@@ -1,0 +1,41 @@
+"""Standalone wiring: the implicit local fleet and the shared connection pool."""
+
+from __future__ import annotations
+
+from twisted.internet.testing import MemoryReactorClock
+from twisted.trial.unittest import SynchronousTestCase
+
+from nvpair_proxy import constants
+from nvpair_proxy.options import Options
+from nvpair_proxy.service import local_fleet, make_pool
+
+
+def parsed(*args: str) -> Options:
+    options = Options()
+    options.parseOptions(list(args))
+    return options
+
+
+class LocalFleetTests(SynchronousTestCase):
+    def test_without_nodes_the_engine_on_its_own_port_is_the_fleet(self):
+        fleet = local_fleet(parsed("--engine", "ollama", "--engine", "lmstudio:1300"))
+        (ollama,), (lmstudio,) = fleet.nodes["ollama"], fleet.nodes["lmstudio"]
+        self.assertEqual((ollama.id, ollama.addresses, ollama.port), ("local", ("127.0.0.1",), 11434))
+        self.assertEqual(lmstudio.port, 1234)
+        self.assertEqual(fleet.probed, {("ollama", "local"), ("lmstudio", "local")})
+        self.assertIsNone(ollama.models)
+
+    def test_a_facade_on_the_engines_own_port_looks_for_it_on_the_relocated_port(self):
+        fleet = local_fleet(parsed("--engine", "lmstudio", "--engine", "llamacpp",
+                                   "--engine", "ollama:11434"))
+        self.assertEqual([fleet.nodes[e][0].port for e in ("lmstudio", "llamacpp", "ollama")],
+                         [1235, 8081, 11435])
+
+
+class PoolTests(SynchronousTestCase):
+    def test_pool_keeps_idle_connections_as_long_as_the_servers_do(self):
+        pool = make_pool(MemoryReactorClock())
+        self.assertTrue(pool.persistent)
+        self.assertEqual(pool.cachedConnectionTimeout, constants.SERVER_IDLE_TIMEOUT)
+        self.assertGreaterEqual(pool.maxPersistentPerHost, 16)
+        self.assertFalse(pool.retryAutomatically)
