@@ -121,6 +121,9 @@ class Exchange:
         if model is not None:
             self.workload = self.facade.new_workload(model, self.admitted_at)
             self.workload.admitted()
+        log.debug("request {id} admitted: {method} {path} model={model} job={job}", id=self.id,
+                  method=self.method, path=self.path, model=model,
+                  job=self.workload.id if self.workload else None, engine=self.facade.engine.id)
         self.facade.in_flight.add(self)
         self.request.notifyFinish().addCallbacks(self._request_finished, self._client_gone)
         headers = end_to_end(self.request.requestHeaders, drop=(b"host", b"content-length"))
@@ -162,6 +165,8 @@ class Exchange:
     # Dispatch observer (workload events, spec 5.5).
 
     def dispatched(self, node: Node) -> None:
+        log.debug("request {id} dispatch {n} to node {node}", id=self.id,
+                  n=self.dispatch.dispatches, node=node.id, engine=self.facade.engine.id)
         if self.workload is not None:
             self.workload.dispatched(node.id)
 
@@ -186,6 +191,8 @@ class Exchange:
         """Spec 5.2: the first byte (or a non-retried answer's headers) made this node ours."""
         self.committed = committed
         response, node = committed.response, committed.node
+        log.debug("request {id} committed to node {node} with HTTP {status}", id=self.id,
+                  node=node.id, status=response.code, engine=self.facade.engine.id)
         self.node_id = node.id
         self.target = host_port(committed.address, node.port)
         if self.workload is not None:
@@ -329,6 +336,8 @@ class Exchange:
             self.dispatch.reservation.release()
             self.dispatch.reservation = None
         self.facade.in_flight.discard(self)
+        log.debug("request {id} ended {state} ({error})", id=self.id, state=state,
+                  error=error or "ok", engine=self.facade.engine.id)
         if self.workload is not None:
             self.workload.terminal(state, error, stats)
         now = self.clock.seconds()

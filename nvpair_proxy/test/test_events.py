@@ -160,3 +160,7 @@ class PrivacyTests(SynchronousTestCase):
         text = "\n".join(formatEvent(event) + repr(event) for event in seen)
         self.assertIn("workload:completed", text)
         self.assertNotIn(marker, text)
+        ours = [e for e in seen if e.get("log_namespace") == "nvpair-proxy"]
+        self.assertGreater(len(ours), 5)
+        facade_scoped = [e for e in ours if "workload:" not in formatEvent(e)]
+        self.assertEqual({e.get("engine") for e in facade_scoped}, {"ollama"})
