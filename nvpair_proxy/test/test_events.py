@@ -162,5 +162,6 @@ class PrivacyTests(SynchronousTestCase):
         self.assertNotIn(marker, text)
         ours = [e for e in seen if e.get("log_namespace") == "nvpair-proxy"]
         self.assertGreater(len(ours), 5)
-        facade_scoped = [e for e in ours if "workload:" not in formatEvent(e)]
+        process_scoped = ("workload:", "node/activity")
+        facade_scoped = [e for e in ours if not any(p in formatEvent(e) for p in process_scoped)]
         self.assertEqual({e.get("engine") for e in facade_scoped}, {"ollama"})
