@@ -41,10 +41,8 @@ class LoopbackGateTests(SynchronousTestCase):
 
     def test_a_tls_hello_is_refused_while_this_node_is_not_a_cluster_member(self):
         w = World()
-        protocol = w.factory.buildProtocol(lan())
-        from twisted.internet.testing import StringTransport
-        transport = StringTransport(peerAddress=lan())
-        protocol.makeConnection(transport)
+        client = w.connect(lan())
+        protocol, transport = client.protocol, client.transport
         protocol.dataReceived(b"\x16\x03\x01\x00\xa5")
         self.assertEqual(transport.value(), b"")
         self.assertTrue(transport.disconnecting)
@@ -65,11 +63,8 @@ class BodyLimitTests(SynchronousTestCase):
     def test_a_declared_length_over_32_mib_is_413_before_the_body_arrives(self):
         w = World()
         w.add("a")
-        from twisted.internet.testing import StringTransport
-        from nvpair_proxy.testing import loopback
-        protocol = w.factory.buildProtocol(loopback())
-        transport = StringTransport(peerAddress=loopback())
-        protocol.makeConnection(transport)
+        client = w.connect()
+        protocol, transport = client.protocol, client.transport
         protocol.dataReceived(b"POST /api/chat HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n"
                               % (MAX_REQUEST_BODY + 1))
         response = Response(transport.value())
@@ -81,11 +76,8 @@ class BodyLimitTests(SynchronousTestCase):
     def test_a_chunked_body_over_32_mib_is_413(self):
         w = World()
         w.add("a")
-        from twisted.internet.testing import StringTransport
-        from nvpair_proxy.testing import loopback
-        protocol = w.factory.buildProtocol(loopback())
-        transport = StringTransport(peerAddress=loopback())
-        protocol.makeConnection(transport)
+        client = w.connect()
+        protocol, transport = client.protocol, client.transport
         protocol.dataReceived(b"POST /api/chat HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n")
         chunk = b"x" * (1024 * 1024)
         for _ in range(33):
@@ -156,12 +148,9 @@ class BackpressureTests(SynchronousTestCase):
 
 class ServerTimeoutTests(SynchronousTestCase):
     def test_headers_must_arrive_within_ten_seconds_of_the_request_line(self):
-        from twisted.internet.testing import StringTransport
-        from nvpair_proxy.testing import loopback
         w = World()
-        protocol = w.factory.buildProtocol(loopback())
-        transport = StringTransport(peerAddress=loopback())
-        protocol.makeConnection(transport)
+        client = w.connect()
+        protocol, transport = client.protocol, client.transport
         protocol.dataReceived(b"POST /api/chat HTTP/1.1\r\nHost: x\r\n")
         w.site_clock.advance(9.9)
         protocol.dataReceived(b"X-Slow: 1\r\n")

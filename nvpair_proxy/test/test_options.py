@@ -11,32 +11,11 @@ from twisted.plugin import getPlugins
 from twisted.trial.unittest import SynchronousTestCase
 
 from nvpair_proxy import options as options_module
+from nvpair_proxy.test.test_engines import VLLM
 from nvpair_proxy.options import DEFAULT_STATE_DIR, Options, parse_duration
 
 HOME = "/home/tester"
 DEFAULT_STATE = "/home/tester/.config/Nvidia Corporation/Personal AI Router"
-
-VLLM = """\
-id = "vllm"
-service_key = "vl"
-persisted_port_file = "vllm-proxy-port.json"
-model_rule = "exact"
-inventory_source = "models"
-
-[ports]
-own = 8000
-relocated = 8001
-standalone = 8000
-
-[model_list]
-upstream_path = "/v1/models"
-envelope = "openai"
-
-[[routes]]
-method = "POST"
-path = "/v1/chat/completions"
-class = "inference"
-"""
 
 
 class OptionsCase(SynchronousTestCase):

@@ -135,13 +135,18 @@ class World:
     def remove(self, node_id: str) -> None:
         self.facade.nodes.remove_manual(node_id)
 
-    def send(self, method: str, path: str, body=None, headers=None, peer=None) -> Client:
+    def connect(self, peer=None) -> Client:
+        """A client connection through the listener, with nothing sent yet."""
         peer = peer or loopback()
         protocol = self.factory.buildProtocol(peer)
         transport = StringTransport(peerAddress=peer)
         protocol.makeConnection(transport)
-        protocol.dataReceived(request_bytes(method, path, body, headers))
         return Client(transport, protocol)
+
+    def send(self, method: str, path: str, body=None, headers=None, peer=None) -> Client:
+        client = self.connect(peer)
+        client.protocol.dataReceived(request_bytes(method, path, body, headers))
+        return client
 
     def chat(self, model: str = "llama3", stream: bool = True, path: str = "/api/chat") -> Client:
         return self.send("POST", path, {"model": model, "stream": stream,
