@@ -143,11 +143,7 @@ class Dispatch:
                 self._back_off()
             return
         self._owner_missing = False
-        if not self.inference:
-            self._queue = list(candidates)
-            self._dispatch_next()
-            return
-        if self.reserve is not None:
+        if self.inference and self.reserve is not None:
             candidates, self.reservation = self.reserve(candidates)
         self._queue = list(candidates)
         self._failed_in_round = False

@@ -12,6 +12,7 @@ from typing import Callable
 
 import attrs
 from twisted.internet.interfaces import IReactorTime
+from twisted.python.failure import Failure
 from .logs import logger
 from twisted.web.iweb import IAgent
 from twisted.web.resource import Resource
@@ -27,6 +28,7 @@ from .events import ActivityThrottle, Workload
 from .exchange import Exchange
 from .hopbyhop import end_to_end
 from .interfaces import IEmitter
+from .reservations import ReservationMap
 from .inventory import MODEL_LIST_STRIPPED, fleet_model_list
 
 log = logger()
@@ -45,7 +47,7 @@ class Facade:
     run_id: str
     random: Callable[[], float]
     bounds: Bounds = Bounds()
-    reservations: object | None = None
+    reservations: ReservationMap | None = None
     activity: ActivityThrottle | None = None
     nodes: NodeSet = attrs.Factory(NodeSet)
     addresses: AddressMemory = attrs.Factory(AddressMemory)
@@ -68,7 +70,7 @@ class Facade:
                         created_at=created_at)
 
     def priority(self) -> tuple[str, ...]:
-        return tuple(getattr(self.reservations, "priority", ()))
+        return self.reservations.priority if self.reservations is not None else ()
 
     def agent_for(self, node: Node) -> IAgent:
         if self.agent_for_node is not None:
@@ -106,7 +108,6 @@ class FacadeResource(Resource):
         try:
             exchange.start()
         except Exception:
-            from twisted.python.failure import Failure
             exchange.crashed(Failure())
         return NOT_DONE_YET
 
