@@ -39,18 +39,26 @@ def parse_aliases(values, primary_port: int) -> tuple[list[str], int] | None:
 
 def _split(value: str) -> tuple[str, int]:
     host, sep, port_text = value.rpartition(":")
-    if not sep or not port_text.isdigit():
+    # ASCII digits only: str.isdigit() also takes other scripts' digits (int() reads them)
+    # and superscripts (int() raises on them).
+    if not sep or not port_text or not all("0" <= c <= "9" for c in port_text):
         raise RpcError(SERVER_ERROR, f"invalid alias address {value!r}: want host:port")
     port = int(port_text)
     if not 1 <= port <= 65535:
         raise RpcError(SERVER_ERROR, f"invalid alias address {value!r}: port out of range")
-    host = host.strip("[]") if host.startswith("[") else host
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+        if ":" not in host:
+            raise RpcError(SERVER_ERROR, f"invalid alias address {value!r}: brackets are for IPv6")
+    elif ":" in host or "[" in host or "]" in host:
+        # An IPv6 host needs brackets (``[::1]:11434``); ``::1:11434`` is ambiguous.
+        raise RpcError(SERVER_ERROR, f"invalid alias address {value!r}: want host:port")
     if host == "localhost":
         return host, port
     try:
         address = ipaddress.ip_address(host)
     except ValueError:
         raise RpcError(SERVER_ERROR, f"invalid alias address {value!r}: not a literal address") from None
-    if not address.is_loopback:
+    if not address.is_loopback or getattr(address, "scope_id", None):
         raise RpcError(SERVER_ERROR, f"invalid alias address {value!r}: not loopback")
     return str(address), port

@@ -8,6 +8,7 @@ notifications a method causes go out before its answer (design decision 8).
 from __future__ import annotations
 
 import ipaddress
+import math
 from typing import Any, Callable, Mapping
 
 import attrs
@@ -111,8 +112,15 @@ class Broker:
             raise MethodNotFound(method)
         running = self.running.get(engine_id)
         if bare == "discovery:nodes":
-            if running is not None:
-                self.discovery_nodes(running, _params(params))
+            if running is None:
+                log.debug("ignored discovery:nodes for {engine}: no facade", engine=engine_id)
+            elif not isinstance(params, dict):
+                log.warn("ignored discovery:nodes whose params are not an object", engine=engine_id)
+            else:
+                try:
+                    self.discovery_nodes(running, params)
+                except Exception:
+                    log.failure("internal error handling {method}", method=method)
             raise NoAnswer()
         if running is None:
             raise RpcError(NO_FACADE, f'no facade is enabled for engine "{engine_id}" on this proxy')
@@ -124,13 +132,13 @@ class Broker:
     # Process-scoped methods.
 
     def enable(self, params: dict) -> dict:
-        engine_id = params.get("engine")
+        engine_id = params.get("engine", "")
         if not isinstance(engine_id, str):
-            raise RpcError(INVALID_PARAMS, "engine is required")
+            raise RpcError(INVALID_PARAMS, "engine must be a string")
         engine = self.engines.get(engine_id)
         if engine is None:
             raise RpcError(SERVER_ERROR, f'unknown engine "{engine_id}"; want one of '
-                                         f'{", ".join(self.engines)}')
+                                         f'{", ".join(_engine_order(self.engines))}')
         port = _int(params, "port", 0)
         if port != 0 and not 1 <= port <= 65535:
             raise RpcError(SERVER_ERROR, f"port must be between 1 and 65535 (got {port})")
@@ -203,13 +211,13 @@ class Broker:
             if isinstance(rank, dict) and isinstance(rank.get("id"), str):
                 parsed.append(Rank(id=rank["id"], pending=_number(rank.get("pending")),
                                    gpu_pressure=_number(rank.get("gpuPressure")),
-                                   rank=int(_number(rank.get("rank")))))
+                                   rank=_whole(rank.get("rank"))))
         self.reservations.set_priority(generation, [n for n in nodes if isinstance(n, str)], parsed)
         return {"count": self.reservations.count}
 
     def set_level(self, params: dict) -> dict:
         level = params.get("level")
-        if level not in LEVELS:
+        if not isinstance(level, str) or level not in LEVELS:
             raise RpcError(INVALID_PARAMS, "level must be one of debug, info, warn, error")
         set_level(level)
         return {"level": level}
@@ -312,8 +320,9 @@ class Broker:
     def add_manual(self, running: Running, params: dict) -> dict:
         node_id, port = params.get("id"), params.get("port")
         addresses = params.get("addresses")
-        if isinstance(addresses, list):
-            addresses = [a for a in addresses if isinstance(a, str) and a]
+        # A bare string is not a list of addresses (it would be split into characters).
+        addresses = ([a for a in addresses if isinstance(a, str) and a]
+                     if isinstance(addresses, list) else None)
         if (not isinstance(node_id, str) or not node_id or not isinstance(port, int)
                 or isinstance(port, bool) or not 1 <= port <= 65535 or not addresses):
             raise RpcError(INVALID_PARAMS, "id, port, and at least one address are required")
@@ -358,6 +367,8 @@ class Broker:
         host = params.get("host") or "127.0.0.1"
         port = params.get("port", 0)
         healthy = params.get("healthy", True)
+        if not isinstance(healthy, bool):
+            raise RpcError(INVALID_PARAMS, "healthy must be a boolean")
         if not isinstance(host, str) or not _loopback_literal(host):
             raise RpcError(INVALID_PARAMS, "host must be a loopback address")
         if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535:
@@ -390,6 +401,20 @@ class Broker:
             closing.append(running.listening)
             closing.extend(running.aliases)
         return closing
+
+
+# protocol 3: the order the unknown-engine message lists them in.
+ENGINE_ORDER = ("ollama", "lmstudio", "llamacpp")
+
+
+def _engine_order(engines: Mapping[str, Engine]) -> list[str]:
+    known = [e for e in ENGINE_ORDER if e in engines]
+    return known + sorted(e for e in engines if e not in ENGINE_ORDER)
+
+
+def _whole(value) -> int:
+    number = _number(value)
+    return int(number) if math.isfinite(number) else 0
 
 
 def _number(value) -> float:

@@ -43,7 +43,8 @@ def write_port(state_dir: str, engine: Engine, port: int) -> None:
     temp = f"{path}.{os.getpid()}.tmp"
     try:
         with open(temp, "w", encoding="utf-8") as handle:
-            json.dump({"port": port}, handle)
+            # Compact, exactly ``{"port":N}`` like the existing implementation's files.
+            json.dump({"port": port}, handle, separators=(",", ":"))
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(temp, path)

@@ -46,35 +46,51 @@ class NoAnswer(Exception):
     """Raised by a handler whose method is never answered (``discovery:nodes``)."""
 
 
+def _not_json(constant: str):
+    raise ValueError(f"{constant} is not JSON")
+
+
 class LineFramer(Protocol):
     """Splits the stream into lines of at most ``max_line`` bytes; discards longer ones."""
 
     def __init__(self, on_line: Callable[[bytes], None], on_closed: Callable[[Failure], None],
                  max_line: int = constants.MAX_RPC_LINE) -> None:
         self.on_line, self.on_closed, self.max_line = on_line, on_closed, max_line
-        self._buffer = b""
+        self._buffer = bytearray()
         self._discarding = False
 
     def dataReceived(self, data: bytes) -> None:
-        self._buffer += data
-        while True:
-            line, newline, rest = self._buffer.partition(b"\n")
-            if not newline:
-                break
-            self._buffer = rest
+        # Scan only the new bytes: re-scanning (or re-copying) the whole buffer for every
+        # chunk is quadratic in the line length, and a discarded line is never kept at all.
+        start = 0
+        while start < len(data):
+            end = data.find(b"\n", start)
             if self._discarding:
+                if end < 0:
+                    return
                 self._discarding = False
+                start = end + 1
                 continue
+            if end < 0:
+                self._buffer += data[start:]
+                if len(self._buffer) > self.max_line:
+                    log.warn("discarding an over-long JSON-RPC line (over {limit} bytes)",
+                             limit=self.max_line)
+                    self._discarding = True
+                    self._buffer = bytearray()
+                return
+            self._buffer += data[start:end]
+            start = end + 1
+            line, self._buffer = bytes(self._buffer), bytearray()
             if len(line) > self.max_line:
                 log.warn("discarded an over-long JSON-RPC line ({size} bytes)", size=len(line))
                 continue
-            self.on_line(line.rstrip(b"\r"))
-        if len(self._buffer) > self.max_line:
-            if not self._discarding:
-                log.warn("discarding an over-long JSON-RPC line (over {limit} bytes)",
-                         limit=self.max_line)
-            self._discarding = True
-            self._buffer = b""
+            try:
+                self.on_line(line.rstrip(b"\r"))
+            except Exception:
+                # An exception leaving dataReceived would drop the connection, and EOF on
+                # the link shuts the process down: bad input must never stop the link.
+                log.failure("failed handling a JSON-RPC line")
 
     def connectionLost(self, reason: Failure) -> None:
         self.on_closed(reason)
@@ -107,8 +123,10 @@ class RpcLink:
         if not line.strip():
             return
         try:
-            message = json.loads(line)
-        except (ValueError, UnicodeDecodeError):
+            # UTF-8 only (protocol 1): json.loads(bytes) would also take UTF-16/32, and
+            # NaN / Infinity are not JSON.
+            message = json.loads(line.decode("utf-8"), parse_constant=_not_json)
+        except (ValueError, UnicodeDecodeError, RecursionError):
             log.warn("skipped a JSON-RPC line that is not JSON")
             return
         if not isinstance(message, dict) or message.get("jsonrpc") != "2.0":
@@ -119,6 +137,16 @@ class RpcLink:
             if "result" not in message and "error" not in message:
                 log.warn("skipped a JSON-RPC message without a method")
             return
+        try:
+            self._handle(message, method)
+        finally:
+            # Whatever the outcome, what was queued to run after the answer runs now, once,
+            # and never leaks into a later message's turn.
+            callbacks, self.after_answer[:] = list(self.after_answer), []
+            for callback in callbacks:
+                callback()
+
+    def _handle(self, message: dict, method: str) -> None:
         has_id = "id" in message
         params = message.get("params", {})
         try:
@@ -136,10 +164,13 @@ class RpcLink:
                                                    "message": f"internal error handling {method}"})
             return
         if has_id:
-            self._answer(message["id"], result=result)
-        callbacks, self.after_answer = self.after_answer, []
-        for callback in callbacks:
-            callback()
+            try:
+                self._answer(message["id"], result=result)
+            except (TypeError, ValueError):
+                # A result that does not serialize still gets its one answer.
+                log.failure("internal error handling {method}", method=method)
+                self._answer(message["id"], error={"code": INTERNAL_ERROR,
+                                                   "message": f"internal error handling {method}"})
 
     def _answer(self, message_id, result=None, error=None) -> None:
         reply = {"jsonrpc": "2.0", "id": message_id}
