@@ -212,6 +212,9 @@ class Exchange:
                                  constants.DEAD_CLIENT_WRITE_DEADLINE)
         request.registerProducer(self.watch, True)
         committed.relay.attach(self)
+        if not self.ended and getattr(request.channel, "_waitingForTransport", False):
+            # The channel does not pause a producer registered while it is itself paused.
+            self.watch.pauseProducing()
 
     # The sink the committed relay streams into.
 
@@ -269,7 +272,8 @@ class Exchange:
     def _client_stalled(self) -> None:
         """Design 11: a client that took nothing for 30 s is gone."""
         transport = self.request.channel.transport if self.request.channel else None
-        self._client_gone(None)
+        self._stop_upstream(CLIENT_GONE)
+        self._end(CANCELLED, CLIENT_GONE)
         if transport is not None:
             transport.abortConnection()
 

@@ -524,3 +524,26 @@ class ConnectionTests(WorldTestCase):
         large = w.agent.requests[1].respond(503)
         self.assertTrue(large.transport.stopped)
         w.agent.requests[2].respond(200, length=0, finish=True)
+
+    def test_a_stalled_client_is_cancelled_even_when_the_terminal_frame_is_queued_for_it(self):
+        w = self.world()
+        w.add("a")
+        client = w.chat()
+        upstream = w.agent.last.respond(200, NDJSON)
+        upstream.write(b'{"done":false}\n')
+        client.pause()
+        upstream.write(b'{"done":true}\n')
+        w.clock.advance(30)
+        self.assertEqual(w.workload_events()[-1][:2], ("workload:errored", "cancelled"))
+        self.assertTrue(client.transport.disconnecting)
+
+    def test_a_client_already_stalled_at_commit_still_pauses_the_upstream(self):
+        w = self.world()
+        w.add("a")
+        client = w.chat()
+        client.pause()
+        upstream = w.agent.last.respond(200, NDJSON)
+        upstream.write(b'{"done":false}\n')
+        self.assertTrue(upstream.transport.paused)
+        w.clock.advance(30)
+        self.assertEqual(w.workload_events()[-1][:2], ("workload:errored", "cancelled"))
