@@ -13,7 +13,7 @@ from typing import Callable
 
 import attrs
 from twisted.internet import error as ierror
-from twisted.internet.defer import CancelledError, Deferred
+from twisted.internet.defer import CancelledError, Deferred, maybeDeferred
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.internet.protocol import Protocol
 from twisted.python.failure import Failure
@@ -139,20 +139,33 @@ def clean_end(reason: Failure) -> bool:
     return reason.check(ResponseDone, PotentialDataLoss) is not None
 
 
+# A body being read out must arrive within this long, or its connection is aborted.
+_DRAIN_TIMEOUT = 5.0
+
+
 class _Drain(Protocol):
+    def __init__(self) -> None:
+        self.timer: IDelayedCall | None = None
+        self.done = False
+
     def dataReceived(self, data: bytes) -> None:
         pass
 
     def connectionLost(self, reason: Failure) -> None:
-        pass
+        self.done = True
+        if self.timer is not None and self.timer.active():
+            self.timer.cancel()
+        self.timer = None
 
 
-def discard(response: IResponse) -> None:
+def discard(response: IResponse, clock: IReactorTime) -> None:
     """Read out a small answer we fail over from, abort anything else (twisted-notes)."""
     drain = _Drain()
     response.deliverBody(drain)
     if not (isinstance(response.length, int) and response.length <= _DRAIN_LIMIT):
         drain.transport.stopProducing()
+    elif not drain.done:
+        drain.timer = clock.callLater(_DRAIN_TIMEOUT, drain.transport.stopProducing)
 
 
 class Attempt:
@@ -198,8 +211,8 @@ class Attempt:
     def _dial_next(self) -> None:
         self._address = self._pending_addresses.pop(0)
         url = f"{self.node.scheme}://{host_port(self._address, self.node.port)}".encode() + self.path
-        request = self.agent.request(self.method, url, self.headers.copy(),
-                                     BytesProducer(self.body) if self.body else None)
+        request = maybeDeferred(self.agent.request, self.method, url, self.headers.copy(),
+                                BytesProducer(self.body) if self.body else None)
         self._request = request
         request.addCallbacks(self._got_response, self._dial_failed)
 
@@ -216,13 +229,13 @@ class Attempt:
     def _got_response(self, response: IResponse) -> None:
         self._request = None
         if self.state != DIALING:
-            discard(response)
+            discard(response, self.clock)
             return
         self.addresses.answered(self.node, self._address)
         self._response = response
         status = response.code
         if not self.final and self.retryable(status):
-            discard(response)
+            discard(response, self.clock)
             self._end(Failed(self.node, STATUS, f"upstream returned HTTP {status}", status), FAILED)
             return
         self._relay = BodyRelay(self._first_data, self._body_ended)

@@ -15,6 +15,7 @@ import attrs
 from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.internet.task import LoopingCall
+from twisted.python.failure import Failure
 
 from . import constants
 from .attempt import ATTEMPT_CANCELLED, NO_CONTENT, Attempt, Committed, Failed
@@ -122,8 +123,21 @@ class Dispatch:
         self._done = False
 
     def run(self) -> Deferred:
-        self._round()
+        self._guarded(self._round)
         return self.result
+
+    def _guarded(self, step: Callable, *args) -> None:
+        """Run one step of the loop; a bug ends this request only (spec 3.2), never the
+        reactor's other work, and leaves no timer or attempt behind."""
+        try:
+            step(*args)
+        except Exception:
+            if self._done:
+                raise
+            failure = Failure()
+            self._done = True
+            self._cleanup()
+            self.result.errback(failure)
 
     def stop(self, reason: str) -> None:
         """The requester left (or we shut down): end at once, no further dispatch."""
@@ -150,6 +164,8 @@ class Dispatch:
         self._dispatch_next()
 
     def _dispatch_next(self) -> None:
+        while self._queue and not self.is_routable(self._queue[0].id):
+            self._queue.pop(0)
         if not self._queue:
             self._release()
             self.observer.cleared()
@@ -172,10 +188,11 @@ class Dispatch:
         self.observer.dispatched(node)
         self.attempt = self.make_attempt(node, final)
         if self.inference:
-            self._watch = LoopingCall(self._check_target, self.attempt)
+            self._watch = LoopingCall(self._guarded, self._check_target, self.attempt)
             self._watch.clock = self.clock
             self._watch.start(self.bounds.watch_interval, now=False)
-        self.attempt.start().addCallback(self._attempt_ended, final)
+        self.attempt.start().addCallback(
+            lambda outcome: self._guarded(self._attempt_ended, outcome, final))
 
     def _check_target(self, attempt: Attempt) -> None:
         """Spec 5.3: a target that left discovery cannot be trusted to serve; abandon it."""
@@ -210,7 +227,7 @@ class Dispatch:
         schedule = self.bounds.backoff
         base = schedule[min(self.dispatches, len(schedule)) - 1]
         delay = base * (1 + self.bounds.jitter * (2 * self.random() - 1))
-        self._timer = self.clock.callLater(min(delay, remaining), self._wake)
+        self._timer = self.clock.callLater(min(delay, remaining), self._guarded, self._wake)
 
     def _wake(self) -> None:
         self._timer = None
@@ -225,6 +242,10 @@ class Dispatch:
 
     def _finish(self, result: Committed | Answer | Gone) -> None:
         self._done = True
+        self._cleanup(keep_reservation=isinstance(result, Committed))
+        self.result.callback(result)
+
+    def _cleanup(self, keep_reservation: bool = False) -> None:
         if self._timer is not None and self._timer.active():
             self._timer.cancel()
         self._timer = None
@@ -232,9 +253,8 @@ class Dispatch:
         if self.attempt is not None:
             attempt, self.attempt = self.attempt, None
             attempt.cancel("request ended")
-        if not isinstance(result, Committed):
+        if not keep_reservation:
             self._release()
-        self.result.callback(result)
 
     def _release(self) -> None:
         if self.reservation is not None:

@@ -202,6 +202,7 @@ class Exchange:
             "target": self.target})
         request = self.request
         request.setResponseCode(response.code, response.phrase)
+        request.defaultContentType = None
         for name, values in end_to_end(response.headers).getAllRawHeaders():
             request.responseHeaders.setRawHeaders(name, list(values))
         if response.code < 400:
@@ -252,9 +253,14 @@ class Exchange:
         code = self.committed.response.code
         stats = None
         if self.observer is not None and code < 400:
-            stats = self.observer.measure(admitted_at=self.admitted_at,
-                                          first_byte_at=self.first_byte_at,
-                                          ended_at=self.clock.seconds())
+            try:
+                stats = self.observer.measure(admitted_at=self.admitted_at,
+                                              first_byte_at=self.first_byte_at,
+                                              ended_at=self.clock.seconds())
+            except Exception:
+                # Stats are additive; a body the reader cannot measure still completes.
+                log.failure("could not measure the response of request {id}", id=self.id,
+                            engine=self.facade.engine.id)
         if 200 <= code < 300:
             self._end(COMPLETED, None, status=code, stats=stats)
         else:

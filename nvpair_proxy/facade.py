@@ -86,6 +86,14 @@ class Facade:
             exchange.shutdown()
 
 
+def report_rejection(facade: Facade, method: bytes, path: bytes, status: int, error: str) -> None:
+    """``proxy/request`` for an answer given before a request reached routing (protocol 4)."""
+    facade.notify("proxy/request", {
+        "id": facade.next_request_id(), "method": method.decode("latin-1"),
+        "path": path.split(b"?", 1)[0].decode("latin-1"), "target": "", "status": status,
+        "duration_ms": 0, "error": error})
+
+
 class FacadeResource(Resource):
     """Every path of the facade: classify and hand to an Exchange; nothing is an allowlist."""
 
@@ -97,8 +105,9 @@ class FacadeResource(Resource):
 
     def render(self, request: Request):
         if request.getHeader(IDENTITY_PROBE) == b"1":
-            send_error(request, 409, f"this port is the nvpair-proxy facade for {self.facade.engine.id}",
-                       code="proxy-facade")
+            text = f"this port is the nvpair-proxy facade for {self.facade.engine.id}"
+            report_rejection(self.facade, request.method, request.path, 409, text)
+            send_error(request, 409, text, code="proxy-facade")
             return NOT_DONE_YET
         route = self.facade.engine.classify(request.method, request.path)
         if route is not None and route.is_models:
@@ -133,6 +142,9 @@ def serve_model_list(facade: Facade, request: Request, route) -> None:
             status = 502 if request.getHeader(b"origin") else 503
             send_error(request, status, "model inventory unavailable")
         else:
+            facade.notify("proxy/request-started", {
+                "id": request_id, "method": request.method.decode("latin-1"),
+                "path": request.path.decode("latin-1"), "target": "cluster"})
             request.setHeader(b"content-type", b"application/json")
             request.setHeader(b"content-length", str(len(body)).encode())
             request.write(body)
@@ -202,6 +214,13 @@ class BoundedRequest(Request):
     def _reject(self) -> None:
         self._rejected = True
         self.content = None
+        # Answered now, so no "100 Continue" may follow the final answer.
+        self.requestHeaders.removeHeader(b"expect")
+        facade = getattr(getattr(getattr(self.channel, "site", None), "resource", None),
+                         "facade", None)
+        if facade is not None:
+            report_rejection(facade, getattr(self.channel, "_command", b""),
+                             getattr(self.channel, "_path", b""), 413, BODY_TOO_LARGE)
         transport = self.channel.transport
         transport.write(raw_error(413, BODY_TOO_LARGE))
         transport.loseConnection()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from typing import Callable, Iterable
 
-from twisted.internet.defer import Deferred, DeferredList, succeed
+from twisted.internet.defer import Deferred, DeferredList, maybeDeferred, succeed
 from twisted.internet.interfaces import IReactorTime
 from twisted.internet.protocol import Protocol
 from twisted.internet.task import LoopingCall
@@ -86,7 +86,7 @@ def fetch(agent: IAgent, clock: IReactorTime, url: bytes, headers: Headers | Non
           timeout: float = constants.MODEL_LIST_TIMEOUT,
           limit: int = constants.MODEL_LIST_MAX_BODY) -> Deferred:
     """GET ``url``; fires (status, headers, body) or fails; never follows redirects."""
-    request = agent.request(b"GET", url, headers or Headers())
+    request = maybeDeferred(agent.request, b"GET", url, headers or Headers())
 
     def got(response):
         body: Deferred = Deferred(lambda d: protocol.transport.stopProducing())
@@ -155,7 +155,9 @@ class Prober:
         return d.addCallback(ok).addBoth(done)
 
 
-MODEL_LIST_STRIPPED = (b"host", b"content-length", b"authorization", b"cookie")
+# Credentials never fan out; bodies are parsed here, so no content coding is negotiated.
+MODEL_LIST_STRIPPED = (b"host", b"content-length", b"authorization", b"cookie",
+                       b"accept-encoding")
 
 
 def fleet_model_list(agent: IAgent, clock: IReactorTime, nodes: list[Node], path: str,

@@ -17,7 +17,9 @@ from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Request, Site
 
 from .answers import LOOPBACK_ONLY, send_error
+from .constants import SERVER_HEADER_READ_TIMEOUT
 from .discovery import is_loopback
+from .facade import BoundedRequest, report_rejection
 
 TLS_HANDSHAKE = 0x16
 
@@ -27,8 +29,14 @@ class LoopbackOnly(Resource):
 
     isLeaf = True
 
+    def __init__(self, facade=None) -> None:
+        super().__init__()
+        self.facade = facade
+
     def render(self, request: Request):
         code, text = LOOPBACK_ONLY
+        if self.facade is not None:
+            report_rejection(self.facade, request.method, request.path, 403, code)
         send_error(request, 403, text, code=code)
         return NOT_DONE_YET
 
@@ -37,9 +45,21 @@ class _Demux(Protocol):
     def __init__(self, factory: "DemuxFactory", addr: IAddress) -> None:
         self.factory, self.addr = factory, addr
         self.inner: Protocol | None = None
+        self.timer = None
+
+    def connectionMade(self) -> None:
+        # A peer that connects and says nothing is held no longer than one header read.
+        self.timer = self.factory.clock.callLater(SERVER_HEADER_READ_TIMEOUT,
+                                                  self.transport.abortConnection)
+
+    def _stop_timer(self) -> None:
+        if self.timer is not None and self.timer.active():
+            self.timer.cancel()
+        self.timer = None
 
     def dataReceived(self, data: bytes) -> None:
         if self.inner is None:
+            self._stop_timer()
             self.inner = self.factory.choose(data[0], self.addr)
             if self.inner is None:
                 self.transport.abortConnection()
@@ -48,6 +68,7 @@ class _Demux(Protocol):
         self.inner.dataReceived(data)
 
     def connectionLost(self, reason: Failure) -> None:
+        self._stop_timer()
         if self.inner is not None:
             self.inner.connectionLost(reason)
 
@@ -64,6 +85,7 @@ class DemuxFactory(ServerFactory):
     def __init__(self, site: Site, gate: Site | None = None,
                  tls: Callable[[], Factory | None] = lambda: None) -> None:
         self.site = site
+        self.clock = site.reactor
         self.gate = gate or _gate_site(site)
         self.tls = tls
 
@@ -80,7 +102,10 @@ class DemuxFactory(ServerFactory):
 
 
 def _gate_site(site: Site) -> Site:
-    gate = Site(LoopbackOnly(), timeout=site.timeOut, reactor=site.reactor)
+    """The same limits as the facade (body size, header read, idle), a 403 for everything."""
+    gate = Site(LoopbackOnly(getattr(site.resource, "facade", None)), timeout=site.timeOut,
+                reactor=site.reactor)
+    gate.requestFactory = BoundedRequest
     gate.noisy = False
     return gate
 

@@ -238,7 +238,9 @@ def _last_int(pattern: re.Pattern[str], text: str) -> int | None:
     value = None
     for match in pattern.finditer(text):
         value = match.group(1)
-    return int(value) if value is not None else None
+    if value is None or len(value) > 18:
+        return None  # absent, or no real count: never a number that overflows the arithmetic
+    return int(value)
 
 
 def _objects(pattern: re.Pattern[str], text: str) -> Iterator[tuple[int, dict[str, Any]]]:

@@ -156,7 +156,14 @@ def identity(listening: Listening) -> str | None:
     response = Response(transport.value())
     if response.status != 409:
         return None
-    return response.json()["error"].rpartition(" ")[2]
+    engine = response.json()["error"].rpartition(" ")[2]
+    # The probe is itself a finished request: reported on the link, and taken off it here.
+    link = listening.factory.site.resource.facade.emitter.framer.transport
+    report = json.loads(link.value())
+    assert report["method"] == f"{engine}:proxy/request", report
+    assert report["params"]["status"] == 409, report
+    link.clear()
+    return engine
 
 
 class Proxy:

@@ -547,3 +547,78 @@ class ConnectionTests(WorldTestCase):
         self.assertTrue(upstream.transport.paused)
         w.clock.advance(30)
         self.assertEqual(w.workload_events()[-1][:2], ("workload:errored", "cancelled"))
+
+
+class RobustnessTests(WorldTestCase):
+    def test_an_agent_raising_synchronously_on_failover_is_a_transport_failure(self):
+        w = self.world()
+        w.add("a"), w.add("b", addresses=("gpu b.lan",))
+        real = w.agent.request
+
+        def request(method, uri, headers=None, body=None):
+            if b" " in uri:
+                raise ValueError(f"Invalid URI {uri!r}")
+            return real(method, uri, headers, body)
+
+        w.agent.request = request
+        client = w.chat()
+        w.agent.last.respond(503, length=0, finish=True)
+        self.assertEqual(w.workload_events()[-2:], [("workload:submitted", "queued", "b"),
+                                                    ("workload:submitted", "queued", None)])
+        w.clock.advance(2)
+        w.agent.last.respond(200, body=b"fine", finish=True)
+        self.assertEqual(client.response().body, b"fine")
+        self.assertEqual([m for m, _ in w.emitter.workload()].count("workload:completed"), 1)
+        self.assertEqual(dict(w.reservations.reservations), {})
+
+    def test_a_bug_inside_the_loop_ends_that_request_with_500_and_one_terminal(self):
+        from nvpair_proxy.exchange import Exchange
+        calls = []
+        original = Exchange.dispatched
+
+        def dispatched(exchange, node):
+            calls.append(node.id)
+            if len(calls) == 2:
+                raise RuntimeError("bug")
+            original(exchange, node)
+
+        self.patch(Exchange, "dispatched", dispatched)
+        w = self.world()
+        w.add("a"), w.add("b", addresses=("10.0.0.2",))
+        client = w.chat()
+        w.agent.last.respond(503, length=0, finish=True)
+        self.assertEqual(client.response().status, 500)
+        self.assertEqual(len(self.flushLoggedErrors(RuntimeError)), 1)
+        terminal = [i for m, i in w.emitter.workload() if m == "workload:errored"]
+        self.assertEqual([i["error"] for i in terminal], ["request handler exited before completion"])
+        self.assertEqual(dict(w.reservations.reservations), {})
+
+    def test_a_candidate_that_left_during_the_round_is_not_dialled(self):
+        w = self.world()
+        w.add("a"), w.add("b", addresses=("10.0.0.2",))
+        client = w.chat()
+        w.remove("b")
+        w.agent.last.respond(503, length=0, finish=True)
+        self.assertEqual(w.agent.hosts(), ["10.0.0.1:11434"])
+        self.assertNotIn(("workload:submitted", "queued", "b"), w.workload_events())
+        w.clock.advance(1)
+        w.agent.last.respond(200, length=0, finish=True)
+        self.assertEqual(client.response().status, 200)
+
+    def test_a_refused_answer_whose_body_never_comes_is_aborted_after_five_seconds(self):
+        w = self.world()
+        w.add("a"), w.add("b", addresses=("10.0.0.2",))
+        w.chat()
+        stuck = w.agent.requests[0].respond(503, length=100)
+        w.agent.requests[1].respond(200, length=0, finish=True)
+        self.assertFalse(stuck.transport.stopped)
+        w.clock.advance(5)
+        self.assertTrue(stuck.transport.stopped)
+        stuck.break_off()
+
+    def test_a_response_without_content_type_gets_none_added(self):
+        w = self.world()
+        w.add("a")
+        client = w.send("GET", "/api/ps")
+        w.agent.last.respond(200, body=b"x", length=1, finish=True)
+        self.assertIsNone(client.response().header("content-type"))

@@ -169,3 +169,68 @@ class ServerTimeoutTests(SynchronousTestCase):
         self.assertEqual(w.site.timeOut, 90)
         w.site_clock.advance(90)
         self.assertTrue(client.transport.disconnecting)
+
+
+class RejectionReportTests(SynchronousTestCase):
+    def _reports(self, w):
+        return [(p["status"], p["error"]) for m, p in w.emitter.sent if m == "ollama:proxy/request"]
+
+    def test_the_probe_the_gate_and_the_body_limit_are_reported(self):
+        w = World()
+        w.send("GET", "/", headers={"X-NVPAIR-Engine-Identity-Probe": "1"})
+        w.send("GET", "/api/tags", peer=lan())
+        client = w.connect()
+        client.protocol.dataReceived(b"POST /api/chat HTTP/1.1\r\nHost: x\r\nExpect: 100-continue"
+                                     b"\r\nContent-Length: %d\r\n\r\n" % (MAX_REQUEST_BODY + 1))
+        self.assertEqual([s for s, _ in self._reports(w)], [409, 403, 413])
+        self.assertEqual(self._reports(w)[2][1], "request body exceeds 32 MiB limit")
+        self.assertNotIn(b"100 Continue", client.raw())
+
+    def test_the_gate_has_the_body_limit_and_header_timeout_too(self):
+        w = World()
+        client = w.connect(lan())
+        client.protocol.dataReceived(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n"
+                                     % (MAX_REQUEST_BODY + 1))
+        self.assertEqual(client.response().status, 413)
+        slow = w.connect(lan())
+        slow.protocol.dataReceived(b"GET / HTTP/1.1\r\n")
+        w.site_clock.advance(10)
+        self.assertTrue(slow.transport.disconnecting)
+
+    def test_a_connection_that_never_speaks_is_closed_after_ten_seconds(self):
+        w = World()
+        silent = w.connect()
+        w.site_clock.advance(9.9)
+        self.assertFalse(silent.transport.disconnecting)
+        w.site_clock.advance(0.1)
+        self.assertTrue(silent.transport.disconnecting)
+
+
+class ModelListTests(SynchronousTestCase):
+    def test_fan_out_strips_credentials_and_content_coding_and_merges_first_wins(self):
+        w = World()
+        w.add("a"), w.add("b", addresses=("10.0.0.2",))
+        client = w.send("GET", "/api/tags", headers={"Authorization": "Bearer t", "Cookie": "c=1",
+                                                    "Accept-Encoding": "gzip", "X-Kept": "1"})
+        for record in w.agent.requests:
+            for name in (b"authorization", b"cookie", b"accept-encoding"):
+                self.assertFalse(record.headers.hasHeader(name))
+            self.assertEqual(record.headers.getRawHeaders(b"x-kept"), [b"1"])
+        w.agent.requests[0].respond(200, body=b'{"models":[{"name":"llama3:latest","size":1}]}',
+                                    finish=True)
+        w.agent.requests[1].respond(200, body=b'{"models":[{"name":"llama3:latest","size":2},'
+                                              b'{"model":"mistral:latest"}]}', finish=True)
+        self.assertEqual(client.response().json(), {"models": [
+            {"name": "llama3:latest", "size": 1}, {"model": "mistral:latest"}]})
+        self.assertEqual([m for m, _ in w.emitter.sent],
+                         ["ollama:proxy/request-started", "ollama:proxy/request"])
+        self.assertEqual(w.emitter.sent[0][1]["target"], "cluster")
+
+    def test_nothing_valid_is_503_and_502_with_an_origin(self):
+        for headers, status in (({}, 503), ({"Origin": "http://app.example"}, 502)):
+            w = World()
+            w.add("a")
+            client = w.send("GET", "/api/tags", headers=headers)
+            w.agent.last.respond(200, body=b"not json", finish=True)
+            self.assertEqual((client.response().status, client.response().json()),
+                             (status, {"error": "model inventory unavailable"}))

@@ -566,3 +566,13 @@ class HygieneTests(SynchronousTestCase):
                                              memoryview(OPENAI_SSE[50:])])
         self.assertTrue(observer.terminal_seen)
         self.assertEqual(measure(observer), OPENAI_SSE_STATS)
+
+
+class HostileNumbersTests(SynchronousTestCase):
+    def test_an_absurd_count_is_not_a_count_and_does_not_raise(self):
+        from nvpair_proxy.stats import BodyObserver
+        observer = BodyObserver("ndjson-done", "application/x-ndjson")
+        observer.feed(b'{"done":true,"eval_count":' + b"9" * 400 + b',"eval_duration":1}\n')
+        self.assertTrue(observer.terminal_seen)
+        stats = observer.measure(admitted_at=0.0, first_byte_at=1.0, ended_at=2.0)
+        self.assertNotIn("tokensPerSecond", stats or {})

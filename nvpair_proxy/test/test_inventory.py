@@ -1,0 +1,58 @@
+"""Inventory probing (design 4, decision 15)."""
+
+from __future__ import annotations
+
+from twisted.internet.task import Clock
+from twisted.trial.unittest import SynchronousTestCase
+
+from nvpair_proxy.discovery import NodeSet, make_node
+from nvpair_proxy.engines import load_engines
+from nvpair_proxy.inventory import Prober
+from nvpair_proxy.testing import FakeAgent
+
+OLLAMA = load_engines()["ollama"]
+
+
+class ProberTests(SynchronousTestCase):
+    def setUp(self):
+        self.clock, self.agent, self.nodes = Clock(), FakeAgent(), NodeSet()
+        for node_id, address in (("good", "10.0.0.1"), ("bad", "gpu b.lan")):
+            self.nodes.put_manual(make_node(OLLAMA, id=node_id, port=11434, addresses=[address]))
+        real = self.agent.request
+
+        def request(method, uri, headers=None, body=None):
+            if b" " in uri:
+                raise ValueError("Invalid URI")
+            return real(method, uri, headers, body)
+
+        self.agent.request = request
+        self.prober = Prober(OLLAMA, self.nodes, self.agent, self.clock, lambda node: True)
+        self.addCleanup(self.prober.stop)
+
+    def models(self, node_id):
+        return self.nodes.get(node_id).models
+
+    def test_a_probe_fills_the_inventory_and_a_failed_one_empties_it(self):
+        self.prober.start()
+        self.assertEqual(self.agent.last.uri, b"http://10.0.0.1:11434/api/tags")
+        self.agent.last.respond(200, body=b'{"models":[{"name":"llama3"}]}', finish=True)
+        self.assertEqual(self.models("good"), frozenset({"llama3:latest"}))
+        self.assertEqual(self.models("bad"), frozenset())
+        self.clock.advance(5)
+        self.agent.last.respond(503, finish=True)
+        self.assertEqual(self.models("good"), frozenset())
+
+    def test_one_unusable_address_does_not_stop_the_probing_of_the_rest(self):
+        self.prober.start()
+        self.agent.last.respond(200, body=b'{"models":[]}', finish=True)
+        self.clock.advance(5)
+        self.assertEqual(len(self.agent.requests), 2)
+        self.agent.last.respond(200, body=b'{"models":[]}', finish=True)
+
+    def test_a_probe_that_never_answers_times_out_after_ten_seconds(self):
+        self.prober.start()
+        self.clock.advance(5)
+        self.assertEqual(len(self.agent.requests), 1)
+        self.clock.advance(5)
+        self.assertTrue(self.agent.requests[0].cancelled)
+        self.assertEqual(self.models("good"), frozenset())
