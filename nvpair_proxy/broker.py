@@ -14,12 +14,14 @@ from typing import Any, Callable, Mapping
 import attrs
 from twisted.internet.error import CannotListenError
 from twisted.internet.interfaces import IListeningPort
+from twisted.web.server import Site
 
 from . import __version__
 from .aliases import parse_aliases
 from .discovery import Node, is_local_address, make_node, project
 from .engines import Engine
-from .facade import Facade, facade_site
+from .facade import BoundedRequest, Facade, facade_site
+from .ingress import IngressResource
 from .inventory import Prober
 from .listener import DemuxFactory
 from .logs import LEVELS, logger, set_level
@@ -28,6 +30,7 @@ from .reservations import Rank
 from .rpc import (BIND_FAILED, INVALID_PARAMS, NO_FACADE, SERVER_ERROR, MethodNotFound,
                   NoAnswer, RpcError)
 from .selection import order, owners
+from .trust import ClusterDirectory, PeerAgents, tls_ingress
 
 log = logger()
 
@@ -76,11 +79,14 @@ class Broker:
                  make_facade: Callable[[Engine], Facade], listen: Callable,
                  make_prober: Callable[[Facade, Callable[[Node], bool]], Prober],
                  on_shutdown: Callable[[], None], after_answer: Callable[[Callable], None],
-                 is_local: Callable[[str], bool] = is_local_address) -> None:
+                 is_local: Callable[[str], bool] = is_local_address,
+                 directory: ClusterDirectory | None = None,
+                 peer_agents: PeerAgents | None = None) -> None:
         self.engines, self.emitter, self.reservations = engines, emitter, reservations
         self.state_dir, self.make_facade, self.listen = state_dir, make_facade, listen
         self.make_prober, self.on_shutdown, self.after_answer = make_prober, on_shutdown, after_answer
         self.is_local = is_local
+        self.directory, self.peer_agents = directory, peer_agents
         self.running: dict[str, Running] = {}
         self._process = {"facade/enable": self.enable, "node/set-priority": self.set_priority,
                          "log/set-level": self.set_level, "shutdown": self.shutdown}
@@ -156,7 +162,7 @@ class Broker:
         port = persisted or port or engine.ports.standalone
         aliases = parse_aliases(alias_values, port)
         facade = self.make_facade(engine)
-        factory = DemuxFactory(facade_site(facade, facade.clock))
+        factory = self._listener_factory(facade, lambda: running.local_backend)
         try:
             listening = self.listen(port, factory, "::")
         except CannotListenError as exc:
@@ -169,6 +175,9 @@ class Broker:
                           prober=None)
         running.prober = self.make_prober(facade, lambda node: node.id in running.probed)
         facade.nodes.admit = lambda node: self._admit(running, node)
+        if self.peer_agents is not None:
+            facade.agent_for_node = lambda node: (
+                self.peer_agents.for_node(node) if node.scheme == "https" else facade.agent)
         self.running[engine_id] = running
         if aliases is not None:
             self._bind_aliases(running, *aliases)
@@ -177,6 +186,17 @@ class Broker:
         running.prober.start()
         log.info("{engine} facade enabled on port {port}", engine=engine_id, port=port)
         return {"engine": engine_id, "port": port}
+
+    def _listener_factory(self, facade: Facade, backend) -> DemuxFactory:
+        """Loopback plaintext for local clients; pinned mTLS for peers when a member."""
+        site = facade_site(facade, facade.clock)
+        if self.directory is None:
+            return DemuxFactory(site)
+        ingress = Site(IngressResource(facade, self.directory, backend), reactor=facade.clock,
+                       timeout=site.timeOut)
+        ingress.requestFactory = BoundedRequest
+        ingress.noisy = False
+        return DemuxFactory(site, tls=tls_ingress(self.directory, ingress, facade.clock))
 
     def _bind_aliases(self, running: Running, hosts: list[str], port: int) -> None:
         """Both families bound together or neither; an occupied alias is only a warning."""
@@ -299,6 +319,8 @@ class Broker:
                 return None
             host, port = running.local_backend
             return attrs.evolve(node, addresses=(host,), port=port, scheme="http")
+        if self.directory is not None and node.cluster_uuid and self.directory.pin(node.cluster_uuid):
+            return attrs.evolve(node, scheme="https")
         return None
 
     def select(self, running: Running, params: dict) -> dict:

@@ -48,6 +48,7 @@ class Answer:
     status: int
     text: str
     retry_after: bool = False
+    code: str | None = None
 
 
 @attrs.frozen

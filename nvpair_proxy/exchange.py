@@ -105,16 +105,19 @@ class Exchange:
 
     # Admission.
 
-    def start(self) -> None:
-        body = self.request.content.read()
+    def resolver(self, body: bytes):
+        """Who may serve this request, re-read at every resolution (spec 5 steps 1-2); the
+        answer when nobody may; and the model that makes it a workload, if any."""
         model = requested_model(body) if self.inference else None
         if model is not None:
             wanted = self.facade.engine.normalize_model(model)
-            candidates = lambda: self._order(owners(self.facade.nodes.routable(), wanted))
-            no_candidate = NO_OWNER
-        else:
-            candidates = lambda: self._order(self.facade.nodes.routable())
-            no_candidate = NO_CANDIDATE
+            return (lambda: self._order(owners(self.facade.nodes.routable(), wanted)),
+                    NO_OWNER, model)
+        return lambda: self._order(self.facade.nodes.routable()), NO_CANDIDATE, None
+
+    def start(self) -> None:
+        body = self.request.content.read()
+        candidates, no_candidate, model = self.resolver(body)
         if not candidates():
             self._answer(Answer(502, no_candidate))
             return
@@ -139,11 +142,15 @@ class Exchange:
 
         self.dispatch = Dispatch(
             clock=self.clock, random=self.facade.random, resolve=candidates,
-            make_attempt=make_attempt, is_routable=self.facade.nodes.__contains__,
+            make_attempt=make_attempt, is_routable=self.is_routable,
             inference=self.inference, created_at=self.admitted_at, no_candidate_text=no_candidate,
             bounds=self.facade.bounds, reserve=self._reserve if self.workload else None,
             pick=self._pick, observer=self)
         self.dispatch.run().addCallback(self._dispatched).addErrback(self.crashed)
+
+    def is_routable(self, node_id: str) -> bool:
+        """Design 11: still in the facade's routable set, whatever made it leave."""
+        return node_id in self.facade.nodes
 
     def _order(self, nodes: list[Node]) -> list[Node]:
         return order(nodes, self.facade.pin, self.facade.priority())
@@ -185,7 +192,8 @@ class Exchange:
     def _answer(self, answer: Answer) -> None:
         self._end(FAILED, answer.text, status=answer.status)
         if not self.request.finished and not self.request._disconnected:
-            send_error(self.request, answer.status, answer.text, retry_after=answer.retry_after)
+            send_error(self.request, answer.status, answer.text, code=answer.code,
+                       retry_after=answer.retry_after)
 
     def _commit(self, committed: Committed) -> None:
         """Spec 5.2: the first byte (or a non-retried answer's headers) made this node ours."""

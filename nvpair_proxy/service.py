@@ -209,7 +209,15 @@ class BrokerService(Service):
         def make_prober(facade, should_probe):
             return Prober(facade.engine, facade.nodes, agent, reactor, should_probe)
 
+        self.directory = self.peer_agents = None
+        if options["cluster-dir"]:
+            from .trust import ClusterDirectory, PeerAgents
+            self.directory = ClusterDirectory(options["cluster-dir"])
+            self.directory.refresh()
+            self.peer_agents = PeerAgents(reactor, self.directory, constants.DIAL_TIMEOUT,
+                                          constants.POOL_IDLE_TIMEOUT)
         self.broker = Broker(
+            directory=self.directory, peer_agents=self.peer_agents,
             engines=options.engines, emitter=self.link, reservations=reservations,
             state_dir=options["state-dir"], make_facade=make_facade,
             listen=lambda port, factory, interface: (
@@ -230,6 +238,8 @@ class BrokerService(Service):
             self.sock.close()
         else:
             StandardIO(self.link.framer, stdin=0, stdout=self.link_fd, reactor=self.reactor)
+        if self.directory is not None:
+            self.directory.start(self.reactor)
         notify("READY=1")
         self.watchdog = start_watchdog(self.reactor)
         log.info("nvpair-proxy broker link up ({channel})",
@@ -249,10 +259,14 @@ class BrokerService(Service):
         notify("STOPPING=1")
         if self.watchdog is not None and self.watchdog.running:
             self.watchdog.stop()
+        if self.directory is not None:
+            self.directory.stop()
         closing = self.broker.stop_all()
         stopped = DeferredList([succeed(port.stopListening()) for port in closing])
         stopped.addTimeout(constants.FACADE_SHUTDOWN_GRACE, self.reactor)
         stopped.addBoth(lambda _: self.pool.closeCachedConnections())
+        if self.peer_agents is not None:
+            stopped.addBoth(lambda _: self.peer_agents.close())
         stopped.addBoth(self._close_link)
         return stopped
 

@@ -170,7 +170,8 @@ class Proxy:
     """A Broker wired as BrokerService wires it, on fakes."""
 
     def __init__(self, test: SynchronousTestCase, *, is_local=None, state_dir: str | None = None,
-                 make_facade=None, on_shutdown=None) -> None:
+                 make_facade=None, on_shutdown=None, directory=None,
+                 peer_agents=None) -> None:
         self.reactor = MemoryReactorClock()
         self.agent = FakeAgent()
         self.reservations = ReservationMap()
@@ -189,7 +190,8 @@ class Proxy:
             listen=self.listen, make_prober=self.make_prober,
             on_shutdown=on_shutdown or (lambda: self.shutdowns.append(self.transport.value())),
             after_answer=self.link.after_answer.append,
-            is_local=is_local or (lambda address: False))
+            is_local=is_local or (lambda address: False), directory=directory,
+            peer_agents=peer_agents)
         test.addCleanup(self.broker.stop_all)
 
     def make_facade(self, engine):

@@ -1,0 +1,71 @@
+"""The mutual-TLS ingress: a pinned peer's request goes straight to this node's engine.
+
+The originating node already routed, retried and reported the job; here there is no routing,
+no failover and no workload event (protocol 6), only the per-request pin check and a plain
+forward to the local backend that ``node/set-local-backend`` named.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from twisted.python.failure import Failure
+from twisted.web.resource import Resource
+from twisted.web.server import NOT_DONE_YET, Request
+
+from .answers import send_error
+from .discovery import Node
+from .dispatch import Answer
+from .exchange import Exchange
+from .facade import Facade, report_rejection
+from .trust import ClusterDirectory, der_of
+
+CLUSTER_AUTH = "client certificate is not a pinned member of this node's cluster"
+
+
+class IngressExchange(Exchange):
+    def __init__(self, facade: Facade, request: Request, backend: Node) -> None:
+        super().__init__(facade, request)
+        self.inference = False
+        self.backend = backend
+
+    def is_routable(self, node_id: str) -> bool:
+        return True
+
+    def resolver(self, body: bytes):
+        return (lambda: [self.backend]), "no local backend", None
+
+    def _answer(self, answer: Answer) -> None:
+        if answer.status == 502:
+            answer = Answer(502, answer.text, code="backend-error")
+        super()._answer(answer)
+
+
+class IngressResource(Resource):
+    isLeaf = True
+
+    def __init__(self, facade: Facade, directory: ClusterDirectory,
+                 backend: Callable[[], tuple[str, int] | None]) -> None:
+        super().__init__()
+        self.facade, self.directory, self.backend = facade, directory, backend
+
+    def render(self, request: Request):
+        certificate = request.channel.transport.getPeerCertificate()
+        if certificate is None or not self.directory.trusts(der_of(certificate)):
+            report_rejection(self.facade, request.method, request.path, 403, "cluster-auth")
+            send_error(request, 403, CLUSTER_AUTH, code="cluster-auth")
+            return NOT_DONE_YET
+        backend = self.backend()
+        if backend is None:
+            text = f"no local {self.facade.engine.id} backend is available on this node"
+            report_rejection(self.facade, request.method, request.path, 503, "no-local-backend")
+            send_error(request, 503, text, code="no-local-backend")
+            return NOT_DONE_YET
+        host, port = backend
+        node = Node(id="local-backend", name="local-backend", port=port, addresses=(host,))
+        exchange = IngressExchange(self.facade, request, node)
+        try:
+            exchange.start()
+        except Exception:
+            exchange.crashed(Failure())
+        return NOT_DONE_YET

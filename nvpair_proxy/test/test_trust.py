@@ -1,0 +1,284 @@
+"""The cluster directory, the pinned mTLS ingress and the pinned peer transport (spec 7,
+protocol 6). The TLS tests use real loopback sockets: the handshake is the point."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+
+from twisted.internet import reactor
+from twisted.internet.defer import inlineCallbacks
+from twisted.internet.task import Clock
+from twisted.trial.unittest import SynchronousTestCase, TestCase
+from twisted.web.client import Agent, HTTPConnectionPool, readBody
+from twisted.web.server import Site
+
+from nvpair_proxy.discovery import make_node
+from nvpair_proxy.dispatch import Bounds
+from nvpair_proxy.engines import load_engines
+from nvpair_proxy.events import RecordingEmitter
+from nvpair_proxy.facade import BoundedRequest, Facade, facade_site
+from nvpair_proxy.ingress import IngressResource
+from nvpair_proxy.listener import DemuxFactory
+from nvpair_proxy.requestbody import BytesProducer
+from nvpair_proxy.reservations import ReservationMap
+from nvpair_proxy.simfleet import SimNode, SimNodeResource
+from nvpair_proxy.test.certs import make_certificate, write_admission, write_identity, write_pin
+from nvpair_proxy.trust import ClusterDirectory, PeerAgents, PinnedPolicy, der_of, tls_ingress
+
+from OpenSSL import crypto
+
+OLLAMA = load_engines()["ollama"]
+
+
+def der(cert_pem: bytes) -> bytes:
+    return der_of(crypto.load_certificate(crypto.FILETYPE_PEM, cert_pem))
+
+
+class DirectoryTests(SynchronousTestCase):
+    def setUp(self):
+        self.folder = self.mktemp()
+        os.makedirs(self.folder)
+        self.own = make_certificate("node-a")
+        self.peer = make_certificate("node-b")
+
+    def directory(self) -> ClusterDirectory:
+        directory = ClusterDirectory(self.folder)
+        directory.refresh()
+        return directory
+
+    def test_membership_needs_an_identity_and_an_admission_or_a_pin(self):
+        self.assertFalse(self.directory().member)
+        write_admission(self.folder)
+        self.assertFalse(self.directory().member)
+        write_identity(self.folder, *self.own)
+        self.assertTrue(self.directory().member)
+        write_admission(self.folder, epoch=0)
+        self.assertFalse(self.directory().member)
+        write_pin(self.folder, "node-b", self.peer[0])
+        self.assertTrue(self.directory().member)
+
+    def test_a_pin_counts_only_when_file_name_node_uuid_and_certificate_agree(self):
+        write_identity(self.folder, *self.own)
+        write_pin(self.folder, "node-b", self.peer[0])
+        write_pin(self.folder, "node-c", self.peer[0])
+        write_pin(self.folder, "node-d", make_certificate("node-d")[0], file_uuid="node-x")
+        write_pin(self.folder, "node-e", make_certificate("node-e", san=False)[0])
+        with open(os.path.join(self.folder, "trusted", "node-f.json.tmp"), "w") as handle:
+            json.dump({"nodeUuid": "node-f", "certPem": make_certificate("node-f")[0].decode()},
+                      handle)
+        os.makedirs(os.path.join(self.folder, "trusted", "node-g.json"))
+        self.assertEqual(sorted(self.directory().pins), ["node-b", "node-e"])
+
+    def test_trust_is_a_pin_or_our_own_certificate(self):
+        write_identity(self.folder, *self.own)
+        write_pin(self.folder, "node-b", self.peer[0])
+        directory = self.directory()
+        self.assertTrue(directory.trusts(der(self.peer[0])))
+        self.assertTrue(directory.trusts(der(self.own[0])))
+        self.assertFalse(directory.trusts(der(make_certificate("node-b")[0])))
+
+    def test_a_briefly_unreadable_pin_keeps_its_previous_value(self):
+        write_identity(self.folder, *self.own)
+        path = write_pin(self.folder, "node-b", self.peer[0])
+        directory = self.directory()
+        with open(path, "w") as handle:
+            handle.write('{"nodeUuid": "node-b", "certPem": "-----BEGIN CERT')
+        directory.refresh()
+        self.assertEqual(directory.pins["node-b"], der(self.peer[0]))
+        os.unlink(path)
+        directory.refresh()
+        self.assertEqual(directory.pins, {})
+
+    def test_the_watch_picks_up_a_new_pin_within_two_seconds(self):
+        write_identity(self.folder, *self.own)
+        clock = Clock()
+        directory = ClusterDirectory(self.folder)
+        directory.start(clock)
+        self.addCleanup(directory.stop)
+        self.assertIsNone(directory.pin("node-b"))
+        write_pin(self.folder, "node-b", self.peer[0])
+        clock.advance(2)
+        self.assertEqual(directory.pin("node-b"), der(self.peer[0]))
+
+
+class PinnedTLSTests(TestCase):
+    """Node B serves its engine to pinned peers; node A dials B with B's pin."""
+
+    def setUp(self):
+        self.a_cert, self.b_cert = make_certificate("node-a"), make_certificate("node-b")
+        self.a_dir, self.b_dir = self.mktemp(), self.mktemp()
+        write_identity(self.a_dir, *self.a_cert)
+        write_pin(self.a_dir, "node-b", self.b_cert[0])
+        write_identity(self.b_dir, *self.b_cert)
+        write_pin(self.b_dir, "node-a", self.a_cert[0])
+        self.engine = SimNode("gpu-b", "ollama", models=["llama3:latest"], tokens=2)
+        engine_port = reactor.listenTCP(0, Site(SimNodeResource(self.engine, Clock())),
+                                        interface="127.0.0.1")
+        self.addCleanup(engine_port.stopListening)
+        self.backend = ("127.0.0.1", engine_port.getHost().port)
+        self.emitter = RecordingEmitter()
+        self.b = self.directory(self.b_dir)
+        facade = Facade(engine=OLLAMA, clock=reactor, agent=Agent(reactor, pool=self.pool()),
+                        emitter=self.emitter, run_id="0" * 16, random=random.random,
+                        bounds=Bounds(), reservations=ReservationMap())
+        ingress = Site(IngressResource(facade, self.b, lambda: self.backend), reactor=reactor)
+        ingress.requestFactory = BoundedRequest
+        factory = DemuxFactory(facade_site(facade, reactor), tls=tls_ingress(self.b, ingress, reactor))
+        port = reactor.listenTCP(0, factory, interface="127.0.0.1")
+        self.addCleanup(port.stopListening)
+        self.url = b"https://127.0.0.1:%d/api/chat" % port.getHost().port
+
+    def directory(self, folder) -> ClusterDirectory:
+        directory = ClusterDirectory(folder)
+        directory.refresh()
+        return directory
+
+    def pool(self) -> HTTPConnectionPool:
+        pool = HTTPConnectionPool(reactor, persistent=False)
+        self.addCleanup(pool.closeCachedConnections)
+        return pool
+
+    def agent(self, folder: str, peer: str = "node-b") -> Agent:
+        return Agent(reactor, contextFactory=PinnedPolicy(self.directory(folder), peer),
+                     pool=self.pool())
+
+    def post(self, agent):
+        return agent.request(b"POST", self.url, None,
+                             BytesProducer(json.dumps({"model": "llama3"}).encode()))
+
+    @inlineCallbacks
+    def test_a_pinned_peer_reaches_the_local_engine_with_no_workload_events(self):
+        response = yield self.post(self.agent(self.a_dir))
+        body = yield readBody(response)
+        self.assertEqual(response.code, 200)
+        self.assertEqual(response.headers.getRawHeaders(b"x-sim-node"), [b"gpu-b"])
+        self.assertTrue(json.loads(body.splitlines()[-1])["done"])
+        self.assertEqual(self.emitter.workload(), [])
+        self.assertEqual(self.engine.served, [("POST", "/api/chat")])
+
+    @inlineCallbacks
+    def test_an_unpinned_client_certificate_gets_403_cluster_auth(self):
+        stranger = self.mktemp()
+        write_identity(stranger, *make_certificate("node-z"))
+        write_pin(stranger, "node-b", self.b_cert[0])
+        response = yield self.post(self.agent(stranger))
+        body = json.loads((yield readBody(response)))
+        self.assertEqual((response.code, body["code"]), (403, "cluster-auth"))
+        self.assertEqual(body["error"], "client certificate is not a pinned member of this "
+                                        "node's cluster")
+        self.assertEqual(self.engine.served, [])
+
+    @inlineCallbacks
+    def test_a_server_whose_certificate_is_not_the_pin_is_refused(self):
+        wrong = self.mktemp()
+        write_identity(wrong, *self.a_cert)
+        write_pin(wrong, "node-b", make_certificate("node-b")[0])
+        with self.assertRaises(Exception):
+            yield self.post(self.agent(wrong))
+        self.assertEqual(self.engine.served, [])
+
+    @inlineCallbacks
+    def test_no_live_pin_fails_closed_without_dialling(self):
+        nopin = self.mktemp()
+        write_identity(nopin, *self.a_cert)
+        write_admission(nopin)
+        with self.assertRaises(Exception):
+            yield self.post(self.agent(nopin))
+        self.assertEqual(self.engine.served, [])
+
+    @inlineCallbacks
+    def test_no_local_backend_gets_503(self):
+        self.backend = None
+        response = yield self.post(self.agent(self.a_dir))
+        body = json.loads((yield readBody(response)))
+        self.assertEqual((response.code, body["code"]), (503, "no-local-backend"))
+
+    @inlineCallbacks
+    def test_while_not_a_member_the_handshake_fails(self):
+        os.unlink(os.path.join(self.b_dir, "node.crt"))
+        self.b.refresh()
+        self.assertFalse(self.b.member)
+        with self.assertRaises(Exception):
+            yield self.post(self.agent(self.a_dir))
+
+    @inlineCallbacks
+    def test_one_pooled_transport_per_peer(self):
+        agents = PeerAgents(reactor, self.directory(self.a_dir), 10, 90)
+        self.addCleanup(agents.close)
+        node = make_node(OLLAMA, id="node-b", port=1, addresses=["127.0.0.1"], models=[],
+                         cluster_uuid="node-b", scheme="https")
+        other = make_node(OLLAMA, id="node-c", port=1, addresses=["127.0.0.1"], models=[],
+                          cluster_uuid="node-c", scheme="https")
+        self.assertIs(agents.for_node(node), agents.for_node(node))
+        self.assertIsNot(agents.for_node(node), agents.for_node(other))
+        response = yield self.post(agents.for_node(node))
+        yield readBody(response)
+        self.assertEqual(response.code, 200)
+
+    @inlineCallbacks
+    def test_a_facade_routes_to_a_pinned_peer_over_mtls(self):
+        import attrs as _attrs
+        peers = PeerAgents(reactor, self.directory(self.a_dir), 10, 90)
+        self.addCleanup(peers.close)
+        emitter = RecordingEmitter()
+        a = Facade(engine=OLLAMA, clock=reactor, agent=Agent(reactor, pool=self.pool()),
+                   emitter=emitter, run_id="1" * 16, random=random.random, bounds=Bounds(),
+                   reservations=ReservationMap(),
+                   agent_for_node=lambda node: peers.for_node(node))
+        b_port = int(self.url.split(b":")[2].split(b"/")[0])
+        a.nodes.admit = lambda node: _attrs.evolve(node, scheme="https")
+        a.nodes.replace_discovered([make_node(OLLAMA, id="node-b", port=b_port,
+                                              addresses=["127.0.0.1"], models=["llama3"],
+                                              source="discovered", cluster_uuid="node-b")])
+        port = reactor.listenTCP(0, DemuxFactory(facade_site(a, reactor)), interface="127.0.0.1")
+        self.addCleanup(port.stopListening)
+        client = Agent(reactor, pool=self.pool())
+        response = yield client.request(
+            b"POST", b"http://127.0.0.1:%d/api/chat" % port.getHost().port, None,
+            BytesProducer(json.dumps({"model": "llama3"}).encode()))
+        yield readBody(response)
+        self.assertEqual(response.code, 200)
+        self.assertEqual(response.headers.getRawHeaders(b"x-sim-node"), [b"gpu-b"])
+        self.assertEqual([m for m, _ in emitter.workload()][-1], "workload:completed")
+        self.assertEqual(self.emitter.workload(), [])
+
+
+class PeerRoutingTests(SynchronousTestCase):
+    """Routing follows the live pin set, with no discovery event (behaviours: trust)."""
+
+    def setUp(self):
+        from nvpair_proxy.test.test_broker import Proxy
+        self.folder = self.mktemp()
+        write_identity(self.folder, *make_certificate("node-a"))
+        write_admission(self.folder)
+        self.directory = ClusterDirectory(self.folder)
+        self.directory.refresh()
+        self.proxy = Proxy(self, directory=self.directory)
+        self.proxy.call("facade/enable", {"engine": "ollama", "ignorePersistedPort": True})
+        self.proxy.tell("ollama:discovery:nodes", {"nodes": [{
+            "hostUuid": "node-b", "name": "gpu-b", "ip": "192.0.2.2", "clusterUuid": "node-b",
+            "services": {"ol": {"port": 11434}}, "modelsByEngine": {"ollama": ["llama3"]}}]})
+
+    def owners(self):
+        return self.proxy.result("ollama:node/model-owners", {"model": "llama3"})["nodes"]
+
+    def test_a_peer_is_routable_exactly_while_its_pin_exists(self):
+        self.assertEqual(self.owners(), [])
+        path = write_pin(self.folder, "node-b", make_certificate("node-b")[0])
+        self.directory.refresh()
+        self.assertEqual(self.owners(), ["node-b"])
+        facade = self.proxy.broker.running["ollama"].facade
+        self.assertEqual(facade.nodes.routable()[0].scheme, "https")
+        os.unlink(path)
+        self.directory.refresh()
+        self.assertEqual(self.owners(), [])
+
+    def test_while_not_a_member_discovered_peers_are_dropped_and_manual_nodes_stay(self):
+        write_pin(self.folder, "node-b", make_certificate("node-b")[0])
+        os.unlink(os.path.join(self.folder, "node.crt"))
+        self.directory.refresh()
+        self.proxy.call("ollama:node/add-manual", {"id": "m", "port": 1,
+                                                   "addresses": ["10.0.0.9"], "models": ["llama3"]})
+        self.assertEqual(self.owners(), ["m"])

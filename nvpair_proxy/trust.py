@@ -1,0 +1,268 @@
+"""The cluster directory and the pinned mutual TLS built on it (spec 7, protocol 6).
+
+The proxy builds no trust of its own: the cluster manager writes this node's identity and
+one pin per peer, and this module only reads them. A peer is trusted when its certificate is
+byte-for-byte a live pin, checked per request and on a 2 s watch, so joining or leaving a
+cluster, or a pin appearing or vanishing, needs no restart and no discovery event.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import os
+from typing import Callable
+
+import attrs
+from cryptography import x509
+from cryptography.hazmat.primitives.serialization import Encoding
+from cryptography.x509.oid import ExtensionOID, NameOID
+from OpenSSL import SSL, crypto
+from twisted.internet.interfaces import (IOpenSSLClientConnectionCreator,
+                                         IOpenSSLServerConnectionCreator, IReactorTime)
+from twisted.internet.task import LoopingCall
+from twisted.web.iweb import IPolicyForHTTPS
+from zope.interface import implementer
+
+from .logs import logger
+
+log = logger()
+
+WATCH_INTERVAL = 2.0
+URN_PREFIX = "urn:nvpair:node:"
+
+
+def principal(certificate: x509.Certificate) -> str:
+    """The node a certificate names: its ``urn:nvpair:node:<uuid>`` URI SAN, else its CN."""
+    try:
+        san = certificate.extensions.get_extension_for_oid(ExtensionOID.SUBJECT_ALTERNATIVE_NAME)
+        for uri in san.value.get_values_for_type(x509.UniformResourceIdentifier):
+            if uri.startswith(URN_PREFIX):
+                return uri[len(URN_PREFIX):]
+    except x509.ExtensionNotFound:
+        pass
+    names = certificate.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
+    return str(names[0].value) if names else ""
+
+
+@attrs.frozen
+class Identity:
+    """This node's certificate and key, as loaded, plus the certificate's DER."""
+
+    certificate: crypto.X509
+    key: crypto.PKey
+    der: bytes
+
+
+@attrs.define
+class ClusterDirectory:
+    """What the cluster manager wrote, re-read on a watch; a briefly unreadable file keeps
+    its previous value (the manager replaces files while we read them)."""
+
+    path: str
+    identity: Identity | None = None
+    admission: dict = attrs.Factory(dict)
+    pins: dict[str, bytes] = attrs.Factory(dict)
+    _loop: LoopingCall | None = None
+
+    @property
+    def member(self) -> bool:
+        """Protocol 6: an identity, and either an admission with a cluster and epoch or a pin."""
+        if self.identity is None:
+            return False
+        admitted = bool(self.admission.get("clusterId")) and bool(self.admission.get("epoch"))
+        return admitted or bool(self.pins)
+
+    def pin(self, node_uuid: str) -> bytes | None:
+        return self.pins.get(node_uuid) if self.member else None
+
+    def trusts(self, der: bytes) -> bool:
+        """A client certificate is a pinned member's, or our own (per request, protocol 6)."""
+        if not self.member or not der:
+            return False
+        candidates = list(self.pins.values()) + [self.identity.der]
+        return any(hmac.compare_digest(der, pinned) for pinned in candidates)
+
+    def refresh(self) -> None:
+        self._read_identity()
+        self._read_admission()
+        self._read_pins()
+
+    def start(self, clock: IReactorTime, interval: float = WATCH_INTERVAL) -> None:
+        self._loop = LoopingCall(self.refresh)
+        self._loop.clock = clock
+        self._loop.start(interval, now=True)
+
+    def stop(self) -> None:
+        if self._loop is not None and self._loop.running:
+            self._loop.stop()
+
+    def _read_identity(self) -> None:
+        try:
+            with open(os.path.join(self.path, "node.crt"), "rb") as handle:
+                cert_pem = handle.read()
+            with open(os.path.join(self.path, "node.key"), "rb") as handle:
+                key_pem = handle.read()
+        except FileNotFoundError:
+            self.identity = None
+            return
+        except OSError:
+            return
+        try:
+            cert = crypto.load_certificate(crypto.FILETYPE_PEM, cert_pem)
+            key = crypto.load_privatekey(crypto.FILETYPE_PEM, key_pem)
+        except crypto.Error:
+            log.warn("cluster identity in {path} does not load; keeping the previous one",
+                     path=self.path)
+            return
+        der = cert.to_cryptography().public_bytes(Encoding.DER)
+        if self.identity is None or self.identity.der != der:
+            self.identity = Identity(cert, key, der)
+
+    def _read_admission(self) -> None:
+        try:
+            with open(os.path.join(self.path, "admission.json"), "rb") as handle:
+                data = json.load(handle)
+        except FileNotFoundError:
+            self.admission = {}
+            return
+        except (OSError, ValueError):
+            return
+        self.admission = data if isinstance(data, dict) else {}
+
+    def _read_pins(self) -> None:
+        folder = os.path.join(self.path, "trusted")
+        try:
+            names = os.listdir(folder)
+        except OSError:
+            self.pins = {}
+            return
+        pins: dict[str, bytes] = {}
+        for name in names:
+            full = os.path.join(folder, name)
+            if not name.endswith(".json") or name.endswith(".tmp") or os.path.isdir(full):
+                continue
+            node_uuid = name[:-len(".json")]
+            der = self._read_pin(full, node_uuid)
+            if der is None and node_uuid in self.pins and os.path.exists(full):
+                der = self.pins[node_uuid]
+            if der is not None:
+                pins[node_uuid] = der
+        self.pins = pins
+
+    @staticmethod
+    def _read_pin(path: str, node_uuid: str) -> bytes | None:
+        """A pin counts only when file name, ``nodeUuid`` and the certificate agree."""
+        try:
+            with open(path, "rb") as handle:
+                data = json.load(handle)
+            certificate = x509.load_pem_x509_certificate(data["certPem"].encode())
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return None
+        if data.get("nodeUuid") != node_uuid or principal(certificate) != node_uuid:
+            return None
+        return certificate.public_bytes(Encoding.DER)
+
+
+def der_of(certificate: crypto.X509) -> bytes:
+    return certificate.to_cryptography().public_bytes(Encoding.DER)
+
+
+def _context(identity: Identity, verify: Callable) -> SSL.Context:
+    context = SSL.Context(SSL.TLS_METHOD)
+    context.set_min_proto_version(SSL.TLS1_2_VERSION)
+    context.use_certificate(identity.certificate)
+    context.use_privatekey(identity.key)
+    context.set_verify(SSL.VERIFY_PEER | SSL.VERIFY_FAIL_IF_NO_PEER_CERT, verify)
+    return context
+
+
+@implementer(IOpenSSLServerConnectionCreator)
+class ServerCreator:
+    """The ingress side: present ``node.crt``, require a client certificate.
+
+    The handshake accepts any client certificate; whether it is a pinned member's is decided
+    per request (403 ``cluster-auth``), so a pin removed mid-connection takes effect at once.
+    """
+
+    def __init__(self, directory: ClusterDirectory) -> None:
+        self.directory = directory
+
+    def serverConnectionForTLS(self, protocol) -> SSL.Connection:
+        identity = self.directory.identity
+        if identity is None:
+            raise SSL.Error("no cluster identity")
+        return SSL.Connection(_context(identity, lambda *args: True), None)
+
+
+@implementer(IOpenSSLClientConnectionCreator)
+class _PinnedClient:
+    def __init__(self, identity: Identity, pin: bytes) -> None:
+        self.identity, self.pin = identity, pin
+
+    def _verify(self, connection, certificate, errno, depth, ok) -> bool:
+        # Called for each certificate of the chain (twice for a self-signed one): the answer
+        # depends only on the leaf's bytes, so it is the same every time.
+        if depth != 0:
+            return True
+        return hmac.compare_digest(der_of(certificate), self.pin)
+
+    def clientConnectionForTLS(self, protocol) -> SSL.Connection:
+        connection = SSL.Connection(_context(self.identity, self._verify), None)
+        connection.set_connect_state()
+        return connection
+
+
+@implementer(IPolicyForHTTPS)
+class PinnedPolicy:
+    """Outbound to one peer: present our certificate, require the server's to equal its pin.
+
+    Looked up at every connection, so a pin that vanished fails closed; there is never a
+    fallback to plaintext or to ordinary certificate validation.
+    """
+
+    def __init__(self, directory: ClusterDirectory, node_uuid: str) -> None:
+        self.directory, self.node_uuid = directory, node_uuid
+
+    def creatorForNetloc(self, hostname: bytes, port: int):
+        identity = self.directory.identity
+        pin = self.directory.pin(self.node_uuid)
+        if identity is None or pin is None:
+            raise SSL.Error(f"no live pin for node {self.node_uuid}")
+        return _PinnedClient(identity, pin)
+
+
+def tls_ingress(directory: ClusterDirectory, site, clock: IReactorTime) -> Callable:
+    """For the listener's demux: the TLS factory while this node is a member, else None
+    (a ClientHello is then refused by closing: no member, no handshake)."""
+    from twisted.protocols.tls import TLSMemoryBIOFactory
+    factory = TLSMemoryBIOFactory(ServerCreator(directory), False, site, clock=clock)
+    factory.noisy = False
+    return lambda: factory if directory.member else None
+
+
+class PeerAgents:
+    """One pooled HTTPS transport per pinned peer (protocol 6), closed at shutdown."""
+
+    def __init__(self, reactor, directory: ClusterDirectory, connect_timeout: float,
+                 idle_timeout: float) -> None:
+        self.reactor, self.directory = reactor, directory
+        self.connect_timeout, self.idle_timeout = connect_timeout, idle_timeout
+        self._agents: dict[str, tuple] = {}
+
+    def for_node(self, node):
+        from twisted.web.client import Agent, HTTPConnectionPool
+        entry = self._agents.get(node.cluster_uuid)
+        if entry is None:
+            pool = HTTPConnectionPool(self.reactor, persistent=True)
+            pool.maxPersistentPerHost = 16
+            pool.cachedConnectionTimeout = self.idle_timeout
+            pool.retryAutomatically = False
+            agent = Agent(self.reactor, contextFactory=PinnedPolicy(self.directory, node.cluster_uuid),
+                          pool=pool, connectTimeout=self.connect_timeout)
+            entry = self._agents[node.cluster_uuid] = (agent, pool)
+        return entry[0]
+
+    def close(self):
+        from twisted.internet.defer import DeferredList
+        return DeferredList([pool.closeCachedConnections() for _, pool in self._agents.values()])
