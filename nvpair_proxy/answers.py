@@ -4,11 +4,17 @@ from __future__ import annotations
 
 import json
 
+from twisted.web.http_headers import Headers
 from twisted.web.server import Request
+
+from .hopbyhop import end_to_end
 
 JSON_HEADERS = ((b"Content-Type", b"application/json"), (b"X-Content-Type-Options", b"nosniff"))
 
 BODY_TOO_LARGE = "request body exceeds 32 MiB limit"
+INVENTORY_UNAVAILABLE = "model inventory unavailable"
+ORIGIN_DENIED = "origin not allowed by every engine"
+NO_PREFLIGHT_ANSWER = "no engine answered the preflight"
 LOOPBACK_ONLY = ("loopback-only", "plaintext requests are accepted only from loopback; "
                  "cluster peers must use the mTLS ingress")
 
@@ -25,10 +31,17 @@ def error_body(text: str, code: str | None = None) -> bytes:
 
 
 def send_error(request: Request, status: int, text: str, *, code: str | None = None,
-               retry_after: bool = False) -> None:
-    """Answer ``{"error": text}`` and finish; no CORS permission is ever granted here."""
+               retry_after: bool = False, headers: Headers | None = None) -> None:
+    """Answer ``{"error": text}`` and finish.
+
+    A proxy error grants no CORS permission of its own (spec 5.8): ``headers`` carries only
+    what the engines themselves said (the combined permission of an invalid inventory, the
+    policy of the engine that refused an origin).
+    """
     body = error_body(text, code)
     request.setResponseCode(status)
+    for name, values in (headers or Headers()).getAllRawHeaders():
+        request.responseHeaders.setRawHeaders(name, list(values))
     for name, value in JSON_HEADERS:
         request.responseHeaders.setRawHeaders(name, [value])
     if retry_after:
@@ -36,6 +49,24 @@ def send_error(request: Request, status: int, text: str, *, code: str | None = N
     request.responseHeaders.setRawHeaders(b"Content-Length", [str(len(body)).encode()])
     if request.method != b"HEAD":
         request.write(body)
+    request.finish()
+
+
+def send_whole(request: Request, status: int, headers: Headers, body: bytes,
+                phrase: bytes | None = None) -> None:
+    """Answer with a response read whole (an engine's, or one the proxy put together).
+
+    Only hop-by-hop headers and the framing are replaced; nothing is added, not even a
+    default Content-Type, so an engine's answer reaches the browser as the engine sent it.
+    """
+    request.setResponseCode(status, phrase)
+    request.defaultContentType = None
+    for name, values in end_to_end(headers, drop=(b"content-length",)).getAllRawHeaders():
+        request.responseHeaders.setRawHeaders(name, list(values))
+    if status not in (204, 304):
+        request.responseHeaders.setRawHeaders(b"Content-Length", [str(len(body)).encode()])
+        if request.method != b"HEAD":
+            request.write(body)
     request.finish()
 
 

@@ -11,25 +11,30 @@ import itertools
 from typing import Callable
 
 import attrs
+from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IReactorTime
 from twisted.python.failure import Failure
-from .logs import logger
+from twisted.web.http_headers import Headers
 from twisted.web.iweb import IAgent
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Request, Site
 
-from . import constants
-from .answers import BODY_TOO_LARGE, raw_error, send_error
+from . import constants, cors
+from .answers import (BODY_TOO_LARGE, INVENTORY_UNAVAILABLE, NO_PREFLIGHT_ANSWER,
+                      ORIGIN_DENIED, raw_error, send_error, send_whole)
 from .attempt import AddressMemory
 from .discovery import Node, NodeSet
-from .dispatch import Bounds
+from .dispatch import NO_CANDIDATE, Bounds
 from .engines import Engine
 from .events import ActivityThrottle, Workload
 from .exchange import Exchange
 from .hopbyhop import end_to_end
 from .interfaces import IEmitter
+from .inventory import (MODEL_LIST_STRIPPED, Reply, ask_fleet, fetch, listed_models,
+                        merged_list, node_url)
+from .logs import logger
 from .reservations import ReservationMap
-from .inventory import MODEL_LIST_STRIPPED, fleet_model_list
+from .selection import order
 
 log = logger()
 
@@ -80,6 +85,16 @@ class Facade:
     def notify(self, method: str, params: dict) -> None:
         self.emitter.notify(method, params, engine=self.engine.id)
 
+    def ask_fleet(self, nodes: list[Node], method: bytes, path: bytes, headers: Headers, *,
+                  timeout: float, limit: int, width: int | None = None) -> Deferred:
+        """Ask every node once, without a body, at the address that last answered."""
+        def ask(node: Node, time_left: float) -> Deferred:
+            url = node_url(node, path.decode("latin-1"), self.addresses.order(node)[0])
+            return fetch(self.agent_for(node), self.clock, url, headers, timeout=time_left,
+                         limit=limit, method=method)
+
+        return ask_fleet(nodes, ask, self.clock, timeout=timeout, width=width)
+
     def shutdown(self) -> None:
         """Cancel every request in flight; each reports ``cancelled`` once (protocol 1)."""
         for exchange in list(self.in_flight):
@@ -109,6 +124,9 @@ class FacadeResource(Resource):
             report_rejection(self.facade, request.method, request.path, 409, text)
             send_error(request, 409, text, code="proxy-facade")
             return NOT_DONE_YET
+        if cors.is_preflight(request.method, request.requestHeaders):
+            serve_preflight(self.facade, request)
+            return NOT_DONE_YET
         route = self.facade.engine.classify(request.method, request.path)
         if route is not None and route.is_models:
             serve_model_list(self.facade, request, route)
@@ -121,43 +139,153 @@ class FacadeResource(Resource):
         return NOT_DONE_YET
 
 
-def serve_model_list(facade: Facade, request: Request, route) -> None:
-    """A model list covers the whole fleet, whatever the selection (spec 5)."""
-    started = facade.clock.seconds()
-    request_id = facade.next_request_id()
-    query = request.uri.partition(b"?")[2]
-    path = route.upstream_path + ("?" + query.decode("latin-1") if query else "")
-    headers = end_to_end(request.requestHeaders, drop=MODEL_LIST_STRIPPED)
-    listing = fleet_model_list(facade.agent, facade.clock, facade.nodes.routable(), path,
-                               route.envelope, headers)
-    finished = []
-    request.notifyFinish().addErrback(lambda _: (finished or listing.cancel()))
+class FleetAnswer:
+    """A request the whole fleet answers together (model list, preflight): no workload, no
+    reservation, one ``proxy/request`` with target ``cluster`` (protocol 4)."""
 
-    def answer(body):
-        finished.append(True)
-        status = 200
-        if request._disconnected:
-            status = 499
-        elif body is None:
-            status = 502 if request.getHeader(b"origin") else 503
-            send_error(request, status, "model inventory unavailable")
+    def __init__(self, facade: Facade, request: Request) -> None:
+        self.facade, self.request = facade, request
+        self.started = facade.clock.seconds()
+        self.id = facade.next_request_id()
+        self.asking: Deferred | None = None
+        self.finished = False
+        request.notifyFinish().addErrback(self._client_gone)
+
+    def ask(self, nodes: list[Node], method: bytes, path: bytes, headers: Headers,
+            answer: Callable[[list[Reply]], None], **limits) -> None:
+        self.asking = self.facade.ask_fleet(nodes, method, path, headers, **limits)
+        self.asking.addCallback(self._answer, answer).addErrback(self._crashed)
+
+    def _client_gone(self, _: Failure) -> None:
+        if not self.finished and self.asking is not None:
+            self.asking.cancel()
+
+    def _answer(self, replies: list[Reply], answer: Callable[[list[Reply]], None]) -> None:
+        self.finished = True
+        if self.request._disconnected:
+            self.report(499)
+            return
+        answer(replies)
+
+    def _crashed(self, failure: Failure) -> None:
+        """Spec 3.2: a bug costs this request only: logged with its traceback, answered 500."""
+        log.failure("unexpected error handling {method} {path}", failure, method=self._method(),
+                    path=self._path(), engine=self.facade.engine.id)
+        request = self.request
+        if not request.startedWriting and not request.finished and not request._disconnected:
+            send_error(request, 500, "internal error")
+        elif not request.finished and request.channel is not None:
+            request.channel.transport.abortConnection()
+        self.report(500, error="internal error")
+
+    def _method(self) -> str:
+        return self.request.method.decode("latin-1")
+
+    def _path(self) -> str:
+        return self.request.path.decode("latin-1")
+
+    def error(self, status: int, text: str, headers: Headers | None = None,
+              node: Node | None = None) -> None:
+        send_error(self.request, status, text, headers=headers)
+        self.report(status, error=text, node=node)
+
+    def whole(self, status: int, headers: Headers, body: bytes, phrase: bytes | None = None,
+              node: Node | None = None) -> None:
+        self.report_started(node)
+        send_whole(self.request, status, headers, body, phrase)
+        self.report(status, node=node)
+
+    def report_started(self, node: Node | None) -> None:
+        params = {"id": self.id}
+        if node is not None:
+            params["node_id"] = node.id
+        params.update({"method": self._method(), "path": self._path(), "target": "cluster"})
+        self.facade.notify("proxy/request-started", params)
+
+    def report(self, status: int, error: str | None = None, node: Node | None = None) -> None:
+        params = {"id": self.id}
+        if node is not None:
+            params["node_id"] = node.id
+        params.update({"method": self._method(), "path": self._path(), "target": "cluster",
+                       "status": status,
+                       "duration_ms": int(round((self.facade.clock.seconds() - self.started)
+                                                * 1000))})
+        if error:
+            params["error"] = error
+        self.facade.notify("proxy/request", params)
+
+
+def serve_preflight(facade: Facade, request: Request) -> None:
+    """Spec 5.8: every routable engine is asked, and the browser gets what all of them allow.
+
+    Candidates are ordered as for any request (pin, priority, id), which decides whose
+    denial is shown when several refuse. The caller's credentials never reach the fleet.
+    """
+    fleet = FleetAnswer(facade, request)
+    nodes = order(facade.nodes.routable(), facade.pin, facade.priority())
+    if not nodes:
+        fleet.error(502, NO_CANDIDATE)
+        return
+    origin = request.getHeader(b"origin")
+    headers = end_to_end(request.requestHeaders, drop=cors.PREFLIGHT_STRIPPED)
+
+    def answer(replies: list[Reply]) -> None:
+        if not replies:
+            fleet.error(502, NO_PREFLIGHT_ANSWER)
+            return
+        verdict = cors.judge_preflight(replies, origin)
+        if isinstance(verdict, Reply):
+            fleet.whole(verdict.status, verdict.headers, verdict.body, verdict.phrase,
+                        node=verdict.node)
         else:
-            facade.notify("proxy/request-started", {
-                "id": request_id, "method": request.method.decode("latin-1"),
-                "path": request.path.decode("latin-1"), "target": "cluster"})
-            request.setHeader(b"content-type", b"application/json")
-            request.setHeader(b"content-length", str(len(body)).encode())
-            request.write(body)
-            request.finish()
-        params = {"id": request_id, "method": request.method.decode("latin-1"),
-                  "path": request.path.decode("latin-1"), "target": "cluster", "status": status,
-                  "duration_ms": int(round((facade.clock.seconds() - started) * 1000))}
-        if status != 200:
-            params["error"] = "model inventory unavailable"
-        facade.notify("proxy/request", params)
+            fleet.whole(204, verdict, b"")
 
-    listing.addCallback(answer).addErrback(
-        lambda f: log.failure("model list failed", f, engine=facade.engine.id))
+    fleet.ask(nodes, b"OPTIONS", request.uri, headers, answer, timeout=cors.PREFLIGHT_TIMEOUT,
+              limit=cors.PREFLIGHT_MAX_BODY, width=cors.PREFLIGHT_WIDTH)
+
+
+def serve_model_list(facade: Facade, request: Request, route) -> None:
+    """A model list covers the whole fleet, whatever the selection (spec 5).
+
+    Without an Origin, invalid and unavailable lists are skipped. With one, every engine
+    that answered must agree (spec 5.8): a refusal of the origin is a 403, and an answer
+    that is not a valid inventory makes the whole list a 502 rather than a partial one.
+    """
+    fleet = FleetAnswer(facade, request)
+    origin = request.getHeader(b"origin")
+    query = request.uri.partition(b"?")[2]
+    path = route.upstream_path.encode() + (b"?" + query if query else b"")
+    headers = end_to_end(request.requestHeaders, drop=MODEL_LIST_STRIPPED)
+
+    def answer(replies: list[Reply]) -> None:
+        listed = [listed_models(reply, route.envelope) for reply in replies]
+        valid = [(reply, pairs) for reply, pairs in zip(replies, listed) if pairs is not None]
+        if origin is None:
+            if not valid:
+                fleet.error(503, INVENTORY_UNAVAILABLE)
+                return
+            send_list([reply for reply, _ in valid], [pairs for _, pairs in valid], Headers())
+            return
+        verdict, denial = cors.judge_inventory(replies, origin, len(valid) == len(replies))
+        if verdict == cors.DENIED:
+            fleet.error(403, ORIGIN_DENIED, cors.policy_headers(denial), node=denial.node)
+        elif verdict == cors.INVALID:
+            fleet.error(502, INVENTORY_UNAVAILABLE, cors.combined(replies, origin))
+        else:
+            send_list(replies, listed, cors.combined(replies, origin))
+
+    def send_list(replies: list[Reply], inventories: list, permission: Headers) -> None:
+        headers = Headers({b"Content-Type": [b"application/json"]})
+        for name, values in permission.getAllRawHeaders():
+            headers.setRawHeaders(name, list(values))
+        if not headers.hasHeader(b"vary"):
+            vary = cors.vary(replies)
+            if vary is not None:
+                headers.setRawHeaders(b"Vary", [vary])
+        fleet.whole(200, headers, merged_list(inventories, route.envelope))
+
+    fleet.ask(facade.nodes.routable(), b"GET", path, headers, answer,
+              timeout=constants.MODEL_LIST_TIMEOUT, limit=constants.MODEL_LIST_MAX_BODY)
 
 
 class BoundedRequest(Request):

@@ -1,15 +1,17 @@
-"""Model inventories: reading an engine's model list, probing nodes, and fleet-wide lists.
+"""Model inventories: reading an engine's model list, probing nodes, and asking the fleet.
 
 One parser serves both uses, so the ids a probe makes a node advertise are exactly the ids
 the aggregated list shows to clients. Bodies are capped (16 MiB) and time-boxed (10 s) because
 a model list comes from every node of the fleet and one bad node must not stall the rest.
+The same fan-out carries CORS preflights (spec 5.8), eight at a time.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Sequence
 
+import attrs
 from twisted.internet.defer import Deferred, DeferredList, maybeDeferred, succeed
 from twisted.internet.interfaces import IReactorTime
 from twisted.internet.protocol import Protocol
@@ -29,6 +31,17 @@ log = logger()
 
 class InventoryError(Exception):
     """A model list that could not be read or is not the engine's envelope."""
+
+
+@attrs.frozen
+class Reply:
+    """One upstream answer read whole (bodies are capped); ``node`` once the fleet was asked."""
+
+    status: int
+    phrase: bytes
+    headers: Headers
+    body: bytes
+    node: Node | None = None
 
 
 def model_entries(body: bytes, envelope: str) -> list[tuple[str, dict]]:
@@ -84,24 +97,96 @@ class _Capped(Protocol):
 
 def fetch(agent: IAgent, clock: IReactorTime, url: bytes, headers: Headers | None = None,
           timeout: float = constants.MODEL_LIST_TIMEOUT,
-          limit: int = constants.MODEL_LIST_MAX_BODY) -> Deferred:
-    """GET ``url``; fires (status, headers, body) or fails; never follows redirects."""
-    request = maybeDeferred(agent.request, b"GET", url, headers or Headers())
+          limit: int = constants.MODEL_LIST_MAX_BODY, method: bytes = b"GET") -> Deferred:
+    """Ask ``url`` without a body; fires with a Reply or fails; never follows redirects."""
+    request = maybeDeferred(agent.request, method, url, headers or Headers())
 
     def got(response):
         body: Deferred = Deferred(lambda d: protocol.transport.stopProducing())
         protocol = _Capped(body, limit)
         response.deliverBody(protocol)
-        return body.addCallback(lambda data: (response.code, response.headers, data))
+        return body.addCallback(
+            lambda data: Reply(response.code, response.phrase, response.headers, data))
 
     request.addCallback(got)
     request.addTimeout(timeout, clock)
     return request
 
 
-def node_url(node: Node, path: str) -> bytes:
-    address = node.dial_order()[0]
+def node_url(node: Node, path: str, address: str | None = None) -> bytes:
+    address = address if address is not None else node.dial_order()[0]
     return f"{node.scheme}://{host_port(address, node.port)}{path}".encode()
+
+
+class _FanOut:
+    """Every node asked, ``width`` at a time, none started or kept past the overall deadline.
+
+    Each ask gets the time left as its own timeout, so the asks in flight at the deadline
+    end there and the nodes still waiting are never asked. Cancelling stops the waiting ones
+    and cancels those in flight; the fan-out then fires with what had answered.
+    """
+
+    def __init__(self, nodes: Sequence[Node], ask: Callable[[Node, float], Deferred],
+                 clock: IReactorTime, timeout: float, width: int | None) -> None:
+        self.nodes, self.ask, self.clock = list(nodes), ask, clock
+        self.deadline = clock.seconds() + timeout
+        self.width = width or len(self.nodes)
+        self.replies: list[Reply | None] = [None] * len(self.nodes)
+        self.waiting = list(range(len(self.nodes)))
+        self.running: dict[int, Deferred] = {}
+        self.done: Deferred = Deferred(self._cancel)
+        self._filling = False
+
+    def start(self) -> Deferred:
+        self._fill()
+        return self.done
+
+    def _fill(self) -> None:
+        # An ask that fails synchronously lands inside this loop; the loop then goes on, so a
+        # large fleet of such nodes never recurses.
+        if self._filling:
+            return
+        self._filling = True
+        while self.waiting and len(self.running) < self.width:
+            remaining = self.deadline - self.clock.seconds()
+            if remaining <= 0:
+                self.waiting = []
+                break
+            index = self.waiting.pop(0)
+            asked = maybeDeferred(self.ask, self.nodes[index], remaining)
+            self.running[index] = asked
+            asked.addBoth(self._landed, index)
+        self._filling = False
+        if not self.waiting and not self.running and not self.done.called:
+            self.done.callback([reply for reply in self.replies if reply is not None])
+
+    def _landed(self, result, index: int) -> None:
+        self.running.pop(index, None)
+        node = self.nodes[index]
+        if isinstance(result, Failure):
+            log.debug("node {node} did not answer: {why}", node=node.id,
+                      why=result.getErrorMessage())
+        elif result.status >= 500:
+            log.debug("node {node} answered HTTP {status}", node=node.id, status=result.status)
+        else:
+            self.replies[index] = attrs.evolve(result, node=node)
+        self._fill()
+
+    def _cancel(self, _: Deferred) -> None:
+        self.waiting = []
+        for asked in list(self.running.values()):
+            asked.cancel()
+
+
+def ask_fleet(nodes: Sequence[Node], ask: Callable[[Node, float], Deferred],
+              clock: IReactorTime, *, timeout: float, width: int | None = None) -> Deferred:
+    """Ask every node (``ask(node, time_left)`` fires with a Reply), ``width`` at a time.
+
+    Fires with the replies of the nodes that answered, in node order. A node that is
+    unavailable (transport error, timeout, body over its cap, any 5xx) is skipped: it is
+    down or overloaded, and says nothing about the fleet's inventory or policy (spec 5.8).
+    """
+    return _FanOut(nodes, ask, clock, timeout, width).start()
 
 
 class Prober:
@@ -138,11 +223,11 @@ class Prober:
         path = self.engine.model_list.upstream_path
         d = fetch(self.agent, self.clock, node_url(node, path))
 
-        def ok(result):
-            status, _headers, body = result
-            if status != 200:
-                raise InventoryError(f"model list answered HTTP {status}")
-            return [model_id for model_id, _ in model_entries(body, self.engine.model_list.envelope)]
+        def ok(reply):
+            if reply.status != 200:
+                raise InventoryError(f"model list answered HTTP {reply.status}")
+            return [model_id for model_id, _ in
+                    model_entries(reply.body, self.engine.model_list.envelope)]
 
         def done(models):
             self._busy.discard(node.id)
@@ -160,34 +245,27 @@ MODEL_LIST_STRIPPED = (b"host", b"content-length", b"authorization", b"cookie",
                        b"accept-encoding")
 
 
-def fleet_model_list(agent: IAgent, clock: IReactorTime, nodes: list[Node], path: str,
-                     envelope: str, headers: Headers) -> Deferred:
-    """Ask every node concurrently and merge: first occurrence of an id wins, in node order.
+def listed_models(reply: Reply, envelope: str) -> list[tuple[str, dict]] | None:
+    """The (id, entry) pairs of a valid inventory, or None.
 
-    Fires with the merged body, or None when no node gave a valid list (all down or
-    malformed). Credentials never fan out to the fleet (behaviours: model lists).
+    Only a 200 in the engine's envelope is an inventory: a redirect is not followed and is
+    not one either (behaviours: model lists).
     """
-    asks = [fetch(agent, clock, node_url(node, path), headers) for node in nodes]
+    if reply.status != 200:
+        return None
+    try:
+        return model_entries(reply.body, envelope)
+    except InventoryError:
+        return None
 
-    def merge(results):
-        seen: set[str] = set()
-        entries: list[dict] = []
-        valid = 0
-        for ok, result in results:
-            if not ok:
-                continue
-            status, _headers, body = result
-            if status != 200:
-                continue
-            try:
-                pairs = model_entries(body, envelope)
-            except InventoryError:
-                continue
-            valid += 1
-            for model_id, entry in pairs:
-                if model_id not in seen:
-                    seen.add(model_id)
-                    entries.append(entry)
-        return envelope_body(envelope, entries) if valid else None
 
-    return DeferredList(asks, consumeErrors=True).addCallback(merge)
+def merged_list(inventories: Iterable[list[tuple[str, dict]]], envelope: str) -> bytes:
+    """One list in the engine's envelope: the first occurrence of an id wins, in node order."""
+    seen: set[str] = set()
+    entries: list[dict] = []
+    for pairs in inventories:
+        for model_id, entry in pairs:
+            if model_id not in seen:
+                seen.add(model_id)
+                entries.append(entry)
+    return envelope_body(envelope, entries)

@@ -231,6 +231,7 @@ class ModelListTests(SynchronousTestCase):
             w = World()
             w.add("a")
             client = w.send("GET", "/api/tags", headers=headers)
-            w.agent.last.respond(200, body=b"not json", finish=True)
+            w.agent.last.respond(200, {"Access-Control-Allow-Origin": "*"}, body=b"not json",
+                                 finish=True)
             self.assertEqual((client.response().status, client.response().json()),
                              (status, {"error": "model inventory unavailable"}))
