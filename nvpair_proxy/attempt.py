@@ -172,13 +172,14 @@ class Attempt:
     """One dispatch: dial the node's addresses, wait for headers, peek the first body byte.
 
     ``inference`` makes a 2xx wait for its first body byte (spec 5.2); every other answer
-    commits on its headers (design decision 3). ``final`` means this answer is the client's
+    commits on its headers (design decision 3). ``final`` (a flag, or a question asked when the
+    answer arrives) means this answer is the client's
     whatever its status (spec 5.4).
     """
 
     def __init__(self, *, agent: IAgent, clock: IReactorTime, addresses: AddressMemory,
                  node: Node, method: bytes, path: bytes, headers: Headers, body: bytes,
-                 response_timeout: float, inference: bool, final: bool,
+                 response_timeout: float, inference: bool, final: bool | Callable[[], bool],
                  retryable: Callable[[int], bool]):
         self.agent, self.clock, self.addresses, self.node = agent, clock, addresses, node
         self.method, self.path, self.headers, self.body = method, path, headers, body
@@ -192,6 +193,9 @@ class Attempt:
         self._response: IResponse | None = None
         self._pending_addresses: list[str] = []
         self._address = ""
+
+    def is_final(self) -> bool:
+        return self.final() if callable(self.final) else self.final
 
     def start(self) -> Deferred:
         """Begin; the result fires with Committed or Failed, never with an error."""
@@ -234,7 +238,7 @@ class Attempt:
         self.addresses.answered(self.node, self._address)
         self._response = response
         status = response.code
-        if not self.final and self.retryable(status):
+        if not self.is_final() and self.retryable(status):
             discard(response, self.clock)
             self._end(Failed(self.node, STATUS, f"upstream returned HTTP {status}", status), FAILED)
             return

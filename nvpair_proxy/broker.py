@@ -34,6 +34,9 @@ from .trust import ClusterDirectory, PeerAgents, tls_ingress
 
 log = logger()
 
+# Pins are re-derived per request (spec 7); one stat pass serves a burst of resolutions.
+TRUST_RECHECK = 0.1
+
 FACADE_METHODS = ("set-port", "discovery:nodes", "node/select", "node/selected", "nodes/list",
                   "node/add-manual", "node/remove-manual", "node/set-local-backend",
                   "node/model-owners")
@@ -53,6 +56,7 @@ class Running:
     local_backend: tuple[str, int] | None = None
     unreachable: set = attrs.Factory(set)
     probed: set = attrs.Factory(set)
+    trust_checked_at: float = float("-inf")
 
 
 def _params(params: Any) -> dict:
@@ -319,7 +323,13 @@ class Broker:
                 return None
             host, port = running.local_backend
             return attrs.evolve(node, addresses=(host,), port=port, scheme="http")
-        if self.directory is not None and node.cluster_uuid and self.directory.pin(node.cluster_uuid):
+        if self.directory is None or not node.cluster_uuid:
+            return None
+        now = running.facade.clock.seconds()
+        if now - running.trust_checked_at >= TRUST_RECHECK:
+            running.trust_checked_at = now
+            self.directory.check()
+        if self.directory.pin(node.cluster_uuid):
             return attrs.evolve(node, scheme="https")
         return None
 

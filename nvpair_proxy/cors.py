@@ -53,8 +53,10 @@ def _one(reply: Reply, name: bytes) -> bytes | None:
 
 
 def allows(reply: Reply, origin: bytes) -> bool:
-    """The answer lets ``origin`` read it: Allow-Origin is ``*`` or exactly the origin."""
-    return _one(reply, ALLOW_ORIGIN) in (b"*", origin)
+    """The answer lets ``origin`` read it: Allow-Origin is exactly the origin, or ``*`` in an
+    answer that grants no credentials (Fetch: ``*`` with credentials refuses them)."""
+    value = _one(reply, ALLOW_ORIGIN)
+    return value == origin or (value == b"*" and not grants_credentials(reply))
 
 
 def grants_credentials(reply: Reply) -> bool:
@@ -131,15 +133,6 @@ def combined(replies: Sequence[Reply], origin: bytes) -> Headers:
     if all(grants_credentials(reply) for reply in replies):
         headers.setRawHeaders(ALLOW_CREDENTIALS, [b"true"])
     _set(headers, VARY, vary(replies, b"Origin"))
-    return headers
-
-
-def policy_headers(reply: Reply) -> Headers:
-    """An engine's own CORS headers and Vary, exactly as it sent them."""
-    headers = Headers()
-    for name, values in reply.headers.getAllRawHeaders():
-        if name.lower().startswith(b"access-control-") or name.lower() == b"vary":
-            headers.setRawHeaders(name, list(values))
     return headers
 
 

@@ -181,9 +181,14 @@ class Dispatch:
         if self.reservation is not None and self.pick is not None and self._failed_in_round:
             self._queue = self.pick(self._queue)
         node = self._queue.pop(0)
+        self._queue = [n for n in self._queue if self.is_routable(n.id)]
         self._failed_in_round = True
         self.dispatches += 1
-        final = (self.dispatches == self.bounds.max_attempts) if self.inference else not self._queue
+        if self.inference:
+            final = self.dispatches == self.bounds.max_attempts
+        else:
+            # Asked when the answer comes: the other candidates may have left meanwhile.
+            final = lambda: not any(self.is_routable(n.id) for n in self._queue)
         if self.reservation is not None:
             self.reservation.move(node.id)
         self.observer.dispatched(node)
@@ -193,7 +198,8 @@ class Dispatch:
             self._watch.clock = self.clock
             self._watch.start(self.bounds.watch_interval, now=False)
         self.attempt.start().addCallback(
-            lambda outcome: self._guarded(self._attempt_ended, outcome, final))
+            lambda outcome, attempt=self.attempt: self._guarded(
+                self._attempt_ended, outcome, attempt.is_final()))
 
     def _check_target(self, attempt: Attempt) -> None:
         """Spec 5.3: a target that left discovery cannot be trusted to serve; abandon it."""

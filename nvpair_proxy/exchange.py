@@ -131,7 +131,7 @@ class Exchange:
         self.request.notifyFinish().addCallbacks(self._request_finished, self._client_gone)
         headers = end_to_end(self.request.requestHeaders, drop=(b"host", b"content-length"))
 
-        def make_attempt(node: Node, final: bool) -> Attempt:
+        def make_attempt(node: Node, final) -> Attempt:
             self.target = host_port(node.addresses[0] if node.addresses else "", node.port)
             return Attempt(agent=self.facade.agent_for(node), clock=self.clock,
                            addresses=self.facade.addresses, node=node, method=self.request.method,

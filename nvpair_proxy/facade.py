@@ -23,6 +23,7 @@ from . import constants, cors
 from .answers import (BODY_TOO_LARGE, INVENTORY_UNAVAILABLE, NO_PREFLIGHT_ANSWER,
                       ORIGIN_DENIED, raw_error, send_error, send_whole)
 from .attempt import AddressMemory
+from .deadline import request_line_received
 from .discovery import Node, NodeSet
 from .dispatch import NO_CANDIDATE, Bounds
 from .engines import Engine
@@ -268,7 +269,7 @@ def serve_model_list(facade: Facade, request: Request, route) -> None:
             return
         verdict, denial = cors.judge_inventory(replies, origin, len(valid) == len(replies))
         if verdict == cors.DENIED:
-            fleet.error(403, ORIGIN_DENIED, cors.policy_headers(denial), node=denial.node)
+            fleet.error(403, ORIGIN_DENIED, Headers({b"Vary": [b"Origin"]}), node=denial.node)
         elif verdict == cors.INVALID:
             fleet.error(502, INVENTORY_UNAVAILABLE, cors.combined(replies, origin))
         else:
@@ -300,6 +301,7 @@ class BoundedRequest(Request):
 
     def __init__(self, channel, *args, **kwargs):
         super().__init__(channel, *args, **kwargs)
+        request_line_received(channel.transport)
         # Created at the request line: the headers must follow within 10 s (protocol 7),
         # so a client trickling headers cannot hold a connection for the idle timeout.
         self._header_timer = channel.callLater(self.header_timeout, self._headers_too_slow)

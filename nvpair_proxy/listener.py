@@ -18,10 +18,14 @@ from twisted.web.server import NOT_DONE_YET, Request, Site
 
 from .answers import LOOPBACK_ONLY, send_error
 from .constants import SERVER_HEADER_READ_TIMEOUT
+from .deadline import expect_request_line
+from .logs import logger
 from .discovery import is_loopback
 from .facade import BoundedRequest, report_rejection
 
 TLS_HANDSHAKE = 0x16
+
+log = logger()
 
 
 class LoopbackOnly(Resource):
@@ -48,9 +52,10 @@ class _Demux(Protocol):
         self.timer = None
 
     def connectionMade(self) -> None:
-        # A peer that connects and says nothing is held no longer than one header read.
+        # Until a request line arrives (after a TLS handshake, if any): one header read.
         self.timer = self.factory.clock.callLater(SERVER_HEADER_READ_TIMEOUT,
                                                   self.transport.abortConnection)
+        expect_request_line(self.transport, self._stop_timer)
 
     def _stop_timer(self) -> None:
         if self.timer is not None and self.timer.active():
@@ -59,12 +64,18 @@ class _Demux(Protocol):
 
     def dataReceived(self, data: bytes) -> None:
         if self.inner is None:
-            self._stop_timer()
-            self.inner = self.factory.choose(data[0], self.addr)
-            if self.inner is None:
+            try:
+                inner = self.factory.choose(data[0], self.addr)
+                if inner is not None:
+                    inner.makeConnection(self.transport)
+            except Exception:
+                log.failure("could not accept a connection from {peer}", peer=self.addr)
+                inner = None
+            if inner is None:
+                self._stop_timer()
                 self.transport.abortConnection()
                 return
-            self.inner.makeConnection(self.transport)
+            self.inner = inner
         self.inner.dataReceived(data)
 
     def connectionLost(self, reason: Failure) -> None:

@@ -29,6 +29,15 @@ from .logs import logger
 log = logger()
 
 WATCH_INTERVAL = 2.0
+_UNREADABLE = object()
+
+
+def _stat(path: str):
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_mtime_ns, st.st_size, st.st_ino)
 URN_PREFIX = "urn:nvpair:node:"
 
 
@@ -41,6 +50,8 @@ def principal(certificate: x509.Certificate) -> str:
                 return uri[len(URN_PREFIX):]
     except x509.ExtensionNotFound:
         pass
+    except ValueError:
+        return ""  # extensions that do not parse name nobody
     names = certificate.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
     return str(names[0].value) if names else ""
 
@@ -64,6 +75,7 @@ class ClusterDirectory:
     admission: dict = attrs.Factory(dict)
     pins: dict[str, bytes] = attrs.Factory(dict)
     _loop: LoopingCall | None = None
+    _seen: tuple | None = None
 
     @property
     def member(self) -> bool:
@@ -84,9 +96,13 @@ class ClusterDirectory:
         return any(hmac.compare_digest(der, pinned) for pinned in candidates)
 
     def refresh(self) -> None:
-        self._read_identity()
-        self._read_admission()
-        self._read_pins()
+        stamp = self._stamp()
+        for read in (self._read_identity, self._read_admission, self._read_pins):
+            try:
+                read()
+            except Exception:
+                log.failure("could not read the cluster directory {path}", path=self.path)
+        self._seen = stamp
 
     def start(self, clock: IReactorTime, interval: float = WATCH_INTERVAL) -> None:
         self._loop = LoopingCall(self.refresh)
@@ -111,9 +127,14 @@ class ClusterDirectory:
         try:
             cert = crypto.load_certificate(crypto.FILETYPE_PEM, cert_pem)
             key = crypto.load_privatekey(crypto.FILETYPE_PEM, key_pem)
-        except crypto.Error:
-            log.warn("cluster identity in {path} does not load; keeping the previous one",
-                     path=self.path)
+            check = SSL.Context(SSL.TLS_METHOD)
+            check.use_certificate(cert)
+            check.use_privatekey(key)
+            check.check_privatekey()
+        except (crypto.Error, SSL.Error, ValueError):
+            # Mid-rotation the manager may have replaced one file and not yet the other.
+            log.warn("cluster identity in {path} does not load or its key does not match; "
+                     "keeping the previous one", path=self.path)
             return
         der = cert.to_cryptography().public_bytes(Encoding.DER)
         if self.identity is None or self.identity.der != der:
@@ -144,24 +165,47 @@ class ClusterDirectory:
                 continue
             node_uuid = name[:-len(".json")]
             der = self._read_pin(full, node_uuid)
-            if der is None and node_uuid in self.pins and os.path.exists(full):
-                der = self.pins[node_uuid]
+            if der is _UNREADABLE:
+                der = self.pins.get(node_uuid)
             if der is not None:
                 pins[node_uuid] = der
         self.pins = pins
 
     @staticmethod
-    def _read_pin(path: str, node_uuid: str) -> bytes | None:
-        """A pin counts only when file name, ``nodeUuid`` and the certificate agree."""
+    def _read_pin(path: str, node_uuid: str):
+        """The pinned DER; None when the file disagrees (file name, ``nodeUuid`` and the
+        certificate's principal must agree); _UNREADABLE while it cannot be read whole."""
         try:
             with open(path, "rb") as handle:
                 data = json.load(handle)
             certificate = x509.load_pem_x509_certificate(data["certPem"].encode())
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return _UNREADABLE
+        if not isinstance(data, dict) or data.get("nodeUuid") != node_uuid:
             return None
-        if data.get("nodeUuid") != node_uuid or principal(certificate) != node_uuid:
+        if principal(certificate) != node_uuid:
             return None
         return certificate.public_bytes(Encoding.DER)
+
+    def check(self) -> None:
+        """Re-derive now if any file changed (spec 7: per request as well as on the watch).
+
+        A handful of stat calls; the files are read again only when one of them changed.
+        """
+        stamp = self._stamp()
+        if stamp != self._seen:
+            self.refresh()
+
+    def _stamp(self):
+        entries = []
+        for name in ("node.crt", "node.key", "admission.json", "trusted"):
+            entries.append(_stat(os.path.join(self.path, name)))
+        try:
+            names = sorted(os.listdir(os.path.join(self.path, "trusted")))
+        except OSError:
+            names = []
+        entries.extend((name, _stat(os.path.join(self.path, "trusted", name))) for name in names)
+        return tuple(entries)
 
 
 def der_of(certificate: crypto.X509) -> bytes:
@@ -251,8 +295,14 @@ class PeerAgents:
         self._agents: dict[str, tuple] = {}
 
     def for_node(self, node):
+        """The peer's agent for its current pin: a rotated pin gets a fresh pool, so no
+        connection verified against the old pin is ever reused (protocol 6)."""
         from twisted.web.client import Agent, HTTPConnectionPool
+        pin = self.directory.pin(node.cluster_uuid)
         entry = self._agents.get(node.cluster_uuid)
+        if entry is not None and entry[2] != pin:
+            entry[1].closeCachedConnections()
+            entry = None
         if entry is None:
             pool = HTTPConnectionPool(self.reactor, persistent=True)
             pool.maxPersistentPerHost = 16
@@ -260,9 +310,9 @@ class PeerAgents:
             pool.retryAutomatically = False
             agent = Agent(self.reactor, contextFactory=PinnedPolicy(self.directory, node.cluster_uuid),
                           pool=pool, connectTimeout=self.connect_timeout)
-            entry = self._agents[node.cluster_uuid] = (agent, pool)
+            entry = self._agents[node.cluster_uuid] = (agent, pool, pin)
         return entry[0]
 
     def close(self):
         from twisted.internet.defer import DeferredList
-        return DeferredList([pool.closeCachedConnections() for _, pool in self._agents.values()])
+        return DeferredList([pool.closeCachedConnections() for _, pool, _ in self._agents.values()])

@@ -622,3 +622,11 @@ class RobustnessTests(WorldTestCase):
         client = w.send("GET", "/api/ps")
         w.agent.last.respond(200, body=b"x", length=1, finish=True)
         self.assertIsNone(client.response().header("content-type"))
+
+    def test_a_non_inference_attempt_whose_other_candidate_left_answers_for_itself(self):
+        w = self.world()
+        w.add("a"), w.add("b", addresses=("10.0.0.2",))
+        client = w.send("POST", "/api/pull", {"name": "llama3"})
+        w.remove("b")
+        w.agent.last.respond(503, body=b"busy", length=4, finish=True)
+        self.assertEqual((client.response().status, client.response().body), (503, b"busy"))

@@ -235,3 +235,12 @@ class ModelListTests(SynchronousTestCase):
                                  finish=True)
             self.assertEqual((client.response().status, client.response().json()),
                              (status, {"error": "model inventory unavailable"}))
+
+    def test_half_a_request_line_is_closed_after_ten_seconds(self):
+        w = World()
+        slow = w.connect()
+        slow.protocol.dataReceived(b"GET /api/tags HT")
+        w.site_clock.advance(9.9)
+        self.assertFalse(slow.transport.disconnecting)
+        w.site_clock.advance(0.1)
+        self.assertTrue(slow.transport.disconnecting)

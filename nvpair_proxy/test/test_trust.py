@@ -12,6 +12,7 @@ from twisted.internet.defer import inlineCallbacks
 from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 from twisted.web.client import Agent, HTTPConnectionPool, readBody
+from twisted.web.http_headers import Headers
 from twisted.web.server import Site
 
 from nvpair_proxy.discovery import make_node
@@ -189,6 +190,24 @@ class PinnedTLSTests(TestCase):
         self.assertEqual(self.engine.served, [])
 
     @inlineCallbacks
+    def test_a_revoked_pin_is_refused_on_the_next_request_without_waiting_for_the_watch(self):
+        agent = self.agent(self.a_dir)
+        response = yield self.post(agent)
+        yield readBody(response)
+        os.unlink(os.path.join(self.b_dir, "trusted", "node-a.json"))
+        response = yield self.post(agent)
+        body = json.loads((yield readBody(response)))
+        self.assertEqual((response.code, body["code"]), (403, "cluster-auth"))
+
+    @inlineCallbacks
+    def test_the_identity_probe_is_answered_on_the_ingress_too(self):
+        response = yield self.agent(self.a_dir).request(
+            b"GET", self.url, Headers({b"X-NVPAIR-Engine-Identity-Probe": [b"1"]}))
+        body = json.loads((yield readBody(response)))
+        self.assertEqual((response.code, body["code"]), (409, "proxy-facade"))
+        self.assertEqual(self.engine.served, [])
+
+    @inlineCallbacks
     def test_no_local_backend_gets_503(self):
         self.backend = None
         response = yield self.post(self.agent(self.a_dir))
@@ -282,3 +301,70 @@ class PeerRoutingTests(SynchronousTestCase):
         self.proxy.call("ollama:node/add-manual", {"id": "m", "port": 1,
                                                    "addresses": ["10.0.0.9"], "models": ["llama3"]})
         self.assertEqual(self.owners(), ["m"])
+
+
+class RobustDirectoryTests(SynchronousTestCase):
+    def setUp(self):
+        self.folder = self.mktemp()
+        self.own = make_certificate("node-a")
+        write_identity(self.folder, *self.own)
+        self.directory = ClusterDirectory(self.folder)
+        self.directory.refresh()
+
+    def test_a_certificate_whose_extensions_do_not_parse_names_nobody(self):
+        from nvpair_proxy.trust import principal
+
+        class Broken:
+            @property
+            def extensions(self):
+                raise ValueError("bad SAN")
+
+        self.assertEqual(principal(Broken()), "")
+
+    def test_a_reader_that_raises_is_logged_and_the_watch_keeps_running(self):
+        clock = Clock()
+        self.directory.start(clock)
+        self.addCleanup(self.directory.stop)
+        self.patch(ClusterDirectory, "_read_pins", lambda self: 1 / 0)
+        clock.advance(2)
+        self.assertEqual(len(self.flushLoggedErrors(ZeroDivisionError)), 1)
+        self.assertTrue(self.directory._loop.running)
+
+    def test_a_pin_file_that_now_disagrees_stops_trusting_the_old_certificate(self):
+        peer = make_certificate("node-b")
+        write_pin(self.folder, "node-b", peer[0])
+        self.directory.refresh()
+        self.assertTrue(self.directory.trusts(der(peer[0])))
+        write_pin(self.folder, "node-c", make_certificate("node-c")[0], file_uuid="node-b")
+        self.directory.refresh()
+        self.assertFalse(self.directory.trusts(der(peer[0])))
+        self.assertEqual(self.directory.pins, {})
+
+    def test_a_key_that_does_not_match_the_certificate_keeps_the_previous_identity(self):
+        before = self.directory.identity
+        write_identity(self.folder, make_certificate("node-a")[0], self.own[1])
+        self.directory.refresh()
+        self.assertIs(self.directory.identity, before)
+
+    def test_check_rereads_only_when_a_file_changed(self):
+        reads = []
+        real = ClusterDirectory._read_pins
+        self.patch(ClusterDirectory, "_read_pins", lambda d: (reads.append(1), real(d)))
+        self.directory.check()
+        self.assertEqual(reads, [])
+        write_pin(self.folder, "node-b", make_certificate("node-b")[0])
+        self.directory.check()
+        self.assertEqual(reads, [1])
+        self.assertEqual(list(self.directory.pins), ["node-b"])
+
+    def test_a_rotated_pin_gets_a_fresh_peer_pool(self):
+        write_pin(self.folder, "node-b", make_certificate("node-b")[0])
+        self.directory.refresh()
+        agents = PeerAgents(Clock(), self.directory, 10, 90)
+        node = make_node(OLLAMA, id="node-b", port=1, addresses=["127.0.0.1"], models=[],
+                         cluster_uuid="node-b", scheme="https")
+        first = agents.for_node(node)
+        self.assertIs(agents.for_node(node), first)
+        write_pin(self.folder, "node-b", make_certificate("node-b")[0])
+        self.directory.refresh()
+        self.assertIsNot(agents.for_node(node), first)
