@@ -12,11 +12,11 @@ import os
 from typing import Callable
 
 import attrs
-from .logs import logger
 from zope.interface import implementer
 
 from . import constants
 from .interfaces import IEmitter
+from .logs import logger
 
 QUEUED, RUNNING, COMPLETED, FAILED, CANCELLED = "queued", "running", "completed", "failed", "cancelled"
 

@@ -12,7 +12,6 @@ import json
 from typing import TYPE_CHECKING
 
 from twisted.internet.interfaces import IDelayedCall, IPushProducer
-from .logs import logger
 from twisted.python.failure import Failure
 from twisted.web.server import Request
 from zope.interface import implementer
@@ -24,6 +23,7 @@ from .discovery import Node, host_port
 from .dispatch import NO_CANDIDATE, NO_OWNER, Answer, Dispatch, Gone, retryable_status
 from .events import BACKSTOP, CANCELLED, CLIENT_GONE, COMPLETED, FAILED, SHUTDOWN, Workload
 from .hopbyhop import end_to_end
+from .logs import logger
 from .selection import order, owners
 from .stats import BodyObserver
 

@@ -16,7 +16,6 @@ from twisted.internet.defer import Deferred, DeferredList, maybeDeferred, succee
 from twisted.internet.interfaces import IReactorTime
 from twisted.internet.protocol import Protocol
 from twisted.internet.task import LoopingCall
-from .logs import logger
 from twisted.python.failure import Failure
 from twisted.web.http_headers import Headers
 from twisted.web.iweb import IAgent
@@ -25,6 +24,7 @@ from . import constants
 from .attempt import clean_end
 from .discovery import Node, NodeSet, host_port
 from .engines import Engine
+from .logs import logger
 
 log = logger()
 

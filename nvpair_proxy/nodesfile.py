@@ -13,11 +13,11 @@ from typing import Callable, Mapping
 import attrs
 from twisted.internet.interfaces import IReactorTime
 from twisted.internet.task import LoopingCall
-from .logs import logger
 
 from . import constants
 from .discovery import Node, make_node
 from .engines import Engine
+from .logs import logger
 
 log = logger()
 
