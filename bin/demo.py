@@ -51,7 +51,7 @@ def write_files(workdir: str) -> tuple[str, str]:
         nodes.append(f'[[node]]\nid = "{node_id}"\naddress = "127.0.0.1"\n')
         for engine, spec in engines.items():
             sim_id = f"{node_id}-{engine}"
-            lines = [f'[[node]]', f'id = "{sim_id}"', f'dialect = "{engine}"', "port = 0",
+            lines = ['[[node]]', f'id = "{sim_id}"', f'dialect = "{engine}"', "port = 0",
                      f"models = {toml_list(spec['models'])}", "tokens = 5", "token_delay = 0.02"]
             if "loaded" in spec:
                 lines.append(f"loaded = {toml_list(spec['loaded'])}")

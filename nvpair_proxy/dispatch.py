@@ -18,7 +18,7 @@ from twisted.internet.task import LoopingCall
 from twisted.python.failure import Failure
 
 from . import constants
-from .attempt import ATTEMPT_CANCELLED, NO_CONTENT, Attempt, Committed, Failed
+from .attempt import NO_CONTENT, Attempt, Committed, Failed
 from .discovery import Node
 
 NO_OWNER = "no available node advertises the requested model"
@@ -78,6 +78,9 @@ class _Silent:
         pass
 
 
+SILENT = _Silent()
+
+
 def retryable_status(inference: bool) -> Callable[[int], bool]:
     """Spec 5.4: 408, 429 and 5xx always; 404 only where inventory may be stale (inference)."""
     def retryable(status: int) -> bool:
@@ -106,7 +109,7 @@ class Dispatch:
                  no_candidate_text: str, bounds: Bounds = Bounds(),
                  reserve: Reserve | None = None,
                  pick: Callable[[list[Node]], list[Node]] | None = None,
-                 observer: Observer = _Silent()):
+                 observer: Observer = SILENT):
         self.clock, self.random, self.resolve, self.make_attempt = clock, random, resolve, make_attempt
         self.is_routable, self.inference, self.bounds = is_routable, inference, bounds
         self.deadline = created_at + bounds.deadline

@@ -184,7 +184,6 @@ class BrokerService(Service):
         self.stopping = False
 
     def privilegedStartService(self) -> None:
-        import os
         from .broker import Broker
         from .rpc import RpcLink
         options, reactor = self.options, self.reactor

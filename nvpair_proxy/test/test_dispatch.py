@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from twisted.trial.unittest import SynchronousTestCase
 
 from nvpair_proxy.test.world import WorldTestCase
 
@@ -97,7 +96,7 @@ class FailoverTests(WorldTestCase):
     def test_jitter_stays_within_a_quarter(self):
         for draw, expected in ((0.0, 0.75), (0.999999, 1.25)):
             w = self.world()
-            w.facade.random = lambda: draw
+            w.facade.random = lambda draw=draw: draw
             w.add("a")
             w.chat()
             w.agent.last.respond(500, length=0, finish=True)

@@ -7,7 +7,6 @@ subprocess (twisted-notes), never against a reactor this test would have to spin
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import urllib.error

@@ -28,9 +28,16 @@ from nvpair_proxy.simfleet import SimNode, SimNodeResource
 from nvpair_proxy.test.certs import make_certificate, write_admission, write_identity, write_pin
 from nvpair_proxy.trust import ClusterDirectory, PeerAgents, PinnedPolicy, der_of, tls_ingress
 
-from OpenSSL import crypto
+from OpenSSL import SSL, crypto
+from twisted.internet.error import ConnectError
+from twisted.web.client import ResponseFailed
+from twisted.web._newclient import RequestTransmissionFailed, ResponseNeverReceived
 
 OLLAMA = load_engines()["ollama"]
+
+# How a refused handshake or a missing pin reaches an Agent's caller.
+TLS_REFUSED = (ResponseNeverReceived, ResponseFailed, RequestTransmissionFailed, SSL.Error,
+               ConnectError)
 
 
 def der(cert_pem: bytes) -> bytes:
@@ -176,7 +183,7 @@ class PinnedTLSTests(TestCase):
         wrong = self.mktemp()
         write_identity(wrong, *self.a_cert)
         write_pin(wrong, "node-b", make_certificate("node-b")[0])
-        with self.assertRaises(Exception):
+        with self.assertRaises(TLS_REFUSED):
             yield self.post(self.agent(wrong))
         self.assertEqual(self.engine.served, [])
 
@@ -185,7 +192,7 @@ class PinnedTLSTests(TestCase):
         nopin = self.mktemp()
         write_identity(nopin, *self.a_cert)
         write_admission(nopin)
-        with self.assertRaises(Exception):
+        with self.assertRaises(TLS_REFUSED):
             yield self.post(self.agent(nopin))
         self.assertEqual(self.engine.served, [])
 
@@ -219,7 +226,7 @@ class PinnedTLSTests(TestCase):
         os.unlink(os.path.join(self.b_dir, "node.crt"))
         self.b.refresh()
         self.assertFalse(self.b.member)
-        with self.assertRaises(Exception):
+        with self.assertRaises(TLS_REFUSED):
             yield self.post(self.agent(self.a_dir))
 
     @inlineCallbacks
