@@ -110,6 +110,17 @@ def report_rejection(facade: Facade, method: bytes, path: bytes, status: int, er
         "duration_ms": 0, "error": error})
 
 
+def answered_identity_probe(facade: Facade, request: Request) -> bool:
+    """A client asking whether this port is a proxy facade gets 409 naming the engine, on
+    every ingress, so nothing mistakes the proxy for the engine itself (protocol 5)."""
+    if request.getHeader(IDENTITY_PROBE) != b"1":
+        return False
+    text = f"this port is the nvpair-proxy facade for {facade.engine.id}"
+    report_rejection(facade, request.method, request.path, 409, text)
+    send_error(request, 409, text, code="proxy-facade")
+    return True
+
+
 class FacadeResource(Resource):
     """Every path of the facade: classify and hand to an Exchange; nothing is an allowlist."""
 
@@ -120,10 +131,7 @@ class FacadeResource(Resource):
         self.facade = facade
 
     def render(self, request: Request):
-        if request.getHeader(IDENTITY_PROBE) == b"1":
-            text = f"this port is the nvpair-proxy facade for {self.facade.engine.id}"
-            report_rejection(self.facade, request.method, request.path, 409, text)
-            send_error(request, 409, text, code="proxy-facade")
+        if answered_identity_probe(self.facade, request):
             return NOT_DONE_YET
         if cors.is_preflight(request.method, request.requestHeaders):
             serve_preflight(self.facade, request)

@@ -17,7 +17,7 @@ from .answers import send_error
 from .discovery import Node
 from .dispatch import Answer
 from .exchange import Exchange
-from .facade import IDENTITY_PROBE, Facade, report_rejection
+from .facade import Facade, answered_identity_probe, report_rejection
 from .trust import ClusterDirectory, der_of
 
 CLUSTER_AUTH = "client certificate is not a pinned member of this node's cluster"
@@ -50,10 +50,7 @@ class IngressResource(Resource):
         self.facade, self.directory, self.backend = facade, directory, backend
 
     def render(self, request: Request):
-        if request.getHeader(IDENTITY_PROBE) == b"1":
-            text = f"this port is the nvpair-proxy facade for {self.facade.engine.id}"
-            report_rejection(self.facade, request.method, request.path, 409, text)
-            send_error(request, 409, text, code="proxy-facade")
+        if answered_identity_probe(self.facade, request):
             return NOT_DONE_YET
         self.directory.check()
         certificate = request.channel.transport.getPeerCertificate()
