@@ -120,6 +120,7 @@ class StandaloneService(Service):
     def startService(self) -> None:
         from .sdnotify import notify, start_watchdog
         super().startService()
+        exit_zero_after_signal(self.reactor)
         if self.watcher is not None:
             self.watcher.start()
         for prober in self.probers:
@@ -143,6 +144,18 @@ class StandaloneService(Service):
         stopped.addTimeout(constants.FACADE_SHUTDOWN_GRACE, self.reactor)
         stopped.addBoth(lambda _: self.pool.closeCachedConnections())
         return stopped
+
+
+def exit_zero_after_signal(reactor) -> None:
+    """SIGTERM and SIGINT are orderly stops here (protocol 1: exit 0).
+
+    twistd re-raises the signal that stopped the reactor once shutdown has finished, so the
+    process would die by signal (status 143) after a clean shutdown; forget it instead.
+    """
+    def forget() -> None:
+        if getattr(reactor, "_exitSignal", None) is not None:
+            reactor._exitSignal = None
+    reactor.addSystemEventTrigger("after", "shutdown", forget)
 
 
 def claim_stdout() -> int:
@@ -231,6 +244,7 @@ class BrokerService(Service):
         from twisted.internet.protocol import Factory
         from twisted.internet.stdio import StandardIO
         from .sdnotify import notify, start_watchdog
+        exit_zero_after_signal(self.reactor)
         if self.sock is not None:
             factory = Factory.forProtocol(lambda: self.link.framer)
             self.reactor.adoptStreamConnection(self.sock.fileno(), socket.AF_UNIX, factory)

@@ -160,3 +160,36 @@ class BrokerProcessTests(SynchronousTestCase):
         self.assertEqual(link.proc.wait(timeout=30), 0)
         ids = [m.get("id") for m in link.lines]
         self.assertLess(ids.index(answer_id), link.lines.index(terminal))
+
+    def test_sigterm_cancels_in_flight_requests_and_exits_zero(self):
+        import signal
+        import socket
+        fleet = start_fleet(self, '[[node]]\nid = "slow"\ndialect = "ollama"\n'
+                                  'models = ["llama3:latest"]\nhang_after_headers = true\n')
+        link = BrokerChannel(self)
+        port = free_port()
+        self.assertIn("result", link.call("facade/enable", {"engine": "ollama", "port": port,
+                                                            "ignorePersistedPort": True}))
+        link.call("ollama:node/add-manual", {"id": "slow", "port": fleet["slow"],
+                                             "addresses": ["127.0.0.1"], "models": ["llama3"]})
+        body = json.dumps({"model": "llama3"}).encode()
+        client = socket.create_connection(("127.0.0.1", port), timeout=30)
+        self.addCleanup(client.close)
+        client.sendall(b"POST /api/chat HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s"
+                       % (len(body), body))
+        link.wait(lambda m: m.get("method") == "workload:submitted"
+                  and m["params"]["workloadInfo"].get("scheduledOn") == "slow")
+        link.proc.send_signal(signal.SIGTERM)
+        terminal = link.wait(lambda m: m.get("method") == "workload:errored")
+        self.assertEqual(terminal["params"]["workloadInfo"]["error"],
+                         "request cancelled before completion")
+        self.assertEqual(link.proc.wait(timeout=30), 0)
+
+
+class StandaloneSignalTests(SynchronousTestCase):
+    def test_sigterm_and_sigint_exit_zero(self):
+        import signal
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            proc = start_standalone(self, ["--engine", f"ollama:{free_port()}"])
+            proc.send_signal(sig)
+            self.assertEqual(proc.wait(timeout=30), 0, sig)
