@@ -165,3 +165,36 @@ class PrivacyTests(SynchronousTestCase):
         process_scoped = ("workload:", "node/activity")
         facade_scoped = [e for e in ours if not any(p in formatEvent(e) for p in process_scoped)]
         self.assertEqual({e.get("engine") for e in facade_scoped}, {"ollama"})
+
+
+class PlacementTests(SynchronousTestCase):
+    def test_waiting_for_an_owner_over_several_rounds_clears_the_placement_once(self):
+        w = World()
+        node = w.add("a")
+        w.chat()
+        w.agent.last.respond(503, length=0, finish=True)
+        w.remove("a")
+        w.clock.pump([1] * 5)
+        w.facade.nodes.put_manual(node)
+        w.clock.advance(1)
+        w.agent.last.respond(200, length=0, finish=True)
+        self.assertEqual(w.workload_events(), [
+            ("workload:submitted", "queued", None), ("workload:submitted", "queued", "a"),
+            ("workload:submitted", "queued", None), ("workload:submitted", "queued", "a"),
+            ("workload:started", "running", "a"), ("workload:completed", "completed", "a")])
+
+    def test_a_truncated_upstream_gives_exactly_one_terminal_for_every_engine(self):
+        cases = {"ollama": ("/api/chat", "llama3:latest"),
+                 "lmstudio": ("/v1/chat/completions", "qwen"),
+                 "llamacpp": ("/v1/chat/completions", "phi")}
+        for engine, (path, model) in cases.items():
+            w = World(engine)
+            w.add("a", models=(model,))
+            client = w.send("POST", path, {"model": model, "stream": True})
+            upstream = w.agent.last.respond(200)
+            upstream.write(b"data: {}\n\n")
+            upstream.break_off()
+            client.disconnect()
+            terminals = [m for m, _ in w.emitter.workload()
+                         if m in ("workload:completed", "workload:errored")]
+            self.assertEqual(terminals, ["workload:completed"], engine)

@@ -112,6 +112,10 @@ class BrokerProcessTests(SynchronousTestCase):
                 "id": f"m-{node_id}", "host": node_id, "port": fleet[node_id],
                 "addresses": ["127.0.0.1"], "models": ["llama3:latest"]})
             self.assertEqual(added["result"], {"added": True})
+        self.assertEqual(link.call("ollama:node/select", {"id": "m-bad"})["result"],
+                         {"id": "m-bad"})
+        self.assertEqual(link.lines[-2], {"jsonrpc": "2.0", "method": "ollama:node/selection-changed",
+                                          "params": {"id": "m-bad"}})
         request = urllib.request.Request(
             f"http://127.0.0.1:{port}/api/chat", method="POST",
             data=json.dumps({"model": "llama3", "messages": []}).encode())
