@@ -70,6 +70,15 @@ def send_whole(request: Request, status: int, headers: Headers, body: bytes,
     request.finish()
 
 
+def answer_internal_error(request: Request) -> None:
+    """Spec 3.2: 500 when nothing was sent yet; otherwise drop the connection, so the client
+    sees a broken response rather than a complete-looking one."""
+    if not request.startedWriting and not request.finished and not request._disconnected:
+        send_error(request, 500, "internal error")
+    elif not request.finished and request.channel is not None:
+        request.channel.transport.abortConnection()
+
+
 def raw_error(status: int, text: str, code: str | None = None) -> bytes:
     """A whole HTTP/1.1 response that closes the connection, for answers given mid-parse."""
     body = error_body(text, code)

@@ -23,18 +23,11 @@ def request_line_received(transport) -> None:
     """End the connection's first deadline; ``transport`` is the HTTP channel's, which sits
     on the accepted one directly (plaintext) or through the TLS layer."""
     for _ in range(3):
-        if transport is None:
-            return
-        cancel = _pending.pop(transport, None) if _weakrefable(transport) else None
+        try:
+            cancel = _pending.pop(transport, None)
+        except TypeError:  # None, or a transport that cannot be weakly referenced
+            cancel = None
         if cancel is not None:
             cancel()
             return
         transport = getattr(transport, "transport", None)
-
-
-def _weakrefable(value) -> bool:
-    try:
-        _pending.get(value)
-        return True
-    except TypeError:
-        return False

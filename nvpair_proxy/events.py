@@ -129,6 +129,29 @@ class Workload:
         self.emitter.notify(method, {"workloadInfo": info})
 
 
+def request_started(id: str, method: str, path: str, target: str,
+                    node_id: str | None = None) -> dict:
+    """``proxy/request-started`` params (protocol 4), fields in the contract's order."""
+    params = {"id": id}
+    if node_id:
+        params["node_id"] = node_id
+    params.update({"method": method, "path": path, "target": target})
+    return params
+
+
+def request_finished(id: str, method: str, path: str, target: str, status: int,
+                     duration: float, node_id: str | None = None, ttfb: float | None = None,
+                     error: str | None = None) -> dict:
+    """``proxy/request`` params (protocol 4); ``duration`` and ``ttfb`` in seconds."""
+    params = request_started(id, method, path, target, node_id)
+    params.update({"status": status, "duration_ms": _ms(duration)})
+    if ttfb is not None:
+        params["ttfb_ms"] = _ms(ttfb)
+    if error:
+        params["error"] = error
+    return params
+
+
 class ActivityThrottle:
     """``node/activity`` on streamed bytes, at most once per node per 2 s (protocol 4)."""
 

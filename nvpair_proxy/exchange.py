@@ -17,11 +17,12 @@ from twisted.web.server import Request
 from zope.interface import implementer
 
 from . import constants
-from .answers import send_error
+from .answers import answer_internal_error, send_error
 from .attempt import Attempt, Committed, clean_end
 from .discovery import Node, host_port
 from .dispatch import NO_CANDIDATE, NO_OWNER, Answer, Dispatch, Gone, retryable_status
-from .events import BACKSTOP, CANCELLED, CLIENT_GONE, COMPLETED, FAILED, SHUTDOWN, Workload
+from .events import (BACKSTOP, CANCELLED, CLIENT_GONE, COMPLETED, FAILED, SHUTDOWN, Workload,
+                     request_finished, request_started)
 from .hopbyhop import end_to_end
 from .logs import logger
 from .selection import order, owners
@@ -205,9 +206,8 @@ class Exchange:
         self.target = host_port(committed.address, node.port)
         if self.workload is not None:
             self.workload.started(node.id)
-        self.facade.notify("proxy/request-started", {
-            "id": self.id, "node_id": node.id, "method": self.method, "path": self.path,
-            "target": self.target})
+        self.facade.notify("proxy/request-started", request_started(
+            self.id, self.method, self.path, self.target, node.id))
         request = self.request
         request.setResponseCode(response.code, response.phrase)
         request.defaultContentType = None
@@ -335,11 +335,7 @@ class Exchange:
         if self.committed is not None:
             self.committed.relay.abort()
         self._end(FAILED, BACKSTOP, status=500)
-        request = self.request
-        if not request.startedWriting and not request.finished and not request._disconnected:
-            send_error(request, 500, "internal error")
-        elif not request.finished and request.channel is not None:
-            request.channel.transport.abortConnection()
+        answer_internal_error(self.request)
 
     # The one end.
 
@@ -358,15 +354,8 @@ class Exchange:
                   error=error or "ok", engine=self.facade.engine.id)
         if self.workload is not None:
             self.workload.terminal(state, error, stats)
-        now = self.clock.seconds()
-        params = {"id": self.id}
-        if self.node_id:
-            params["node_id"] = self.node_id
-        params.update({"method": self.method, "path": self.path, "target": self.target,
-                       "status": status if status is not None else 499,
-                       "duration_ms": int(round((now - self.admitted_at) * 1000))})
-        if self.first_byte_at is not None:
-            params["ttfb_ms"] = int(round((self.first_byte_at - self.admitted_at) * 1000))
-        if error:
-            params["error"] = error
-        self.facade.notify("proxy/request", params)
+        ttfb = None if self.first_byte_at is None else self.first_byte_at - self.admitted_at
+        self.facade.notify("proxy/request", request_finished(
+            self.id, self.method, self.path, self.target,
+            status if status is not None else 499, self.clock.seconds() - self.admitted_at,
+            node_id=self.node_id, ttfb=ttfb, error=error))

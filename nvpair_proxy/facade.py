@@ -21,13 +21,14 @@ from twisted.web.server import NOT_DONE_YET, Request, Site
 
 from . import constants, cors
 from .answers import (BODY_TOO_LARGE, INVENTORY_UNAVAILABLE, NO_PREFLIGHT_ANSWER,
-                      ORIGIN_DENIED, raw_error, send_error, send_whole)
+                      ORIGIN_DENIED, answer_internal_error, raw_error, send_error,
+                      send_whole)
 from .attempt import AddressMemory
 from .deadline import request_line_received
 from .discovery import Node, NodeSet
 from .dispatch import NO_CANDIDATE, Bounds
 from .engines import Engine
-from .events import ActivityThrottle, Workload
+from .events import ActivityThrottle, Workload, request_finished, request_started
 from .exchange import Exchange
 from .hopbyhop import end_to_end
 from .interfaces import IEmitter
@@ -104,10 +105,9 @@ class Facade:
 
 def report_rejection(facade: Facade, method: bytes, path: bytes, status: int, error: str) -> None:
     """``proxy/request`` for an answer given before a request reached routing (protocol 4)."""
-    facade.notify("proxy/request", {
-        "id": facade.next_request_id(), "method": method.decode("latin-1"),
-        "path": path.split(b"?", 1)[0].decode("latin-1"), "target": "", "status": status,
-        "duration_ms": 0, "error": error})
+    facade.notify("proxy/request", request_finished(
+        facade.next_request_id(), method.decode("latin-1"),
+        path.split(b"?", 1)[0].decode("latin-1"), "", status, 0.0, error=error))
 
 
 def answered_identity_probe(facade: Facade, request: Request) -> bool:
@@ -180,11 +180,7 @@ class FleetAnswer:
         """Spec 3.2: a bug costs this request only: logged with its traceback, answered 500."""
         log.failure("unexpected error handling {method} {path}", failure, method=self._method(),
                     path=self._path(), engine=self.facade.engine.id)
-        request = self.request
-        if not request.startedWriting and not request.finished and not request._disconnected:
-            send_error(request, 500, "internal error")
-        elif not request.finished and request.channel is not None:
-            request.channel.transport.abortConnection()
+        answer_internal_error(self.request)
         self.report(500, error="internal error")
 
     def _method(self) -> str:
@@ -205,23 +201,14 @@ class FleetAnswer:
         self.report(status, node=node)
 
     def report_started(self, node: Node | None) -> None:
-        params = {"id": self.id}
-        if node is not None:
-            params["node_id"] = node.id
-        params.update({"method": self._method(), "path": self._path(), "target": "cluster"})
-        self.facade.notify("proxy/request-started", params)
+        self.facade.notify("proxy/request-started", request_started(
+            self.id, self._method(), self._path(), "cluster", node.id if node else None))
 
     def report(self, status: int, error: str | None = None, node: Node | None = None) -> None:
-        params = {"id": self.id}
-        if node is not None:
-            params["node_id"] = node.id
-        params.update({"method": self._method(), "path": self._path(), "target": "cluster",
-                       "status": status,
-                       "duration_ms": int(round((self.facade.clock.seconds() - self.started)
-                                                * 1000))})
-        if error:
-            params["error"] = error
-        self.facade.notify("proxy/request", params)
+        self.facade.notify("proxy/request", request_finished(
+            self.id, self._method(), self._path(), "cluster", status,
+            self.facade.clock.seconds() - self.started, node_id=node.id if node else None,
+            error=error))
 
 
 def serve_preflight(facade: Facade, request: Request) -> None:

@@ -224,10 +224,10 @@ class Prober:
         d = fetch(self.agent, self.clock, node_url(node, path))
 
         def ok(reply):
-            if reply.status != 200:
-                raise InventoryError(f"model list answered HTTP {reply.status}")
-            return [model_id for model_id, _ in
-                    model_entries(reply.body, self.engine.model_list.envelope)]
+            pairs = listed_models(reply, self.engine.model_list.envelope)
+            if pairs is None:
+                raise InventoryError(f"no model list in an HTTP {reply.status} answer")
+            return [model_id for model_id, _ in pairs]
 
         def done(models):
             self._busy.discard(node.id)

@@ -39,6 +39,64 @@ def make_pool(reactor) -> HTTPConnectionPool:
     return pool
 
 
+@attrs.define(eq=False)
+class Runtime:
+    """What every facade of the process shares (spec 3.1): one pool and agent, one
+    reservation map, one run id, one random source, one activity throttle."""
+
+    reactor: object
+    emitter: object
+    bounds: Bounds
+    pool: HTTPConnectionPool
+    agent: Agent
+    reservations: ReservationMap = attrs.Factory(ReservationMap)
+    run_id: str = attrs.Factory(new_run_id)
+    rng: random.Random = attrs.Factory(random.Random)
+    activity: ActivityThrottle | None = None
+
+    @classmethod
+    def build(cls, options: Options, reactor, emitter) -> "Runtime":
+        set_level(options["log-level"])
+        pool = make_pool(reactor)
+        return cls(reactor=reactor, emitter=emitter,
+                   bounds=Bounds(response_timeout=options["response-timeout"]), pool=pool,
+                   agent=Agent(reactor, pool=pool, connectTimeout=constants.DIAL_TIMEOUT),
+                   activity=ActivityThrottle(emitter, reactor.seconds))
+
+    def facade(self, engine) -> Facade:
+        return Facade(engine=engine, clock=self.reactor, agent=self.agent, emitter=self.emitter,
+                      run_id=self.run_id, random=self.rng.random, bounds=self.bounds,
+                      reservations=self.reservations, activity=self.activity)
+
+    def prober(self, facade: Facade, should_probe) -> Prober:
+        return Prober(facade.engine, facade.nodes, self.agent, self.reactor, should_probe)
+
+    def close(self, listening) -> Deferred:
+        """Stop listening, give the facades their grace, close the pool last (protocol 1)."""
+        stopped = DeferredList([succeed(port.stopListening()) for port in listening])
+        stopped.addTimeout(constants.FACADE_SHUTDOWN_GRACE, self.reactor)
+        stopped.addBoth(lambda _: self.pool.closeCachedConnections())
+        return stopped
+
+
+class Supervised(Service):
+    """systemd's view of the process: READY once serving, a watchdog, STOPPING at the end."""
+
+    watchdog = None
+
+    def announce_ready(self) -> None:
+        from .sdnotify import notify, start_watchdog
+        exit_zero_after_signal(self.reactor)
+        notify("READY=1")
+        self.watchdog = start_watchdog(self.reactor)
+
+    def announce_stopping(self) -> None:
+        from .sdnotify import notify
+        notify("STOPPING=1")
+        if self.watchdog is not None and self.watchdog.running:
+            self.watchdog.stop()
+
+
 def local_fleet(options: Options) -> Fleet:
     """Without --nodes, this machine's engine is the fleet (design 3).
 
@@ -55,7 +113,7 @@ def local_fleet(options: Options) -> Fleet:
     return Fleet(nodes, frozenset(probed))
 
 
-class StandaloneService(Service):
+class StandaloneService(Supervised):
     """Facades from ``--engine``, fleet from ``--nodes``; events to the log."""
 
     def __init__(self, options: Options, reactor) -> None:
@@ -64,25 +122,14 @@ class StandaloneService(Service):
         self.ports = []
         self.probers: list[Prober] = []
         self.watcher: NodesFileWatcher | None = None
-        self.watchdog = None
         self.probed: frozenset = frozenset()
 
     def privilegedStartService(self) -> None:
         """Bind and load before the reactor runs, so a bad port or file stops start-up."""
         options, reactor = self.options, self.reactor
-        set_level(options["log-level"])
-        self.pool = make_pool(reactor)
-        agent = Agent(reactor, pool=self.pool, connectTimeout=constants.DIAL_TIMEOUT)
-        emitter = LogEmitter()
-        reservations = ReservationMap()
-        activity = ActivityThrottle(emitter, reactor.seconds)
-        run_id = new_run_id()
-        rng = random.Random()
-        bounds = Bounds(response_timeout=options["response-timeout"])
+        self.runtime = Runtime.build(options, reactor, LogEmitter())
         for engine_id, port in options["facades"]:
-            facade = Facade(engine=options.engines[engine_id], clock=reactor, agent=agent,
-                            emitter=emitter, run_id=run_id, random=rng.random, bounds=bounds,
-                            reservations=reservations, activity=activity)
+            facade = self.runtime.facade(options.engines[engine_id])
             try:
                 listening = listen_everywhere(reactor, port, DemuxFactory(facade_site(facade, reactor)))
             except CannotListenError as exc:
@@ -101,9 +148,8 @@ class StandaloneService(Service):
         else:
             self.apply(local_fleet(options))
         for engine_id, facade in self.facades.items():
-            self.probers.append(Prober(
-                facade.engine, facade.nodes, agent, reactor,
-                should_probe=lambda node, e=engine_id: (e, node.id) in self.probed))
+            self.probers.append(self.runtime.prober(
+                facade, lambda node, e=engine_id: (e, node.id) in self.probed))
 
     def apply(self, fleet: Fleet) -> None:
         self.probed = fleet.probed
@@ -118,32 +164,23 @@ class StandaloneService(Service):
             facade.nodes.replace_discovered(nodes)
 
     def startService(self) -> None:
-        from .sdnotify import notify, start_watchdog
         super().startService()
-        exit_zero_after_signal(self.reactor)
         if self.watcher is not None:
             self.watcher.start()
         for prober in self.probers:
             prober.start()
-        notify("READY=1")
-        self.watchdog = start_watchdog(self.reactor)
+        self.announce_ready()
 
     def stopService(self) -> Deferred:
-        from .sdnotify import notify
         super().stopService()
-        notify("STOPPING=1")
-        if self.watchdog is not None and self.watchdog.running:
-            self.watchdog.stop()
+        self.announce_stopping()
         if self.watcher is not None:
             self.watcher.stop()
         for prober in self.probers:
             prober.stop()
         for facade in self.facades.values():
             facade.shutdown()
-        stopped = DeferredList([succeed(port.stopListening()) for port in self.ports])
-        stopped.addTimeout(constants.FACADE_SHUTDOWN_GRACE, self.reactor)
-        stopped.addBoth(lambda _: self.pool.closeCachedConnections())
-        return stopped
+        return self.runtime.close(self.ports)
 
 
 def exit_zero_after_signal(reactor) -> None:
@@ -185,7 +222,7 @@ def connect_ipc(path: str):
     return sock
 
 
-class BrokerService(Service):
+class BrokerService(Supervised):
     """Broker mode: no facade until ``facade/enable``; the link is stdio or ``--ipc``."""
 
     def __init__(self, options: Options, reactor) -> None:
@@ -193,34 +230,17 @@ class BrokerService(Service):
         self.sock = None
         # Before twistd starts its log observer on stdout (makeService runs first).
         self.link_fd = None if options["ipc"] else claim_stdout()
-        self.watchdog = None
         self.stopping = False
 
     def privilegedStartService(self) -> None:
         from .broker import Broker
         from .rpc import RpcLink
         options, reactor = self.options, self.reactor
-        set_level(options["log-level"])
         if options["ipc"]:
             self.sock = connect_ipc(options["ipc"])
-        self.pool = make_pool(reactor)
-        agent = Agent(reactor, pool=self.pool, connectTimeout=constants.DIAL_TIMEOUT)
-        reservations = ReservationMap()
-        run_id = new_run_id()
-        rng = random.Random()
-        bounds = Bounds(response_timeout=options["response-timeout"])
         self.link = RpcLink(lambda method, params: self.broker.dispatch(method, params),
                             on_closed=self._link_closed)
-        activity = ActivityThrottle(self.link, reactor.seconds)
-
-        def make_facade(engine):
-            return Facade(engine=engine, clock=reactor, agent=agent, emitter=self.link,
-                          run_id=run_id, random=rng.random, bounds=bounds,
-                          reservations=reservations, activity=activity)
-
-        def make_prober(facade, should_probe):
-            return Prober(facade.engine, facade.nodes, agent, reactor, should_probe)
-
+        self.runtime = Runtime.build(options, reactor, self.link)
         self.directory = self.peer_agents = None
         if options["cluster-dir"]:
             from .trust import ClusterDirectory, PeerAgents
@@ -230,12 +250,13 @@ class BrokerService(Service):
                                           constants.POOL_IDLE_TIMEOUT)
         self.broker = Broker(
             directory=self.directory, peer_agents=self.peer_agents,
-            engines=options.engines, emitter=self.link, reservations=reservations,
-            state_dir=options["state-dir"], make_facade=make_facade,
+            engines=options.engines, emitter=self.link,
+            reservations=self.runtime.reservations, state_dir=options["state-dir"],
+            make_facade=self.runtime.facade,
             listen=lambda port, factory, interface: (
                 listen_everywhere(reactor, port, factory) if interface == "::"
                 else reactor.listenTCP(port, factory, interface=interface)),
-            make_prober=make_prober, on_shutdown=self._shutdown_requested,
+            make_prober=self.runtime.prober, on_shutdown=self._shutdown_requested,
             after_answer=self.link.after_answer.append)
 
     def startService(self) -> None:
@@ -243,8 +264,6 @@ class BrokerService(Service):
         import socket
         from twisted.internet.protocol import Factory
         from twisted.internet.stdio import StandardIO
-        from .sdnotify import notify, start_watchdog
-        exit_zero_after_signal(self.reactor)
         if self.sock is not None:
             factory = Factory.forProtocol(lambda: self.link.framer)
             self.reactor.adoptStreamConnection(self.sock.fileno(), socket.AF_UNIX, factory)
@@ -253,8 +272,7 @@ class BrokerService(Service):
             StandardIO(self.link.framer, stdin=0, stdout=self.link_fd, reactor=self.reactor)
         if self.directory is not None:
             self.directory.start(self.reactor)
-        notify("READY=1")
-        self.watchdog = start_watchdog(self.reactor)
+        self.announce_ready()
         log.info("nvpair-proxy broker link up ({channel})",
                  channel=self.options["ipc"] or "stdio")
 
@@ -267,17 +285,11 @@ class BrokerService(Service):
         self.reactor.callLater(0, self.reactor.stop)
 
     def stopService(self) -> Deferred:
-        from .sdnotify import notify
         super().stopService()
-        notify("STOPPING=1")
-        if self.watchdog is not None and self.watchdog.running:
-            self.watchdog.stop()
+        self.announce_stopping()
         if self.directory is not None:
             self.directory.stop()
-        closing = self.broker.stop_all()
-        stopped = DeferredList([succeed(port.stopListening()) for port in closing])
-        stopped.addTimeout(constants.FACADE_SHUTDOWN_GRACE, self.reactor)
-        stopped.addBoth(lambda _: self.pool.closeCachedConnections())
+        stopped = self.runtime.close(self.broker.stop_all())
         if self.peer_agents is not None:
             stopped.addBoth(lambda _: self.peer_agents.close())
         stopped.addBoth(self._close_link)

@@ -138,7 +138,8 @@ class BrokerProcessTests(SynchronousTestCase):
                                                  "result": None})
         self.assertEqual(link.proc.wait(timeout=30), 0)
 
-    def test_shutdown_cancels_in_flight_requests_and_exits_zero(self):
+    def _broker_with_a_request_in_flight(self) -> BrokerChannel:
+        """A proxy whose one request waits on a node that sent headers and nothing else."""
         import socket
         fleet = start_fleet(self, '[[node]]\nid = "slow"\ndialect = "ollama"\n'
                                   'models = ["llama3:latest"]\nhang_after_headers = true\n')
@@ -155,6 +156,10 @@ class BrokerProcessTests(SynchronousTestCase):
                        % (len(body), body))
         link.wait(lambda m: m.get("method") == "workload:submitted"
                   and m["params"]["workloadInfo"].get("scheduledOn") == "slow")
+        return link
+
+    def test_shutdown_cancels_in_flight_requests_and_exits_zero(self):
+        link = self._broker_with_a_request_in_flight()
         answer_id = link.send("shutdown")
         link.wait(lambda m: m.get("id") == answer_id)
         terminal = link.wait(lambda m: m.get("method") == "workload:errored")
@@ -167,22 +172,7 @@ class BrokerProcessTests(SynchronousTestCase):
 
     def test_sigterm_cancels_in_flight_requests_and_exits_zero(self):
         import signal
-        import socket
-        fleet = start_fleet(self, '[[node]]\nid = "slow"\ndialect = "ollama"\n'
-                                  'models = ["llama3:latest"]\nhang_after_headers = true\n')
-        link = BrokerChannel(self)
-        port = free_port()
-        self.assertIn("result", link.call("facade/enable", {"engine": "ollama", "port": port,
-                                                            "ignorePersistedPort": True}))
-        link.call("ollama:node/add-manual", {"id": "slow", "port": fleet["slow"],
-                                             "addresses": ["127.0.0.1"], "models": ["llama3"]})
-        body = json.dumps({"model": "llama3"}).encode()
-        client = socket.create_connection(("127.0.0.1", port), timeout=30)
-        self.addCleanup(client.close)
-        client.sendall(b"POST /api/chat HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s"
-                       % (len(body), body))
-        link.wait(lambda m: m.get("method") == "workload:submitted"
-                  and m["params"]["workloadInfo"].get("scheduledOn") == "slow")
+        link = self._broker_with_a_request_in_flight()
         link.proc.send_signal(signal.SIGTERM)
         terminal = link.wait(lambda m: m.get("method") == "workload:errored")
         self.assertEqual(terminal["params"]["workloadInfo"]["error"],
