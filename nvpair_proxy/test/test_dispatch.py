@@ -351,10 +351,7 @@ class CancellationTests(WorldTestCase):
         w.assert_quiet(self)
 
     def test_a_delivered_first_byte_wins_over_the_watcher(self):
-        w = self.world()
-        w.add("a")
-        client = w.chat()
-        upstream = w.agent.last.respond(200, NDJSON)
+        w, client, upstream = self.streaming()
         upstream.write(b"{")
         w.remove("a")
         w.clock.advance(0.5)
@@ -410,10 +407,7 @@ class CancellationTests(WorldTestCase):
 
 class CommittedTests(WorldTestCase):
     def test_truncated_stream_is_completed_and_the_client_sees_the_truncation(self):
-        w = self.world()
-        w.add("a")
-        client = w.chat()
-        upstream = w.agent.last.respond(200, NDJSON)
+        w, client, upstream = self.streaming()
         upstream.write(b'{"done":false}\n')
         upstream.break_off()
         response = client.response()
@@ -431,30 +425,21 @@ class CommittedTests(WorldTestCase):
         self.assertEqual(w.emitter.workload()[-1][1]["error"], "upstream returned HTTP 400")
 
     def test_client_closing_after_the_terminal_frame_is_completed(self):
-        w = self.world()
-        w.add("a")
-        client = w.chat()
-        upstream = w.agent.last.respond(200, NDJSON)
+        w, client, upstream = self.streaming()
         upstream.write(b'{"done":true,"eval_count":3}\n')
         client.disconnect()
         self.assertEqual(w.workload_events()[-1][:2], ("workload:completed", "completed"))
         self.assertTrue(upstream.transport.stopped)
 
     def test_client_vanishing_mid_stream_is_cancelled(self):
-        w = self.world()
-        w.add("a")
-        client = w.chat()
-        upstream = w.agent.last.respond(200, NDJSON)
+        w, client, upstream = self.streaming()
         upstream.write(b'{"message":{"content":"\\"done\\":true"},"done":false}\n')
         client.disconnect()
         self.assertEqual(w.workload_events()[-1][:2], ("workload:errored", "cancelled"))
         self.assertTrue(upstream.transport.stopped)
 
     def test_dead_client_write_deadline_cancels_after_30s_paused(self):
-        w = self.world()
-        w.add("a")
-        client = w.chat()
-        upstream = w.agent.last.respond(200, NDJSON)
+        w, client, upstream = self.streaming()
         upstream.write(b'{"done":false}\n')
         client.pause()
         self.assertTrue(upstream.transport.paused)
@@ -525,10 +510,7 @@ class ConnectionTests(WorldTestCase):
         w.agent.requests[2].respond(200, length=0, finish=True)
 
     def test_a_stalled_client_is_cancelled_even_when_the_terminal_frame_is_queued_for_it(self):
-        w = self.world()
-        w.add("a")
-        client = w.chat()
-        upstream = w.agent.last.respond(200, NDJSON)
+        w, client, upstream = self.streaming()
         upstream.write(b'{"done":false}\n')
         client.pause()
         upstream.write(b'{"done":true}\n')

@@ -174,3 +174,10 @@ class WorldTestCase(SynchronousTestCase):
         w = World(*args, **kwargs)
         self.addCleanup(w.assert_quiet, self)
         return w
+
+    def streaming(self):
+        """One node, one streaming chat whose NDJSON headers arrived and nothing else yet."""
+        w = self.world()
+        w.add("a")
+        client = w.chat()
+        return w, client, w.agent.last.respond(200, {"Content-Type": "application/x-ndjson"})
