@@ -11,7 +11,7 @@ import random
 import attrs
 
 from twisted.application.service import Service
-from twisted.internet.defer import Deferred, DeferredList, succeed
+from twisted.internet.defer import Deferred, DeferredList, maybeDeferred
 from twisted.internet.error import CannotListenError
 from twisted.web.client import Agent, HTTPConnectionPool
 
@@ -73,7 +73,8 @@ class Runtime:
 
     def close(self, listening) -> Deferred:
         """Stop listening, give the facades their grace, close the pool last (protocol 1)."""
-        stopped = DeferredList([succeed(port.stopListening()) for port in listening])
+        stopped = DeferredList([maybeDeferred(port.stopListening) for port in listening],
+                               consumeErrors=True)
         stopped.addTimeout(constants.FACADE_SHUTDOWN_GRACE, self.reactor)
         stopped.addBoth(lambda _: self.pool.closeCachedConnections())
         return stopped

@@ -39,3 +39,46 @@ class PoolTests(SynchronousTestCase):
         self.assertEqual(pool.cachedConnectionTimeout, constants.SERVER_IDLE_TIMEOUT)
         self.assertGreaterEqual(pool.maxPersistentPerHost, 16)
         self.assertFalse(pool.retryAutomatically)
+
+
+class CloseTests(SynchronousTestCase):
+    def _runtime(self, clock):
+        from nvpair_proxy.service import Runtime
+        options = parsed("--engine", "ollama")
+        runtime = Runtime.build(options, clock, None)
+        closed = []
+        self.patch(runtime.pool, "closeCachedConnections", lambda: closed.append(True))
+        return runtime, closed
+
+    def test_the_pool_closes_only_after_the_listeners_have_stopped(self):
+        from twisted.internet.defer import Deferred
+
+        class Port:
+            def __init__(self):
+                self.stopped = Deferred()
+
+            def stopListening(self):
+                return self.stopped
+
+        clock = MemoryReactorClock()
+        runtime, closed = self._runtime(clock)
+        port = Port()
+        runtime.close([port])
+        self.assertEqual(closed, [])
+        port.stopped.callback(None)
+        self.assertEqual(closed, [True])
+
+    def test_the_grace_bounds_the_wait_for_listeners(self):
+        from twisted.internet.defer import Deferred
+
+        class Stuck:
+            def stopListening(self):
+                return Deferred()
+
+        clock = MemoryReactorClock()
+        runtime, closed = self._runtime(clock)
+        runtime.close([Stuck()])
+        clock.advance(constants.FACADE_SHUTDOWN_GRACE - 0.1)
+        self.assertEqual(closed, [])
+        clock.advance(0.1)
+        self.assertEqual(closed, [True])
