@@ -636,7 +636,7 @@ class EnableTests(SynchronousTestCase):
 
     def test_success_for_each_engine(self) -> None:
         for engine, port, key in (("ollama", 11434, "ol"), ("lmstudio", 1234, "lm"),
-                                  ("llamacpp", 8080, "ll")):
+                                  ("llamacpp", 8080, "lc")):
             self.assertEqual(self.proxy.call("facade/enable", {"engine": engine, "port": port}, 1),
                              [ready(engine, port),
                               note(f"{engine}:discovery:subscribe", {"services": [key]}),
@@ -1094,12 +1094,12 @@ class DiscoveryTests(SynchronousTestCase):
     def test_llamacpp_reads_loaded_models_only(self) -> None:
         self.proxy.enable("llamacpp", port=8080)
         nodes = [
-            directory("loaded", services={"ll": {"port": 8080}},
+            directory("loaded", services={"lc": {"port": 8080}},
                       modelsByEngine={"llamacpp": ["a.gguf", "b.gguf"]}, models=["a.gguf"],
                       loadedByEngine={"llamacpp": ["b.gguf"], "ollama": ["c"]}),
-            directory("catalog-only", services={"ll": {"port": 8080}},
+            directory("catalog-only", services={"lc": {"port": 8080}},
                       modelsByEngine={"llamacpp": ["a.gguf"]}, models=["a.gguf"]),
-            directory("other-loaded", services={"ll": {"port": 8080}},
+            directory("other-loaded", services={"lc": {"port": 8080}},
                       loadedByEngine={"ollama": ["a.gguf"]}),
         ]
         self.assertEqual(self.proxy.snapshot(nodes, engine="llamacpp"), [
@@ -1109,6 +1109,22 @@ class DiscoveryTests(SynchronousTestCase):
         ])
         # The Ollama facade sees none of them: they do not offer its service.
         self.assertEqual(self.proxy.listed("ollama"), [])
+
+    def test_llamacpp_routes_by_the_cluster_key_lc_not_ll(self) -> None:
+        """protocol 7: the cluster's node record names llama.cpp ``lc``; ``ll`` is nobody's."""
+        proxy = Proxy(self, is_local=lambda address: True)
+        lines = proxy.call("facade/enable", {"engine": "llamacpp", "port": 8080})
+        self.assertIn(note("llamacpp:discovery:subscribe", {"services": ["lc"]}), lines)
+        proxy.result("llamacpp:node/set-local-backend",
+                     {"engine": "llamacpp", "host": "127.0.0.1", "port": 8081, "healthy": True})
+        loaded = {"llamacpp": ["m.gguf"]}
+        proxy.snapshot([directory("self", services={"lc": {"port": 8080}},
+                                  loadedByEngine=loaded)], engine="llamacpp")
+        self.assertEqual(proxy.owners("m.gguf", engine="llamacpp"), ["self"])
+        proxy.snapshot([directory("self", services={"ll": {"port": 8080}},
+                                  loadedByEngine=loaded)], engine="llamacpp")
+        self.assertEqual(proxy.owners("m.gguf", engine="llamacpp"), [])
+        self.assertEqual(proxy.listed("llamacpp"), [])
 
     def test_snapshot_replaces_discovered_wholesale_manual_survive(self) -> None:
         self.proxy.add("manual-1", address="10.0.0.9")

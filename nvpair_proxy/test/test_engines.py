@@ -187,7 +187,7 @@ class EngineListTests(SynchronousTestCase):
             (llamacpp.service_key, llamacpp.ports, llamacpp.persisted_port_file,
              llamacpp.host_variable, llamacpp.model_rule, llamacpp.inventory_source,
              llamacpp.model_list),
-            ("ll", Ports(own=8080, relocated=8081, standalone=8080, reserved=(8081,)),
+            ("lc", Ports(own=8080, relocated=8081, standalone=8080, reserved=(8081,)),
              "llamacpp-proxy-port.json", None, "exact", "loaded",
              ModelList(upstream_path="/models", envelope="openai")))
 
