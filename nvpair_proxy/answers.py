@@ -31,7 +31,7 @@ def error_body(text: str, code: str | None = None) -> bytes:
 
 
 def send_error(request: Request, status: int, text: str, *, code: str | None = None,
-               retry_after: bool = False, headers: Headers | None = None) -> None:
+               retry_after: int = 0, headers: Headers | None = None) -> None:
     """Answer ``{"error": text}`` and finish.
 
     A proxy error grants no CORS permission of its own (spec 5.8): ``headers`` carries only
@@ -45,7 +45,7 @@ def send_error(request: Request, status: int, text: str, *, code: str | None = N
     for name, value in JSON_HEADERS:
         request.responseHeaders.setRawHeaders(name, [value])
     if retry_after:
-        request.responseHeaders.setRawHeaders(b"Retry-After", [b"1"])
+        request.responseHeaders.setRawHeaders(b"Retry-After", [str(retry_after).encode()])
     request.responseHeaders.setRawHeaders(b"Content-Length", [str(len(body)).encode()])
     if request.method != b"HEAD":
         request.write(body)

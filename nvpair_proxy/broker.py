@@ -29,7 +29,6 @@ from .ports import read_port, write_port
 from .reservations import Rank
 from .rpc import (BIND_FAILED, INVALID_PARAMS, NO_FACADE, SERVER_ERROR, MethodNotFound,
                   NoAnswer, RpcError)
-from .selection import order, owners
 from .trust import ClusterDirectory, PeerAgents, tls_ingress
 
 log = logger()
@@ -178,10 +177,11 @@ class Broker:
         running = Running(facade=facade, port=port, listening=listening, factory=factory,
                           prober=None)
         running.prober = self.make_prober(facade, lambda node: node.id in running.probed)
-        facade.nodes.admit = lambda node: self._admit(running, node)
+        facade.router.nodes.admit = lambda node: self._admit(running, node)
         if self.peer_agents is not None:
-            facade.agent_for_node = lambda node: (
-                self.peer_agents.for_node(node) if node.scheme == "https" else facade.agent)
+            upstreams = facade.upstreams
+            upstreams.agent_for_node = lambda node: (
+                self.peer_agents.for_node(node) if node.scheme == "https" else upstreams.agent)
         self.running[engine_id] = running
         if aliases is not None:
             self._bind_aliases(running, *aliases)
@@ -290,8 +290,8 @@ class Broker:
             return
         projected = [project(engine, item, lambda addrs, port: self._is_self(running, addrs, port))
                      for item in raw]
-        previous = dict(facade.nodes.discovered)
-        change = facade.nodes.replace_discovered([n for n in projected if n is not None])
+        pin = facade.router.pin
+        change = facade.router.replace_discovered([n for n in projected if n is not None])
         for kind, nodes in (("node/discovered", change.discovered),
                             ("node/updated", change.updated), ("node/removed", change.removed)):
             for node in nodes:
@@ -307,8 +307,7 @@ class Broker:
                 running.unreachable.discard(node.id)
                 self.notify(engine.id, "errors:clear",
                             {"id": f"{engine.id}-proxy:upstream-unreachable:{node.id}"})
-        if facade.pin and facade.pin in previous and not facade.nodes.known(facade.pin):
-            facade.pin = ""
+        if pin != facade.router.pin:
             self.notify(engine.id, "node/selection-changed", {"id": ""})
 
     def _is_self(self, running: Running, addresses, port: int) -> bool:
@@ -337,17 +336,18 @@ class Broker:
         node_id = params.get("id", "")
         if not isinstance(node_id, str):
             raise RpcError(INVALID_PARAMS, "id must be a string")
-        if node_id and not running.facade.nodes.known(node_id):
-            raise RpcError(INVALID_PARAMS, f'node "{node_id}" not found')
-        running.facade.pin = node_id
+        try:
+            running.facade.router.set_pin(node_id)
+        except KeyError:
+            raise RpcError(INVALID_PARAMS, f'node "{node_id}" not found') from None
         self.notify(running.facade.engine.id, "node/selection-changed", {"id": node_id})
         return {"id": node_id}
 
     def selected(self, running: Running, params: dict) -> dict:
-        return {"id": running.facade.pin}
+        return {"id": running.facade.router.pin}
 
     def nodes_list(self, running: Running, params: dict) -> dict:
-        return {"nodes": [node.describe() for node in running.facade.nodes.all()]}
+        return {"nodes": [node.describe() for node in running.facade.router.nodes.all()]}
 
     def add_manual(self, running: Running, params: dict) -> dict:
         node_id, port = params.get("id"), params.get("port")
@@ -371,7 +371,7 @@ class Broker:
             running.probed.add(node_id)
         else:
             running.probed.discard(node_id)
-        added = facade.nodes.put_manual(node)
+        added = facade.router.put_manual(node)
         self.notify(facade.engine.id, "node/discovered" if added else "node/updated", node.describe())
         if models is None:
             running.prober.probe(node)
@@ -382,13 +382,13 @@ class Broker:
         if not isinstance(node_id, str) or not node_id:
             raise RpcError(INVALID_PARAMS, "id is required")
         facade = running.facade
-        node = facade.nodes.remove_manual(node_id)
+        pin = facade.router.pin
+        node = facade.router.remove_manual(node_id)
         running.probed.discard(node_id)
         if node is None:
             return {"removed": False}
         self.notify(facade.engine.id, "node/removed", node.describe())
-        if facade.pin == node_id:
-            facade.pin = ""
+        if pin != facade.router.pin:
             self.notify(facade.engine.id, "node/selection-changed", {"id": ""})
         return {"removed": True}
 
@@ -406,7 +406,7 @@ class Broker:
         if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535:
             raise RpcError(INVALID_PARAMS, "port must be between 0 and 65535")
         running.local_backend = (host.strip("[]"), port) if port and healthy is not False else None
-        running.facade.nodes._changed()
+        running.facade.router.nodes.changed()
         return {"ok": True}
 
     def model_owners(self, running: Running, params: dict) -> dict:
@@ -414,13 +414,7 @@ class Broker:
         if not isinstance(model, str) or not model.strip():
             raise RpcError(INVALID_PARAMS, "model is required")
         facade = running.facade
-        wanted = facade.engine.normalize_model(model)
-        ordered = order(owners(facade.nodes.routable(), wanted), facade.pin, facade.priority())
-        ids = [n.id for n in ordered]
-        if ids and not (facade.pin and ids[0] == facade.pin) and facade.reservations is not None:
-            chosen = facade.reservations.pick(ids)
-            ids.sort(key=lambda i: i != chosen)
-        return {"nodes": ids}
+        return {"nodes": facade.router.model_owners(facade.engine.normalize_model(model))}
 
     # Process end.
 

@@ -46,3 +46,8 @@ INVENTORY_PROBE_INTERVAL = 5.0
 
 # protocol 1: JSON-RPC line limit.
 MAX_RPC_LINE = 1024 * 1024
+
+# issue 8 (the existing proxy's overload protection): a node that answered 429/503 is held
+# this long per facade; one that spent a whole first-content budget silent goes last this long.
+BUSY_HOLD = 1.0
+STALL_COOLDOWN = 30.0

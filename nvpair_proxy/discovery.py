@@ -159,27 +159,27 @@ class NodeSet:
         new = {n.id: n for n in nodes}
         change = diff(self.discovered, new)
         self.discovered = new
-        self._changed()
+        self.changed()
         return change
 
     def put_manual(self, node: Node) -> bool:
         """Add or update a manual node; True when it was added."""
         added = node.id not in self.manual
         self.manual[node.id] = node
-        self._changed()
+        self.changed()
         return added
 
     def remove_manual(self, node_id: str) -> Node | None:
         node = self.manual.pop(node_id, None)
         if node is not None:
-            self._changed()
+            self.changed()
         return node
 
     def replace_manual(self, nodes: Iterable[Node]) -> Diff:
         new = {n.id: n for n in nodes}
         change = diff(self.manual, new)
         self.manual = new
-        self._changed()
+        self.changed()
         return change
 
     def set_models(self, node_id: str, engine: Engine, models: Iterable[str]) -> None:
@@ -191,12 +191,13 @@ class NodeSet:
                 table[node_id] = attrs.evolve(
                     node, advertised=advertised,
                     models=frozenset(engine.normalize_model(m) for m in advertised))
-                self._changed()
+                self.changed()
 
     def observe(self, callback: Callable[[], None]) -> None:
         self._observers.append(callback)
 
-    def _changed(self) -> None:
+    def changed(self) -> None:
+        """Tell observers the routable set may differ (a trust or backend change)."""
         for callback in list(self._observers):
             callback()
 

@@ -9,23 +9,26 @@ before each dispatch and neither ever cuts an attempt in flight.
 
 from __future__ import annotations
 
-from typing import Callable, Protocol, Sequence
+from typing import Callable, Protocol
 
 import attrs
 from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.internet.task import LoopingCall
 from twisted.python.failure import Failure
+from twisted.web.iweb import IAgent
 
 from . import constants
-from .attempt import NO_CONTENT, Attempt, Committed, Failed
+from .attempt import NO_CONTENT, STATUS, AddressMemory, Attempt, Committed, Failed
 from .discovery import Node
+from .interfaces import IRouter
 
 NO_OWNER = "no available node advertises the requested model"
 NO_CANDIDATE = "no active node selected or available"
 DEADLINE_PASSED = "the retry deadline passed while dispatch attempts were still failing"
 NO_OWNER_RETURNED = "no node advertising the requested model became available before the retry deadline"
 EVERY_ATTEMPT_FAILED = "every dispatch attempt failed"
+ALL_OWNERS_BUSY = "every node advertising the requested model is busy; retry shortly"
 NO_CONTENT_TEXT = "upstream error: upstream sent no response body within the first-byte budget"
 
 
@@ -41,13 +44,31 @@ class Bounds:
     watch_interval: float = constants.TARGET_WATCH_INTERVAL
 
 
+@attrs.define(eq=False)
+class Upstreams:
+    """How one facade reaches its nodes: the agent per node (pinned TLS for peers), the
+    address that last answered, the bounds of spec 5.1, time and chance."""
+
+    clock: IReactorTime
+    agent: IAgent
+    random: Callable[[], float]
+    bounds: Bounds = Bounds()
+    addresses: AddressMemory = attrs.Factory(AddressMemory)
+    agent_for_node: Callable[[Node], IAgent] | None = None
+
+    def agent_for(self, node: Node) -> IAgent:
+        if self.agent_for_node is not None:
+            return self.agent_for_node(node)
+        return self.agent
+
+
 @attrs.frozen
 class Answer:
     """An answer the proxy generates itself (protocol 5): nothing upstream is relayed."""
 
     status: int
     text: str
-    retry_after: bool = False
+    retry_after: int = 0
     code: str | None = None
 
 
@@ -56,10 +77,6 @@ class Gone:
     """The loop stopped because the requester left or we are shutting down."""
 
     reason: str
-
-
-class Reserve(Protocol):
-    def __call__(self, nodes: Sequence[Node]) -> tuple[list[Node], object | None]: ...
 
 
 class Observer(Protocol):
@@ -103,18 +120,16 @@ class Dispatch:
     because non-inference routes can change state (``POST /api/pull``) and must not repeat.
     """
 
-    def __init__(self, *, clock: IReactorTime, random: Callable[[], float],
-                 resolve: Callable[[], list[Node]], make_attempt: Callable[[Node, bool], Attempt],
-                 is_routable: Callable[[str], bool], inference: bool, created_at: float,
-                 no_candidate_text: str, bounds: Bounds = Bounds(),
-                 reserve: Reserve | None = None,
-                 pick: Callable[[list[Node]], list[Node]] | None = None,
+    def __init__(self, *, clock: IReactorTime, random: Callable[[], float], router: IRouter,
+                 model: str | None, make_attempt: Callable[[Node, bool], Attempt],
+                 inference: bool, created_at: float, no_candidate_text: str,
+                 bounds: Bounds = Bounds(), reserve: bool = False,
                  observer: Observer = SILENT):
-        self.clock, self.random, self.resolve, self.make_attempt = clock, random, resolve, make_attempt
-        self.is_routable, self.inference, self.bounds = is_routable, inference, bounds
+        self.clock, self.random, self.router, self.model = clock, random, router, model
+        self.make_attempt, self.inference, self.bounds = make_attempt, inference, bounds
         self.deadline = created_at + bounds.deadline
         self.no_candidate_text = no_candidate_text
-        self.reserve, self.pick, self.observer = reserve, pick, observer
+        self.reserve, self.observer = reserve and inference, observer
         self.dispatches = 0
         self.result: Deferred = Deferred()
         self.attempt: Attempt | None = None
@@ -152,7 +167,7 @@ class Dispatch:
     # The loop, in the spec's order.
 
     def _round(self) -> None:
-        candidates = self.resolve()
+        candidates = self.router.candidates(self.model)
         if not candidates:
             if self.dispatches == 0:
                 self._finish(Answer(502, self.no_candidate_text))
@@ -161,14 +176,14 @@ class Dispatch:
                 self._back_off()
             return
         self._owner_missing = False
-        if self.inference and self.reserve is not None:
-            candidates, self.reservation = self.reserve(candidates)
+        if self.reserve:
+            candidates, self.reservation = self.router.place(candidates)
         self._queue = list(candidates)
         self._failed_in_round = False
         self._dispatch_next()
 
     def _dispatch_next(self) -> None:
-        while self._queue and not self.is_routable(self._queue[0].id):
+        while self._queue and not self.router.is_routable(self._queue[0].id):
             self._queue.pop(0)
         if not self._queue:
             self._release()
@@ -176,22 +191,22 @@ class Dispatch:
             self._back_off()
             return
         if self.inference and self.dispatches >= self.bounds.max_attempts:
-            self._finish(Answer(503, EVERY_ATTEMPT_FAILED, retry_after=True))
+            self._finish(Answer(503, EVERY_ATTEMPT_FAILED, retry_after=1))
             return
         if self.inference and self.clock.seconds() >= self.deadline:
-            self._finish(Answer(503, DEADLINE_PASSED, retry_after=True))
+            self._finish(Answer(503, DEADLINE_PASSED, retry_after=1))
             return
-        if self.reservation is not None and self.pick is not None and self._failed_in_round:
-            self._queue = self.pick(self._queue)
+        if self.reservation is not None and self._failed_in_round:
+            self._queue = self.router.fail_over(self._queue)
         node = self._queue.pop(0)
-        self._queue = [n for n in self._queue if self.is_routable(n.id)]
+        self._queue = [n for n in self._queue if self.router.is_routable(n.id)]
         self._failed_in_round = True
         self.dispatches += 1
         if self.inference:
             final = self.dispatches == self.bounds.max_attempts
         else:
             # Asked when the answer comes: the other candidates may have left meanwhile.
-            final = lambda: not any(self.is_routable(n.id) for n in self._queue)
+            final = lambda: not any(self.router.is_routable(n.id) for n in self._queue)
         if self.reservation is not None:
             self.reservation.move(node.id)
         self.observer.dispatched(node)
@@ -206,12 +221,14 @@ class Dispatch:
 
     def _check_target(self, attempt: Attempt) -> None:
         """Spec 5.3: a target that left discovery cannot be trusted to serve; abandon it."""
-        if not self.is_routable(attempt.node.id):
+        if not self.router.is_routable(attempt.node.id):
             attempt.cancel("target left discovery")
 
     def _attempt_ended(self, outcome: Committed | Failed, final: bool) -> None:
         self._stop_watch()
         self.attempt = None
+        if self.inference:
+            self._tell_router(outcome)
         if self._done:
             return
         if isinstance(outcome, Committed):
@@ -221,14 +238,26 @@ class Dispatch:
         elif not self.inference:
             self._dispatch_next()
         elif self.clock.seconds() >= self.deadline:
-            self._finish(Answer(503, DEADLINE_PASSED, retry_after=True))
+            self._finish(Answer(503, DEADLINE_PASSED, retry_after=1))
         else:
             self._dispatch_next()
+
+    def _tell_router(self, outcome: Committed | Failed) -> None:
+        """What the node's answer says about it: busy (429/503), stalled, or serving."""
+        node_id = outcome.node.id
+        if isinstance(outcome, Committed):
+            self.router.answered(node_id, outcome.response.code)
+            if 200 <= outcome.response.code < 300:
+                self.router.first_byte(node_id)
+        elif outcome.kind == STATUS:
+            self.router.answered(node_id, outcome.status)
+        elif outcome.kind == NO_CONTENT:
+            self.router.stalled(node_id)
 
     def _back_off(self) -> None:
         """Wait before the next round; also paces the wait for an owner (protocol 7)."""
         if not self.inference:
-            self._finish(Answer(503, EVERY_ATTEMPT_FAILED, retry_after=True))
+            self._finish(Answer(503, EVERY_ATTEMPT_FAILED, retry_after=1))
             return
         remaining = self.deadline - self.clock.seconds()
         if remaining <= 0:
@@ -248,7 +277,7 @@ class Dispatch:
 
     def _finish_deadline(self) -> None:
         text = NO_OWNER_RETURNED if self._owner_missing else DEADLINE_PASSED
-        self._finish(Answer(503, text, retry_after=True))
+        self._finish(Answer(503, text, retry_after=1))
 
     def _finish(self, result: Committed | Answer | Gone) -> None:
         self._done = True

@@ -7,6 +7,7 @@ client gone, shutdown, an unexpected exception, the backstop) can all call it sa
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 from typing import Callable
@@ -167,3 +168,42 @@ class ActivityThrottle:
             return
         self._last[node_id] = now
         self.emitter.notify("node/activity", {"hostUuid": node_id, "msSince": 0})
+
+
+@attrs.define(eq=False)
+class Reporter:
+    """One facade's voice on the link: request and workload ids, and the events of protocol 4.
+
+    The request path holds this rather than the facade, so what a request can say is exactly
+    what it reports, addressed to its engine.
+    """
+
+    engine: str
+    emitter: IEmitter
+    clock: Callable[[], float]
+    run_id: str
+    activity: ActivityThrottle
+    _request_ids: itertools.count = attrs.Factory(lambda: itertools.count(1))
+    _workload_ids: itertools.count = attrs.Factory(lambda: itertools.count(1))
+
+    def next_request_id(self) -> str:
+        return str(next(self._request_ids))
+
+    def new_workload(self, model: str, created_at: float) -> Workload:
+        return Workload(emitter=self.emitter, clock=self.clock, run_id=self.run_id,
+                        engine=self.engine, id=str(next(self._workload_ids)), model=model,
+                        created_at=created_at)
+
+    def notify(self, method: str, params: dict) -> None:
+        self.emitter.notify(method, params, engine=self.engine)
+
+    def request_started(self, *args, **kwargs) -> None:
+        """``proxy/request-started``, with :func:`request_started`'s arguments."""
+        self.notify("proxy/request-started", request_started(*args, **kwargs))
+
+    def request_finished(self, *args, **kwargs) -> None:
+        """``proxy/request``, with :func:`request_finished`'s arguments."""
+        self.notify("proxy/request", request_finished(*args, **kwargs))
+
+    def activity_on(self, node_id: str) -> None:
+        self.activity.touch(node_id)

@@ -9,8 +9,6 @@ it is the one place the outcome is decided, reported and the reservation release
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING
-
 from twisted.internet.interfaces import IDelayedCall, IPushProducer
 from twisted.python.failure import Failure
 from twisted.web.server import Request
@@ -20,16 +18,16 @@ from . import constants
 from .answers import answer_internal_error, send_error
 from .attempt import Attempt, Committed, clean_end
 from .discovery import Node, host_port
-from .dispatch import NO_CANDIDATE, NO_OWNER, Answer, Dispatch, Gone, retryable_status
-from .events import (BACKSTOP, CANCELLED, CLIENT_GONE, COMPLETED, FAILED, SHUTDOWN, Workload,
-                     request_finished, request_started)
+from .dispatch import (ALL_OWNERS_BUSY, NO_CANDIDATE, NO_OWNER, Answer, Dispatch, Gone,
+                       Upstreams, retryable_status)
+from .engines import Engine
+from .events import (BACKSTOP, CANCELLED, CLIENT_GONE, COMPLETED, FAILED, SHUTDOWN, Reporter,
+                     Workload)
 from .hopbyhop import end_to_end
+from .interfaces import IRouter
 from .logs import logger
-from .selection import order, owners
+from .router import retry_after
 from .stats import BodyObserver
-
-if TYPE_CHECKING:
-    from .facade import Facade
 
 log = logger()
 
@@ -84,14 +82,16 @@ class ClientWatch:
 class Exchange:
     """A client request's whole life in one facade."""
 
-    def __init__(self, facade: "Facade", request: Request) -> None:
-        self.facade, self.request = facade, request
-        self.clock = facade.clock
+    def __init__(self, request: Request, *, engine: Engine, router: IRouter, reporter: Reporter,
+                 upstreams: Upstreams, in_flight: set) -> None:
+        self.request, self.engine, self.router = request, engine, router
+        self.reporter, self.upstreams, self.in_flight = reporter, upstreams, in_flight
+        self.clock = upstreams.clock
         self.admitted_at = self.clock.seconds()
-        self.id = facade.next_request_id()
+        self.id = reporter.next_request_id()
         self.method = request.method.decode("latin-1")
         self.path = request.path.decode("latin-1")
-        self.route = facade.engine.classify(request.method, request.path)
+        self.route = engine.classify(request.method, request.path)
         self.inference = self.route is not None and self.route.is_inference
         self.workload: Workload | None = None
         self.dispatch: Dispatch | None = None
@@ -106,75 +106,51 @@ class Exchange:
 
     # Admission.
 
-    def resolver(self, body: bytes):
-        """Who may serve this request, re-read at every resolution (spec 5 steps 1-2); the
-        answer when nobody may; and the model that makes it a workload, if any."""
-        model = requested_model(body) if self.inference else None
-        if model is not None:
-            wanted = self.facade.engine.normalize_model(model)
-            return (lambda: self._order(owners(self.facade.nodes.routable(), wanted)),
-                    NO_OWNER, model)
-        return lambda: self._order(self.facade.nodes.routable()), NO_CANDIDATE, None
-
     def start(self) -> None:
         body = self.request.content.read()
-        candidates, no_candidate, model = self.resolver(body)
-        if not candidates():
+        model = requested_model(body) if self.inference else None
+        wanted = None if model is None else self.engine.normalize_model(model)
+        no_candidate = NO_CANDIDATE if model is None else NO_OWNER
+        if not self.router.candidates(wanted):
             self._answer(Answer(502, no_candidate))
             return
+        held = None if wanted is None else self.router.busy_for(wanted)
+        if held is not None:
+            # Issue 8: engines that just said they are full get no new work for a moment.
+            self._answer(Answer(503, ALL_OWNERS_BUSY, retry_after=retry_after(held)))
+            return
         if model is not None:
-            self.workload = self.facade.new_workload(model, self.admitted_at)
+            self.workload = self.reporter.new_workload(model, self.admitted_at)
             self.workload.admitted()
         log.debug("request {id} admitted: {method} {path} model={model} job={job}", id=self.id,
                   method=self.method, path=self.path, model=model,
-                  job=self.workload.id if self.workload else None, engine=self.facade.engine.id)
-        self.facade.in_flight.add(self)
+                  job=self.workload.id if self.workload else None, engine=self.engine.id)
+        self.in_flight.add(self)
         self.request.notifyFinish().addCallbacks(self._request_finished, self._client_gone)
         headers = end_to_end(self.request.requestHeaders, drop=(b"host", b"content-length"))
+        upstreams = self.upstreams
 
         def make_attempt(node: Node, final) -> Attempt:
             self.target = host_port(node.addresses[0] if node.addresses else "", node.port)
-            return Attempt(agent=self.facade.agent_for(node), clock=self.clock,
-                           addresses=self.facade.addresses, node=node, method=self.request.method,
+            return Attempt(agent=upstreams.agent_for(node), clock=self.clock,
+                           addresses=upstreams.addresses, node=node, method=self.request.method,
                            path=self.request.uri, headers=headers, body=body,
-                           response_timeout=self.facade.bounds.response_timeout,
+                           response_timeout=upstreams.bounds.response_timeout,
                            inference=self.inference, final=final,
                            retryable=retryable_status(self.inference))
 
         self.dispatch = Dispatch(
-            clock=self.clock, random=self.facade.random, resolve=candidates,
-            make_attempt=make_attempt, is_routable=self.is_routable,
-            inference=self.inference, created_at=self.admitted_at, no_candidate_text=no_candidate,
-            bounds=self.facade.bounds, reserve=self._reserve if self.workload else None,
-            pick=self._pick, observer=self)
+            clock=self.clock, random=upstreams.random, router=self.router, model=wanted,
+            make_attempt=make_attempt, inference=self.inference, created_at=self.admitted_at,
+            no_candidate_text=no_candidate, bounds=upstreams.bounds,
+            reserve=self.workload is not None, observer=self)
         self.dispatch.run().addCallback(self._dispatched).addErrback(self.crashed)
-
-    def is_routable(self, node_id: str) -> bool:
-        """Design 11: still in the facade's routable set, whatever made it leave."""
-        return node_id in self.facade.nodes
-
-    def _order(self, nodes: list[Node]) -> list[Node]:
-        return order(nodes, self.facade.pin, self.facade.priority())
-
-    def _reserve(self, nodes):
-        """Spec 5 step 3; an eligible pin takes no reservation and keeps its place."""
-        reservations = self.facade.reservations
-        if reservations is None or (self.facade.pin and nodes[0].id == self.facade.pin):
-            return list(nodes), None
-        by_id = {n.id: n for n in nodes}
-        ids, reservation = reservations.reorder([n.id for n in nodes])
-        return [by_id[i] for i in ids], reservation
-
-    def _pick(self, remaining: list[Node]) -> list[Node]:
-        """Failover goes to the least loaded remaining owner, not the list's head (README)."""
-        chosen = self.facade.reservations.pick([n.id for n in remaining])
-        return sorted(remaining, key=lambda n: n.id != chosen)
 
     # Dispatch observer (workload events, spec 5.5).
 
     def dispatched(self, node: Node) -> None:
         log.debug("request {id} dispatch {n} to node {node}", id=self.id,
-                  n=self.dispatch.dispatches, node=node.id, engine=self.facade.engine.id)
+                  n=self.dispatch.dispatches, node=node.id, engine=self.engine.id)
         if self.workload is not None:
             self.workload.dispatched(node.id)
 
@@ -201,13 +177,12 @@ class Exchange:
         self.committed = committed
         response, node = committed.response, committed.node
         log.debug("request {id} committed to node {node} with HTTP {status}", id=self.id,
-                  node=node.id, status=response.code, engine=self.facade.engine.id)
+                  node=node.id, status=response.code, engine=self.engine.id)
         self.node_id = node.id
         self.target = host_port(committed.address, node.port)
         if self.workload is not None:
             self.workload.started(node.id)
-        self.facade.notify("proxy/request-started", request_started(
-            self.id, self.method, self.path, self.target, node.id))
+        self.reporter.request_started(self.id, self.method, self.path, self.target, node.id)
         request = self.request
         request.setResponseCode(response.code, response.phrase)
         request.defaultContentType = None
@@ -240,7 +215,7 @@ class Exchange:
             self.first_byte_at = self.clock.seconds()
         if self.observer is not None:
             self.observer.feed(data)
-        self.facade.activity.touch(self.node_id)
+        self.reporter.activity_on(self.node_id)
         self.bytes_written += len(data)
         self.request.write(data)
 
@@ -268,7 +243,7 @@ class Exchange:
             except Exception:
                 # Stats are additive; a body the reader cannot measure still completes.
                 log.failure("could not measure the response of request {id}", id=self.id,
-                            engine=self.facade.engine.id)
+                            engine=self.engine.id)
         if 200 <= code < 300:
             self._end(COMPLETED, None, status=code, stats=stats)
         else:
@@ -278,7 +253,7 @@ class Exchange:
         """The backstop: a response that ended without reporting still reports, once."""
         if not self.ended:
             log.error("request {id} finished without an outcome", id=self.id,
-                      engine=self.facade.engine.id)
+                      engine=self.engine.id)
             self._end(FAILED, BACKSTOP, status=500)
 
     # The client side going away.
@@ -329,7 +304,7 @@ class Exchange:
     def crashed(self, failure: Failure) -> None:
         """Spec 3.2: a bug costs this request only: logged with its traceback, answered 500."""
         log.failure("unexpected error handling {method} {path}", failure, method=self.method,
-                    path=self.path, engine=self.facade.engine.id)
+                    path=self.path, engine=self.engine.id)
         if self.dispatch is not None:
             self.dispatch.stop(BACKSTOP)
         if self.committed is not None:
@@ -349,13 +324,13 @@ class Exchange:
         if self.dispatch is not None and self.dispatch.reservation is not None:
             self.dispatch.reservation.release()
             self.dispatch.reservation = None
-        self.facade.in_flight.discard(self)
+        self.in_flight.discard(self)
         log.debug("request {id} ended {state} ({error})", id=self.id, state=state,
-                  error=error or "ok", engine=self.facade.engine.id)
+                  error=error or "ok", engine=self.engine.id)
         if self.workload is not None:
             self.workload.terminal(state, error, stats)
         ttfb = None if self.first_byte_at is None else self.first_byte_at - self.admitted_at
-        self.facade.notify("proxy/request", request_finished(
+        self.reporter.request_finished(
             self.id, self.method, self.path, self.target,
             status if status is not None else 499, self.clock.seconds() - self.admitted_at,
-            node_id=self.node_id, ttfb=ttfb, error=error))
+            node_id=self.node_id, ttfb=ttfb, error=error)

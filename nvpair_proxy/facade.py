@@ -1,13 +1,12 @@
-"""One HTTP facade per engine: its state, its Resource, and the request class that bounds bodies.
+"""One HTTP facade per engine: its parts, its Resource, and the request class that bounds bodies.
 
 The facade speaks its engine's own dialect to clients and hands each request to an Exchange.
-Its state (node set, pin, counters) is per engine; the reservation map, the agent pool and
-the emitter are shared across facades because one process hosts them all (spec 3.1).
+Its router and reporter are per engine; the reservation map, the agent pool and the emitter
+are shared across facades because one process hosts them all (spec 3.1).
 """
 
 from __future__ import annotations
 
-import itertools
 from typing import Callable
 
 import attrs
@@ -23,12 +22,11 @@ from . import constants, cors
 from .answers import (BODY_TOO_LARGE, INVENTORY_UNAVAILABLE, NO_PREFLIGHT_ANSWER,
                       ORIGIN_DENIED, answer_internal_error, raw_error, send_error,
                       send_whole)
-from .attempt import AddressMemory
 from .deadline import request_line_received
-from .discovery import Node, NodeSet
-from .dispatch import NO_CANDIDATE, Bounds
+from .discovery import Node
+from .dispatch import NO_CANDIDATE, Bounds, Upstreams
 from .engines import Engine
-from .events import ActivityThrottle, Workload, request_finished, request_started
+from .events import ActivityThrottle, Reporter
 from .exchange import Exchange
 from .hopbyhop import end_to_end
 from .interfaces import IEmitter
@@ -36,7 +34,7 @@ from .inventory import (MODEL_LIST_STRIPPED, Reply, ask_fleet, fetch, listed_mod
                         merged_list, node_url)
 from .logs import logger
 from .reservations import ReservationMap
-from .selection import order
+from .router import Router
 
 log = logger()
 
@@ -45,54 +43,32 @@ IDENTITY_PROBE = b"x-nvpair-engine-identity-probe"
 
 @attrs.define(eq=False)
 class Facade:
-    """Everything one engine's facade routes with."""
+    """One engine's facade: its routing, its voice on the link, how it reaches nodes, and the
+    requests in flight. The router, reporter and upstreams are the seams the request path
+    receives; nothing outside changes routing except through the router (issue 9)."""
 
     engine: Engine
-    clock: IReactorTime
-    agent: IAgent
-    emitter: IEmitter
-    run_id: str
-    random: Callable[[], float]
-    bounds: Bounds = Bounds()
-    reservations: ReservationMap | None = None
-    activity: ActivityThrottle | None = None
-    nodes: NodeSet = attrs.Factory(NodeSet)
-    addresses: AddressMemory = attrs.Factory(AddressMemory)
-    pin: str = ""
-    agent_for_node: Callable[[Node], IAgent] | None = None
+    router: Router
+    reporter: Reporter
+    upstreams: Upstreams
     in_flight: set = attrs.Factory(set)
-    _request_ids: itertools.count = attrs.Factory(lambda: itertools.count(1))
-    _workload_ids: itertools.count = attrs.Factory(lambda: itertools.count(1))
 
-    def __attrs_post_init__(self) -> None:
-        if self.activity is None:
-            self.activity = ActivityThrottle(self.emitter, self.clock.seconds)
+    @property
+    def clock(self) -> IReactorTime:
+        return self.upstreams.clock
 
-    def next_request_id(self) -> str:
-        return str(next(self._request_ids))
-
-    def new_workload(self, model: str, created_at: float) -> Workload:
-        return Workload(emitter=self.emitter, clock=self.clock.seconds, run_id=self.run_id,
-                        engine=self.engine.id, id=str(next(self._workload_ids)), model=model,
-                        created_at=created_at)
-
-    def priority(self) -> tuple[str, ...]:
-        return self.reservations.priority if self.reservations is not None else ()
-
-    def agent_for(self, node: Node) -> IAgent:
-        if self.agent_for_node is not None:
-            return self.agent_for_node(node)
-        return self.agent
-
-    def notify(self, method: str, params: dict) -> None:
-        self.emitter.notify(method, params, engine=self.engine.id)
+    def exchange(self, request: Request) -> Exchange:
+        return Exchange(request, engine=self.engine, router=self.router, reporter=self.reporter,
+                        upstreams=self.upstreams, in_flight=self.in_flight)
 
     def ask_fleet(self, nodes: list[Node], method: bytes, path: bytes, headers: Headers, *,
                   timeout: float, limit: int, width: int | None = None) -> Deferred:
         """Ask every node once, without a body, at the address that last answered."""
+        upstreams = self.upstreams
+
         def ask(node: Node, time_left: float) -> Deferred:
-            url = node_url(node, path.decode("latin-1"), self.addresses.order(node)[0])
-            return fetch(self.agent_for(node), self.clock, url, headers, timeout=time_left,
+            url = node_url(node, path.decode("latin-1"), upstreams.addresses.order(node)[0])
+            return fetch(upstreams.agent_for(node), self.clock, url, headers, timeout=time_left,
                          limit=limit, method=method)
 
         return ask_fleet(nodes, ask, self.clock, timeout=timeout, width=width)
@@ -103,11 +79,26 @@ class Facade:
             exchange.shutdown()
 
 
+def make_facade(engine: Engine, *, clock: IReactorTime, agent: IAgent, emitter: IEmitter,
+                run_id: str, random: Callable[[], float], bounds: Bounds = Bounds(),
+                reservations: ReservationMap | None = None,
+                activity: ActivityThrottle | None = None) -> Facade:
+    """A facade from the parts every facade of a process shares (spec 3.1)."""
+    if activity is None:
+        activity = ActivityThrottle(emitter, clock.seconds)
+    return Facade(engine=engine,
+                  router=Router(engine=engine, clock=clock, reservations=reservations),
+                  reporter=Reporter(engine=engine.id, emitter=emitter, clock=clock.seconds,
+                                    run_id=run_id, activity=activity),
+                  upstreams=Upstreams(clock=clock, agent=agent, random=random, bounds=bounds))
+
+
 def report_rejection(facade: Facade, method: bytes, path: bytes, status: int, error: str) -> None:
     """``proxy/request`` for an answer given before a request reached routing (protocol 4)."""
-    facade.notify("proxy/request", request_finished(
-        facade.next_request_id(), method.decode("latin-1"),
-        path.split(b"?", 1)[0].decode("latin-1"), "", status, 0.0, error=error))
+    reporter = facade.reporter
+    reporter.request_finished(reporter.next_request_id(), method.decode("latin-1"),
+                              path.split(b"?", 1)[0].decode("latin-1"), "", status, 0.0,
+                              error=error)
 
 
 def answered_identity_probe(facade: Facade, request: Request) -> bool:
@@ -140,7 +131,7 @@ class FacadeResource(Resource):
         if route is not None and route.is_models:
             serve_model_list(self.facade, request, route)
             return NOT_DONE_YET
-        exchange = Exchange(self.facade, request)
+        exchange = self.facade.exchange(request)
         try:
             exchange.start()
         except Exception:
@@ -155,7 +146,7 @@ class FleetAnswer:
     def __init__(self, facade: Facade, request: Request) -> None:
         self.facade, self.request = facade, request
         self.started = facade.clock.seconds()
-        self.id = facade.next_request_id()
+        self.id = facade.reporter.next_request_id()
         self.asking: Deferred | None = None
         self.finished = False
         request.notifyFinish().addErrback(self._client_gone)
@@ -201,14 +192,14 @@ class FleetAnswer:
         self.report(status, node=node)
 
     def report_started(self, node: Node | None) -> None:
-        self.facade.notify("proxy/request-started", request_started(
-            self.id, self._method(), self._path(), "cluster", node.id if node else None))
+        self.facade.reporter.request_started(self.id, self._method(), self._path(), "cluster",
+                                             node.id if node else None)
 
     def report(self, status: int, error: str | None = None, node: Node | None = None) -> None:
-        self.facade.notify("proxy/request", request_finished(
+        self.facade.reporter.request_finished(
             self.id, self._method(), self._path(), "cluster", status,
             self.facade.clock.seconds() - self.started, node_id=node.id if node else None,
-            error=error))
+            error=error)
 
 
 def serve_preflight(facade: Facade, request: Request) -> None:
@@ -218,7 +209,7 @@ def serve_preflight(facade: Facade, request: Request) -> None:
     denial is shown when several refuse. The caller's credentials never reach the fleet.
     """
     fleet = FleetAnswer(facade, request)
-    nodes = order(facade.nodes.routable(), facade.pin, facade.priority())
+    nodes = facade.router.candidates(None)
     if not nodes:
         fleet.error(502, NO_CANDIDATE)
         return
@@ -280,7 +271,7 @@ def serve_model_list(facade: Facade, request: Request, route) -> None:
                 headers.setRawHeaders(b"Vary", [vary])
         fleet.whole(200, headers, merged_list(inventories, route.envelope))
 
-    fleet.ask(facade.nodes.routable(), b"GET", path, headers, answer,
+    fleet.ask(facade.router.routable(), b"GET", path, headers, answer,
               timeout=constants.MODEL_LIST_TIMEOUT, limit=constants.MODEL_LIST_MAX_BODY)
 
 

@@ -9,31 +9,67 @@ from __future__ import annotations
 
 from typing import Callable
 
+import attrs
 from twisted.python.failure import Failure
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Request
+from zope.interface import implementer
 
 from .answers import send_error
 from .discovery import Node
 from .dispatch import Answer
 from .exchange import Exchange
 from .facade import Facade, answered_identity_probe, report_rejection
+from .interfaces import IRouter
 from .trust import ClusterDirectory, der_of
 
 CLUSTER_AUTH = "client certificate is not a pinned member of this node's cluster"
 
 
-class IngressExchange(Exchange):
-    def __init__(self, facade: Facade, request: Request, backend: Node) -> None:
-        super().__init__(facade, request)
-        self.inference = False
-        self.backend = backend
+@implementer(IRouter)
+@attrs.frozen
+class LocalBackendRoute:
+    """The ingress's routing: this node's engine, nothing to choose and nothing to learn."""
+
+    backend: Node
+    pin = ""
+
+    def candidates(self, model: str | None) -> list[Node]:
+        return [self.backend]
 
     def is_routable(self, node_id: str) -> bool:
         return True
 
-    def resolver(self, body: bytes):
-        return (lambda: [self.backend]), "no local backend", None
+    def busy_for(self, model: str) -> float | None:
+        return None
+
+    def place(self, nodes: list[Node]) -> tuple[list[Node], None]:
+        return list(nodes), None
+
+    def fail_over(self, remaining: list[Node]) -> list[Node]:
+        return list(remaining)
+
+    def answered(self, node_id: str, status: int) -> None:
+        pass
+
+    def first_byte(self, node_id: str) -> None:
+        pass
+
+    def stalled(self, node_id: str) -> None:
+        pass
+
+    def set_pin(self, node_id: str) -> None:
+        raise KeyError(node_id)
+
+
+class IngressExchange(Exchange):
+    """A forward to the local backend: one pass, no workload, backend errors coded."""
+
+    def __init__(self, facade: Facade, request: Request, backend: Node) -> None:
+        super().__init__(request, engine=facade.engine, router=LocalBackendRoute(backend),
+                         reporter=facade.reporter, upstreams=facade.upstreams,
+                         in_flight=facade.in_flight)
+        self.inference = False
 
     def _answer(self, answer: Answer) -> None:
         if answer.status == 502:

@@ -6,9 +6,42 @@ link in broker mode, the log in standalone mode, and a recorder in tests.
 
 from __future__ import annotations
 
-from zope.interface import Interface
+from zope.interface import Attribute, Interface
 
 
 class IEmitter(Interface):
     def notify(method: str, params: dict, engine: str | None = None) -> None:
         """Send one notification; ``engine`` addresses a facade-scoped one (spec 4)."""
+
+
+class IRouter(Interface):
+    """One facade's routing state: the only way routing changes (issue 9)."""
+
+    pin = Attribute("The node/select pin, or \"\".")
+
+    def candidates(model: str | None) -> list:
+        """Owners of a normalized model (None: every routable node) in round order."""
+
+    def is_routable(node_id: str) -> bool:
+        """Whether the node is in the routable set now."""
+
+    def busy_for(model: str) -> float | None:
+        """Seconds of hold left when every owner of the model is busy-held, else None."""
+
+    def place(nodes: list) -> tuple:
+        """Reserve the chosen candidate and move it first: (nodes, reservation or None)."""
+
+    def fail_over(remaining: list) -> list:
+        """The remaining candidates with the next one to try first."""
+
+    def answered(node_id: str, status: int) -> None:
+        """An attempt got a status from the node."""
+
+    def first_byte(node_id: str) -> None:
+        """The node produced its first body byte for an attempt."""
+
+    def stalled(node_id: str) -> None:
+        """The node used up a whole first-content budget without a byte."""
+
+    def set_pin(node_id: str) -> None:
+        """Pin a known node ("" clears); KeyError for an unknown one."""

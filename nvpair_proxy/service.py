@@ -19,7 +19,7 @@ from . import constants
 from .discovery import make_node
 from .dispatch import Bounds
 from .events import ActivityThrottle, LogEmitter, new_run_id
-from .facade import Facade, facade_site
+from .facade import Facade, facade_site, make_facade
 from .inventory import Prober
 from .listener import DemuxFactory, listen_everywhere
 from .logs import logger, set_level
@@ -64,12 +64,12 @@ class Runtime:
                    activity=ActivityThrottle(emitter, reactor.seconds))
 
     def facade(self, engine) -> Facade:
-        return Facade(engine=engine, clock=self.reactor, agent=self.agent, emitter=self.emitter,
-                      run_id=self.run_id, random=self.rng.random, bounds=self.bounds,
-                      reservations=self.reservations, activity=self.activity)
+        return make_facade(engine, clock=self.reactor, agent=self.agent, emitter=self.emitter,
+                           run_id=self.run_id, random=self.rng.random, bounds=self.bounds,
+                           reservations=self.reservations, activity=self.activity)
 
     def prober(self, facade: Facade, should_probe) -> Prober:
-        return Prober(facade.engine, facade.nodes, self.agent, self.reactor, should_probe)
+        return Prober(facade.engine, facade.router.nodes, self.agent, self.reactor, should_probe)
 
     def close(self, listening) -> Deferred:
         """Stop listening, give the facades their grace, close the pool last (protocol 1)."""
@@ -86,8 +86,14 @@ class Supervised(Service):
     watchdog = None
 
     def announce_ready(self) -> None:
+        """READY=1 once the reactor runs: twistd starts services before ``reactor.run``, and
+        a SIGTERM that arrived between READY and the reactor's own signal handlers would
+        kill the process by signal."""
+        self.reactor.callWhenRunning(self._ready)
+
+    def _ready(self) -> None:
         from .sdnotify import notify, start_watchdog
-        exit_zero_after_signal(self.reactor)
+        stop_on_signals(self.reactor)
         notify("READY=1")
         self.watchdog = start_watchdog(self.reactor)
 
@@ -155,14 +161,14 @@ class StandaloneService(Supervised):
     def apply(self, fleet: Fleet) -> None:
         self.probed = fleet.probed
         for engine_id, facade in self.facades.items():
-            known = {n.id: n for n in facade.nodes.routable()}
+            known = {n.id: n for n in facade.router.routable()}
             nodes = []
             for node in fleet.nodes.get(engine_id, ()):
                 old = known.get(node.id)
                 if (engine_id, node.id) in fleet.probed and old is not None:
                     node = attrs.evolve(node, models=old.models, advertised=old.advertised)
                 nodes.append(node)
-            facade.nodes.replace_discovered(nodes)
+            facade.router.replace_discovered(nodes)
 
     def startService(self) -> None:
         super().startService()
@@ -184,16 +190,21 @@ class StandaloneService(Supervised):
         return self.runtime.close(self.ports)
 
 
-def exit_zero_after_signal(reactor) -> None:
+def stop_on_signals(reactor) -> None:
     """SIGTERM and SIGINT are orderly stops here (protocol 1: exit 0).
 
-    twistd re-raises the signal that stopped the reactor once shutdown has finished, so the
-    process would die by signal (status 143) after a clean shutdown; forget it instead.
+    The reactor's own handlers remember the signal, and twistd re-raises it once shutdown
+    has finished, so the process would die by signal (status 143) after a clean shutdown.
+    Ours, installed once the reactor's are (it is running), only stop the reactor.
     """
-    def forget() -> None:
-        if getattr(reactor, "_exitSignal", None) is not None:
-            reactor._exitSignal = None
-    reactor.addSystemEventTrigger("after", "shutdown", forget)
+    import signal
+
+    def stop(number: int, frame) -> None:
+        log.info("received {signal}, shutting down", signal=signal.Signals(number).name)
+        reactor.callFromThread(reactor.stop)
+
+    for number in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(number, stop)
 
 
 def claim_stdout() -> int:

@@ -20,7 +20,7 @@ from twisted.trial.unittest import SynchronousTestCase
 from nvpair_proxy import __version__, constants, logs
 from nvpair_proxy.broker import Broker
 from nvpair_proxy.engines import load_engines
-from nvpair_proxy.facade import Facade
+from nvpair_proxy.facade import make_facade
 from nvpair_proxy.inventory import Prober
 from nvpair_proxy.reservations import ReservationMap
 from nvpair_proxy.rpc import RpcLink
@@ -158,7 +158,7 @@ def identity(listening: Listening) -> str | None:
         return None
     engine = response.json()["error"].rpartition(" ")[2]
     # The probe is itself a finished request: reported on the link, and taken off it here.
-    link = listening.factory.site.resource.facade.emitter.framer.transport
+    link = listening.factory.site.resource.facade.reporter.emitter.framer.transport
     report = json.loads(link.value())
     assert report["method"] == f"{engine}:proxy/request", report
     assert report["params"]["status"] == 409, report
@@ -195,12 +195,12 @@ class Proxy:
         test.addCleanup(self.broker.stop_all)
 
     def make_facade(self, engine):
-        return Facade(engine=engine, clock=self.reactor, agent=self.agent, emitter=self.link,
+        return make_facade(engine, clock=self.reactor, agent=self.agent, emitter=self.link,
                       run_id="0123456789abcdef", random=lambda: 0.5,
                       reservations=self.reservations)
 
     def make_prober(self, facade, should_probe):
-        return Prober(facade.engine, facade.nodes, self.agent, self.reactor, should_probe)
+        return Prober(facade.engine, facade.router.nodes, self.agent, self.reactor, should_probe)
 
     # Talking to it.
 

@@ -285,7 +285,7 @@ class IntersectionTests(WorldTestCase):
     def test_the_first_denial_in_candidate_order_is_the_one_shown(self):
         w = self.world()
         w.add("a"), w.add("b", addresses=("10.0.0.2",))
-        w.facade.pin = "b"
+        w.facade.router.set_pin("b")
         client = w.send("OPTIONS", "/api/chat", headers=PREFLIGHT)
         b, a = w.agent.requests
         self.assertEqual(b.uri, b"http://10.0.0.2:11434/api/chat")
@@ -508,7 +508,7 @@ class FanOutTransportTests(WorldTestCase):
         w = self.world()
         w.add("a"), w.add("b", addresses=("10.0.0.2",))
         peer = FakeAgent()
-        w.facade.agent_for_node = lambda node: peer if node.id == "b" else w.agent
+        w.facade.upstreams.agent_for_node = lambda node: peer if node.id == "b" else w.agent
         preflight = w.send("OPTIONS", "/api/chat", headers=PREFLIGHT)
         listing = w.send("GET", "/api/tags")
         self.assertEqual(w.agent.hosts(), ["10.0.0.1:11434", "10.0.0.1:11434"])

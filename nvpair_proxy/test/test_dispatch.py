@@ -80,7 +80,7 @@ class FailoverTests(WorldTestCase):
 
     def test_backoff_schedule_is_by_dispatches_and_repeats_its_last_step(self):
         w = self.world()
-        w.facade.bounds = w.facade.bounds.__class__(max_attempts=7)
+        w.facade.upstreams.bounds = w.facade.upstreams.bounds.__class__(max_attempts=7)
         w.add("a")
         w.chat()
         times = []
@@ -96,7 +96,7 @@ class FailoverTests(WorldTestCase):
     def test_jitter_stays_within_a_quarter(self):
         for draw, expected in ((0.0, 0.75), (0.999999, 1.25)):
             w = self.world()
-            w.facade.random = lambda draw=draw: draw
+            w.facade.upstreams.random = lambda draw=draw: draw
             w.add("a")
             w.chat()
             w.agent.last.respond(500, length=0, finish=True)
@@ -122,7 +122,7 @@ class FailoverTests(WorldTestCase):
 
     def test_final_attempt_without_content_answers_504_and_never_hangs(self):
         w = self.world(response_timeout=60)
-        w.facade.bounds = w.facade.bounds.__class__(max_attempts=1, response_timeout=60)
+        w.facade.upstreams.bounds = w.facade.upstreams.bounds.__class__(max_attempts=1, response_timeout=60)
         w.add("a")
         client = w.chat()
         upstream = w.agent.last.respond(200, NDJSON)
@@ -294,7 +294,7 @@ class BoundsTests(WorldTestCase):
         w.remove("a")
         w.clock.advance(1)
         w.clock.advance(1)
-        w.facade.nodes.put_manual(node)
+        w.facade.router.nodes.put_manual(node)
         w.clock.advance(1)
         self.assertEqual(len(w.agent.requests), 2)
         for index in range(1, 5):
@@ -393,11 +393,11 @@ class CancellationTests(WorldTestCase):
     def test_exception_is_contained_to_its_request_and_answered_500(self):
         w = self.world()
         w.add("a")
-        w.facade.agent_for_node = lambda node: 1 / 0
+        w.facade.upstreams.agent_for_node = lambda node: 1 / 0
         client = w.chat()
         self.assertEqual(client.response().status, 500)
         self.assertEqual(len(self.flushLoggedErrors(ZeroDivisionError)), 1)
-        w.facade.agent_for_node = None
+        w.facade.upstreams.agent_for_node = None
         other = w.chat()
         w.agent.last.respond(200, body=b"fine", finish=True)
         self.assertEqual(other.response().body, b"fine")

@@ -151,8 +151,8 @@ class PrivacyTests(SynchronousTestCase):
         self.addCleanup(logs.set_level, "info")
         from nvpair_proxy.events import LogEmitter
         w = World()
-        w.facade.emitter = LogEmitter()
-        w.facade.activity.emitter = w.facade.emitter
+        w.facade.reporter.emitter = LogEmitter()
+        w.facade.reporter.activity.emitter = w.facade.reporter.emitter
         w.add("a"), w.add("b", addresses=("10.0.0.2",))
         w.send("POST", "/api/chat", {"model": "llama3", "messages": [
             {"role": "user", "content": marker}]}, headers={"Authorization": f"Bearer {marker}"})
@@ -178,7 +178,7 @@ class PlacementTests(SynchronousTestCase):
         w.agent.last.respond(503, length=0, finish=True)
         w.remove("a")
         w.clock.pump([1] * 5)
-        w.facade.nodes.put_manual(node)
+        w.facade.router.nodes.put_manual(node)
         w.clock.advance(1)
         w.agent.last.respond(200, length=0, finish=True)
         self.assertEqual(w.workload_events(), BACKED_OFF_ONCE_THEN_SERVED_BY_A)

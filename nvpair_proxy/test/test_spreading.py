@@ -97,7 +97,7 @@ class SpreadTests(SynchronousTestCase):
     def test_an_eligible_pin_takes_no_reservation(self):
         w = World()
         three_nodes(w)
-        w.facade.pin = "c"
+        w.facade.router.set_pin("c")
         w.chat()
         self.assertEqual(w.agent.hosts(), ["10.0.0.3:11434"])
         self.assertEqual(dict(w.reservations.reservations), {})
@@ -107,7 +107,7 @@ class SpreadTests(SynchronousTestCase):
         w = World()
         w.add("a", models=("mistral:latest",))
         w.add("b", addresses=("10.0.0.2",))
-        w.facade.pin = "a"
+        w.facade.router.set_pin("a")
         w.chat()
         self.assertEqual(w.agent.hosts(), ["10.0.0.2:11434"])
         w.agent.last.respond(503, length=0, finish=True)

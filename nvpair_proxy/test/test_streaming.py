@@ -22,7 +22,7 @@ from nvpair_proxy.discovery import make_node
 from nvpair_proxy.dispatch import Bounds
 from nvpair_proxy.engines import load_engines
 from nvpair_proxy.events import RecordingEmitter
-from nvpair_proxy.facade import Facade, facade_site
+from nvpair_proxy.facade import make_facade, facade_site
 from nvpair_proxy.listener import DemuxFactory
 from nvpair_proxy.requestbody import BytesProducer
 from nvpair_proxy.reservations import ReservationMap
@@ -50,11 +50,11 @@ class EndToEndTests(TestCase):
     def _proxy(self, engine_id: str, nodes):
         engine = ENGINES[engine_id]
         self.emitter = RecordingEmitter()
-        facade = Facade(engine=engine, clock=reactor, agent=Agent(reactor, pool=self._pool()),
+        facade = make_facade(engine, clock=reactor, agent=Agent(reactor, pool=self._pool()),
                         emitter=self.emitter, run_id="0" * 16, random=random.random,
                         bounds=Bounds(), reservations=ReservationMap())
         for sim in nodes:
-            facade.nodes.put_manual(make_node(engine, id=sim.node_id, port=sim.port,
+            facade.router.nodes.put_manual(make_node(engine, id=sim.node_id, port=sim.port,
                                               addresses=["127.0.0.1"], models=sim.models))
         port = reactor.listenTCP(0, DemuxFactory(facade_site(facade, reactor)), interface="127.0.0.1")
         self.addCleanup(port.stopListening)

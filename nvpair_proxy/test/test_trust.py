@@ -19,7 +19,7 @@ from nvpair_proxy.discovery import make_node
 from nvpair_proxy.dispatch import Bounds
 from nvpair_proxy.engines import load_engines
 from nvpair_proxy.events import RecordingEmitter
-from nvpair_proxy.facade import BoundedRequest, Facade, facade_site
+from nvpair_proxy.facade import BoundedRequest, make_facade, facade_site
 from nvpair_proxy.ingress import IngressResource
 from nvpair_proxy.listener import DemuxFactory
 from nvpair_proxy.requestbody import BytesProducer
@@ -128,7 +128,7 @@ class PinnedTLSTests(TestCase):
         self.backend = ("127.0.0.1", engine_port.getHost().port)
         self.emitter = RecordingEmitter()
         self.b = self.directory(self.b_dir)
-        facade = Facade(engine=OLLAMA, clock=reactor, agent=Agent(reactor, pool=self.pool()),
+        facade = make_facade(OLLAMA, clock=reactor, agent=Agent(reactor, pool=self.pool()),
                         emitter=self.emitter, run_id="0" * 16, random=random.random,
                         bounds=Bounds(), reservations=ReservationMap())
         ingress = Site(IngressResource(facade, self.b, lambda: self.backend), reactor=reactor)
@@ -249,13 +249,13 @@ class PinnedTLSTests(TestCase):
         peers = PeerAgents(reactor, self.directory(self.a_dir), 10, 90)
         self.addCleanup(peers.close)
         emitter = RecordingEmitter()
-        a = Facade(engine=OLLAMA, clock=reactor, agent=Agent(reactor, pool=self.pool()),
+        a = make_facade(OLLAMA, clock=reactor, agent=Agent(reactor, pool=self.pool()),
                    emitter=emitter, run_id="1" * 16, random=random.random, bounds=Bounds(),
-                   reservations=ReservationMap(),
-                   agent_for_node=lambda node: peers.for_node(node))
+                   reservations=ReservationMap())
+        a.upstreams.agent_for_node = peers.for_node
         b_port = int(self.url.split(b":")[2].split(b"/")[0])
-        a.nodes.admit = lambda node: _attrs.evolve(node, scheme="https")
-        a.nodes.replace_discovered([make_node(OLLAMA, id="node-b", port=b_port,
+        a.router.nodes.admit = lambda node: _attrs.evolve(node, scheme="https")
+        a.router.replace_discovered([make_node(OLLAMA, id="node-b", port=b_port,
                                               addresses=["127.0.0.1"], models=["llama3"],
                                               source="discovered", cluster_uuid="node-b")])
         port = reactor.listenTCP(0, DemuxFactory(facade_site(a, reactor)), interface="127.0.0.1")
@@ -296,7 +296,7 @@ class PeerRoutingTests(SynchronousTestCase):
         self.directory.refresh()
         self.assertEqual(self.owners(), ["node-b"])
         facade = self.proxy.broker.running["ollama"].facade
-        self.assertEqual(facade.nodes.routable()[0].scheme, "https")
+        self.assertEqual(facade.router.nodes.routable()[0].scheme, "https")
         os.unlink(path)
         self.directory.refresh()
         self.assertEqual(self.owners(), [])

@@ -16,7 +16,7 @@ from nvpair_proxy.discovery import make_node
 from nvpair_proxy.dispatch import Bounds
 from nvpair_proxy.engines import load_engines
 from nvpair_proxy.events import RecordingEmitter
-from nvpair_proxy.facade import Facade, facade_site
+from nvpair_proxy.facade import make_facade, facade_site
 from nvpair_proxy.listener import DemuxFactory
 from nvpair_proxy.reservations import ReservationMap
 from nvpair_proxy.testing import FakeAgent, loopback
@@ -114,7 +114,7 @@ class World:
         self.agent = agent or FakeAgent()
         self.emitter = emitter or RecordingEmitter()
         self.reservations = reservations if reservations is not None else ReservationMap()
-        self.facade = Facade(engine=self.engine, clock=self.clock, agent=self.agent,
+        self.facade = make_facade(self.engine, clock=self.clock, agent=self.agent,
                              emitter=self.emitter, run_id="0123456789abcdef",
                              random=lambda: 0.5, bounds=Bounds(response_timeout=response_timeout),
                              reservations=self.reservations)
@@ -126,14 +126,14 @@ class World:
         node = make_node(self.engine, id=node_id, port=port, addresses=list(addresses),
                          models=models, source="manual" if manual else "discovered")
         if manual:
-            self.facade.nodes.put_manual(node)
+            self.facade.router.nodes.put_manual(node)
         else:
-            self.facade.nodes.replace_discovered(
-                list(self.facade.nodes.discovered.values()) + [node])
+            self.facade.router.nodes.replace_discovered(
+                list(self.facade.router.nodes.discovered.values()) + [node])
         return node
 
     def remove(self, node_id: str) -> None:
-        self.facade.nodes.remove_manual(node_id)
+        self.facade.router.nodes.remove_manual(node_id)
 
     def connect(self, peer=None) -> Client:
         """A client connection through the listener, with nothing sent yet."""

@@ -1,0 +1,214 @@
+"""One facade's routing: who may serve a request, in which order, and who is left alone.
+
+Everything a routing decision reads lives here: the node set, the ``node/select`` pin, the
+scheduler's priority and the process-wide reservations (spec 5 steps 1-3, 6), and the two
+overload protections the existing proxy gained after production incidents (issue 8):
+
+- **Busy hold.** A node that answered 429 or 503 is held for a second: a new request whose
+  owners are all held is answered 503 at once instead of being queued into engines that just
+  said they are full (about 100 requests a second into a full Ollama queue built thousands of
+  queued jobs and five times the engine load). An admitted request keeps its whole budget;
+  held nodes only go last in its order.
+- **Stall cooldown.** A node that used up a whole first-content budget without a byte goes to
+  the back of the order for 30 s, so the next request does not pay that budget again. It is
+  never excluded: a sole owner still serves.
+
+Both are timestamps compared with the clock, not timers: nothing is left running when a
+facade is idle. The broker and standalone mode change routing only through this class.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable, Sequence
+
+import attrs
+from twisted.internet.interfaces import IReactorTime
+from zope.interface import implementer
+
+from . import constants
+from .discovery import Diff, Node, NodeSet
+from .engines import Engine
+from .interfaces import IRouter
+from .reservations import Reservation, ReservationMap
+from .selection import order, owners
+
+# issue 8: the statuses that mean "this engine's queue is full".
+BUSY_STATUSES = frozenset({429, 503})
+
+
+@implementer(IRouter)
+@attrs.define(eq=False)
+class Router:
+    engine: Engine
+    clock: IReactorTime
+    reservations: ReservationMap | None = None
+    nodes: NodeSet = attrs.Factory(NodeSet)
+    busy_hold: float = constants.BUSY_HOLD
+    stall_cooldown: float = constants.STALL_COOLDOWN
+    _pin: str = ""
+    _held: dict[str, float] = attrs.Factory(dict)
+    _cooling: dict[str, float] = attrs.Factory(dict)
+
+    # The node set.
+
+    def routable(self) -> list[Node]:
+        return self.nodes.routable()
+
+    def is_routable(self, node_id: str) -> bool:
+        """Design 11: in the routable set now, whatever made a node leave."""
+        return node_id in self.nodes
+
+    def replace_discovered(self, nodes: Iterable[Node]) -> Diff:
+        """A discovery snapshot; a pin on a discovered node that vanished is cleared (P3)."""
+        previous = set(self.nodes.discovered)
+        change = self.nodes.replace_discovered(nodes)
+        if self._pin in previous and not self.nodes.known(self._pin):
+            self._pin = ""
+        return change
+
+    def put_manual(self, node: Node) -> bool:
+        return self.nodes.put_manual(node)
+
+    def remove_manual(self, node_id: str) -> Node | None:
+        """Remove a manual node; a pin on it goes with it (protocol 3)."""
+        node = self.nodes.remove_manual(node_id)
+        if node is not None and self._pin == node_id:
+            self._pin = ""
+        return node
+
+    def set_models(self, node_id: str, models: Iterable[str]) -> None:
+        self.nodes.set_models(node_id, self.engine, models)
+
+    # The pin.
+
+    @property
+    def pin(self) -> str:
+        return self._pin
+
+    def set_pin(self, node_id: str) -> None:
+        """``node/select``: "" clears; an unknown id is refused by the caller."""
+        if node_id and not self.nodes.known(node_id):
+            raise KeyError(node_id)
+        self._pin = node_id
+
+    # Ordering (spec 5 steps 1-2).
+
+    def priority(self) -> tuple[str, ...]:
+        return self.reservations.priority if self.reservations is not None else ()
+
+    def candidates(self, model: str | None) -> list[Node]:
+        """The owners of ``model`` (normalized; None: every routable node) in the order a
+        round tries them: pin, priority, id, then cooling nodes, then held ones last."""
+        nodes = self.routable()
+        if model is not None:
+            nodes = owners(nodes, model)
+        ordered = order(nodes, self._pin, self.priority())
+        now = self.clock.seconds()
+        return sorted(ordered, key=lambda n: (self._is_held(n.id, now),
+                                               self._is_cooling(n.id, now)))
+
+    def busy_for(self, model: str) -> float | None:
+        """Seconds until the longest hold ends when every owner of ``model`` is held, else
+        None: one free owner turns the gate off (issue 8)."""
+        now = self.clock.seconds()
+        remaining = []
+        for node in owners(self.routable(), model):
+            until = self._held.get(node.id, now)
+            if until <= now:
+                return None
+            remaining.append(until - now)
+        return max(remaining) if remaining else None
+
+    def model_owners(self, model: str) -> list[str]:
+        """``node/model-owners``: exactly the candidates a request would try, in order."""
+        nodes = self.candidates(model)
+        if nodes and not self._pinned_first(nodes) and self.reservations is not None:
+            chosen = self.reservations.pick(self._preferred_ids(nodes))
+            nodes.sort(key=lambda n: n.id != chosen)
+        return [n.id for n in nodes]
+
+    # Placement (spec 5 step 3, 6).
+
+    def place(self, nodes: Sequence[Node]) -> tuple[list[Node], Reservation | None]:
+        """Reserve the least loaded candidate and move it to the front.
+
+        An eligible pin first takes no reservation. The chooser skips held and cooling nodes
+        unless all candidates are (issue 8).
+        """
+        nodes = list(nodes)
+        if self.reservations is None or not nodes or self._pinned_first(nodes):
+            return nodes, None
+        reservation = self.reservations.choose(self._preferred_ids(nodes))
+        if reservation is None:
+            return nodes, None
+        return sorted(nodes, key=lambda n: n.id != reservation.node_id), reservation
+
+    def fail_over(self, remaining: Sequence[Node]) -> list[Node]:
+        """Failover goes to the least loaded remaining owner, not the list's head (README)."""
+        if self.reservations is None or not remaining:
+            return list(remaining)
+        chosen = self.reservations.pick(self._preferred_ids(remaining))
+        return sorted(remaining, key=lambda n: n.id != chosen)
+
+    # What attempts tell the router.
+
+    def answered(self, node_id: str, status: int) -> None:
+        """A busy answer holds the node (each renews the hold); a 2xx commit clears it."""
+        if status in BUSY_STATUSES:
+            self._held[node_id] = self.clock.seconds() + self.busy_hold
+        elif 200 <= status < 300:
+            self._held.pop(node_id, None)
+
+    def first_byte(self, node_id: str) -> None:
+        """The node produced content: it is neither stalled nor busy."""
+        self._cooling.pop(node_id, None)
+        self._held.pop(node_id, None)
+
+    def stalled(self, node_id: str) -> None:
+        """The node used up a whole first-content budget without a byte."""
+        self._cooling[node_id] = self.clock.seconds() + self.stall_cooldown
+
+    def held(self) -> dict[str, float]:
+        """Held nodes and the seconds left on each hold (for status and metrics)."""
+        return self._remaining(self._held)
+
+    def cooling(self) -> dict[str, float]:
+        """Cooling nodes and the seconds left on each cooldown."""
+        return self._remaining(self._cooling)
+
+    # Internals.
+
+    def _pinned_first(self, nodes: Sequence[Node]) -> bool:
+        return bool(self._pin) and nodes[0].id == self._pin
+
+    def _preferred_ids(self, nodes: Sequence[Node]) -> list[str]:
+        now = self.clock.seconds()
+        free = [n.id for n in nodes
+                if not self._is_held(n.id, now) and not self._is_cooling(n.id, now)]
+        return free or [n.id for n in nodes]
+
+    def _is_held(self, node_id: str, now: float) -> bool:
+        return self._expires(self._held, node_id, now)
+
+    def _is_cooling(self, node_id: str, now: float) -> bool:
+        return self._expires(self._cooling, node_id, now)
+
+    @staticmethod
+    def _expires(table: dict[str, float], node_id: str, now: float) -> bool:
+        until = table.get(node_id)
+        if until is None:
+            return False
+        if until <= now:
+            del table[node_id]
+            return False
+        return True
+
+    def _remaining(self, table: dict[str, float]) -> dict[str, float]:
+        now = self.clock.seconds()
+        return {node_id: until - now for node_id, until in sorted(table.items()) if until > now}
+
+
+def retry_after(seconds: float) -> int:
+    """Whole seconds, rounded up, at least 1 (issue 8)."""
+    return max(1, math.ceil(seconds))
