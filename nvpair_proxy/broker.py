@@ -362,11 +362,15 @@ class Broker:
         if models is not None and (not isinstance(models, list)
                                    or not all(isinstance(m, str) for m in models)):
             raise RpcError(INVALID_PARAMS, "models must be a list of strings")
-        txt = params.get("txt") if isinstance(params.get("txt"), dict) else {}
+        txt = params.get("txt")
+        if txt is not None and (not isinstance(txt, list)
+                                or not all(isinstance(t, str) for t in txt)):
+            raise RpcError(INVALID_PARAMS, 'txt must be a list of "key=value" strings')
         host = params.get("host") if isinstance(params.get("host"), str) else node_id
         facade = running.facade
         node = make_node(facade.engine, id=node_id, name=host or node_id, port=port,
-                         addresses=addresses, models=models, source="manual", txt=txt)
+                         addresses=addresses, models=models, source="manual",
+                         txt=None if txt is None else tuple(txt))
         if models is None:
             running.probed.add(node_id)
         else:

@@ -64,7 +64,7 @@ def manual_node(node_id: str, address: str = "10.0.0.1", port: int = 11434,
                 models=("llama3:latest",), host: str | None = None, txt=None) -> dict:
     """The Node shape of nodes/list and the diffs for a manual node."""
     node = {"id": node_id, "host": host or node_id, "port": port, "addresses": [address],
-            "txt": txt or {}, "ip": address}
+            "txt": txt, "ip": address}
     if models is not None:
         node["models"] = list(models)
     return node
@@ -85,7 +85,7 @@ def seen(uuid: str, ip: str = "192.168.1.10", port: int = 11434, name: str | Non
     """The Node a projected DirectoryNode shows as."""
     addresses = list(addresses or [ip])
     return {"id": uuid, "host": name or f"host-{uuid}", "port": port, "addresses": addresses,
-            "txt": {}, "models": list(models), "ip": addresses[0]}
+            "txt": None, "models": list(models), "ip": addresses[0]}
 
 
 # The listen seam.
@@ -1411,15 +1411,15 @@ class NodeMethodTests(SynchronousTestCase):
         self.assertEqual(self.proxy.call("ollama:nodes/list", None, 1), [ok(1, {"nodes": []})])
         self.proxy.result("ollama:node/add-manual", {
             "id": "m", "host": "box", "port": 11434, "addresses": ["10.0.0.9", "fd00::9"],
-            "txt": {"k": "v"}, "models": ["llama3", "mistral:7b"]})
+            "txt": ["k=v"], "models": ["llama3", "mistral:7b"]})
         self.proxy.result("ollama:node/add-manual", {
             "id": "p", "port": 11434, "addresses": ["10.0.0.8"]})
         self.proxy.snapshot([directory("d", ip="192.168.1.4")])
         self.assertEqual(self.proxy.call("ollama:nodes/list", None, 2), [ok(2, {"nodes": [
             seen("d", ip="192.168.1.4"),
             {"id": "m", "host": "box", "port": 11434, "addresses": ["10.0.0.9", "fd00::9"],
-             "txt": {"k": "v"}, "models": ["llama3", "mistral:7b"], "ip": "10.0.0.9"},
-            {"id": "p", "host": "p", "port": 11434, "addresses": ["10.0.0.8"], "txt": {},
+             "txt": ["k=v"], "models": ["llama3", "mistral:7b"], "ip": "10.0.0.9"},
+            {"id": "p", "host": "p", "port": 11434, "addresses": ["10.0.0.8"], "txt": None,
              "ip": "10.0.0.8"},
         ]})])
 
@@ -1436,6 +1436,34 @@ class NodeMethodTests(SynchronousTestCase):
         self.assertEqual(self.proxy.listed(), [node])
         self.assertEqual(self.proxy.owners("mistral"), ["m"])
         self.assertEqual(self.proxy.owners("llama3"), [])
+
+    def test_add_manual_txt_is_kept_as_the_list_given(self) -> None:
+        params = {"id": "m", "port": 11434, "addresses": ["10.0.0.9"], "models": ["llama3"],
+                  "txt": ["role=gpu", "a=1", "role=gpu"]}
+        node = manual_node("m", address="10.0.0.9", models=["llama3"],
+                           txt=["role=gpu", "a=1", "role=gpu"])
+        self.assertEqual(self.proxy.call("ollama:node/add-manual", params, 1),
+                         [note("ollama:node/discovered", node), ok(1, {"added": True})])
+        self.assertEqual(self.proxy.listed(), [node])
+        # Absent, null and an empty list: none given is null, an empty list stays a list.
+        for txt, shown in ((None, None), ([], [])):
+            params = {"id": "m", "port": 11434, "addresses": ["10.0.0.9"], "models": ["llama3"]}
+            if txt is not None:
+                params["txt"] = txt
+            self.proxy.result("ollama:node/add-manual", params)
+            self.assertEqual(self.proxy.listed()[0]["txt"], shown, txt)
+        self.proxy.result("ollama:node/add-manual", {"id": "m", "port": 11434, "txt": None,
+                                                     "addresses": ["10.0.0.9"]})
+        self.assertIsNone(self.proxy.listed()[0]["txt"])
+
+    def test_add_manual_txt_that_is_not_a_list_of_strings_is_refused(self) -> None:
+        text = 'txt must be a list of "key=value" strings'
+        for txt in ({"k": "v"}, "k=v", ["k=v", 5], [None], [["k=v"]]):
+            params = {"id": "m", "port": 11434, "addresses": ["10.0.0.9"], "txt": txt}
+            self.assertEqual(self.proxy.call("ollama:node/add-manual", params, 1),
+                             [err(1, -32602, text)], txt)
+        self.assertEqual(self.proxy.listed(), [])
+        self.assertEqual(self.proxy.agent.requests, [])
 
     def test_add_manual_required_fields(self) -> None:
         good = {"id": "m", "port": 11434, "addresses": ["10.0.0.9"]}
