@@ -1272,6 +1272,94 @@ class DiscoveryTests(SynchronousTestCase):
         self.assertEqual(proxy.owners(), [])
 
 
+# protocol 3: node/set-local-backend's slots.
+
+class LocalBackendSlotsTests(SynchronousTestCase):
+    """A newer broker relays the engine's parallel slots; nodes/list shows them on self."""
+
+    def setUp(self) -> None:
+        self.proxy = Proxy(self, is_local=lambda address: address == "192.168.1.50")
+        self.proxy.enable(port=11435)
+        self.proxy.snapshot([directory("me", ip="192.168.1.50", port=11435),
+                             directory("peer", ip="192.168.1.70", port=11435)])
+        self.proxy.add("m", address="10.0.0.9")
+
+    def backend(self, slots=None, port: int = 11434, message_id=1, **extra) -> list[dict]:
+        params = {"engine": "ollama", "host": "127.0.0.1", "port": port, "healthy": True,
+                  **extra}
+        if slots is not None:
+            params["slots"] = slots
+        return self.proxy.call("ollama:node/set-local-backend", params, message_id)
+
+    def shown(self) -> dict[str, dict | None]:
+        """Each listed node's slots field (None when it has none)."""
+        return {node["id"]: node.get("slots") for node in self.proxy.listed()}
+
+    def test_accepted_normalized_and_shown_on_the_self_node_only(self) -> None:
+        self.assertEqual(self.backend({"default": 4, "models": {"llama3": 2, "mistral:7b": 3}}),
+                         [ok(1, {"ok": True})])
+        self.assertEqual(self.proxy.listed(), [
+            manual_node("m", address="10.0.0.9"),
+            {**seen("me", ip="192.168.1.50", port=11435),
+             "slots": {"default": 4, "models": {"llama3:latest": 2, "mistral:7b": 3}}},
+            seen("peer", ip="192.168.1.70", port=11435)])
+        self.assertEqual(self.proxy.owners(), ["m", "me"])
+
+    def test_where_two_names_normalize_alike_the_smaller_count_wins(self) -> None:
+        for models in ({"llama3": 3, "llama3:latest": 2, " llama3 ": 5},
+                       {"llama3:latest": 2, "llama3": 3}):
+            self.assertEqual(self.backend({"models": models}), [ok(1, {"ok": True})])
+            self.assertEqual(self.shown()["me"],
+                             {"default": None, "models": {"llama3:latest": 2}}, models)
+
+    def test_counts_below_one_are_dropped(self) -> None:
+        self.backend({"default": 0, "models": {"a": 0, "b": -1, "c": 1,
+                                               "llama3": 0, "llama3:latest": 4}})
+        self.assertEqual(self.shown()["me"],
+                         {"default": None, "models": {"c:latest": 1, "llama3:latest": 4}})
+        self.backend({"default": -2, "models": {"c": 1}})
+        self.assertEqual(self.shown()["me"], {"default": None, "models": {"c:latest": 1}})
+        # Nothing left is no slots at all.
+        self.assertEqual(self.backend({"default": 0, "models": {"a": 0}}), [ok(1, {"ok": True})])
+        self.assertEqual(self.shown()["me"], None)
+        self.assertEqual(self.proxy.owners(), ["m", "me"])
+
+    def test_malformed_slots_are_refused_and_change_nothing(self) -> None:
+        self.backend({"default": 2, "models": {"llama3": 1}})
+        self.proxy.result("ollama:node/select", {"id": "me"})
+        before = self.proxy.listed()
+        self.assertEqual(before[1]["slots"], {"default": 2, "models": {"llama3:latest": 1}})
+        for slots, text in (
+                ([], "slots must be an object"), ("4", "slots must be an object"),
+                (4, "slots must be an object"), (True, "slots must be an object"),
+                ({"default": "2"}, "slots.default must be an integer"),
+                ({"default": 2.0}, "slots.default must be an integer"),
+                ({"default": True}, "slots.default must be an integer"),
+                ({"models": []}, "slots.models must be an object"),
+                ({"models": "llama3"}, "slots.models must be an object"),
+                ({"default": 1, "models": {"a": 1, "llama3": "2"}},
+                 "slots.models counts must be integers"),
+                ({"models": {"llama3": 2.5}}, "slots.models counts must be integers"),
+                ({"models": {"llama3": False}}, "slots.models counts must be integers"),
+                ({"models": {"llama3": None}}, "slots.models counts must be integers")):
+            # A new port and a clearing call alike: neither takes effect.
+            for port in (9999, 0):
+                self.assertEqual(self.backend(slots, port=port), [err(1, -32602, text)], slots)
+                self.assertEqual(self.proxy.listed(), before, slots)
+                self.proxy.chat(11435)
+                self.assertEqual(self.proxy.agent.last.uri, b"http://127.0.0.1:11434/api/chat")
+
+    def test_a_backend_sent_without_slots_clears_them(self) -> None:
+        slots = {"default": 2}
+        for clearing in ({}, {"slots": None}, {"port": 0, "slots": slots},
+                         {"healthy": False, "slots": slots}):
+            self.backend(slots)
+            self.assertEqual(self.shown()["me"], {"default": 2, "models": {}})
+            self.assertEqual(self.backend(**clearing), [ok(1, {"ok": True})], clearing)
+            self.assertEqual(self.shown(), {"m": None, "me": None, "peer": None}, clearing)
+        self.assertEqual(self.proxy.owners(), ["m"])
+
+
 # protocol 3: node/set-priority.
 
 class PriorityTests(SynchronousTestCase):
