@@ -29,6 +29,7 @@ from .ports import read_port, write_port
 from .reservations import Rank
 from .rpc import (BIND_FAILED, INVALID_PARAMS, NO_FACADE, SERVER_ERROR, MethodNotFound,
                   NoAnswer, RpcError)
+from .slots import Slots, parse_slots
 from .trust import ClusterDirectory, PeerAgents, tls_ingress
 
 log = logger()
@@ -53,6 +54,7 @@ class Running:
     aliases: list = attrs.Factory(list)
     alias_port: int | None = None
     local_backend: tuple[str, int] | None = None
+    slots: Slots | None = None
     unreachable: set = attrs.Factory(set)
     probed: set = attrs.Factory(set)
     trust_checked_at: float = float("-inf")
@@ -347,7 +349,14 @@ class Broker:
         return {"id": running.facade.router.pin}
 
     def nodes_list(self, running: Running, params: dict) -> dict:
-        return {"nodes": [node.describe() for node in running.facade.router.nodes.all()]}
+        """Every known node; the self node also shows the local engine's slots when set."""
+        nodes = []
+        for node in running.facade.router.nodes.all():
+            shown = node.describe()
+            if node.local and running.slots is not None:
+                shown["slots"] = running.slots.describe()
+            nodes.append(shown)
+        return {"nodes": nodes}
 
     def add_manual(self, running: Running, params: dict) -> dict:
         node_id, port = params.get("id"), params.get("port")
@@ -362,11 +371,15 @@ class Broker:
         if models is not None and (not isinstance(models, list)
                                    or not all(isinstance(m, str) for m in models)):
             raise RpcError(INVALID_PARAMS, "models must be a list of strings")
-        txt = params.get("txt") if isinstance(params.get("txt"), dict) else {}
+        txt = params.get("txt")
+        if txt is not None and (not isinstance(txt, list)
+                                or not all(isinstance(t, str) for t in txt)):
+            raise RpcError(INVALID_PARAMS, 'txt must be a list of "key=value" strings')
         host = params.get("host") if isinstance(params.get("host"), str) else node_id
         facade = running.facade
         node = make_node(facade.engine, id=node_id, name=host or node_id, port=port,
-                         addresses=addresses, models=models, source="manual", txt=txt)
+                         addresses=addresses, models=models, source="manual",
+                         txt=None if txt is None else tuple(txt))
         if models is None:
             running.probed.add(node_id)
         else:
@@ -405,7 +418,13 @@ class Broker:
             raise RpcError(INVALID_PARAMS, "host must be a loopback address")
         if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535:
             raise RpcError(INVALID_PARAMS, "port must be between 0 and 65535")
+        try:
+            slots = parse_slots(running.facade.engine, params.get("slots"))
+        except ValueError as exc:
+            raise RpcError(INVALID_PARAMS, str(exc)) from None
         running.local_backend = (host.strip("[]"), port) if port and healthy is not False else None
+        # Slots describe the backend just named: none sent, or no backend, means none known.
+        running.slots = slots if running.local_backend is not None else None
         running.facade.router.nodes.changed()
         return {"ok": True}
 

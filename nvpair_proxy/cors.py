@@ -1,11 +1,11 @@
 """Browser policy (spec 5.8): what a browser may do through a facade that fronts many engines.
 
 Each engine has its own CORS policy, and a facade must not be more permissive than any of
-them. An answer one engine gave is passed through untouched, missing headers and denials
-included. An answer several engines contributed to (a preflight fanned out to the fleet, a
-merged model list) carries only what every responding engine granted: an origin, a method or
-a header is allowed only if all of them allow it, and a denial from any one of them is what
-the browser sees, never rewritten into a permission. The proxy's own errors grant nothing.
+them. A preflight only one engine was asked is that engine's answer, passed through
+untouched, missing headers and denials included. An answer several engines were asked for (a
+preflight fanned out to the fleet, a merged model list) carries only what every responding
+engine granted: an origin, a method or a header is allowed only if all of them allow it, and a
+denial from any one of them is what the browser sees, never rewritten into a permission. The proxy's own errors grant nothing.
 Nothing here is cached: every preflight asks the engines again.
 """
 
@@ -143,14 +143,18 @@ def _preflight_allows(reply: Reply, origin: bytes) -> bool:
     return 200 <= reply.status < 300 and allows(reply, origin)
 
 
-def judge_preflight(replies: Sequence[Reply], origin: bytes) -> Reply | Headers:
-    """The answer to a preflight the responding engines gave (at least one).
+def judge_preflight(replies: Sequence[Reply], origin: bytes, targets: int) -> Reply | Headers:
+    """The answer to a preflight asked of ``targets`` engines, from those that responded
+    (at least one).
 
-    A single responder speaks for itself, unchanged. Among several, the first denial (in
-    candidate order) is passed through unchanged; when all allow, the result is the headers
-    of a synthesized answer granting only the intersection, cached for 60 s at most.
+    The only target speaks for itself, unchanged. When several were asked, the first denial
+    (in candidate order) is passed through unchanged; when all responders allow, the result
+    is the headers of a synthesized answer granting only the intersection, cached for 60 s
+    at most. That holds even when one of them answered: the browser asked the fleet, and an
+    engine that was unavailable this time may refuse what the responder allowed, so its
+    answer must not be cached for the engine's own Max-Age as if it spoke for all.
     """
-    if len(replies) == 1:
+    if targets == 1:
         return replies[0]
     for reply in replies:
         if not _preflight_allows(reply, origin):

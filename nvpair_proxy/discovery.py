@@ -39,7 +39,9 @@ class Node:
     """One routable node of one engine.
 
     ``models`` holds normalized model ids; None means the inventory is not known yet
-    (a probed node before its first probe), which advertises nothing.
+    (a probed node before its first probe), which advertises nothing. ``txt`` is the
+    node's ``key=value`` strings as the broker gave them, None when it gave none (protocol 4:
+    the existing implementation's node carries a string list, never an object).
     """
 
     id: str
@@ -51,7 +53,7 @@ class Node:
     advertised: tuple[str, ...] | None = None
     scheme: str = "http"
     cluster_uuid: str = ""
-    txt: Mapping[str, str] = attrs.field(factory=dict)
+    txt: tuple[str, ...] | None = None
     local: bool = False
 
     def advertises(self, model: str) -> bool:
@@ -70,7 +72,8 @@ class Node:
     def describe(self) -> dict:
         """The Node object of ``nodes/list`` and the node diffs (protocol 3, 4)."""
         out: dict = {"id": self.id, "host": self.name, "port": self.port,
-                     "addresses": list(self.addresses), "txt": dict(self.txt)}
+                     "addresses": list(self.addresses),
+                     "txt": None if self.txt is None else list(self.txt)}
         if self.advertised is not None:
             out["models"] = list(self.advertised)
         if self.addresses:

@@ -220,7 +220,7 @@ def serve_preflight(facade: Facade, request: Request) -> None:
         if not replies:
             fleet.error(502, NO_PREFLIGHT_ANSWER)
             return
-        verdict = cors.judge_preflight(replies, origin)
+        verdict = cors.judge_preflight(replies, origin, len(nodes))
         if isinstance(verdict, Reply):
             fleet.whole(verdict.status, verdict.headers, verdict.body, verdict.phrase,
                         node=verdict.node)

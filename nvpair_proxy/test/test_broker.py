@@ -64,7 +64,7 @@ def manual_node(node_id: str, address: str = "10.0.0.1", port: int = 11434,
                 models=("llama3:latest",), host: str | None = None, txt=None) -> dict:
     """The Node shape of nodes/list and the diffs for a manual node."""
     node = {"id": node_id, "host": host or node_id, "port": port, "addresses": [address],
-            "txt": txt or {}, "ip": address}
+            "txt": txt, "ip": address}
     if models is not None:
         node["models"] = list(models)
     return node
@@ -85,7 +85,7 @@ def seen(uuid: str, ip: str = "192.168.1.10", port: int = 11434, name: str | Non
     """The Node a projected DirectoryNode shows as."""
     addresses = list(addresses or [ip])
     return {"id": uuid, "host": name or f"host-{uuid}", "port": port, "addresses": addresses,
-            "txt": {}, "models": list(models), "ip": addresses[0]}
+            "txt": None, "models": list(models), "ip": addresses[0]}
 
 
 # The listen seam.
@@ -1272,6 +1272,94 @@ class DiscoveryTests(SynchronousTestCase):
         self.assertEqual(proxy.owners(), [])
 
 
+# protocol 3: node/set-local-backend's slots.
+
+class LocalBackendSlotsTests(SynchronousTestCase):
+    """A newer broker relays the engine's parallel slots; nodes/list shows them on self."""
+
+    def setUp(self) -> None:
+        self.proxy = Proxy(self, is_local=lambda address: address == "192.168.1.50")
+        self.proxy.enable(port=11435)
+        self.proxy.snapshot([directory("me", ip="192.168.1.50", port=11435),
+                             directory("peer", ip="192.168.1.70", port=11435)])
+        self.proxy.add("m", address="10.0.0.9")
+
+    def backend(self, slots=None, port: int = 11434, message_id=1, **extra) -> list[dict]:
+        params = {"engine": "ollama", "host": "127.0.0.1", "port": port, "healthy": True,
+                  **extra}
+        if slots is not None:
+            params["slots"] = slots
+        return self.proxy.call("ollama:node/set-local-backend", params, message_id)
+
+    def shown(self) -> dict[str, dict | None]:
+        """Each listed node's slots field (None when it has none)."""
+        return {node["id"]: node.get("slots") for node in self.proxy.listed()}
+
+    def test_accepted_normalized_and_shown_on_the_self_node_only(self) -> None:
+        self.assertEqual(self.backend({"default": 4, "models": {"llama3": 2, "mistral:7b": 3}}),
+                         [ok(1, {"ok": True})])
+        self.assertEqual(self.proxy.listed(), [
+            manual_node("m", address="10.0.0.9"),
+            {**seen("me", ip="192.168.1.50", port=11435),
+             "slots": {"default": 4, "models": {"llama3:latest": 2, "mistral:7b": 3}}},
+            seen("peer", ip="192.168.1.70", port=11435)])
+        self.assertEqual(self.proxy.owners(), ["m", "me"])
+
+    def test_where_two_names_normalize_alike_the_smaller_count_wins(self) -> None:
+        for models in ({"llama3": 3, "llama3:latest": 2, " llama3 ": 5},
+                       {"llama3:latest": 2, "llama3": 3}):
+            self.assertEqual(self.backend({"models": models}), [ok(1, {"ok": True})])
+            self.assertEqual(self.shown()["me"],
+                             {"default": None, "models": {"llama3:latest": 2}}, models)
+
+    def test_counts_below_one_are_dropped(self) -> None:
+        self.backend({"default": 0, "models": {"a": 0, "b": -1, "c": 1,
+                                               "llama3": 0, "llama3:latest": 4}})
+        self.assertEqual(self.shown()["me"],
+                         {"default": None, "models": {"c:latest": 1, "llama3:latest": 4}})
+        self.backend({"default": -2, "models": {"c": 1}})
+        self.assertEqual(self.shown()["me"], {"default": None, "models": {"c:latest": 1}})
+        # Nothing left is no slots at all.
+        self.assertEqual(self.backend({"default": 0, "models": {"a": 0}}), [ok(1, {"ok": True})])
+        self.assertEqual(self.shown()["me"], None)
+        self.assertEqual(self.proxy.owners(), ["m", "me"])
+
+    def test_malformed_slots_are_refused_and_change_nothing(self) -> None:
+        self.backend({"default": 2, "models": {"llama3": 1}})
+        self.proxy.result("ollama:node/select", {"id": "me"})
+        before = self.proxy.listed()
+        self.assertEqual(before[1]["slots"], {"default": 2, "models": {"llama3:latest": 1}})
+        for slots, text in (
+                ([], "slots must be an object"), ("4", "slots must be an object"),
+                (4, "slots must be an object"), (True, "slots must be an object"),
+                ({"default": "2"}, "slots.default must be an integer"),
+                ({"default": 2.0}, "slots.default must be an integer"),
+                ({"default": True}, "slots.default must be an integer"),
+                ({"models": []}, "slots.models must be an object"),
+                ({"models": "llama3"}, "slots.models must be an object"),
+                ({"default": 1, "models": {"a": 1, "llama3": "2"}},
+                 "slots.models counts must be integers"),
+                ({"models": {"llama3": 2.5}}, "slots.models counts must be integers"),
+                ({"models": {"llama3": False}}, "slots.models counts must be integers"),
+                ({"models": {"llama3": None}}, "slots.models counts must be integers")):
+            # A new port and a clearing call alike: neither takes effect.
+            for port in (9999, 0):
+                self.assertEqual(self.backend(slots, port=port), [err(1, -32602, text)], slots)
+                self.assertEqual(self.proxy.listed(), before, slots)
+                self.proxy.chat(11435)
+                self.assertEqual(self.proxy.agent.last.uri, b"http://127.0.0.1:11434/api/chat")
+
+    def test_a_backend_sent_without_slots_clears_them(self) -> None:
+        slots = {"default": 2}
+        for clearing in ({}, {"slots": None}, {"port": 0, "slots": slots},
+                         {"healthy": False, "slots": slots}):
+            self.backend(slots)
+            self.assertEqual(self.shown()["me"], {"default": 2, "models": {}})
+            self.assertEqual(self.backend(**clearing), [ok(1, {"ok": True})], clearing)
+            self.assertEqual(self.shown(), {"m": None, "me": None, "peer": None}, clearing)
+        self.assertEqual(self.proxy.owners(), ["m"])
+
+
 # protocol 3: node/set-priority.
 
 class PriorityTests(SynchronousTestCase):
@@ -1411,15 +1499,15 @@ class NodeMethodTests(SynchronousTestCase):
         self.assertEqual(self.proxy.call("ollama:nodes/list", None, 1), [ok(1, {"nodes": []})])
         self.proxy.result("ollama:node/add-manual", {
             "id": "m", "host": "box", "port": 11434, "addresses": ["10.0.0.9", "fd00::9"],
-            "txt": {"k": "v"}, "models": ["llama3", "mistral:7b"]})
+            "txt": ["k=v"], "models": ["llama3", "mistral:7b"]})
         self.proxy.result("ollama:node/add-manual", {
             "id": "p", "port": 11434, "addresses": ["10.0.0.8"]})
         self.proxy.snapshot([directory("d", ip="192.168.1.4")])
         self.assertEqual(self.proxy.call("ollama:nodes/list", None, 2), [ok(2, {"nodes": [
             seen("d", ip="192.168.1.4"),
             {"id": "m", "host": "box", "port": 11434, "addresses": ["10.0.0.9", "fd00::9"],
-             "txt": {"k": "v"}, "models": ["llama3", "mistral:7b"], "ip": "10.0.0.9"},
-            {"id": "p", "host": "p", "port": 11434, "addresses": ["10.0.0.8"], "txt": {},
+             "txt": ["k=v"], "models": ["llama3", "mistral:7b"], "ip": "10.0.0.9"},
+            {"id": "p", "host": "p", "port": 11434, "addresses": ["10.0.0.8"], "txt": None,
              "ip": "10.0.0.8"},
         ]})])
 
@@ -1436,6 +1524,34 @@ class NodeMethodTests(SynchronousTestCase):
         self.assertEqual(self.proxy.listed(), [node])
         self.assertEqual(self.proxy.owners("mistral"), ["m"])
         self.assertEqual(self.proxy.owners("llama3"), [])
+
+    def test_add_manual_txt_is_kept_as_the_list_given(self) -> None:
+        params = {"id": "m", "port": 11434, "addresses": ["10.0.0.9"], "models": ["llama3"],
+                  "txt": ["role=gpu", "a=1", "role=gpu"]}
+        node = manual_node("m", address="10.0.0.9", models=["llama3"],
+                           txt=["role=gpu", "a=1", "role=gpu"])
+        self.assertEqual(self.proxy.call("ollama:node/add-manual", params, 1),
+                         [note("ollama:node/discovered", node), ok(1, {"added": True})])
+        self.assertEqual(self.proxy.listed(), [node])
+        # Absent, null and an empty list: none given is null, an empty list stays a list.
+        for txt, shown in ((None, None), ([], [])):
+            params = {"id": "m", "port": 11434, "addresses": ["10.0.0.9"], "models": ["llama3"]}
+            if txt is not None:
+                params["txt"] = txt
+            self.proxy.result("ollama:node/add-manual", params)
+            self.assertEqual(self.proxy.listed()[0]["txt"], shown, txt)
+        self.proxy.result("ollama:node/add-manual", {"id": "m", "port": 11434, "txt": None,
+                                                     "addresses": ["10.0.0.9"]})
+        self.assertIsNone(self.proxy.listed()[0]["txt"])
+
+    def test_add_manual_txt_that_is_not_a_list_of_strings_is_refused(self) -> None:
+        text = 'txt must be a list of "key=value" strings'
+        for txt in ({"k": "v"}, "k=v", ["k=v", 5], [None], [["k=v"]]):
+            params = {"id": "m", "port": 11434, "addresses": ["10.0.0.9"], "txt": txt}
+            self.assertEqual(self.proxy.call("ollama:node/add-manual", params, 1),
+                             [err(1, -32602, text)], txt)
+        self.assertEqual(self.proxy.listed(), [])
+        self.assertEqual(self.proxy.agent.requests, [])
 
     def test_add_manual_required_fields(self) -> None:
         good = {"id": "m", "port": 11434, "addresses": ["10.0.0.9"]}

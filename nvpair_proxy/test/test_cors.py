@@ -108,7 +108,7 @@ class PreflightFanOutTests(WorldTestCase):
         self.assertTrue(all(r.cancelled for r in w.agent.requests[1:]))
         response = client.response()
         self.assertEqual(response.status, 204)
-        self.assertEqual(response.header("access-control-max-age"), "600")
+        self.assertEqual(response.header("access-control-max-age"), "60")
 
     def test_policy_is_never_cached(self):
         w = self.world()
@@ -167,7 +167,53 @@ class OneResponderTests(WorldTestCase):
                              headers.get("Access-Control-Allow-Origin"))
             self.assertIsNone(response.header("access-control-max-age"))
 
-    def test_one_responder_among_unavailable_targets_speaks_for_itself(self):
+    def test_the_only_target_answer_reaches_the_browser_byte_for_byte(self):
+        w = self.world()
+        w.add("a")
+        client = w.send("OPTIONS", "/api/chat", headers=PREFLIGHT)
+        w.agent.last.respond(200, {"Access-Control-Allow-Origin": ORIGIN,
+                                   "Access-Control-Allow-Methods": "POST",
+                                   "X-Engine": "ollama", "Content-Type": "text/plain"},
+                             body=b"ok", finish=True)
+        # Twisted's own Server and Date lines aside, the bytes are the engine's answer.
+        lines = [line for line in client.raw().split(b"\r\n")
+                 if not line.startswith((b"Server: ", b"Date: "))]
+        self.assertEqual(b"\r\n".join(lines), (
+            b"HTTP/1.1 200 OK\r\n"
+            b"Access-Control-Allow-Origin: http://app.example\r\n"
+            b"Access-Control-Allow-Methods: POST\r\n"
+            b"X-Engine: ollama\r\n"
+            b"Content-Type: text/plain\r\n"
+            b"Content-Length: 2\r\n\r\nok"))
+        self.assertEqual(w.emitter.sent[-1][1]["node_id"], "a")
+
+
+class OneOfSeveralRespondersTests(WorldTestCase):
+    """When several targets were asked the answer is the fleet's, even if one responded."""
+
+    def test_two_targets_one_unavailable_one_allowing_is_synthesized(self):
+        w = self.world()
+        w.add("a"), w.add("b", addresses=("10.0.0.2",))
+        client = w.send("OPTIONS", "/api/chat", headers=PREFLIGHT)
+        a, b = w.agent.requests
+        a.refuse()
+        b.respond(200, allowing(**{"Access-Control-Allow-Methods": "GET, POST",
+                                   "Access-Control-Allow-Headers": "Content-Type, X-A",
+                                   "Access-Control-Max-Age": "600", "X-Engine": "ollama",
+                                   "Content-Type": "text/plain"}),
+                  body=b"ok", finish=True)
+        response = client.response()
+        self.assertEqual((response.status, response.body), (204, b""))
+        self.assertEqual(cors_headers(response), {
+            "access-control-allow-origin": [ORIGIN],
+            "access-control-allow-methods": ["GET, POST"],
+            "access-control-allow-headers": ["Content-Type, X-A"],
+            "access-control-max-age": ["60"]})
+        self.assertEqual((response.header("x-engine"), response.header("content-type"),
+                          response.header("vary")), (None, None, "Origin"))
+        self.assertNotIn("node_id", w.emitter.sent[-1][1])
+
+    def test_credentials_of_the_only_responder_are_kept(self):
         w = self.world()
         for i, node in enumerate("abcd"):
             w.add(node, addresses=(f"10.0.0.{i + 1}",))
@@ -182,9 +228,22 @@ class OneResponderTests(WorldTestCase):
         response = client.response()
         self.assertEqual(response.status, 204)
         self.assertEqual(cors_headers(response), {
-            "access-control-allow-origin": [ORIGIN], "access-control-max-age": ["600"],
+            "access-control-allow-origin": [ORIGIN], "access-control-max-age": ["60"],
             "access-control-allow-credentials": ["true"]})
-        self.assertEqual(w.emitter.sent[-1][1]["node_id"], "d")
+
+    def test_a_denial_by_the_only_responder_is_passed_through_unchanged(self):
+        w = self.world()
+        w.add("a"), w.add("b", addresses=("10.0.0.2",))
+        client = w.send("OPTIONS", "/api/chat", headers=PREFLIGHT)
+        a, b = w.agent.requests
+        a.respond(204, {"Access-Control-Allow-Origin": "http://other.example"},
+                  body=None, finish=True)
+        b.fail()
+        response = client.response()
+        self.assertEqual(response.status, 204)
+        self.assertEqual(cors_headers(response),
+                         {"access-control-allow-origin": ["http://other.example"]})
+        self.assertEqual(w.emitter.sent[-1][1]["node_id"], "a")
 
 
 class IntersectionTests(WorldTestCase):
