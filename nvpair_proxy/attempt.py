@@ -9,6 +9,7 @@ in the reactor thread and the byte's arrival changes the state synchronously.
 
 from __future__ import annotations
 
+import enum
 from typing import Callable
 
 import attrs
@@ -25,7 +26,29 @@ from twisted.web.iweb import IAgent, IResponse
 from .discovery import Node, host_port
 from .requestbody import BytesProducer
 
-DIALING, PEEKING, COMMITTED, FAILED, CANCELLED = "dialing", "peeking", "committed", "failed", "cancelled"
+class State(enum.Enum):
+    DIALING = "dialing"
+    PEEKING = "peeking"
+    COMMITTED = "committed"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+DIALING, PEEKING, COMMITTED, FAILED, CANCELLED = State
+
+# Every move an attempt can make; the three outcomes are final. Commit versus cancel is
+# decided by whichever leaves DIALING/PEEKING first (spec 5.3): the other finds no way out.
+TRANSITIONS: dict[State, frozenset[State]] = {
+    DIALING: frozenset({PEEKING, COMMITTED, FAILED, CANCELLED}),
+    PEEKING: frozenset({COMMITTED, FAILED, CANCELLED}),
+    COMMITTED: frozenset(),
+    FAILED: frozenset(),
+    CANCELLED: frozenset(),
+}
+
+
+class InvalidTransition(RuntimeError):
+    """A move the table does not allow: a bug, never a race (the reactor thread decides)."""
 
 # Failure kinds of an attempt that did not commit.
 STATUS, TRANSPORT, NO_CONTENT, ATTEMPT_CANCELLED = "status", "transport", "no-content", "cancelled"
@@ -244,7 +267,7 @@ class Attempt:
             return
         self._relay = BodyRelay(self._first_data, self._body_ended)
         if self.inference and 200 <= status < 300:
-            self.state = PEEKING
+            self._enter(PEEKING)
             self._cancel_timer()
             if self.response_timeout > 0:
                 self._timer = self.clock.callLater(self.response_timeout, self._timed_out)
@@ -267,8 +290,8 @@ class Attempt:
             self._end(Failed(self.node, TRANSPORT, _reason(reason)), FAILED)
 
     def _commit(self) -> None:
+        self._enter(COMMITTED)
         self._cancel_timer()
-        self.state = COMMITTED
         self.result.callback(Committed(self.node, self._address, self._response, self._relay))
 
     def _timed_out(self) -> None:
@@ -279,8 +302,8 @@ class Attempt:
             self._end(Failed(self.node, NO_CONTENT,
                              "upstream sent no response body within the first-byte budget"), FAILED)
 
-    def _end(self, outcome: Failed, state: str) -> None:
-        self.state = state
+    def _end(self, outcome: Failed, state: State) -> None:
+        self._enter(state)
         self._cancel_timer()
         if self._request is not None:
             request, self._request = self._request, None
@@ -288,6 +311,11 @@ class Attempt:
         if self._relay is not None:
             self._relay.abort()
         self.result.callback(outcome)
+
+    def _enter(self, state: State) -> None:
+        if state not in TRANSITIONS[self.state]:
+            raise InvalidTransition(f"attempt on {self.node.id}: {self.state.value} -> {state.value}")
+        self.state = state
 
     def _cancel_timer(self) -> None:
         if self._timer is not None and self._timer.active():

@@ -8,6 +8,7 @@ it is the one place the outcome is decided, reported and the reservation release
 
 from __future__ import annotations
 
+import enum
 import json
 from twisted.internet.interfaces import IDelayedCall, IPushProducer
 from twisted.python.failure import Failure
@@ -79,6 +80,27 @@ class ClientWatch:
         self.on_dead()
 
 
+class Phase(enum.Enum):
+    ADMITTING = "admitting"
+    DISPATCHING = "dispatching"
+    STREAMING = "streaming"
+    ENDED = "ended"
+
+
+# A request is admitted (or answered at once), dispatched until a node commits (or the loop
+# answers), streamed, and ended exactly once; nothing leads back.
+PHASES: dict[Phase, frozenset[Phase]] = {
+    Phase.ADMITTING: frozenset({Phase.DISPATCHING, Phase.ENDED}),
+    Phase.DISPATCHING: frozenset({Phase.STREAMING, Phase.ENDED}),
+    Phase.STREAMING: frozenset({Phase.ENDED}),
+    Phase.ENDED: frozenset(),
+}
+
+
+class InvalidPhase(RuntimeError):
+    """A move the table does not allow: a bug, contained to its request (spec 3.2)."""
+
+
 class Exchange:
     """A client request's whole life in one facade."""
 
@@ -100,7 +122,7 @@ class Exchange:
         self.observer: BodyObserver | None = None
         self.first_byte_at: float | None = None
         self.bytes_written = 0
-        self.ended = False
+        self.phase = Phase.ADMITTING
         self.target = ""
         self.node_id: str | None = None
 
@@ -144,7 +166,17 @@ class Exchange:
             make_attempt=make_attempt, inference=self.inference, created_at=self.admitted_at,
             no_candidate_text=no_candidate, bounds=upstreams.bounds,
             reserve=self.workload is not None, observer=self)
+        self._enter(Phase.DISPATCHING)
         self.dispatch.run().addCallback(self._dispatched).addErrback(self.crashed)
+
+    @property
+    def ended(self) -> bool:
+        return self.phase is Phase.ENDED
+
+    def _enter(self, phase: Phase) -> None:
+        if phase not in PHASES[self.phase]:
+            raise InvalidPhase(f"request {self.id}: {self.phase.value} -> {phase.value}")
+        self.phase = phase
 
     # Dispatch observer (workload events, spec 5.5).
 
@@ -161,6 +193,10 @@ class Exchange:
     # Outcome of the loop.
 
     def _dispatched(self, result: Committed | Answer | Gone) -> None:
+        if self.ended:
+            if isinstance(result, Committed):
+                result.relay.abort()
+            return
         if isinstance(result, Answer):
             self._answer(result)
         elif isinstance(result, Committed):
@@ -174,6 +210,7 @@ class Exchange:
 
     def _commit(self, committed: Committed) -> None:
         """Spec 5.2: the first byte (or a non-retried answer's headers) made this node ours."""
+        self._enter(Phase.STREAMING)
         self.committed = committed
         response, node = committed.response, committed.node
         log.debug("request {id} committed to node {node} with HTTP {status}", id=self.id,
@@ -318,7 +355,7 @@ class Exchange:
              stats: dict | None = None) -> None:
         if self.ended:
             return
-        self.ended = True
+        self._enter(Phase.ENDED)
         if self.watch is not None:
             self.watch.stop_timer()
         if self.dispatch is not None and self.dispatch.reservation is not None:
