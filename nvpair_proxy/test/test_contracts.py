@@ -1,0 +1,148 @@
+"""The fakes keep the real APIs (issue 9, item 4).
+
+Every seam with a real and a fake implementation is checked with ``verifyObject``, and the
+upstream agent, the seam the whole request path stands on, runs one contract mixin against
+both Twisted's real ``Agent`` (serving an in-memory resource through ``treq.testing``) and the
+``FakeAgent`` the dispatch tests use: what the attempt relies on (status, headers, the body in
+order, a clean end versus a broken one, the request as sent) must hold for both.
+"""
+
+from __future__ import annotations
+
+from twisted.internet.interfaces import IReactorTime
+from twisted.internet.protocol import Protocol
+from twisted.internet.task import Clock
+from twisted.internet.testing import MemoryReactorClock
+from twisted.trial.unittest import SynchronousTestCase
+from twisted.web.client import Agent
+from twisted.web.http_headers import Headers
+from twisted.web.iweb import IAgent, IResponse
+from twisted.web.resource import Resource
+from twisted.web.server import NOT_DONE_YET
+from treq.testing import RequestTraversalAgent
+from zope.interface.verify import verifyObject
+
+from nvpair_proxy.attempt import clean_end
+from nvpair_proxy.discovery import Node
+from nvpair_proxy.events import LogEmitter, RecordingEmitter
+from nvpair_proxy.ingress import LocalBackendRoute
+from nvpair_proxy.interfaces import IEmitter, IRouter
+from nvpair_proxy.requestbody import BytesProducer
+from nvpair_proxy.router import Router
+from nvpair_proxy.test.world import ENGINES
+from nvpair_proxy.testing import FakeAgent, FakeResponse
+
+URL = b"http://10.0.0.1:11434/api/chat"
+
+
+class Collect(Protocol):
+    def __init__(self) -> None:
+        self.chunks: list[bytes] = []
+        self.reason = None
+
+    def dataReceived(self, data: bytes) -> None:
+        self.chunks.append(data)
+
+    def connectionLost(self, reason) -> None:
+        self.reason = reason
+
+
+class Interfaces(SynchronousTestCase):
+    def test_each_implementation_provides_its_interface(self):
+        node = Node(id="a", name="a", port=1, addresses=("127.0.0.1",))
+        for interface, implementation in (
+                (IAgent, FakeAgent()), (IAgent, Agent(MemoryReactorClock())),
+                (IEmitter, RecordingEmitter()), (IEmitter, LogEmitter()),
+                (IRouter, Router(engine=ENGINES["ollama"], clock=Clock())),
+                (IRouter, LocalBackendRoute(node)), (IReactorTime, Clock())):
+            self.assertTrue(verifyObject(interface, implementation),
+                            f"{type(implementation).__name__} vs {interface.__name__}")
+
+    def test_a_fake_response_provides_iresponse(self):
+        agent = FakeAgent()
+        agent.request(b"GET", URL)
+        self.assertTrue(verifyObject(IResponse, agent.last.respond(200)))
+
+
+class AgentContract:
+    """What the attempt relies on from any IAgent. Subclasses say how the far end answers:
+    ``answer(status, headers, chunks, clean)`` sets up the reply, ``pump()`` lets it happen,
+    and ``received()`` is the request as the far end saw it (method, path, body)."""
+
+    def test_status_headers_and_body_arrive_in_order_then_a_clean_end(self):
+        agent = self.answer(201, {b"X-Engine": b"one"}, [b"hel", b"lo"], clean=True)
+        d = agent.request(b"POST", URL, Headers({b"Content-Type": [b"application/json"]}),
+                          BytesProducer(b'{"model":"m"}'))
+        self.pump()
+        response = self.successResultOf(d)
+        self.assertEqual(response.code, 201)
+        self.assertEqual(response.headers.getRawHeaders(b"x-engine"), [b"one"])
+        body = Collect()
+        response.deliverBody(body)
+        self.pump()
+        self.assertEqual(b"".join(body.chunks), b"hello")
+        self.assertTrue(clean_end(body.reason), body.reason)
+        self.assertEqual(self.received(), (b"POST", b"/api/chat", b'{"model":"m"}'))
+
+    def test_a_body_broken_off_does_not_end_cleanly(self):
+        agent = self.answer(200, {b"Content-Length": b"100"}, [b"partial"], clean=False)
+        d = agent.request(b"GET", URL)
+        self.pump()
+        body = Collect()
+        self.successResultOf(d).deliverBody(body)
+        self.pump()
+        self.assertEqual(b"".join(body.chunks), b"partial")
+        self.assertIsNotNone(body.reason)
+        self.assertFalse(clean_end(body.reason))
+
+
+class RealAgentContract(AgentContract, SynchronousTestCase):
+    def answer(self, status, headers, chunks, clean):
+        test = self
+
+        class Engine(Resource):
+            isLeaf = True
+
+            def render(self, request):
+                test.seen = (request.method, request.path, request.content.read())
+                request.setResponseCode(status)
+                for name, value in headers.items():
+                    request.responseHeaders.setRawHeaders(name, [value])
+                for chunk in chunks:
+                    request.write(chunk)
+                if clean:
+                    request.finish()
+                else:
+                    request.channel.transport.loseConnection()
+                return NOT_DONE_YET
+
+        self.agent = RequestTraversalAgent(Engine())
+        return self.agent
+
+    def pump(self):
+        self.agent.flush()
+
+    def received(self):
+        return self.seen
+
+
+class FakeAgentContract(AgentContract, SynchronousTestCase):
+    def answer(self, status, headers, chunks, clean):
+        self.reply = (status, headers, chunks, clean)
+        self.agent = FakeAgent()
+        self.response: FakeResponse | None = None
+        return self.agent
+
+    def pump(self):
+        record = self.agent.last
+        status, headers, chunks, clean = self.reply
+        if self.response is None:
+            self.response = record.respond(status, Headers({k: [v] for k, v in headers.items()}))
+        elif self.response.protocol is not None and self.response._ended is None:
+            for chunk in chunks:
+                self.response.write(chunk)
+            self.response.finish() if clean else self.response.break_off()
+
+    def received(self):
+        record = self.agent.last
+        return record.method, record.uri.split(b"11434", 1)[1], record.body
