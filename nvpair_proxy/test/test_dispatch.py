@@ -47,9 +47,10 @@ class FailoverTests(WorldTestCase):
     def test_headers_alone_do_not_commit(self):
         w = self.world()
         w.add("a")
-        w.chat()
+        client = w.chat()
         w.agent.last.respond(200, NDJSON)
         self.assertEqual([m for m, _ in w.emitter.workload()], ["workload:submitted"] * 2)
+        self.assertEqual(client.raw(), b"")
         w.agent.last.response.finish()
 
     def test_empty_200_commits(self):
@@ -92,6 +93,8 @@ class FailoverTests(WorldTestCase):
             w.clock.advance(0.002 * [1, 2, 4, 8, 8, 8][index])
             self.assertEqual(len(w.agent.requests), index + 2)
         w.agent.requests[6].respond(200, length=0, finish=True)
+        # Each dispatch went out just after its backoff, and not before (jitter draw 0.5).
+        self.assertEqual([round(t, 3) for t in times], [0, 1.001, 3.003, 7.007, 15.015, 23.023])
 
     def test_jitter_stays_within_a_quarter(self):
         for draw, expected in ((0.0, 0.75), (0.999999, 1.25)):

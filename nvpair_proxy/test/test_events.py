@@ -5,10 +5,9 @@ from __future__ import annotations
 import json
 
 from twisted.logger import formatEvent, globalLogPublisher
-from twisted.trial.unittest import SynchronousTestCase
 
 from nvpair_proxy import logs
-from nvpair_proxy.test.world import World
+from nvpair_proxy.test.world import WorldTestCase
 
 NDJSON = {"Content-Type": "application/x-ndjson"}
 
@@ -19,9 +18,9 @@ BACKED_OFF_ONCE_THEN_SERVED_BY_A = [
     ("workload:started", "running", "a"), ("workload:completed", "completed", "a")]
 
 
-class WorkloadSequenceTests(SynchronousTestCase):
+class WorkloadSequenceTests(WorldTestCase):
     def test_a_simple_job_is_seq_one_to_four_with_every_field(self):
-        w = World()
+        w = self.world()
         w.clock.advance(1716998400)
         w.add("node-a")
         w.chat(model="llama3")
@@ -51,7 +50,7 @@ class WorkloadSequenceTests(SynchronousTestCase):
                                                 "tokensPerSecond": 20.0, "ttftMs": 250}})
 
     def test_backing_off_between_rounds_clears_the_placement_then_returns_to_it(self):
-        w = World()
+        w = self.world()
         w.add("a")
         w.chat()
         w.agent.last.respond(503, length=0, finish=True)
@@ -61,7 +60,7 @@ class WorkloadSequenceTests(SynchronousTestCase):
         self.assertEqual([i["seq"] for _, i in w.emitter.workload()], [1, 2, 3, 4, 5, 6])
 
     def test_nothing_is_sent_after_the_terminal_event(self):
-        w = World()
+        w = self.world()
         w.add("a")
         client = w.chat()
         upstream = w.agent.last.respond(200, NDJSON)
@@ -73,7 +72,7 @@ class WorkloadSequenceTests(SynchronousTestCase):
         self.assertEqual(len(w.emitter.sent), count)
 
     def test_failed_job_rides_errored_with_the_proxy_answer_text(self):
-        w = World()
+        w = self.world()
         w.add("a")
         w.chat()
         for index in range(5):
@@ -84,7 +83,7 @@ class WorkloadSequenceTests(SynchronousTestCase):
                          ("workload:errored", "failed", "upstream error: connection refused"))
 
     def test_a_request_without_a_model_is_not_a_workload(self):
-        w = World()
+        w = self.world()
         w.add("a")
         w.send("POST", "/api/chat", {"messages": []})
         w.agent.last.respond(200, length=0, finish=True)
@@ -93,9 +92,9 @@ class WorkloadSequenceTests(SynchronousTestCase):
                                                "ollama:proxy/request"])
 
 
-class RequestEventTests(SynchronousTestCase):
+class RequestEventTests(WorldTestCase):
     def test_request_started_at_commit_and_request_at_the_end(self):
-        w = World()
+        w = self.world()
         w.add("a", port=11434)
         w.chat()
         w.clock.advance(0.5)
@@ -112,16 +111,16 @@ class RequestEventTests(SynchronousTestCase):
                                       "status": 200, "duration_ms": 1500, "ttfb_ms": 500})])
 
     def test_a_rejection_is_reported_with_its_status_and_error(self):
-        w = World()
+        w = self.world()
         w.chat()
         self.assertEqual(w.emitter.sent, [("ollama:proxy/request", {
             "id": "1", "method": "POST", "path": "/api/chat", "target": "", "status": 502,
             "duration_ms": 0, "error": "no available node advertises the requested model"})])
 
 
-class ActivityTests(SynchronousTestCase):
+class ActivityTests(WorldTestCase):
     def test_streamed_bytes_report_node_activity_at_most_every_two_seconds(self):
-        w = World()
+        w = self.world()
         w.add("a")
         w.chat()
         upstream = w.agent.last.respond(200, NDJSON)
@@ -133,14 +132,14 @@ class ActivityTests(SynchronousTestCase):
         self.assertEqual(activity, [("node/activity", {"hostUuid": "a", "msSince": 0})] * 2)
 
     def test_a_node_that_wrote_nothing_is_not_reported(self):
-        w = World()
+        w = self.world()
         w.add("a")
         w.chat()
         w.agent.last.respond(200, length=0, finish=True)
         self.assertNotIn("node/activity", w.emitter.methods())
 
 
-class PrivacyTests(SynchronousTestCase):
+class PrivacyTests(WorldTestCase):
     def test_a_prompt_marker_never_reaches_the_log_at_debug(self):
         marker = "MARKER-7f3a9c-secret-prompt"
         seen = []
@@ -150,7 +149,7 @@ class PrivacyTests(SynchronousTestCase):
         logs.set_level("debug")
         self.addCleanup(logs.set_level, "info")
         from nvpair_proxy.events import LogEmitter
-        w = World()
+        w = self.world()
         w.facade.reporter.emitter = LogEmitter()
         w.facade.reporter.activity.emitter = w.facade.reporter.emitter
         w.add("a"), w.add("b", addresses=("10.0.0.2",))
@@ -170,9 +169,9 @@ class PrivacyTests(SynchronousTestCase):
         self.assertEqual({e.get("engine") for e in facade_scoped}, {"ollama"})
 
 
-class PlacementTests(SynchronousTestCase):
+class PlacementTests(WorldTestCase):
     def test_waiting_for_an_owner_over_several_rounds_clears_the_placement_once(self):
-        w = World()
+        w = self.world()
         node = w.add("a")
         w.chat()
         w.agent.last.respond(503, length=0, finish=True)
@@ -188,7 +187,7 @@ class PlacementTests(SynchronousTestCase):
                  "lmstudio": ("/v1/chat/completions", "qwen"),
                  "llamacpp": ("/v1/chat/completions", "phi")}
         for engine, (path, model) in cases.items():
-            w = World(engine)
+            w = self.world(engine)
             w.add("a", models=(model,))
             client = w.send("POST", path, {"model": model, "stream": True})
             upstream = w.agent.last.respond(200)

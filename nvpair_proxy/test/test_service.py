@@ -36,7 +36,8 @@ class PoolTests(SynchronousTestCase):
     def test_pool_keeps_idle_connections_as_long_as_the_servers_do(self):
         pool = make_pool(MemoryReactorClock())
         self.assertTrue(pool.persistent)
-        self.assertEqual(pool.cachedConnectionTimeout, constants.SERVER_IDLE_TIMEOUT)
+        self.assertEqual(pool.cachedConnectionTimeout, constants.POOL_IDLE_TIMEOUT)
+        self.assertEqual(constants.POOL_IDLE_TIMEOUT, constants.SERVER_IDLE_TIMEOUT)
         self.assertGreaterEqual(pool.maxPersistentPerHost, 16)
         self.assertFalse(pool.retryAutomatically)
 

@@ -5,14 +5,13 @@ from __future__ import annotations
 from collections import Counter
 
 from twisted.internet.task import Clock
-from twisted.trial.unittest import SynchronousTestCase
 
 from nvpair_proxy.reservations import Rank, ReservationMap
-from nvpair_proxy.test.world import World
+from nvpair_proxy.test.world import WorldTestCase
 from nvpair_proxy.testing import FakeAgent
 
 
-def three_nodes(world: World, port: int = 11434, models=("llama3:latest",)):
+def three_nodes(world, port: int = 11434, models=("llama3:latest",)):
     for index, name in enumerate("abc"):
         world.add(name, models=models, addresses=(f"10.0.0.{index + 1}",), port=port)
 
@@ -21,9 +20,9 @@ def targets(agent: FakeAgent) -> Counter:
     return Counter(r.uri.split(b"/")[2].split(b":")[0].decode() for r in agent.requests)
 
 
-class SpreadTests(SynchronousTestCase):
+class SpreadTests(WorldTestCase):
     def test_six_concurrent_requests_over_three_equal_nodes_spread_two_each(self):
-        w = World()
+        w = self.world()
         three_nodes(w)
         for _ in range(6):
             w.chat()
@@ -36,15 +35,18 @@ class SpreadTests(SynchronousTestCase):
     def _mixed_burst(self, shared: bool) -> Counter:
         clock, agent = Clock(), FakeAgent()
         one = ReservationMap()
-        ollama = World("ollama", reservations=one, clock=clock, agent=agent)
-        lmstudio = World("lmstudio", reservations=one if shared else ReservationMap(),
+        ollama = self.world("ollama", reservations=one, clock=clock, agent=agent)
+        lmstudio = self.world("lmstudio", reservations=one if shared else ReservationMap(),
                          clock=clock, agent=agent)
         three_nodes(ollama)
         three_nodes(lmstudio, port=1234, models=("qwen",))
         ollama.chat()
         ollama.chat()
         lmstudio.send("POST", "/v1/chat/completions", {"model": "qwen"})
-        return targets(agent)
+        spread = targets(agent)
+        for record in agent.requests:
+            record.respond(200, length=0, finish=True)
+        return spread
 
     def test_a_mixed_burst_through_two_facades_spreads_over_the_shared_nodes(self):
         self.assertEqual(self._mixed_burst(shared=True),
@@ -54,7 +56,7 @@ class SpreadTests(SynchronousTestCase):
         self.assertEqual(self._mixed_burst(shared=False), Counter({"10.0.0.1": 2, "10.0.0.2": 1}))
 
     def test_scheduler_pending_steers_the_choice(self):
-        w = World()
+        w = self.world()
         three_nodes(w)
         w.reservations.set_priority(1, ["a", "b", "c"], [Rank("a", pending=2), Rank("b", pending=1)])
         w.chat()
@@ -62,7 +64,7 @@ class SpreadTests(SynchronousTestCase):
         w.agent.last.respond(200, length=0, finish=True)
 
     def test_failover_moves_the_reservation_and_backoff_releases_it(self):
-        w = World()
+        w = self.world()
         w.add("a"), w.add("b", addresses=("10.0.0.2",))
         w.chat()
         self.assertEqual(dict(w.reservations.reservations), {"a": 1})
@@ -77,7 +79,7 @@ class SpreadTests(SynchronousTestCase):
         self.assertEqual(dict(w.reservations.reservations), {})
 
     def test_released_when_the_client_leaves(self):
-        w = World()
+        w = self.world()
         w.add("a")
         client = w.chat()
         self.assertEqual(dict(w.reservations.reservations), {"a": 1})
@@ -85,7 +87,7 @@ class SpreadTests(SynchronousTestCase):
         self.assertEqual(dict(w.reservations.reservations), {})
 
     def test_held_while_streaming_and_released_at_the_end(self):
-        w = World()
+        w = self.world()
         w.add("a")
         w.chat()
         upstream = w.agent.last.respond(200)
@@ -95,7 +97,7 @@ class SpreadTests(SynchronousTestCase):
         self.assertEqual(dict(w.reservations.reservations), {})
 
     def test_an_eligible_pin_takes_no_reservation(self):
-        w = World()
+        w = self.world()
         three_nodes(w)
         w.facade.router.set_pin("c")
         w.chat()
@@ -104,7 +106,7 @@ class SpreadTests(SynchronousTestCase):
         w.agent.last.respond(200, length=0, finish=True)
 
     def test_an_ineligible_pin_does_not_override_the_capability_filter(self):
-        w = World()
+        w = self.world()
         w.add("a", models=("mistral:latest",))
         w.add("b", addresses=("10.0.0.2",))
         w.facade.router.set_pin("a")
@@ -116,7 +118,7 @@ class SpreadTests(SynchronousTestCase):
         w.agent.last.respond(200, length=0, finish=True)
 
     def test_requests_without_a_model_take_no_reservation(self):
-        w = World()
+        w = self.world()
         three_nodes(w)
         w.send("POST", "/api/chat", {"messages": []})
         w.send("GET", "/api/ps")
