@@ -34,7 +34,11 @@ NO_CONTENT_TEXT = "upstream error: upstream sent no response body within the fir
 
 @attrs.frozen
 class Bounds:
-    """Spec 5.1. ``response_timeout`` 0 disables both the header and first-content caps."""
+    """Spec 5.1. ``response_timeout`` 0 disables both the header and first-content caps.
+
+    ``stream_idle`` closes the spec's known gap (5.2) opt-in: after commit, an upstream silent
+    that long is closed; 0 (the default) keeps the spec's behaviour.
+    """
 
     max_attempts: int = constants.MAX_DISPATCH_ATTEMPTS
     deadline: float = constants.JOB_DEADLINE
@@ -42,6 +46,7 @@ class Bounds:
     backoff: tuple[float, ...] = constants.BACKOFF_SCHEDULE
     jitter: float = constants.BACKOFF_JITTER
     watch_interval: float = constants.TARGET_WATCH_INTERVAL
+    stream_idle: float = 0.0
 
 
 @attrs.define(eq=False)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 import json
+from typing import Callable
 from twisted.internet.interfaces import IDelayedCall, IPushProducer
 from twisted.python.failure import Failure
 from twisted.web.server import Request
@@ -45,6 +46,10 @@ def requested_model(body: bytes) -> str | None:
     return model
 
 
+class StreamIdleTimeout(Exception):
+    """The committed upstream was closed for silence (``--stream-idle-timeout``)."""
+
+
 @implementer(IPushProducer)
 class ClientWatch:
     """The upstream body as seen by the client connection, with the dead-client deadline.
@@ -78,6 +83,42 @@ class ClientWatch:
     def _expired(self) -> None:
         self.timer = None
         self.on_dead()
+
+
+class StreamIdle:
+    """Closes a committed upstream that sent nothing for ``limit`` seconds (spec 5.2's known
+    gap, closed opt-in with ``--stream-idle-timeout``).
+
+    One timer per stream, not per chunk: a chunk only stamps the time, and the timer, when it
+    fires, re-arms for what is left. Time the client spends not reading does not count: the
+    upstream is paused by us then, and the dead-client deadline is the one that applies.
+    """
+
+    def __init__(self, clock, limit: float, client_paused: Callable[[], bool],
+                 on_idle: Callable[[], None]) -> None:
+        self.clock, self.limit = clock, limit
+        self.client_paused, self.on_idle = client_paused, on_idle
+        self.last = clock.seconds()
+        self.timer: IDelayedCall | None = clock.callLater(limit, self._check)
+
+    def touch(self) -> None:
+        self.last = self.clock.seconds()
+
+    def _check(self) -> None:
+        now = self.clock.seconds()
+        if self.client_paused():
+            self.last = now
+        due = self.last + self.limit
+        if now < due:
+            self.timer = self.clock.callLater(due - now, self._check)
+            return
+        self.timer = None
+        self.on_idle()
+
+    def stop(self) -> None:
+        if self.timer is not None and self.timer.active():
+            self.timer.cancel()
+        self.timer = None
 
 
 class Phase(enum.Enum):
@@ -119,6 +160,8 @@ class Exchange:
         self.dispatch: Dispatch | None = None
         self.committed: Committed | None = None
         self.watch: ClientWatch | None = None
+        self.idle: StreamIdle | None = None
+        self.idle_note: str | None = None
         self.observer: BodyObserver | None = None
         self.first_byte_at: float | None = None
         self.bytes_written = 0
@@ -232,6 +275,9 @@ class Exchange:
         self.watch = ClientWatch(committed.relay.transport, self.clock, self._client_stalled,
                                  constants.DEAD_CLIENT_WRITE_DEADLINE)
         request.registerProducer(self.watch, True)
+        if self.upstreams.bounds.stream_idle > 0:
+            self.idle = StreamIdle(self.clock, self.upstreams.bounds.stream_idle,
+                                   lambda: self.watch.timer is not None, self._upstream_idle)
         committed.relay.attach(self)
         if not self.ended and getattr(request.channel, "_waitingForTransport", False):
             # The channel does not pause a producer registered while it is itself paused.
@@ -253,6 +299,8 @@ class Exchange:
         if self.observer is not None:
             self.observer.feed(data)
         self.reporter.activity_on(self.node_id)
+        if self.idle is not None:
+            self.idle.touch()
         self.bytes_written += len(data)
         self.request.write(data)
 
@@ -269,6 +317,17 @@ class Exchange:
         else:
             self.request.loseConnection()
 
+    def _upstream_idle(self) -> None:
+        """A committed engine went silent: close it; the client sees a truncated body and
+        the workload stays completed (spec 1.1), with the reason on ``proxy/request``."""
+        seconds = self.upstreams.bounds.stream_idle
+        log.warn("request {id}: node {node} sent nothing for {seconds:g}s after commit; "
+                 "closing it", id=self.id, node=self.node_id, seconds=seconds,
+                 engine=self.engine.id)
+        self.idle_note = f"upstream sent nothing for {seconds:g}s after commit"
+        self.committed.relay.abort()
+        self.upstream_done(Failure(StreamIdleTimeout(self.idle_note)))
+
     def _end_committed(self) -> None:
         code = self.committed.response.code
         stats = None
@@ -282,7 +341,7 @@ class Exchange:
                 log.failure("could not measure the response of request {id}", id=self.id,
                             engine=self.engine.id)
         if 200 <= code < 300:
-            self._end(COMPLETED, None, status=code, stats=stats)
+            self._end(COMPLETED, None, status=code, stats=stats, note=self.idle_note)
         else:
             self._end(FAILED, f"upstream returned HTTP {code}", status=code, stats=stats)
 
@@ -352,12 +411,16 @@ class Exchange:
     # The one end.
 
     def _end(self, state: str, error: str | None, *, status: int | None = None,
-             stats: dict | None = None) -> None:
+             stats: dict | None = None, note: str | None = None) -> None:
+        """The one end. ``note`` is said on ``proxy/request`` only: why a completed
+        request's stream was cut."""
         if self.ended:
             return
         self._enter(Phase.ENDED)
         if self.watch is not None:
             self.watch.stop_timer()
+        if self.idle is not None:
+            self.idle.stop()
         if self.dispatch is not None and self.dispatch.reservation is not None:
             self.dispatch.reservation.release()
             self.dispatch.reservation = None
@@ -370,4 +433,4 @@ class Exchange:
         self.reporter.request_finished(
             self.id, self.method, self.path, self.target,
             status if status is not None else 499, self.clock.seconds() - self.admitted_at,
-            node_id=self.node_id, ttfb=ttfb, error=error)
+            node_id=self.node_id, ttfb=ttfb, error=error or note)

@@ -45,7 +45,8 @@ def parse_duration(text: str) -> float:
 
 class Options(usage.Options):
     synopsis = ("[--ipc PATH] [--cluster-dir DIR] [--log-level LEVEL] "
-                "[--response-header-timeout DURATION] [--state-dir DIR] [--version] "
+                "[--response-header-timeout DURATION] [--stream-idle-timeout DURATION] "
+                "[--state-dir DIR] [--version] "
                 "[--engine ENGINE[:PORT]]... [--nodes FILE] [--engines-dir DIR]")
     longdesc = ("Broker mode (default): JSON-RPC on stdin/stdout or --ipc. Standalone mode: any "
                 "--engine; the fleet comes from --nodes, else this machine's engine.")
@@ -57,6 +58,9 @@ class Options(usage.Options):
         ["response-header-timeout", None, None,
          "Header and first-content cap: seconds or 30m-style (default "
          "$NVPAIR_PROXY_RESPONSE_HEADER_TIMEOUT, else 30m; 0 disables both)."],
+        ["stream-idle-timeout", None, None,
+         "After commit, close an upstream silent this long: seconds or 30m-style (default "
+         "$NVPAIR_PROXY_STREAM_IDLE_TIMEOUT, else 0: off, the spec's behaviour)."],
         ["state-dir", None, None, "Where persisted ports live (default $STATE_DIRECTORY, else "
                                   "~/.config/Nvidia Corporation/Personal AI Router)."],
         ["nodes", None, None, "Standalone fleet: a TOML nodes file, reloaded on change."],
@@ -102,6 +106,14 @@ class Options(usage.Options):
             unset = raw is None or (raw == "" and flag != "--response-header-timeout")
             self["response-timeout"] = (constants.DEFAULT_RESPONSE_TIMEOUT if unset
                                         else parse_duration(raw))
+        except ValueError as exc:
+            raise ValueError(f"{flag}: {exc}") from None
+        raw, flag = self["stream-idle-timeout"], "--stream-idle-timeout"
+        if raw is None:
+            raw, flag = os.environ.get("NVPAIR_PROXY_STREAM_IDLE_TIMEOUT") or "0", \
+                "NVPAIR_PROXY_STREAM_IDLE_TIMEOUT"
+        try:
+            self["stream-idle"] = parse_duration(raw)
         except ValueError as exc:
             raise ValueError(f"{flag}: {exc}") from None
         state_dir = self["state-dir"] or os.environ.get("STATE_DIRECTORY") or DEFAULT_STATE_DIR

@@ -59,7 +59,8 @@ class Runtime:
         set_level(options["log-level"])
         pool = make_pool(reactor)
         return cls(reactor=reactor, emitter=emitter,
-                   bounds=Bounds(response_timeout=options["response-timeout"]), pool=pool,
+                   bounds=Bounds(response_timeout=options["response-timeout"],
+                                 stream_idle=options["stream-idle"]), pool=pool,
                    agent=Agent(reactor, pool=pool, connectTimeout=constants.DIAL_TIMEOUT),
                    activity=ActivityThrottle(emitter, reactor.seconds))
 

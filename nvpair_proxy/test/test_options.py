@@ -96,6 +96,19 @@ class DefaultsTests(OptionsCase):
     def test_zero_response_timeout_disables(self) -> None:
         self.assertEqual(self.parse("--response-header-timeout", "0")["response-timeout"], 0.0)
 
+    def test_stream_idle_timeout_is_off_by_default(self) -> None:
+        self.assertEqual(self.parse()["stream-idle"], 0.0)
+
+    def test_stream_idle_timeout_from_flag_and_environment(self) -> None:
+        self.environ["NVPAIR_PROXY_STREAM_IDLE_TIMEOUT"] = "2m"
+        self.assertEqual(self.parse()["stream-idle"], 120.0)
+        self.assertEqual(self.parse("--stream-idle-timeout", "90s")["stream-idle"], 90.0)
+
+    def test_bad_stream_idle_timeout(self) -> None:
+        self.assertEqual(self.refused("--stream-idle-timeout", "later"),
+                         "nvpair-proxy: --stream-idle-timeout: not a duration: 'later' "
+                         "(use seconds or e.g. 90s, 30m, 1h30m)")
+
     def test_ipc_and_cluster_dir(self) -> None:
         cluster = self.mktemp()
         os.mkdir(cluster)

@@ -1,0 +1,75 @@
+"""``--stream-idle-timeout``: the spec's known gap (5.2) closed opt-in (issue 13, item 4)."""
+
+from __future__ import annotations
+
+from twisted.logger import globalLogPublisher
+
+from nvpair_proxy.dispatch import Bounds
+from nvpair_proxy.test.world import WorldTestCase
+
+IDLE_NOTE = "upstream sent nothing for 5s after commit"
+
+
+class StreamIdleTests(WorldTestCase):
+    def committed(self, stream_idle: float = 5.0):
+        w, client, upstream = self.streaming()
+        w.facade.upstreams.bounds = Bounds(stream_idle=stream_idle)
+        upstream.write(b'{"message":{"content":"a"},"done":false}\n')
+        return w, client, upstream
+
+    def test_a_silent_committed_upstream_is_closed_and_the_job_stays_completed(self):
+        logged = []
+        globalLogPublisher.addObserver(logged.append)
+        self.addCleanup(globalLogPublisher.removeObserver, logged.append)
+        w, client, upstream = self.committed()
+        w.clock.advance(4.9)
+        upstream.write(b'{"message":{"content":"b"},"done":false}\n')  # refreshes the wait
+        w.clock.advance(4.9)
+        self.assertFalse(upstream.transport.stopped)
+        self.assertFalse(client.transport.disconnecting)
+        w.clock.advance(0.1)
+        self.assertTrue(upstream.transport.stopped)
+        self.assertTrue(client.transport.disconnecting)
+        response = client.response()
+        self.assertEqual(response.body, b'{"message":{"content":"a"},"done":false}\n'
+                                        b'{"message":{"content":"b"},"done":false}\n')
+        self.assertFalse(response.complete)  # no last chunk: the client sees the truncation
+        self.assertEqual(w.workload_events()[-1], ("workload:completed", "completed", "a"))
+        self.assertIsNone(w.emitter.workload()[-1][1]["error"])
+        (_, finished), = [(m, p) for m, p in w.emitter.sent if m == "ollama:proxy/request"]
+        self.assertEqual((finished["status"], finished["error"]), (200, IDLE_NOTE))
+        warns = [e for e in logged if e.get("log_level").name == "warn"
+                 and "sent nothing" in e.get("log_format", "")]
+        self.assertEqual(len(warns), 1)
+        self.assertEqual(warns[0]["node"], "a")
+
+    def test_chunks_do_not_add_timers(self):
+        w, client, upstream = self.committed()
+        before = len(w.clock.getDelayedCalls())
+        for index in range(100):
+            upstream.write(b'{"done":false}\n')
+            w.clock.advance(0.01)
+        self.assertEqual(len(w.clock.getDelayedCalls()), before)
+        upstream.write(b'{"done":true}\n')
+        upstream.finish()
+        self.assertEqual(w.workload_events()[-1][0], "workload:completed")
+
+    def test_off_by_default(self):
+        w, client, upstream = self.streaming()
+        self.assertEqual(w.facade.upstreams.bounds.stream_idle, 0)
+        upstream.write(b'{"done":false}\n')
+        w.clock.advance(3600)
+        self.assertFalse(upstream.transport.stopped)
+        self.assertFalse(client.transport.disconnecting)
+        upstream.write(b'{"done":true}\n')
+        upstream.finish()
+        self.assertTrue(client.response().complete)
+
+    def test_a_client_that_stops_reading_is_the_dead_client_deadlines_business(self):
+        w, client, upstream = self.committed()
+        client.pause()
+        w.clock.advance(29)
+        self.assertFalse(upstream.transport.stopped)
+        w.clock.advance(1)
+        self.assertEqual(w.emitter.workload()[-1][1]["error"],
+                         "client disconnected before completion")
