@@ -13,11 +13,12 @@ import os
 from typing import Callable
 
 import attrs
+from twisted.logger import LogLevel
 from zope.interface import implementer
 
 from . import constants
 from .interfaces import IEmitter
-from .logs import logger
+from .logs import enabled, logger
 
 QUEUED, RUNNING, COMPLETED, FAILED, CANCELLED = "queued", "running", "completed", "failed", "cancelled"
 
@@ -38,6 +39,8 @@ class LogEmitter:
     """Standalone mode: events to the log at debug, one line each (design decision 20)."""
 
     def notify(self, method: str, params: dict, engine: str | None = None) -> None:
+        if not enabled(LogLevel.debug):
+            return  # nobody reads it: do not encode it (issue 10)
         name = f"{engine}:{method}" if engine else method
         log.debug("event {method} {params}", method=name, params=json.dumps(params, sort_keys=True),
                   engine=engine)

@@ -32,5 +32,10 @@ def set_level(name: str) -> None:
     _level["current"] = LEVELS[name]
 
 
+def enabled(level: LogLevel) -> bool:
+    """Whether a record at ``level`` would be kept: lets callers skip building it at all."""
+    return level >= _level["current"]
+
+
 def level_name() -> str:
     return next(name for name, level in LEVELS.items() if level == _level["current"])
