@@ -1,4 +1,4 @@
-"""One HTTP facade per engine: its parts, its Resource, and the request class that bounds bodies.
+"""One HTTP facade per engine: its parts, its Resource, and the answers of the whole fleet.
 
 The facade speaks its engine's own dialect to clients and hands each request to an Exchange.
 Its router and reporter are per engine; the reservation map, the agent pool and the emitter
@@ -7,6 +7,7 @@ are shared across facades because one process hosts them all (spec 3.1).
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Callable
 
 import attrs
@@ -16,13 +17,11 @@ from twisted.python.failure import Failure
 from twisted.web.http_headers import Headers
 from twisted.web.iweb import IAgent
 from twisted.web.resource import Resource
-from twisted.web.server import NOT_DONE_YET, Request, Site
+from twisted.web.server import NOT_DONE_YET, Request
 
 from . import constants, cors
-from .answers import (BODY_TOO_LARGE, INVENTORY_UNAVAILABLE, NO_PREFLIGHT_ANSWER,
-                      ORIGIN_DENIED, answer_internal_error, raw_error, send_error,
-                      send_whole)
-from .deadline import request_line_received
+from .answers import (INVENTORY_UNAVAILABLE, NO_PREFLIGHT_ANSWER, ORIGIN_DENIED,
+                      answer_internal_error, send_error, send_whole)
 from .discovery import Node
 from .dispatch import NO_CANDIDATE, Bounds, Upstreams
 from .engines import Engine
@@ -35,6 +34,7 @@ from .inventory import (MODEL_LIST_STRIPPED, Reply, ask_fleet, fetch, listed_mod
 from .logs import logger
 from .reservations import ReservationMap
 from .router import Router
+from .server import BoundedSite
 
 log = logger()
 
@@ -162,7 +162,7 @@ class FleetAnswer:
 
     def _answer(self, replies: list[Reply], answer: Callable[[list[Reply]], None]) -> None:
         self.finished = True
-        if self.request._disconnected:
+        if self.request.client_gone:
             self.report(499)
             return
         answer(replies)
@@ -275,77 +275,8 @@ def serve_model_list(facade: Facade, request: Request, route) -> None:
               timeout=constants.MODEL_LIST_TIMEOUT, limit=constants.MODEL_LIST_MAX_BODY)
 
 
-class BoundedRequest(Request):
-    """A request whose body may not exceed 32 MiB (protocol 5), chunked bodies included.
-
-    twisted.web has no limit of its own and reads the body before ``render``; over the limit
-    we answer 413 at once, close, and keep none of the excess.
-    """
-
-    max_body = constants.MAX_REQUEST_BODY
-    header_timeout = constants.SERVER_HEADER_READ_TIMEOUT
-
-    def __init__(self, channel, *args, **kwargs):
-        super().__init__(channel, *args, **kwargs)
-        request_line_received(channel.transport)
-        # Created at the request line: the headers must follow within 10 s (protocol 7),
-        # so a client trickling headers cannot hold a connection for the idle timeout.
-        self._header_timer = channel.callLater(self.header_timeout, self._headers_too_slow)
-
-    def _headers_too_slow(self) -> None:
-        self._header_timer = None
-        self.channel.transport.abortConnection()
-
-    def gotLength(self, length):
-        if self._header_timer is not None and self._header_timer.active():
-            self._header_timer.cancel()
-        self._header_timer = None
-        self._received = 0
-        self._rejected = False
-        if length is not None and length > self.max_body:
-            self._reject()
-            return
-        super().gotLength(length)
-
-    def handleContentChunk(self, data: bytes) -> None:
-        if self._rejected:
-            return
-        self._received += len(data)
-        if self._received > self.max_body:
-            self._reject()
-            return
-        super().handleContentChunk(data)
-
-    def connectionLost(self, reason):
-        if self._header_timer is not None and self._header_timer.active():
-            self._header_timer.cancel()
-        self._header_timer = None
-        super().connectionLost(reason)
-
-    def process(self):
-        if getattr(self, "_rejected", False):
-            return
-        return super().process()
-
-    def _reject(self) -> None:
-        self._rejected = True
-        self.content = None
-        # Answered now, so no "100 Continue" may follow the final answer.
-        self.requestHeaders.removeHeader(b"expect")
-        facade = getattr(getattr(getattr(self.channel, "site", None), "resource", None),
-                         "facade", None)
-        if facade is not None:
-            report_rejection(facade, getattr(self.channel, "_command", b""),
-                             getattr(self.channel, "_path", b""), 413, BODY_TOO_LARGE)
-        transport = self.channel.transport
-        transport.write(raw_error(413, BODY_TOO_LARGE))
-        transport.loseConnection()
-
-
-def facade_site(facade: Facade, reactor=None) -> Site:
+def facade_site(facade: Facade, reactor=None) -> BoundedSite:
     """The Site serving one facade; idle timeout equal to the pool's (protocol 7)."""
-    site = Site(FacadeResource(facade), timeout=constants.SERVER_IDLE_TIMEOUT, reactor=reactor)
-    site.requestFactory = BoundedRequest
-    site.displayTracebacks = False
-    site.noisy = False
-    return site
+    return BoundedSite(FacadeResource(facade), reactor=reactor,
+                       timeout=constants.SERVER_IDLE_TIMEOUT,
+                       on_rejected=partial(report_rejection, facade))
