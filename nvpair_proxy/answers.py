@@ -72,8 +72,9 @@ def send_whole(request: Request, status: int, headers: Headers, body: bytes,
 
 def answer_internal_error(request: Request) -> None:
     """Spec 3.2: 500 when nothing was sent yet; otherwise drop the connection, so the client
-    sees a broken response rather than a complete-looking one."""
-    if not request.startedWriting and not request.finished and not request._disconnected:
+    sees a broken response rather than a complete-looking one. ``request`` is a
+    ``server.BoundedRequest``: ``client_gone`` says the client already left (notifyFinish)."""
+    if not request.startedWriting and not request.finished and not request.client_gone:
         send_error(request, 500, "internal error")
     elif not request.finished and request.channel is not None:
         request.channel.transport.abortConnection()

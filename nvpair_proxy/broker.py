@@ -14,13 +14,12 @@ from typing import Any, Callable, Mapping
 import attrs
 from twisted.internet.error import CannotListenError
 from twisted.internet.interfaces import IListeningPort
-from twisted.web.server import Site
 
 from . import __version__
 from .aliases import parse_aliases
 from .discovery import Node, is_local_address, make_node, project
 from .engines import Engine
-from .facade import BoundedRequest, Facade, facade_site
+from .facade import Facade, facade_site
 from .ingress import IngressResource
 from .inventory import Prober
 from .listener import DemuxFactory
@@ -29,6 +28,7 @@ from .ports import read_port, write_port
 from .reservations import Rank
 from .rpc import (BIND_FAILED, INVALID_PARAMS, NO_FACADE, SERVER_ERROR, MethodNotFound,
                   NoAnswer, RpcError)
+from .server import BoundedSite
 from .slots import Slots, parse_slots
 from .trust import ClusterDirectory, PeerAgents, tls_ingress
 
@@ -198,10 +198,9 @@ class Broker:
         site = facade_site(facade, facade.clock)
         if self.directory is None:
             return DemuxFactory(site)
-        ingress = Site(IngressResource(facade, self.directory, backend), reactor=facade.clock,
-                       timeout=site.timeOut)
-        ingress.requestFactory = BoundedRequest
-        ingress.noisy = False
+        ingress = BoundedSite(IngressResource(facade, self.directory, backend),
+                              reactor=facade.clock, timeout=site.timeOut,
+                              on_rejected=site.on_rejected)
         return DemuxFactory(site, tls=tls_ingress(self.directory, ingress, facade.clock))
 
     def _bind_aliases(self, running: Running, hosts: list[str], port: int) -> None:

@@ -30,6 +30,7 @@ from .interfaces import IRouter
 from .logs import logger
 from .router import retry_after
 from .stats import BodyObserver
+from .twisted_workarounds import channel_paused
 
 log = logger()
 
@@ -247,7 +248,7 @@ class Exchange:
 
     def _answer(self, answer: Answer) -> None:
         self._end(FAILED, answer.text, status=answer.status)
-        if not self.request.finished and not self.request._disconnected:
+        if not self.request.finished and not self.request.client_gone:
             send_error(self.request, answer.status, answer.text, code=answer.code,
                        retry_after=answer.retry_after)
 
@@ -279,7 +280,7 @@ class Exchange:
             self.idle = StreamIdle(self.clock, self.upstreams.bounds.stream_idle,
                                    lambda: self.watch.timer is not None, self._upstream_idle)
         committed.relay.attach(self)
-        if not self.ended and getattr(request.channel, "_waitingForTransport", False):
+        if not self.ended and channel_paused(request):
             # The channel does not pause a producer registered while it is itself paused.
             self.watch.pauseProducing()
 

@@ -1,42 +1,34 @@
-"""One HTTP facade per engine: its parts, its Resource, and the request class that bounds bodies.
+"""One HTTP facade per engine: its parts and its Resource.
 
-The facade speaks its engine's own dialect to clients and hands each request to an Exchange.
-Its router and reporter are per engine; the reservation map, the agent pool and the emitter
-are shared across facades because one process hosts them all (spec 3.1).
+The facade speaks its engine's own dialect to clients and hands each request to an Exchange,
+or, for the answers the whole fleet gives together, to ``fleet.py``. Its router and reporter
+are per engine; the reservation map, the agent pool and the emitter are shared across facades
+because one process hosts them all (spec 3.1).
 """
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Callable
 
 import attrs
-from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IReactorTime
 from twisted.python.failure import Failure
-from twisted.web.http_headers import Headers
 from twisted.web.iweb import IAgent
 from twisted.web.resource import Resource
-from twisted.web.server import NOT_DONE_YET, Request, Site
+from twisted.web.server import NOT_DONE_YET, Request
 
 from . import constants, cors
-from .answers import (BODY_TOO_LARGE, INVENTORY_UNAVAILABLE, NO_PREFLIGHT_ANSWER,
-                      ORIGIN_DENIED, answer_internal_error, raw_error, send_error,
-                      send_whole)
-from .deadline import request_line_received
-from .discovery import Node
-from .dispatch import NO_CANDIDATE, Bounds, Upstreams
+from .answers import send_error
+from .dispatch import Bounds, Upstreams
 from .engines import Engine
 from .events import ActivityThrottle, Reporter
 from .exchange import Exchange
-from .hopbyhop import end_to_end
+from .fleet import Fleet, serve_model_list, serve_preflight
 from .interfaces import IEmitter
-from .inventory import (MODEL_LIST_STRIPPED, Reply, ask_fleet, fetch, listed_models,
-                        merged_list, node_url)
-from .logs import logger
 from .reservations import ReservationMap
 from .router import Router
-
-log = logger()
+from .server import BoundedSite
 
 IDENTITY_PROBE = b"x-nvpair-engine-identity-probe"
 
@@ -61,17 +53,11 @@ class Facade:
         return Exchange(request, engine=self.engine, router=self.router, reporter=self.reporter,
                         upstreams=self.upstreams, in_flight=self.in_flight)
 
-    def ask_fleet(self, nodes: list[Node], method: bytes, path: bytes, headers: Headers, *,
-                  timeout: float, limit: int, width: int | None = None) -> Deferred:
-        """Ask every node once, without a body, at the address that last answered."""
-        upstreams = self.upstreams
-
-        def ask(node: Node, time_left: float) -> Deferred:
-            url = node_url(node, path.decode("latin-1"), upstreams.addresses.order(node)[0])
-            return fetch(upstreams.agent_for(node), self.clock, url, headers, timeout=time_left,
-                         limit=limit, method=method)
-
-        return ask_fleet(nodes, ask, self.clock, timeout=timeout, width=width)
+    @property
+    def fleet(self) -> Fleet:
+        """The parts the answers of the whole fleet (preflight, model list) need."""
+        return Fleet(engine=self.engine, router=self.router, reporter=self.reporter,
+                     upstreams=self.upstreams)
 
     def shutdown(self) -> None:
         """Cancel every request in flight; each reports ``cancelled`` once (protocol 1)."""
@@ -125,11 +111,11 @@ class FacadeResource(Resource):
         if answered_identity_probe(self.facade, request):
             return NOT_DONE_YET
         if cors.is_preflight(request.method, request.requestHeaders):
-            serve_preflight(self.facade, request)
+            serve_preflight(self.facade.fleet, request)
             return NOT_DONE_YET
         route = self.facade.engine.classify(request.method, request.path)
         if route is not None and route.is_models:
-            serve_model_list(self.facade, request, route)
+            serve_model_list(self.facade.fleet, request, route)
             return NOT_DONE_YET
         exchange = self.facade.exchange(request)
         try:
@@ -139,213 +125,8 @@ class FacadeResource(Resource):
         return NOT_DONE_YET
 
 
-class FleetAnswer:
-    """A request the whole fleet answers together (model list, preflight): no workload, no
-    reservation, one ``proxy/request`` with target ``cluster`` (protocol 4)."""
-
-    def __init__(self, facade: Facade, request: Request) -> None:
-        self.facade, self.request = facade, request
-        self.started = facade.clock.seconds()
-        self.id = facade.reporter.next_request_id()
-        self.asking: Deferred | None = None
-        self.finished = False
-        request.notifyFinish().addErrback(self._client_gone)
-
-    def ask(self, nodes: list[Node], method: bytes, path: bytes, headers: Headers,
-            answer: Callable[[list[Reply]], None], **limits) -> None:
-        self.asking = self.facade.ask_fleet(nodes, method, path, headers, **limits)
-        self.asking.addCallback(self._answer, answer).addErrback(self._crashed)
-
-    def _client_gone(self, _: Failure) -> None:
-        if not self.finished and self.asking is not None:
-            self.asking.cancel()
-
-    def _answer(self, replies: list[Reply], answer: Callable[[list[Reply]], None]) -> None:
-        self.finished = True
-        if self.request._disconnected:
-            self.report(499)
-            return
-        answer(replies)
-
-    def _crashed(self, failure: Failure) -> None:
-        """Spec 3.2: a bug costs this request only: logged with its traceback, answered 500."""
-        log.failure("unexpected error handling {method} {path}", failure, method=self._method(),
-                    path=self._path(), engine=self.facade.engine.id)
-        answer_internal_error(self.request)
-        self.report(500, error="internal error")
-
-    def _method(self) -> str:
-        return self.request.method.decode("latin-1")
-
-    def _path(self) -> str:
-        return self.request.path.decode("latin-1")
-
-    def error(self, status: int, text: str, headers: Headers | None = None,
-              node: Node | None = None) -> None:
-        send_error(self.request, status, text, headers=headers)
-        self.report(status, error=text, node=node)
-
-    def whole(self, status: int, headers: Headers, body: bytes, phrase: bytes | None = None,
-              node: Node | None = None) -> None:
-        self.report_started(node)
-        send_whole(self.request, status, headers, body, phrase)
-        self.report(status, node=node)
-
-    def report_started(self, node: Node | None) -> None:
-        self.facade.reporter.request_started(self.id, self._method(), self._path(), "cluster",
-                                             node.id if node else None)
-
-    def report(self, status: int, error: str | None = None, node: Node | None = None) -> None:
-        self.facade.reporter.request_finished(
-            self.id, self._method(), self._path(), "cluster", status,
-            self.facade.clock.seconds() - self.started, node_id=node.id if node else None,
-            error=error)
-
-
-def serve_preflight(facade: Facade, request: Request) -> None:
-    """Spec 5.8: every routable engine is asked, and the browser gets what all of them allow.
-
-    Candidates are ordered as for any request (pin, priority, id), which decides whose
-    denial is shown when several refuse. The caller's credentials never reach the fleet.
-    """
-    fleet = FleetAnswer(facade, request)
-    nodes = facade.router.candidates(None)
-    if not nodes:
-        fleet.error(502, NO_CANDIDATE)
-        return
-    origin = request.getHeader(b"origin")
-    headers = end_to_end(request.requestHeaders, drop=cors.PREFLIGHT_STRIPPED)
-
-    def answer(replies: list[Reply]) -> None:
-        if not replies:
-            fleet.error(502, NO_PREFLIGHT_ANSWER)
-            return
-        verdict = cors.judge_preflight(replies, origin, len(nodes))
-        if isinstance(verdict, Reply):
-            fleet.whole(verdict.status, verdict.headers, verdict.body, verdict.phrase,
-                        node=verdict.node)
-        else:
-            fleet.whole(204, verdict, b"")
-
-    fleet.ask(nodes, b"OPTIONS", request.uri, headers, answer, timeout=cors.PREFLIGHT_TIMEOUT,
-              limit=cors.PREFLIGHT_MAX_BODY, width=cors.PREFLIGHT_WIDTH)
-
-
-def serve_model_list(facade: Facade, request: Request, route) -> None:
-    """A model list covers the whole fleet, whatever the selection (spec 5).
-
-    Without an Origin, invalid and unavailable lists are skipped. With one, every engine
-    that answered must agree (spec 5.8): a refusal of the origin is a 403, and an answer
-    that is not a valid inventory makes the whole list a 502 rather than a partial one.
-    """
-    fleet = FleetAnswer(facade, request)
-    origin = request.getHeader(b"origin")
-    query = request.uri.partition(b"?")[2]
-    path = route.upstream_path.encode() + (b"?" + query if query else b"")
-    headers = end_to_end(request.requestHeaders, drop=MODEL_LIST_STRIPPED)
-
-    def answer(replies: list[Reply]) -> None:
-        listed = [listed_models(reply, route.envelope) for reply in replies]
-        valid = [(reply, pairs) for reply, pairs in zip(replies, listed) if pairs is not None]
-        if origin is None:
-            if not valid:
-                fleet.error(503, INVENTORY_UNAVAILABLE)
-                return
-            send_list([reply for reply, _ in valid], [pairs for _, pairs in valid], Headers())
-            return
-        verdict, denial = cors.judge_inventory(replies, origin, len(valid) == len(replies))
-        if verdict == cors.DENIED:
-            fleet.error(403, ORIGIN_DENIED, Headers({b"Vary": [b"Origin"]}), node=denial.node)
-        elif verdict == cors.INVALID:
-            fleet.error(502, INVENTORY_UNAVAILABLE, cors.combined(replies, origin))
-        else:
-            send_list(replies, listed, cors.combined(replies, origin))
-
-    def send_list(replies: list[Reply], inventories: list, permission: Headers) -> None:
-        headers = Headers({b"Content-Type": [b"application/json"]})
-        for name, values in permission.getAllRawHeaders():
-            headers.setRawHeaders(name, list(values))
-        if not headers.hasHeader(b"vary"):
-            vary = cors.vary(replies)
-            if vary is not None:
-                headers.setRawHeaders(b"Vary", [vary])
-        fleet.whole(200, headers, merged_list(inventories, route.envelope))
-
-    fleet.ask(facade.router.routable(), b"GET", path, headers, answer,
-              timeout=constants.MODEL_LIST_TIMEOUT, limit=constants.MODEL_LIST_MAX_BODY)
-
-
-class BoundedRequest(Request):
-    """A request whose body may not exceed 32 MiB (protocol 5), chunked bodies included.
-
-    twisted.web has no limit of its own and reads the body before ``render``; over the limit
-    we answer 413 at once, close, and keep none of the excess.
-    """
-
-    max_body = constants.MAX_REQUEST_BODY
-    header_timeout = constants.SERVER_HEADER_READ_TIMEOUT
-
-    def __init__(self, channel, *args, **kwargs):
-        super().__init__(channel, *args, **kwargs)
-        request_line_received(channel.transport)
-        # Created at the request line: the headers must follow within 10 s (protocol 7),
-        # so a client trickling headers cannot hold a connection for the idle timeout.
-        self._header_timer = channel.callLater(self.header_timeout, self._headers_too_slow)
-
-    def _headers_too_slow(self) -> None:
-        self._header_timer = None
-        self.channel.transport.abortConnection()
-
-    def gotLength(self, length):
-        if self._header_timer is not None and self._header_timer.active():
-            self._header_timer.cancel()
-        self._header_timer = None
-        self._received = 0
-        self._rejected = False
-        if length is not None and length > self.max_body:
-            self._reject()
-            return
-        super().gotLength(length)
-
-    def handleContentChunk(self, data: bytes) -> None:
-        if self._rejected:
-            return
-        self._received += len(data)
-        if self._received > self.max_body:
-            self._reject()
-            return
-        super().handleContentChunk(data)
-
-    def connectionLost(self, reason):
-        if self._header_timer is not None and self._header_timer.active():
-            self._header_timer.cancel()
-        self._header_timer = None
-        super().connectionLost(reason)
-
-    def process(self):
-        if getattr(self, "_rejected", False):
-            return
-        return super().process()
-
-    def _reject(self) -> None:
-        self._rejected = True
-        self.content = None
-        # Answered now, so no "100 Continue" may follow the final answer.
-        self.requestHeaders.removeHeader(b"expect")
-        facade = getattr(getattr(getattr(self.channel, "site", None), "resource", None),
-                         "facade", None)
-        if facade is not None:
-            report_rejection(facade, getattr(self.channel, "_command", b""),
-                             getattr(self.channel, "_path", b""), 413, BODY_TOO_LARGE)
-        transport = self.channel.transport
-        transport.write(raw_error(413, BODY_TOO_LARGE))
-        transport.loseConnection()
-
-
-def facade_site(facade: Facade, reactor=None) -> Site:
+def facade_site(facade: Facade, reactor=None) -> BoundedSite:
     """The Site serving one facade; idle timeout equal to the pool's (protocol 7)."""
-    site = Site(FacadeResource(facade), timeout=constants.SERVER_IDLE_TIMEOUT, reactor=reactor)
-    site.requestFactory = BoundedRequest
-    site.displayTracebacks = False
-    site.noisy = False
-    return site
+    return BoundedSite(FacadeResource(facade), reactor=reactor,
+                       timeout=constants.SERVER_IDLE_TIMEOUT,
+                       on_rejected=partial(report_rejection, facade))

@@ -11,17 +11,17 @@ from __future__ import annotations
 from typing import Callable
 
 from twisted.internet.interfaces import IAddress
-from twisted.internet.protocol import Factory, Protocol, ServerFactory
+from twisted.internet.protocol import Protocol, ServerFactory
+from twisted.protocols.policies import WrappingFactory
 from twisted.python.failure import Failure
 from twisted.web.resource import Resource
-from twisted.web.server import NOT_DONE_YET, Request, Site
+from twisted.web.server import NOT_DONE_YET, Request
 
 from .answers import LOOPBACK_ONLY, send_error
 from .constants import SERVER_HEADER_READ_TIMEOUT
-from .deadline import expect_request_line
-from .logs import logger
 from .discovery import is_loopback
-from .facade import BoundedRequest, report_rejection
+from .logs import logger
+from .server import BoundedSite, Rejected
 
 TLS_HANDSHAKE = 0x16
 
@@ -33,19 +33,25 @@ class LoopbackOnly(Resource):
 
     isLeaf = True
 
-    def __init__(self, facade=None) -> None:
+    def __init__(self, on_rejected: Rejected) -> None:
         super().__init__()
-        self.facade = facade
+        self.on_rejected = on_rejected
 
     def render(self, request: Request):
         code, text = LOOPBACK_ONLY
-        if self.facade is not None:
-            report_rejection(self.facade, request.method, request.path, 403, code)
+        self.on_rejected(request.method, request.path, 403, code)
         send_error(request, 403, text, code=code)
         return NOT_DONE_YET
 
 
 class _Demux(Protocol):
+    """One accepted connection until its first byte, then the protocol that byte chose.
+
+    It runs the accept deadline (protocol 7: a complete request line within 10 s of accept,
+    a TLS handshake included) on the accepted transport, the only one that exists before the
+    handshake, and hands the HTTP channel it builds the callback that ends it.
+    """
+
     def __init__(self, factory: "DemuxFactory", addr: IAddress) -> None:
         self.factory, self.addr = factory, addr
         self.inner: Protocol | None = None
@@ -55,7 +61,6 @@ class _Demux(Protocol):
         # Until a request line arrives (after a TLS handshake, if any): one header read.
         self.timer = self.factory.clock.callLater(SERVER_HEADER_READ_TIMEOUT,
                                                   self.transport.abortConnection)
-        expect_request_line(self.transport, self._stop_timer)
 
     def _stop_timer(self) -> None:
         if self.timer is not None and self.timer.active():
@@ -65,7 +70,7 @@ class _Demux(Protocol):
     def dataReceived(self, data: bytes) -> None:
         if self.inner is None:
             try:
-                inner = self.factory.choose(data[0], self.addr)
+                inner = self.factory.choose(data[0], self.addr, self._stop_timer)
                 if inner is not None:
                     inner.makeConnection(self.transport)
             except Exception:
@@ -87,14 +92,14 @@ class _Demux(Protocol):
 class DemuxFactory(ServerFactory):
     """Builds the per-connection demultiplexer over a facade's Site.
 
-    ``tls`` is a factory for the mTLS ingress, or a callable returning None while this node
-    is not a cluster member (then a ClientHello is refused by closing).
+    ``tls`` returns the mTLS ingress (a TLS factory wrapping a BoundedSite), or None while
+    this node is not a cluster member (then a ClientHello is refused by closing).
     """
 
     noisy = False
 
-    def __init__(self, site: Site, gate: Site | None = None,
-                 tls: Callable[[], Factory | None] = lambda: None) -> None:
+    def __init__(self, site: BoundedSite, gate: BoundedSite | None = None,
+                 tls: Callable[[], WrappingFactory | None] = lambda: None) -> None:
         self.site = site
         self.clock = site.reactor
         self.gate = gate or _gate_site(site)
@@ -103,22 +108,29 @@ class DemuxFactory(ServerFactory):
     def buildProtocol(self, addr: IAddress) -> Protocol:
         return _Demux(self, addr)
 
-    def choose(self, first: int, addr: IAddress) -> Protocol | None:
+    def choose(self, first: int, addr: IAddress,
+               request_line_seen: Callable[[], None]) -> Protocol | None:
+        """The protocol for a connection whose first byte is ``first``; its HTTP channel
+        calls ``request_line_seen`` at its first request line."""
         if first == TLS_HANDSHAKE:
             tls = self.tls()
-            return tls.buildProtocol(addr) if tls is not None else None
-        if is_loopback(getattr(addr, "host", "")):
-            return self.site.buildProtocol(addr)
-        return self.gate.buildProtocol(addr)
+            if tls is None:
+                return None
+            protocol = tls.buildProtocol(addr)
+            channel = protocol.wrappedProtocol  # the TLS layer wraps the ingress's channel
+        elif is_loopback(getattr(addr, "host", "")):
+            protocol = channel = self.site.buildProtocol(addr)
+        else:
+            protocol = channel = self.gate.buildProtocol(addr)
+        channel.expect_request_line(request_line_seen)
+        return protocol
 
 
-def _gate_site(site: Site) -> Site:
-    """The same limits as the facade (body size, header read, idle), a 403 for everything."""
-    gate = Site(LoopbackOnly(getattr(site.resource, "facade", None)), timeout=site.timeOut,
-                reactor=site.reactor)
-    gate.requestFactory = BoundedRequest
-    gate.noisy = False
-    return gate
+def _gate_site(site: BoundedSite) -> BoundedSite:
+    """The same limits as the facade (body size, header read, idle), a 403 for everything,
+    reported where the facade's own refusals go."""
+    return BoundedSite(LoopbackOnly(site.on_rejected), reactor=site.reactor,
+                       timeout=site.timeOut, on_rejected=site.on_rejected)
 
 
 def listen_everywhere(reactor, port: int, factory: ServerFactory, interface: str = "::"):

@@ -19,10 +19,11 @@ from nvpair_proxy.discovery import make_node
 from nvpair_proxy.dispatch import Bounds
 from nvpair_proxy.engines import load_engines
 from nvpair_proxy.events import RecordingEmitter
-from nvpair_proxy.facade import BoundedRequest, make_facade, facade_site
+from nvpair_proxy.facade import make_facade, facade_site
 from nvpair_proxy.ingress import IngressResource
 from nvpair_proxy.listener import DemuxFactory
 from nvpair_proxy.requestbody import BytesProducer
+from nvpair_proxy.server import BoundedSite
 from nvpair_proxy.reservations import ReservationMap
 from nvpair_proxy.simfleet import SimNode, SimNodeResource
 from nvpair_proxy.test.certs import make_certificate, write_admission, write_identity, write_pin
@@ -131,9 +132,10 @@ class PinnedTLSTests(TestCase):
         facade = make_facade(OLLAMA, clock=reactor, agent=Agent(reactor, pool=self.pool()),
                         emitter=self.emitter, run_id="0" * 16, random=random.random,
                         bounds=Bounds(), reservations=ReservationMap())
-        ingress = Site(IngressResource(facade, self.b, lambda: self.backend), reactor=reactor)
-        ingress.requestFactory = BoundedRequest
-        factory = DemuxFactory(facade_site(facade, reactor), tls=tls_ingress(self.b, ingress, reactor))
+        site = facade_site(facade, reactor)
+        ingress = BoundedSite(IngressResource(facade, self.b, lambda: self.backend),
+                              reactor=reactor, timeout=site.timeOut, on_rejected=site.on_rejected)
+        factory = DemuxFactory(site, tls=tls_ingress(self.b, ingress, reactor))
         port = reactor.listenTCP(0, factory, interface="127.0.0.1")
         self.addCleanup(port.stopListening)
         self.url = b"https://127.0.0.1:%d/api/chat" % port.getHost().port

@@ -1,0 +1,172 @@
+"""The HTTP server side of every port, built on Twisted's public hooks (protocol 5 and 7).
+
+A client gets no more time and no more memory than a well-behaved one needs, so a peer that
+trickles cannot hold a connection for the 90 s idle timeout and one that floods cannot fill
+the disk:
+
+- the request line must be complete 10 s after the connection was accepted, a TLS handshake
+  included. The listener's demux runs that deadline, because only it is there from accept and
+  through the handshake; the channel ends it, because only the channel sees the request line.
+  The demux hands its callback to the channel it builds (``expect_request_line``).
+- the headers must follow within 10 s of each request line (the channel);
+- the body may not exceed 32 MiB (the request): 413 at once, nothing of the excess kept.
+
+The Site builds this channel through its ``protocol`` attribute and is given, by whoever builds
+the Site, the reporter a 413 goes to, so a request never looks for the facade it belongs to.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from twisted.internet.interfaces import IDelayedCall
+from twisted.python.failure import Failure
+from twisted.web.http import HTTPChannel
+from twisted.web.resource import IResource
+from twisted.web.server import Request, Site
+
+from . import constants
+from .answers import BODY_TOO_LARGE, raw_error
+
+# method, request target (query included), status, error text
+Rejected = Callable[[bytes, bytes, int, str], None]
+
+
+def _not_reported(method: bytes, target: bytes, status: int, error: str) -> None:
+    """A Site built without a reporter: the 413 is still answered, only not reported."""
+
+
+class BoundedChannel(HTTPChannel):
+    """An HTTP/1.1 connection that ends the accept deadline and runs the header deadline.
+
+    Only the connection's first request line ends the accept deadline; after a response, the
+    wait for the next request is the Site's idle timeout. Every request line starts a header
+    deadline, ended by the blank line that closes the headers.
+    """
+
+    header_timeout = constants.SERVER_HEADER_READ_TIMEOUT
+
+    def __init__(self) -> None:
+        super().__init__()
+        # Method and target of the request being read, for a 413 given before Twisted sets
+        # them on the request (it does so only once the whole body has arrived).
+        self.request_line: tuple[bytes, bytes] = (b"", b"")
+        self._between_requests = True
+        self._request_line_seen: Callable[[], None] | None = None
+        self._header_timer: IDelayedCall | None = None
+
+    def expect_request_line(self, seen: Callable[[], None]) -> None:
+        """Call ``seen`` once, when the connection's first request line is complete."""
+        self._request_line_seen = seen
+
+    def lineReceived(self, line: bytes) -> None:
+        # Twisted skips one blank line before a request, and ignores everything after a
+        # request that closes the connection: neither is a request line.
+        request_line = self._between_requests and line != b"" and self.persistent
+        if request_line:
+            self._between_requests = False
+            self._got_request_line(line)
+        super().lineReceived(line)
+
+    def _got_request_line(self, line: bytes) -> None:
+        parts = line.split(b" ")
+        if len(parts) == 3:
+            self.request_line = (parts[0], parts[1])
+        seen, self._request_line_seen = self._request_line_seen, None
+        if seen is not None:
+            seen()
+        self._header_timer = self.callLater(self.header_timeout, self._headers_too_slow)
+
+    def _headers_too_slow(self) -> None:
+        self._header_timer = None
+        self.transport.abortConnection()
+
+    def _stop_header_timer(self) -> None:
+        if self._header_timer is not None and self._header_timer.active():
+            self._header_timer.cancel()
+        self._header_timer = None
+
+    def allHeadersReceived(self) -> None:
+        self._stop_header_timer()
+        super().allHeadersReceived()
+
+    def allContentReceived(self) -> None:
+        # Before the request is processed: a pipelined request may be parsed from inside it.
+        self._between_requests = True
+        super().allContentReceived()
+
+    def connectionLost(self, reason: Failure) -> None:
+        self._stop_header_timer()
+        super().connectionLost(reason)
+
+
+class BoundedRequest(Request):
+    """A request whose body may not exceed 32 MiB (protocol 5), chunked bodies included.
+
+    twisted.web has no limit of its own and reads the body before ``render``; over the limit
+    we answer 413 at once, close, and keep none of the excess.
+
+    ``client_gone`` turns true when the client leaves before the response is finished, as
+    ``notifyFinish`` reports it, so whoever answers later knows not to write to nobody.
+    """
+
+    max_body = constants.MAX_REQUEST_BODY
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.client_gone = False
+        self._received = 0
+        self._rejected = False
+        self.notifyFinish().addErrback(self._client_left)
+
+    def _client_left(self, _: Failure) -> None:
+        self.client_gone = True
+
+    def gotLength(self, length: int | None) -> None:
+        if length is not None and length > self.max_body:
+            self._reject()
+            return
+        super().gotLength(length)
+
+    def handleContentChunk(self, data: bytes) -> None:
+        if self._rejected:
+            return
+        self._received += len(data)
+        if self._received > self.max_body:
+            self._reject()
+            return
+        super().handleContentChunk(data)
+
+    def process(self):
+        if self._rejected:
+            return
+        return super().process()
+
+    def _reject(self) -> None:
+        self._rejected = True
+        self.content = None
+        # Answered now, so no "100 Continue" may follow the final answer.
+        self.requestHeaders.removeHeader(b"expect")
+        method, target = self.channel.request_line
+        self.channel.site.on_rejected(method, target, 413, BODY_TOO_LARGE)
+        transport = self.channel.transport
+        transport.write(raw_error(413, BODY_TOO_LARGE))
+        transport.loseConnection()
+
+
+class BoundedSite(Site):
+    """A Site whose connections are BoundedChannels carrying BoundedRequests.
+
+    ``on_rejected`` receives the answers given before a request reaches a resource (the 413),
+    as ``(method, target, status, error)``.
+    """
+
+    protocol = BoundedChannel
+    requestFactory = BoundedRequest
+    displayTracebacks = False
+    noisy = False
+
+    def __init__(self, resource: IResource, *, reactor, timeout: float | None,
+                 on_rejected: Rejected = _not_reported) -> None:
+        super().__init__(resource, timeout=timeout, reactor=reactor)
+        self.on_rejected = on_rejected
