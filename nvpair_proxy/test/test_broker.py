@@ -1723,3 +1723,27 @@ class NodeMethodTests(SynchronousTestCase):
         self.assertEqual(self.proxy.tell("shutdown"), [])
         self.assertEqual(self.proxy.shutdowns, [b""])
 
+
+class FacadeStopTests(SynchronousTestCase):
+    """Stopping the facades node (protocol 1): every port stops, aliases included, each
+    request in flight is reported cancelled on the link, and probing stops."""
+
+    def test_stop_closes_every_port_and_reports_in_flight_requests_cancelled(self) -> None:
+        proxy = Proxy(self)
+        port = proxy.enable(aliasAddresses=["127.0.0.1:11434"])
+        proxy.add("gpu-a")
+        proxy.chat(port)
+        self.assertEqual(len(proxy.agent.requests), 1)
+        ports = list(proxy.listen.active)
+        self.assertEqual([(p.port, p.interface) for p in ports],
+                         [(port, "::"), (11434, "127.0.0.1")])
+        self.successResultOf(proxy.facades.stopService())
+        self.assertEqual(proxy.listen.active, [])
+        self.assertTrue(all(p.stopped for p in ports))
+        self.assertTrue(proxy.agent.requests[0].cancelled)
+        terminal = [line["params"]["workloadInfo"] for line in proxy.feed(b"")
+                    if line.get("method") == "workload:errored"]
+        self.assertEqual([(t["state"], t["error"]) for t in terminal],
+                         [("cancelled", "request cancelled before completion")])
+        self.assertFalse(proxy.facades["ollama"].prober.running)
+        self.assertEqual(proxy.reactor.getDelayedCalls(), [])
