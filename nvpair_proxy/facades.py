@@ -53,7 +53,11 @@ def listener_factory(facade: Facade, directory: ClusterDirectory | None,
 
 
 class FacadeService(MultiService):
-    """One facade, its ports and its prober (a child, so it starts and stops with it)."""
+    """One facade, its ports and its prober (a child, so it starts and stops with it).
+
+    Built bound: a port that cannot be had raises CannotListenError here, before anything
+    is announced, so ``facade/enable`` can answer -32010 with nothing left behind.
+    """
 
     def __init__(self, facade: Facade, factory: DemuxFactory, listen: Callable, prober: Prober,
                  clock, port: int) -> None:
@@ -94,7 +98,7 @@ class FacadeService(MultiService):
         listening = self.listen(port, self.factory, "::")
         try:
             confirm()
-        except BaseException:
+        except Exception:
             listening.stopListening()
             raise
         old, self.listening, self.port = self.listening, listening, port
