@@ -1,8 +1,9 @@
-"""The broker's methods (protocol 2 and 3): addressing, facade lifecycle, discovery, selection.
+"""The broker's methods (protocol 2 and 3): addressing, validation, answers, notifications.
 
 Each facade-scoped method names its engine (``ollama:nodes/list``), because one process hosts
 every facade (spec 4); an unaddressed one resolves to no facade rather than guessing. The
-notifications a method causes go out before its answer (design decision 8).
+notifications a method causes go out before its answer (design decision 8). Binding and
+running a facade is ``facades.py``'s; how a discovered node is reached is ``admission.py``'s.
 """
 
 from __future__ import annotations
@@ -13,29 +14,21 @@ from typing import Any, Callable, Mapping
 
 import attrs
 from twisted.internet.error import CannotListenError
-from twisted.internet.interfaces import IListeningPort
 
 from . import __version__
 from .aliases import parse_aliases
-from .discovery import Node, is_local_address, make_node, project
+from .discovery import is_local_address, make_node, project
 from .engines import Engine
-from .facade import Facade, facade_site
-from .ingress import IngressResource
-from .inventory import Prober
-from .listener import DemuxFactory
+from .facade import Facade
+from .facades import Facades, FacadeService
 from .logs import LEVELS, logger, set_level
 from .ports import read_port, write_port
 from .reservations import Rank
 from .rpc import (BIND_FAILED, INVALID_PARAMS, NO_FACADE, SERVER_ERROR, MethodNotFound,
                   NoAnswer, RpcError)
-from .server import BoundedSite
 from .slots import Slots, parse_slots
-from .trust import ClusterDirectory, PeerAgents, tls_ingress
 
 log = logger()
-
-# Pins are re-derived per request (spec 7); one stat pass serves a burst of resolutions.
-TRUST_RECHECK = 0.1
 
 FACADE_METHODS = ("set-port", "discovery:nodes", "node/select", "node/selected", "nodes/list",
                   "node/add-manual", "node/remove-manual", "node/set-local-backend",
@@ -44,20 +37,18 @@ FACADE_METHODS = ("set-port", "discovery:nodes", "node/select", "node/selected",
 
 @attrs.define(eq=False)
 class Running:
-    """An enabled facade and everything bound for it."""
+    """An enabled facade and what the broker has told it: its running service, the local
+    backend and its slots, nodes reported unreachable, and manual nodes to probe."""
 
-    facade: Facade
-    port: int
-    listening: IListeningPort
-    factory: DemuxFactory
-    prober: Prober
-    aliases: list = attrs.Factory(list)
-    alias_port: int | None = None
+    service: FacadeService | None = None
     local_backend: tuple[str, int] | None = None
     slots: Slots | None = None
     unreachable: set = attrs.Factory(set)
     probed: set = attrs.Factory(set)
-    trust_checked_at: float = float("-inf")
+
+    @property
+    def facade(self) -> Facade:
+        return self.service.facade
 
 
 def _params(params: Any) -> dict:
@@ -78,20 +69,16 @@ def _int(params: dict, key: str, default=None):
 
 
 class Broker:
-    """Handles every inbound method; ``make_facade`` and ``listen`` are the wiring's seams."""
+    """Handles every inbound method; ``facades`` (the service tree's node) opens facades."""
 
     def __init__(self, *, engines: Mapping[str, Engine], emitter, reservations, state_dir: str,
-                 make_facade: Callable[[Engine], Facade], listen: Callable,
-                 make_prober: Callable[[Facade, Callable[[Node], bool]], Prober],
-                 on_shutdown: Callable[[], None], after_answer: Callable[[Callable], None],
-                 is_local: Callable[[str], bool] = is_local_address,
-                 directory: ClusterDirectory | None = None,
-                 peer_agents: PeerAgents | None = None) -> None:
+                 facades: Facades, on_shutdown: Callable[[], None],
+                 after_answer: Callable[[Callable], None],
+                 is_local: Callable[[str], bool] = is_local_address) -> None:
         self.engines, self.emitter, self.reservations = engines, emitter, reservations
-        self.state_dir, self.make_facade, self.listen = state_dir, make_facade, listen
-        self.make_prober, self.on_shutdown, self.after_answer = make_prober, on_shutdown, after_answer
+        self.state_dir, self.facades = state_dir, facades
+        self.on_shutdown, self.after_answer = on_shutdown, after_answer
         self.is_local = is_local
-        self.directory, self.peer_agents = directory, peer_agents
         self.running: dict[str, Running] = {}
         self._process = {"facade/enable": self.enable, "node/set-priority": self.set_priority,
                          "log/set-level": self.set_level, "shutdown": self.shutdown}
@@ -160,67 +147,44 @@ class Broker:
         if alias_values is not None and not isinstance(alias_values, list):
             raise RpcError(INVALID_PARAMS, "aliasAddresses must be a list")
         if engine_id in self.running:
-            return {"engine": engine_id, "port": self.running[engine_id].port}
+            return {"engine": engine_id, "port": self.running[engine_id].service.port}
         if alias_values and engine.host_variable is None:
             raise RpcError(SERVER_ERROR, f"aliasAddresses are not supported for {engine_id}")
         persisted = None if ignore else read_port(self.state_dir, engine)
         port = persisted or port or engine.ports.standalone
         aliases = parse_aliases(alias_values, port)
-        facade = self.make_facade(engine)
-        factory = self._listener_factory(facade, lambda: running.local_backend)
+        running = Running()
         try:
-            listening = self.listen(port, factory, "::")
+            running.service = self.facades.open(
+                engine, port, should_probe=lambda node: node.id in running.probed,
+                local_backend=lambda: running.local_backend)
         except CannotListenError as exc:
             reason = _reason(exc)
             self.notify(engine_id, "error", {"code": "bind-failed",
                                              "message": f"failed to bind port {port}: {reason}",
                                              "port": port})
             raise RpcError(BIND_FAILED, f"facade bind failed: port {port}: {reason}") from None
-        running = Running(facade=facade, port=port, listening=listening, factory=factory,
-                          prober=None)
-        running.prober = self.make_prober(facade, lambda node: node.id in running.probed)
-        facade.router.nodes.admit = lambda node: self._admit(running, node)
-        if self.peer_agents is not None:
-            upstreams = facade.upstreams
-            upstreams.agent_for_node = lambda node: (
-                self.peer_agents.for_node(node) if node.scheme == "https" else upstreams.agent)
         self.running[engine_id] = running
         if aliases is not None:
             self._bind_aliases(running, *aliases)
         self.notify(engine_id, "ready", {"version": __version__, "port": port})
         self.notify(engine_id, "discovery:subscribe", {"services": [engine.service_key]})
-        running.prober.start()
+        self.facades.add(running.service)
         log.info("{engine} facade enabled on port {port}", engine=engine_id, port=port)
         return {"engine": engine_id, "port": port}
 
-    def _listener_factory(self, facade: Facade, backend) -> DemuxFactory:
-        """Loopback plaintext for local clients; pinned mTLS for peers when a member."""
-        site = facade_site(facade, facade.clock)
-        if self.directory is None:
-            return DemuxFactory(site)
-        ingress = BoundedSite(IngressResource(facade, self.directory, backend),
-                              reactor=facade.clock, timeout=site.timeOut,
-                              on_rejected=site.on_rejected)
-        return DemuxFactory(site, tls=tls_ingress(self.directory, ingress, facade.clock))
-
     def _bind_aliases(self, running: Running, hosts: list[str], port: int) -> None:
-        """Both families bound together or neither; an occupied alias is only a warning."""
+        """An occupied alias is only a warning: clients using the host variable miss us."""
         engine_id = running.facade.engine.id
         alert = f"{engine_id}-proxy:{engine_id}-host-alias-blocked"
-        bound = []
-        try:
-            for host in hosts:
-                bound.append(self.listen(port, running.factory, host))
-        except CannotListenError as exc:
-            for listening in bound:
-                listening.stopListening()
+        refused = running.service.bind_aliases(hosts, port)
+        if refused is not None:
             variable = running.facade.engine.host_variable
             self.notify(engine_id, "errors:report", {
                 "id": alert, "severity": "warning", "action": "none",
                 "message": f"{variable} alias port {port} is in use by another process "
-                           f"({_reason(exc)}); clients using {variable} will not reach the proxy"})
+                           f"({_reason(refused)}); clients using {variable} will not reach the proxy"})
             return
-        running.aliases, running.alias_port = bound, port
         self.notify(engine_id, "errors:clear", {"id": alert})
 
     def set_priority(self, params: dict) -> dict:
@@ -258,20 +222,13 @@ class Broker:
         if port is None or not 1 <= port <= 65535:
             raise RpcError(INVALID_PARAMS, f"port must be between 1 and 65535 (got {port})")
         engine = running.facade.engine
-        if port == running.port:
+        if port == running.service.port:
             self._persist(engine, port)
             return {"version": __version__, "port": port}
         try:
-            listening = self.listen(port, running.factory, "::")
+            running.service.move(port, confirm=lambda: self._persist(engine, port))
         except CannotListenError as exc:
             raise RpcError(SERVER_ERROR, f"failed to bind port {port}: {_reason(exc)}") from None
-        try:
-            self._persist(engine, port)
-        except RpcError:
-            listening.stopListening()
-            raise
-        old, running.listening, running.port = running.listening, listening, port
-        old.stopListening()
         self.notify(engine.id, "ready", {"version": __version__, "port": port})
         return {"version": __version__, "port": port}
 
@@ -312,26 +269,9 @@ class Broker:
             self.notify(engine.id, "node/selection-changed", {"id": ""})
 
     def _is_self(self, running: Running, addresses, port: int) -> bool:
-        ports = {running.port} | ({running.alias_port} if running.alias_port else set())
+        service = running.service
+        ports = {service.port} | ({service.alias_port} if service.alias_port else set())
         return port in ports and any(self.is_local(a) for a in addresses)
-
-    def _admit(self, running: Running, node: Node) -> Node | None:
-        """How a discovered node is reached: self through the local backend, peers over
-        pinned mTLS only (not available until this node is a cluster member)."""
-        if node.local:
-            if running.local_backend is None:
-                return None
-            host, port = running.local_backend
-            return attrs.evolve(node, addresses=(host,), port=port, scheme="http")
-        if self.directory is None or not node.cluster_uuid:
-            return None
-        now = running.facade.clock.seconds()
-        if now - running.trust_checked_at >= TRUST_RECHECK:
-            running.trust_checked_at = now
-            self.directory.check()
-        if self.directory.pin(node.cluster_uuid):
-            return attrs.evolve(node, scheme="https")
-        return None
 
     def select(self, running: Running, params: dict) -> dict:
         node_id = params.get("id", "")
@@ -386,7 +326,7 @@ class Broker:
         added = facade.router.put_manual(node)
         self.notify(facade.engine.id, "node/discovered" if added else "node/updated", node.describe())
         if models is None:
-            running.prober.probe(node)
+            running.service.prober.probe(node)
         return {"added": added}
 
     def remove_manual(self, running: Running, params: dict) -> dict:
@@ -433,18 +373,6 @@ class Broker:
             raise RpcError(INVALID_PARAMS, "model is required")
         facade = running.facade
         return {"nodes": facade.router.model_owners(facade.engine.normalize_model(model))}
-
-    # Process end.
-
-    def stop_all(self) -> list:
-        """Cancel in-flight requests, stop probers; the listeners to close (grace is the caller's)."""
-        closing = []
-        for running in self.running.values():
-            running.prober.stop()
-            running.facade.shutdown()
-            closing.append(running.listening)
-            closing.extend(running.aliases)
-        return closing
 
 
 # protocol 3: the order the unknown-engine message lists them in.

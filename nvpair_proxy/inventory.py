@@ -12,10 +12,10 @@ import json
 from typing import Callable, Iterable, Sequence
 
 import attrs
+from twisted.application.internet import TimerService
 from twisted.internet.defer import Deferred, DeferredList, maybeDeferred, succeed
 from twisted.internet.interfaces import IReactorTime
 from twisted.internet.protocol import Protocol
-from twisted.internet.task import LoopingCall
 from twisted.python.failure import Failure
 from twisted.web.http_headers import Headers
 from twisted.web.iweb import IAgent
@@ -189,29 +189,27 @@ def ask_fleet(nodes: Sequence[Node], ask: Callable[[Node, float], Deferred],
     return _FanOut(nodes, ask, clock, timeout, width).start()
 
 
-class Prober:
+class Prober(TimerService):
     """Keeps the inventory of nodes that came without ``models`` (design 4, decision 15).
 
     A failed probe empties the node's models until the next success: a node we cannot ask
-    is not one we should route to.
+    is not one we should route to. A TimerService, so it runs exactly while its facade does.
     """
 
     def __init__(self, engine: Engine, nodes: NodeSet, agent: IAgent, clock: IReactorTime,
                  should_probe: Callable[[Node], bool],
                  interval: float = constants.INVENTORY_PROBE_INTERVAL) -> None:
+        super().__init__(interval, self.probe_all)
         self.engine, self.nodes, self.agent, self.clock = engine, nodes, agent, clock
-        self.should_probe, self.interval = should_probe, interval
-        self._loop: LoopingCall | None = None
-        self._busy: set[str] = set()
+        self.should_probe = should_probe
+        self._busy: dict[str, Deferred] = {}
 
-    def start(self) -> None:
-        self._loop = LoopingCall(self.probe_all)
-        self._loop.clock = self.clock
-        self._loop.start(self.interval, now=True)
-
-    def stop(self) -> None:
-        if self._loop is not None and self._loop.running:
-            self._loop.stop()
+    def stopService(self) -> Deferred:
+        """Cancel the probes in flight: a silent node must not hold shutdown for the 10 s
+        a model list may take."""
+        for probe in list(self._busy.values()):
+            probe.cancel()
+        return super().stopService()
 
     def probe_all(self) -> Deferred:
         probes = [self.probe(node) for node in self.nodes.routable()
@@ -219,9 +217,9 @@ class Prober:
         return DeferredList(probes, consumeErrors=True) if probes else succeed(None)
 
     def probe(self, node: Node) -> Deferred:
-        self._busy.add(node.id)
         path = self.engine.model_list.upstream_path
         d = fetch(self.agent, self.clock, node_url(node, path))
+        self._busy[node.id] = d
 
         def ok(reply):
             pairs = listed_models(reply, self.engine.model_list.envelope)
@@ -230,7 +228,8 @@ class Prober:
             return [model_id for model_id, _ in pairs]
 
         def done(models):
-            self._busy.discard(node.id)
+            if self._busy.get(node.id) is d:
+                del self._busy[node.id]
             if isinstance(models, Failure):
                 log.debug("inventory probe of {node} failed: {why}", node=node.id,
                           why=models.getErrorMessage(), engine=self.engine.id)

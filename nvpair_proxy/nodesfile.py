@@ -11,8 +11,8 @@ import tomllib
 from typing import Callable, Mapping
 
 import attrs
+from twisted.application.internet import TimerService
 from twisted.internet.interfaces import IReactorTime
-from twisted.internet.task import LoopingCall
 
 from . import constants
 from .discovery import Node, make_node
@@ -109,16 +109,18 @@ def load_nodes_file(path: str, engines: Mapping[str, Engine]) -> Fleet:
     return parse_nodes(text, engines, path)
 
 
-class NodesFileWatcher:
-    """Checks the file every 2 s and applies a changed, valid file (design decision 15)."""
+class NodesFileWatcher(TimerService):
+    """Checks the file every 2 s and applies a changed, valid file (design decision 15).
+
+    A TimerService, so the watch runs exactly while the standalone tree does.
+    """
 
     def __init__(self, path: str, engines: Mapping[str, Engine], clock: IReactorTime,
                  apply: Callable[[Fleet], None],
                  interval: float = constants.NODES_FILE_CHECK_INTERVAL) -> None:
+        super().__init__(interval, self.check)
         self.path, self.engines, self.clock, self.apply = path, engines, clock, apply
-        self.interval = interval
         self._stamp = None
-        self._loop: LoopingCall | None = None
 
     def load(self) -> Fleet:
         """The first load: errors propagate, because a bad file must stop start-up."""
@@ -126,15 +128,6 @@ class NodesFileWatcher:
         fleet = load_nodes_file(self.path, self.engines)
         self.apply(fleet)
         return fleet
-
-    def start(self) -> None:
-        self._loop = LoopingCall(self.check)
-        self._loop.clock = self.clock
-        self._loop.start(self.interval, now=False)
-
-    def stop(self) -> None:
-        if self._loop is not None and self._loop.running:
-            self._loop.stop()
 
     def check(self) -> None:
         stamp = self._current_stamp()

@@ -1,7 +1,19 @@
 """Wiring: the only module that touches the global reactor (imported inside functions).
 
-Standalone mode builds its facades from the command line and its fleet from ``--nodes`` (or
-this machine's engine). Broker mode is driven by the JSON-RPC link.
+The process is a tree of Twisted services, built here for either mode; the tree's order is
+the order of protocol 1's shutdown (children stop in reverse order of addition, each after
+the one before it has finished):
+
+    process (ProcessService: READY, signals, STOPPING)
+    ├── runtime          the shared pool and agent; added first, so it closes last
+    ├── link             broker mode: the JSON-RPC link (stdio or --ipc)
+    │   or standalone    standalone mode: opens the --engine facades, feeds them the fleet
+    │      └── nodes-file watch (TimerService, 2 s) when --nodes is given
+    ├── trust watch      broker mode with --cluster-dir (TimerService, 2 s)
+    ├── facades          one FacadeService per facade, stopped together
+    │   └── <engine>     its ports, its facade and router; stop accepting, cancel, grace
+    │       └── prober   (TimerService, 5 s)
+    └── watchdog         (TimerService, WATCHDOG_USEC / 2) added once READY=1 is sent
 """
 
 from __future__ import annotations
@@ -10,18 +22,19 @@ import random
 
 import attrs
 
-from twisted.application.service import Service
-from twisted.internet.defer import Deferred, DeferredList, maybeDeferred
+from twisted.application.service import MultiService, Service
+from twisted.internet.defer import Deferred, DeferredList, maybeDeferred, succeed
 from twisted.internet.error import CannotListenError
+from twisted.python.failure import Failure
 from twisted.web.client import Agent, HTTPConnectionPool
 
 from . import constants
 from .discovery import make_node
 from .dispatch import Bounds
 from .events import ActivityThrottle, LogEmitter, new_run_id
-from .facade import Facade, facade_site, make_facade
+from .facade import Facade, make_facade
+from .facades import Facades, listen_on
 from .inventory import Prober
-from .listener import DemuxFactory, listen_everywhere
 from .logs import logger, set_level
 from .nodesfile import Fleet, NodesFileError, NodesFileWatcher
 from .options import Options
@@ -72,37 +85,71 @@ class Runtime:
     def prober(self, facade: Facade, should_probe) -> Prober:
         return Prober(facade.engine, facade.router.nodes, self.agent, self.reactor, should_probe)
 
-    def close(self, listening) -> Deferred:
-        """Stop listening, give the facades their grace, close the pool last (protocol 1)."""
-        stopped = DeferredList([maybeDeferred(port.stopListening) for port in listening],
-                               consumeErrors=True)
-        stopped.addTimeout(constants.FACADE_SHUTDOWN_GRACE, self.reactor)
-        stopped.addBoth(lambda _: self.pool.closeCachedConnections())
-        return stopped
+
+class RuntimeService(Service):
+    """The runtime's place in the tree: first in, so its pool closes last (protocol 1):
+    requests in flight hold pooled connections until the facades have cancelled them."""
+
+    name = "runtime"
+
+    def __init__(self, runtime: Runtime, peer_agents=None) -> None:
+        self.runtime, self.peer_agents = runtime, peer_agents
+
+    def stopService(self) -> Deferred:
+        super().stopService()
+        closing = [maybeDeferred(self.runtime.pool.closeCachedConnections)]
+        if self.peer_agents is not None:
+            closing.append(maybeDeferred(self.peer_agents.close))
+        return DeferredList(closing, consumeErrors=True).addCallback(lambda _: None)
 
 
-class Supervised(Service):
-    """systemd's view of the process: READY once serving, a watchdog, STOPPING at the end."""
+class ProcessService(MultiService):
+    """The root: systemd's view of the process, and children stopped one after another.
 
-    watchdog = None
+    A plain MultiService calls every child's ``stopService`` at once and only then waits;
+    protocol 1 needs each step finished before the next starts (the pool must not close
+    while the facades' grace runs), so here each child stops after the one added after it.
+    """
 
-    def announce_ready(self) -> None:
-        """READY=1 once the reactor runs: twistd starts services before ``reactor.run``, and
-        a SIGTERM that arrived between READY and the reactor's own signal handlers would
-        kill the process by signal."""
+    name = "process"
+
+    def __init__(self, reactor) -> None:
+        super().__init__()
+        self.reactor = reactor
+
+    def startService(self) -> None:
+        super().startService()
         self.reactor.callWhenRunning(self._ready)
 
     def _ready(self) -> None:
-        from .sdnotify import notify, start_watchdog
+        """READY=1 once the reactor runs: twistd starts services before ``reactor.run``,
+        and a SIGTERM that arrived between READY and the reactor's own signal handlers
+        would kill the process by signal. The watchdog starts with READY, as systemd
+        expects pings only from a service that is up."""
+        from .sdnotify import notify, watchdog
+        if not self.running:
+            return
         stop_on_signals(self.reactor)
         notify("READY=1")
-        self.watchdog = start_watchdog(self.reactor)
+        pinging = watchdog(self.reactor)
+        if pinging is not None:
+            pinging.setServiceParent(self)
 
-    def announce_stopping(self) -> None:
+    def stopService(self) -> Deferred:
         from .sdnotify import notify
+        Service.stopService(self)
         notify("STOPPING=1")
-        if self.watchdog is not None and self.watchdog.running:
-            self.watchdog.stop()
+        stopped = succeed(None)
+        for child in reversed(list(self)):
+            stopped.addBoth(self._stop_next, child)
+        return stopped.addBoth(self._stop_next, None)
+
+    @staticmethod
+    def _stop_next(result, child):
+        """A step that failed is logged and the next one still runs: the pool must close."""
+        if isinstance(result, Failure):
+            log.failure("stopping the process", result)
+        return None if child is None else maybeDeferred(child.stopService)
 
 
 def local_fleet(options: Options) -> Fleet:
@@ -121,47 +168,52 @@ def local_fleet(options: Options) -> Fleet:
     return Fleet(nodes, frozenset(probed))
 
 
-class StandaloneService(Supervised):
-    """Facades from ``--engine``, fleet from ``--nodes``; events to the log."""
 
-    def __init__(self, options: Options, reactor) -> None:
-        self.options, self.reactor = options, reactor
-        self.facades: dict[str, Facade] = {}
-        self.ports = []
-        self.probers: list[Prober] = []
-        self.watcher: NodesFileWatcher | None = None
+class Standalone(MultiService):
+    """Standalone mode: the ``--engine`` facades and the fleet they route to (design 3, 4).
+
+    Facades are bound and the nodes file read before the reactor runs, so a taken port or a
+    bad file stops start-up with one clear line; the nodes-file watch is a child.
+    """
+
+    name = "standalone"
+
+    def __init__(self, options: Options, reactor, facades: Facades) -> None:
+        super().__init__()
+        self.options, self.facades = options, facades
         self.probed: frozenset = frozenset()
+        self.watcher: NodesFileWatcher | None = None
+        if options["nodes"]:
+            self.watcher = NodesFileWatcher(options["nodes"], options.engines, reactor, self.apply)
+            self.watcher.setName("nodes-file watch")
+            self.watcher.setServiceParent(self)
 
     def privilegedStartService(self) -> None:
-        """Bind and load before the reactor runs, so a bad port or file stops start-up."""
-        options, reactor = self.options, self.reactor
-        self.runtime = Runtime.build(options, reactor, LogEmitter())
+        options = self.options
         for engine_id, port in options["facades"]:
-            facade = self.runtime.facade(options.engines[engine_id])
             try:
-                listening = listen_everywhere(reactor, port, DemuxFactory(facade_site(facade, reactor)))
+                service = self.facades.open(
+                    options.engines[engine_id], port,
+                    should_probe=lambda node, e=engine_id: (e, node.id) in self.probed)
             except CannotListenError as exc:
                 raise SystemExit(f"nvpair-proxy: {engine_id}: cannot listen on port {port}: "
                                  f"{exc.socketError}") from None
-            self.facades[engine_id] = facade
-            self.ports.append(listening)
+            self.facades.add(service)
             log.info("{engine} facade listening on port {port}", engine=engine_id,
-                     port=listening.getHost().port)
-        if options["nodes"]:
-            self.watcher = NodesFileWatcher(options["nodes"], options.engines, reactor, self.apply)
+                     port=service.listening.getHost().port)
+        if self.watcher is not None:
             try:
                 self.watcher.load()
             except NodesFileError as exc:
                 raise SystemExit(f"nvpair-proxy: --nodes: {exc}") from None
         else:
             self.apply(local_fleet(options))
-        for engine_id, facade in self.facades.items():
-            self.probers.append(self.runtime.prober(
-                facade, lambda node, e=engine_id: (e, node.id) in self.probed))
+        super().privilegedStartService()
 
     def apply(self, fleet: Fleet) -> None:
         self.probed = fleet.probed
-        for engine_id, facade in self.facades.items():
+        for service in self.facades:
+            engine_id, facade = service.name, service.facade
             known = {n.id: n for n in facade.router.routable()}
             nodes = []
             for node in fleet.nodes.get(engine_id, ()):
@@ -170,25 +222,6 @@ class StandaloneService(Supervised):
                     node = attrs.evolve(node, models=old.models, advertised=old.advertised)
                 nodes.append(node)
             facade.router.replace_discovered(nodes)
-
-    def startService(self) -> None:
-        super().startService()
-        if self.watcher is not None:
-            self.watcher.start()
-        for prober in self.probers:
-            prober.start()
-        self.announce_ready()
-
-    def stopService(self) -> Deferred:
-        super().stopService()
-        self.announce_stopping()
-        if self.watcher is not None:
-            self.watcher.stop()
-        for prober in self.probers:
-            prober.stop()
-        for facade in self.facades.values():
-            facade.shutdown()
-        return self.runtime.close(self.ports)
 
 
 def stop_on_signals(reactor) -> None:
@@ -235,42 +268,22 @@ def connect_ipc(path: str):
     return sock
 
 
-class BrokerService(Supervised):
-    """Broker mode: no facade until ``facade/enable``; the link is stdio or ``--ipc``."""
+class LinkService(Service):
+    """The broker link: stdio (the claimed fd 1) or the ``--ipc`` socket (protocol 1)."""
 
-    def __init__(self, options: Options, reactor) -> None:
-        self.options, self.reactor = options, reactor
+    name = "link"
+
+    def __init__(self, reactor, ipc: str | None, dispatch) -> None:
+        from .rpc import RpcLink
+        self.reactor, self.ipc = reactor, ipc
         self.sock = None
         # Before twistd starts its log observer on stdout (makeService runs first).
-        self.link_fd = None if options["ipc"] else claim_stdout()
-        self.stopping = False
+        self.link_fd = None if ipc else claim_stdout()
+        self.link = RpcLink(dispatch, on_closed=self._closed)
 
     def privilegedStartService(self) -> None:
-        from .broker import Broker
-        from .rpc import RpcLink
-        options, reactor = self.options, self.reactor
-        if options["ipc"]:
-            self.sock = connect_ipc(options["ipc"])
-        self.link = RpcLink(lambda method, params: self.broker.dispatch(method, params),
-                            on_closed=self._link_closed)
-        self.runtime = Runtime.build(options, reactor, self.link)
-        self.directory = self.peer_agents = None
-        if options["cluster-dir"]:
-            from .trust import ClusterDirectory, PeerAgents
-            self.directory = ClusterDirectory(options["cluster-dir"])
-            self.directory.refresh()
-            self.peer_agents = PeerAgents(reactor, self.directory, constants.DIAL_TIMEOUT,
-                                          constants.POOL_IDLE_TIMEOUT)
-        self.broker = Broker(
-            directory=self.directory, peer_agents=self.peer_agents,
-            engines=options.engines, emitter=self.link,
-            reservations=self.runtime.reservations, state_dir=options["state-dir"],
-            make_facade=self.runtime.facade,
-            listen=lambda port, factory, interface: (
-                listen_everywhere(reactor, port, factory) if interface == "::"
-                else reactor.listenTCP(port, factory, interface=interface)),
-            make_prober=self.runtime.prober, on_shutdown=self._shutdown_requested,
-            after_answer=self.link.after_answer.append)
+        if self.ipc:
+            self.sock = connect_ipc(self.ipc)
 
     def startService(self) -> None:
         super().startService()
@@ -283,49 +296,70 @@ class BrokerService(Supervised):
             self.sock.close()
         else:
             StandardIO(self.link.framer, stdin=0, stdout=self.link_fd, reactor=self.reactor)
-        if self.directory is not None:
-            self.directory.start(self.reactor)
-        self.announce_ready()
-        log.info("nvpair-proxy broker link up ({channel})",
-                 channel=self.options["ipc"] or "stdio")
+        log.info("nvpair-proxy broker link up ({channel})", channel=self.ipc or "stdio")
 
-    def _link_closed(self) -> None:
-        if self.running and not self.stopping:
+    def _closed(self) -> None:
+        """EOF ends the process (protocol 1), unless it is already ending."""
+        if self.running and self.parent is not None and self.parent.running:
             log.info("broker link closed; shutting down")
             self.reactor.stop()
 
-    def _shutdown_requested(self) -> None:
-        self.reactor.callLater(0, self.reactor.stop)
-
     def stopService(self) -> Deferred:
-        super().stopService()
-        self.announce_stopping()
-        if self.directory is not None:
-            self.directory.stop()
-        stopped = self.runtime.close(self.broker.stop_all())
-        if self.peer_agents is not None:
-            stopped.addBoth(lambda _: self.peer_agents.close())
-        stopped.addBoth(self._close_link)
-        return stopped
-
-    def _close_link(self, result):
         """Flush what the link still holds (the shutdown answer, the cancelled events)
-        before the reactor tears connections down."""
-        from twisted.internet.defer import Deferred
-        self.stopping = True
+        before the reactor tears connections down; at most the grace."""
+        super().stopService()
         transport = self.link.framer.transport
         if transport is None or getattr(transport, "disconnected", False):
-            return result
+            return succeed(None)
         flushed = Deferred()
         self.link.framer.on_closed = lambda reason: flushed.called or flushed.callback(None)
         transport.loseConnection()
         flushed.addTimeout(constants.FACADE_SHUTDOWN_GRACE, self.reactor)
-        flushed.addErrback(lambda _: None)
-        return flushed.addCallback(lambda _: result)
+        return flushed.addErrback(lambda _: None)
+
+
+def standalone_tree(options: Options, reactor) -> ProcessService:
+    """Facades from ``--engine``, fleet from ``--nodes``; events to the log."""
+    root = ProcessService(reactor)
+    runtime = Runtime.build(options, reactor, LogEmitter())
+    RuntimeService(runtime).setServiceParent(root)
+    facades = Facades(make_facade=runtime.facade, listen=listen_on(reactor),
+                      make_prober=runtime.prober, clock=reactor)
+    Standalone(options, reactor, facades).setServiceParent(root)
+    facades.setServiceParent(root)
+    return root
+
+
+def broker_tree(options: Options, reactor) -> ProcessService:
+    """Broker mode: no facade until ``facade/enable``; the link is stdio or ``--ipc``."""
+    from .broker import Broker
+    root = ProcessService(reactor)
+    link = LinkService(reactor, options["ipc"], lambda method, params: broker.dispatch(method, params))
+    runtime = Runtime.build(options, reactor, link.link)
+    directory = peer_agents = None
+    if options["cluster-dir"]:
+        from .trust import ClusterDirectory, PeerAgents
+        directory = ClusterDirectory(options["cluster-dir"])
+        peer_agents = PeerAgents(reactor, directory, constants.DIAL_TIMEOUT,
+                                 constants.POOL_IDLE_TIMEOUT)
+    RuntimeService(runtime, peer_agents).setServiceParent(root)
+    link.setServiceParent(root)
+    if directory is not None:
+        from .trust import trust_watch
+        trust_watch(directory, reactor).setServiceParent(root)
+    facades = Facades(make_facade=runtime.facade, listen=listen_on(reactor),
+                      make_prober=runtime.prober, clock=reactor, admission=True,
+                      directory=directory, peer_agents=peer_agents)
+    facades.setServiceParent(root)
+    broker = Broker(engines=options.engines, emitter=link.link,
+                    reservations=runtime.reservations, state_dir=options["state-dir"],
+                    facades=facades, on_shutdown=lambda: reactor.callLater(0, reactor.stop),
+                    after_answer=link.link.after_answer.append)
+    return root
 
 
 def build_service(options: Options):
     from twisted.internet import reactor
     if options.standalone:
-        return StandaloneService(options, reactor)
-    return BrokerService(options, reactor)
+        return standalone_tree(options, reactor)
+    return broker_tree(options, reactor)

@@ -18,9 +18,9 @@ from cryptography import x509
 from cryptography.hazmat.primitives.serialization import Encoding
 from cryptography.x509.oid import ExtensionOID, NameOID
 from OpenSSL import SSL, crypto
+from twisted.application.internet import TimerService
 from twisted.internet.interfaces import (IOpenSSLClientConnectionCreator,
                                          IOpenSSLServerConnectionCreator, IReactorTime)
-from twisted.internet.task import LoopingCall
 from twisted.web.iweb import IPolicyForHTTPS
 from zope.interface import implementer
 
@@ -74,7 +74,6 @@ class ClusterDirectory:
     identity: Identity | None = None
     admission: dict = attrs.Factory(dict)
     pins: dict[str, bytes] = attrs.Factory(dict)
-    _loop: LoopingCall | None = None
     _seen: tuple | None = None
 
     @property
@@ -103,15 +102,6 @@ class ClusterDirectory:
             except Exception:
                 log.failure("could not read the cluster directory {path}", path=self.path)
         self._seen = stamp
-
-    def start(self, clock: IReactorTime, interval: float = WATCH_INTERVAL) -> None:
-        self._loop = LoopingCall(self.refresh)
-        self._loop.clock = clock
-        self._loop.start(interval, now=True)
-
-    def stop(self) -> None:
-        if self._loop is not None and self._loop.running:
-            self._loop.stop()
 
     def _read_identity(self) -> None:
         try:
@@ -206,6 +196,16 @@ class ClusterDirectory:
             names = []
         entries.extend((name, _stat(os.path.join(self.path, "trusted", name))) for name in names)
         return tuple(entries)
+
+
+def trust_watch(directory: ClusterDirectory, clock: IReactorTime,
+                interval: float = WATCH_INTERVAL) -> TimerService:
+    """The 2 s re-read of the cluster directory, as a service of the tree, so joining or
+    leaving a cluster needs no restart; the first read happens as it starts."""
+    service = TimerService(interval, directory.refresh)
+    service.clock = clock
+    service.setName("trust watch")
+    return service
 
 
 def der_of(certificate: crypto.X509) -> bytes:

@@ -1,7 +1,7 @@
 """The broker link end to end, in memory (protocol 1-4, design 8, behaviours).
 
 Every test drives the real RpcLink framer over a StringTransport, wired to a real Broker the
-way BrokerService wires it: facades on a MemoryReactorClock with a FakeAgent, a listen seam
+way ``broker_tree`` wires it (the Facades node of the service tree, running): facades on a MemoryReactorClock with a FakeAgent, a listen seam
 that can be told which ports are taken, and a temporary state directory. Assertions are on the
 lines the broker would read, parsed as JSON and compared whole, in order: the notifications a
 method causes and then its one answer.
@@ -21,6 +21,7 @@ from nvpair_proxy import __version__, constants, logs
 from nvpair_proxy.broker import Broker
 from nvpair_proxy.engines import load_engines
 from nvpair_proxy.facade import make_facade
+from nvpair_proxy.facades import Facades
 from nvpair_proxy.inventory import Prober
 from nvpair_proxy.reservations import ReservationMap
 from nvpair_proxy.rpc import RpcLink
@@ -167,7 +168,7 @@ def identity(listening: Listening) -> str | None:
 
 
 class Proxy:
-    """A Broker wired as BrokerService wires it, on fakes."""
+    """A Broker wired as ``broker_tree`` wires it, on fakes."""
 
     def __init__(self, test: SynchronousTestCase, *, is_local=None, state_dir: str | None = None,
                  make_facade=None, on_shutdown=None, directory=None,
@@ -184,15 +185,17 @@ class Proxy:
         self.link = RpcLink(lambda method, params: self.broker.dispatch(method, params))
         self.transport = StringTransport()
         self.link.framer.makeConnection(self.transport)
+        self.facades = Facades(make_facade=make_facade or self.make_facade, listen=self.listen,
+                               make_prober=self.make_prober, clock=self.reactor,
+                               admission=True, directory=directory, peer_agents=peer_agents)
+        self.facades.startService()
+        test.addCleanup(self.facades.stopService)
         self.broker = Broker(
             engines=ENGINES, emitter=self.link, reservations=self.reservations,
-            state_dir=state_dir, make_facade=make_facade or self.make_facade,
-            listen=self.listen, make_prober=self.make_prober,
+            state_dir=state_dir, facades=self.facades,
             on_shutdown=on_shutdown or (lambda: self.shutdowns.append(self.transport.value())),
             after_answer=self.link.after_answer.append,
-            is_local=is_local or (lambda address: False), directory=directory,
-            peer_agents=peer_agents)
-        test.addCleanup(self.broker.stop_all)
+            is_local=is_local or (lambda address: False))
 
     def make_facade(self, engine):
         return make_facade(engine, clock=self.reactor, agent=self.agent, emitter=self.link,
@@ -880,7 +883,7 @@ class AliasTests(SynchronousTestCase):
                          [(11435, "::"), (11434, "127.0.0.1"), (11434, "::1")])
         # The IPv4 half that did bind was let go again.
         self.assertEqual([(l.port, l.interface) for l in self.proxy.listen.active], [(11435, "::")])
-        self.assertEqual(self.proxy.broker.running["ollama"].aliases, [])
+        self.assertEqual(self.proxy.facades["ollama"].aliases, [])
 
     def test_alias_is_a_self_address_only_when_bound(self) -> None:
         proxy = Proxy(self, is_local=lambda address: address == "192.168.1.50")
@@ -1719,3 +1722,28 @@ class NodeMethodTests(SynchronousTestCase):
         self.proxy.result("ollama:nodes/list")
         self.assertEqual(self.proxy.tell("shutdown"), [])
         self.assertEqual(self.proxy.shutdowns, [b""])
+
+
+class FacadeStopTests(SynchronousTestCase):
+    """Stopping the facades node (protocol 1): every port stops, aliases included, each
+    request in flight is reported cancelled on the link, and probing stops."""
+
+    def test_stop_closes_every_port_and_reports_in_flight_requests_cancelled(self) -> None:
+        proxy = Proxy(self)
+        port = proxy.enable(aliasAddresses=["127.0.0.1:11434"])
+        proxy.add("gpu-a")
+        proxy.chat(port)
+        self.assertEqual(len(proxy.agent.requests), 1)
+        ports = list(proxy.listen.active)
+        self.assertEqual([(p.port, p.interface) for p in ports],
+                         [(port, "::"), (11434, "127.0.0.1")])
+        self.successResultOf(proxy.facades.stopService())
+        self.assertEqual(proxy.listen.active, [])
+        self.assertTrue(all(p.stopped for p in ports))
+        self.assertTrue(proxy.agent.requests[0].cancelled)
+        terminal = [line["params"]["workloadInfo"] for line in proxy.feed(b"")
+                    if line.get("method") == "workload:errored"]
+        self.assertEqual([(t["state"], t["error"]) for t in terminal],
+                         [("cancelled", "request cancelled before completion")])
+        self.assertFalse(proxy.facades["ollama"].prober.running)
+        self.assertEqual(proxy.reactor.getDelayedCalls(), [])

@@ -11,7 +11,7 @@ from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 
 from nvpair_proxy.cli import CliError, translate
-from nvpair_proxy.sdnotify import notify, start_watchdog
+from nvpair_proxy.sdnotify import notify, watchdog
 
 BASE = ["twistd", "-n", "--pidfile=", "nvpair-proxy"]
 
@@ -56,12 +56,16 @@ class NotifyTests(SynchronousTestCase):
         path, sock = self._socket()
         clock = Clock()
         env = {"NOTIFY_SOCKET": path, "WATCHDOG_USEC": "4000000"}
-        loop = start_watchdog(clock, env)
+        pinging = watchdog(clock, env)
+        pinging.startService()
         self.assertEqual(sock.recv(64), b"WATCHDOG=1")
         clock.advance(1.9)
         sock.settimeout(0)
         self.assertRaises(BlockingIOError, sock.recv, 64)
         clock.advance(0.1)
         self.assertEqual(sock.recv(64), b"WATCHDOG=1")
-        loop.stop()
-        self.assertIsNone(start_watchdog(clock, {"NOTIFY_SOCKET": path}))
+        pinging.stopService()
+        clock.advance(2)
+        self.assertRaises(BlockingIOError, sock.recv, 64)
+        self.assertEqual(clock.getDelayedCalls(), [])
+        self.assertIsNone(watchdog(clock, {"NOTIFY_SOCKET": path}))

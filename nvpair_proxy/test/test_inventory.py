@@ -27,13 +27,13 @@ class ProberTests(SynchronousTestCase):
 
         self.agent.request = request
         self.prober = Prober(OLLAMA, self.nodes, self.agent, self.clock, lambda node: True)
-        self.addCleanup(self.prober.stop)
+        self.addCleanup(lambda: self.prober.running and self.prober.stopService())
 
     def models(self, node_id):
         return self.nodes.get(node_id).models
 
     def test_a_probe_fills_the_inventory_and_a_failed_one_empties_it(self):
-        self.prober.start()
+        self.prober.startService()
         self.assertEqual(self.agent.last.uri, b"http://10.0.0.1:11434/api/tags")
         self.agent.last.respond(200, body=b'{"models":[{"name":"llama3"}]}', finish=True)
         self.assertEqual(self.models("good"), frozenset({"llama3:latest"}))
@@ -43,14 +43,14 @@ class ProberTests(SynchronousTestCase):
         self.assertEqual(self.models("good"), frozenset())
 
     def test_one_unusable_address_does_not_stop_the_probing_of_the_rest(self):
-        self.prober.start()
+        self.prober.startService()
         self.agent.last.respond(200, body=b'{"models":[]}', finish=True)
         self.clock.advance(5)
         self.assertEqual(len(self.agent.requests), 2)
         self.agent.last.respond(200, body=b'{"models":[]}', finish=True)
 
     def test_a_probe_that_never_answers_times_out_after_ten_seconds(self):
-        self.prober.start()
+        self.prober.startService()
         self.clock.advance(5)
         self.assertEqual(len(self.agent.requests), 1)
         self.clock.advance(5)

@@ -254,7 +254,7 @@ class WatcherTests(SynchronousTestCase):
         self.patch(logs, "_level", {"current": LogLevel.info})
         globalLogPublisher.addObserver(self.events.append)
         self.addCleanup(globalLogPublisher.removeObserver, self.events.append)
-        self.addCleanup(self.watcher.stop)
+        self.addCleanup(lambda: self.watcher.running and self.watcher.stopService())
 
     def rewrite(self, text: str | bytes) -> None:
         self.stamp += 10**9
@@ -286,7 +286,7 @@ class WatcherTests(SynchronousTestCase):
 
     def test_changed_valid_file_is_applied_on_the_next_two_second_check(self) -> None:
         self.watcher.load()
-        self.watcher.start()
+        self.watcher.startService()
         self.rewrite(TWO_NODES)
         self.clock.advance(1)
         self.assertEqual(len(self.applied), 1)
@@ -298,7 +298,7 @@ class WatcherTests(SynchronousTestCase):
 
     def test_unchanged_file_is_not_reapplied(self) -> None:
         self.watcher.load()
-        self.watcher.start()
+        self.watcher.startService()
         for _ in range(5):
             self.clock.advance(2)
         self.assertEqual(len(self.applied), 1)
@@ -306,7 +306,7 @@ class WatcherTests(SynchronousTestCase):
 
     def test_bad_reload_keeps_the_last_good_snapshot_and_logs_a_warning(self) -> None:
         self.watcher.load()
-        self.watcher.start()
+        self.watcher.startService()
         self.rewrite(ONE_NODE + "port = 70000\n")
         self.clock.advance(2)
         self.assertEqual(len(self.applied), 1)
@@ -320,7 +320,7 @@ class WatcherTests(SynchronousTestCase):
 
     def test_a_fixed_file_after_a_bad_reload_is_applied(self) -> None:
         self.watcher.load()
-        self.watcher.start()
+        self.watcher.startService()
         self.rewrite("[[node]\n")
         self.clock.advance(2)
         self.rewrite(TWO_NODES)
@@ -330,7 +330,7 @@ class WatcherTests(SynchronousTestCase):
 
     def test_a_deleted_file_keeps_the_last_good_snapshot(self) -> None:
         self.watcher.load()
-        self.watcher.start()
+        self.watcher.startService()
         os.remove(self.path)
         self.clock.advance(2)
         self.assertEqual(len(self.applied), 1)
@@ -340,8 +340,8 @@ class WatcherTests(SynchronousTestCase):
 
     def test_stopped_watcher_applies_nothing(self) -> None:
         self.watcher.load()
-        self.watcher.start()
-        self.watcher.stop()
+        self.watcher.startService()
+        self.watcher.stopService()
         self.rewrite(TWO_NODES)
         self.clock.advance(10)
         self.assertEqual(len(self.applied), 1)

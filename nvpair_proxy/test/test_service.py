@@ -1,13 +1,25 @@
-"""Standalone wiring: the implicit local fleet and the shared connection pool."""
+"""The wiring: the implicit local fleet, the shared pool, and the service tree (protocol 1)."""
 
 from __future__ import annotations
 
+import os
+
+from twisted.application.internet import TimerService
+from twisted.application.service import Service
+from twisted.internet.defer import Deferred, succeed
+from twisted.internet.task import Clock
 from twisted.internet.testing import MemoryReactorClock
 from twisted.trial.unittest import SynchronousTestCase
 
-from nvpair_proxy import constants
+from nvpair_proxy import constants, logs
+from nvpair_proxy.engines import load_engines
+from nvpair_proxy.facades import Facades, FacadeService
+from nvpair_proxy.inventory import Prober
 from nvpair_proxy.options import Options
-from nvpair_proxy.service import local_fleet, make_pool
+from nvpair_proxy.service import (ProcessService, Runtime, RuntimeService, broker_tree,
+                                  local_fleet, make_pool, standalone_tree)
+
+ENGINES = load_engines()
 
 
 def parsed(*args: str) -> Options:
@@ -42,44 +54,219 @@ class PoolTests(SynchronousTestCase):
         self.assertFalse(pool.retryAutomatically)
 
 
-class CloseTests(SynchronousTestCase):
-    def _runtime(self, clock):
-        from nvpair_proxy.service import Runtime
-        options = parsed("--engine", "ollama")
-        runtime = Runtime.build(options, clock, None)
-        closed = []
-        self.patch(runtime.pool, "closeCachedConnections", lambda: closed.append(True))
-        return runtime, closed
+class Steps:
+    """The fakes of one process tree, writing what they did into one list, in order."""
 
-    def test_the_pool_closes_only_after_the_listeners_have_stopped(self):
-        from twisted.internet.defer import Deferred
+    def __init__(self) -> None:
+        self.done: list[str] = []
+
+    def port(self, closes: Deferred | None = None):
+        steps = self
 
         class Port:
-            def __init__(self):
-                self.stopped = Deferred()
-
             def stopListening(self):
-                return self.stopped
+                steps.done.append("stop listening")
+                return closes
 
-        clock = MemoryReactorClock()
-        runtime, closed = self._runtime(clock)
-        port = Port()
-        runtime.close([port])
-        self.assertEqual(closed, [])
-        port.stopped.callback(None)
-        self.assertEqual(closed, [True])
+        return Port()
 
-    def test_the_grace_bounds_the_wait_for_listeners(self):
-        from twisted.internet.defer import Deferred
+    def facade(self, engine_id: str = "ollama"):
+        steps = self
 
-        class Stuck:
-            def stopListening(self):
-                return Deferred()
+        class FakeFacade:
+            engine = ENGINES[engine_id]
 
-        clock = MemoryReactorClock()
-        runtime, closed = self._runtime(clock)
-        runtime.close([Stuck()])
-        clock.advance(constants.FACADE_SHUTDOWN_GRACE - 0.1)
-        self.assertEqual(closed, [])
-        clock.advance(0.1)
-        self.assertEqual(closed, [True])
+            def shutdown(self):
+                steps.done.append("cancel in flight")
+
+        return FakeFacade()
+
+    def runtime(self):
+        steps = self
+
+        class Pool:
+            def closeCachedConnections(self):
+                steps.done.append("pool closed")
+                return succeed(None)
+
+        return Runtime(reactor=None, emitter=None, bounds=None, pool=Pool(), agent=None)
+
+
+class StopOrderTests(SynchronousTestCase):
+    """Protocol 1: stop accepting, cancel in-flight requests, the grace, the pool last; the
+    order is the tree's (children stop in reverse order of addition, one after another)."""
+
+    def tree(self, closes: Deferred | None = None):
+        self.clock, self.steps = MemoryReactorClock(), Steps()
+        root = ProcessService(self.clock)
+        RuntimeService(self.steps.runtime()).setServiceParent(root)
+        facades = Facades(make_facade=None, listen=None, make_prober=None, clock=self.clock)
+        facades.setServiceParent(root)
+        prober = TimerService(5, lambda: None)
+        prober.clock = self.clock
+        facades.add(FacadeService(self.steps.facade(), None,
+                                  lambda port, factory, interface: self.steps.port(closes),
+                                  prober, self.clock, 11435))
+        root.startService()
+        return root
+
+    def test_stop_listening_then_cancel_in_flight_then_grace_then_pool(self):
+        root = self.tree(closes=Deferred())
+        stopped = root.stopService()
+        self.assertEqual(self.steps.done, ["stop listening", "cancel in flight"])
+        self.clock.advance(constants.FACADE_SHUTDOWN_GRACE - 0.1)
+        self.assertNoResult(stopped)
+        self.assertEqual(self.steps.done, ["stop listening", "cancel in flight"])
+        self.clock.advance(0.1)
+        self.assertEqual(self.steps.done, ["stop listening", "cancel in flight", "pool closed"])
+        self.successResultOf(stopped)
+        self.assertEqual(self.clock.getDelayedCalls(), [])
+
+    def test_ports_that_close_at_once_do_not_wait_for_the_grace(self):
+        root = self.tree(closes=None)
+        self.successResultOf(root.stopService())
+        self.assertEqual(self.steps.done, ["stop listening", "cancel in flight", "pool closed"])
+        self.assertEqual(self.clock.getDelayedCalls(), [])
+
+    def test_facades_stop_together_under_one_grace(self):
+        self.clock, self.steps = MemoryReactorClock(), Steps()
+        root = ProcessService(self.clock)
+        RuntimeService(self.steps.runtime()).setServiceParent(root)
+        facades = Facades(make_facade=None, listen=None, make_prober=None, clock=self.clock)
+        facades.setServiceParent(root)
+        for engine_id in ("ollama", "lmstudio"):
+            prober = TimerService(5, lambda: None)
+            prober.clock = self.clock
+            facades.add(FacadeService(self.steps.facade(engine_id), None,
+                                      lambda port, factory, interface: self.steps.port(Deferred()),
+                                      prober, self.clock, 1))
+        root.startService()
+        stopped = root.stopService()
+        self.assertEqual(self.steps.done, ["stop listening", "cancel in flight"] * 2)
+        self.clock.advance(constants.FACADE_SHUTDOWN_GRACE)
+        self.assertEqual(self.steps.done[-1], "pool closed")
+        self.successResultOf(stopped)
+
+    def test_a_step_that_fails_is_logged_and_the_pool_still_closes(self):
+        root = self.tree()
+
+        class Broken(Service):
+            def stopService(self):
+                raise RuntimeError("broken step")
+
+        Broken().setServiceParent(root)
+        self.successResultOf(root.stopService())
+        self.assertEqual(len(self.flushLoggedErrors(RuntimeError)), 1)
+        self.assertEqual(self.steps.done[-1], "pool closed")
+
+
+class PeriodicTaskTests(SynchronousTestCase):
+    """Every periodic task is a TimerService of the tree: it runs at once and then at its
+    interval on the injected clock, and stopping its service leaves no timer behind."""
+
+    def assertRunsEvery(self, service, interval: float, calls: list) -> None:
+        clock = service.clock
+        service.startService()
+        self.assertEqual(len(calls), 1)
+        clock.advance(interval - 0.01)
+        self.assertEqual(len(calls), 1)
+        clock.advance(0.01)
+        self.assertEqual(len(calls), 2)
+        self.successResultOf(service.stopService())
+        clock.advance(interval * 10)
+        self.assertEqual(len(calls), 2)
+        self.assertEqual(clock.getDelayedCalls(), [])
+
+    def test_watchdog_every_half_watchdog_usec(self):
+        from nvpair_proxy import sdnotify
+        calls = []
+        self.patch(sdnotify, "notify", lambda state, environ: calls.append(state))
+        service = sdnotify.watchdog(Clock(), {"WATCHDOG_USEC": "3000000"})
+        self.assertRunsEvery(service, 1.5, calls)
+        self.assertEqual(set(calls), {"WATCHDOG=1"})
+
+    def test_trust_watch_every_two_seconds(self):
+        from nvpair_proxy.trust import ClusterDirectory, trust_watch
+        calls = []
+        self.patch(ClusterDirectory, "refresh", lambda self: calls.append(self.path))
+        self.assertRunsEvery(trust_watch(ClusterDirectory("/nonexistent"), Clock()), 2.0, calls)
+
+    def test_nodes_file_watch_every_two_seconds(self):
+        from nvpair_proxy.nodesfile import NodesFileWatcher
+        calls = []
+        self.patch(NodesFileWatcher, "check", lambda self: calls.append(self.path))
+        service = NodesFileWatcher("nodes.toml", ENGINES, Clock(), lambda fleet: None)
+        self.assertRunsEvery(service, constants.NODES_FILE_CHECK_INTERVAL, calls)
+        self.assertEqual(constants.NODES_FILE_CHECK_INTERVAL, 2.0)
+
+    def test_inventory_probing_every_five_seconds(self):
+        from nvpair_proxy.discovery import NodeSet
+        calls = []
+        self.patch(Prober, "probe_all", lambda self: calls.append(self.engine.id))
+        service = Prober(ENGINES["ollama"], NodeSet(), None, Clock(), lambda node: True)
+        self.assertRunsEvery(service, constants.INVENTORY_PROBE_INTERVAL, calls)
+        self.assertEqual(constants.INVENTORY_PROBE_INTERVAL, 5.0)
+
+    def test_a_probe_in_flight_is_cancelled_when_probing_stops(self):
+        from nvpair_proxy.discovery import NodeSet, make_node
+        from nvpair_proxy.testing import FakeAgent
+        nodes, agent, clock = NodeSet(), FakeAgent(), Clock()
+        nodes.put_manual(make_node(ENGINES["ollama"], id="silent", port=11434,
+                                   addresses=["10.0.0.1"]))
+        prober = Prober(ENGINES["ollama"], nodes, agent, clock, lambda node: True)
+        prober.startService()
+        self.assertEqual(len(agent.requests), 1)
+        self.successResultOf(prober.stopService())
+        self.assertTrue(agent.requests[0].cancelled)
+        self.assertEqual(clock.getDelayedCalls(), [])
+
+
+class TreeTests(SynchronousTestCase):
+    """The trees the plugin builds, on a MemoryReactorClock."""
+
+    def setUp(self):
+        from nvpair_proxy import sdnotify, service
+        self.notified: list[str] = []
+        self.signals: list[object] = []
+        self.patch(sdnotify, "notify", lambda state, environ=None: self.notified.append(state))
+        self.patch(service, "stop_on_signals", self.signals.append)
+        self.addCleanup(logs.set_level, logs.level_name())
+
+    def test_standalone_tree(self):
+        reactor = MemoryReactorClock()
+        root = standalone_tree(parsed("--engine", "ollama:1300", "--engine", "lmstudio:1301"),
+                               reactor)
+        self.assertEqual([s.name for s in root], ["runtime", "standalone", "facades"])
+        root.privilegedStartService()
+        facades = root.getServiceNamed("facades")
+        self.assertEqual([(s.name, s.port) for s in facades],
+                         [("ollama", 1300), ("lmstudio", 1301)])
+        self.assertEqual([(t[0], t[3]) for t in reactor.tcpServers], [(1300, "::"), (1301, "::")])
+        self.assertEqual([list(s) for s in facades], [[s.prober] for s in facades])
+
+    def test_ready_once_the_reactor_runs_then_the_watchdog(self):
+        previous = os.environ.get("WATCHDOG_USEC")
+        os.environ["WATCHDOG_USEC"] = "4000000"
+        self.addCleanup(lambda: os.environ.pop("WATCHDOG_USEC") if previous is None
+                        else os.environ.update(WATCHDOG_USEC=previous))
+        reactor = MemoryReactorClock()
+        root = standalone_tree(parsed("--engine", "ollama:1300"), reactor)
+        root.privilegedStartService()
+        root.startService()
+        self.assertEqual((self.notified, self.signals), ([], []))
+        reactor.run()
+        self.assertEqual(self.notified, ["READY=1", "WATCHDOG=1"])
+        self.assertEqual(self.signals, [reactor])
+        self.assertEqual([s.name for s in root][-1], "watchdog")
+        self.successResultOf(root.stopService())
+        self.assertEqual(self.notified, ["READY=1", "WATCHDOG=1", "STOPPING=1"])
+        self.assertFalse(root.getServiceNamed("watchdog").running)
+
+    def test_broker_tree(self):
+        from nvpair_proxy import service
+        self.patch(service, "claim_stdout", lambda: 99)
+        cluster = self.mktemp()
+        os.makedirs(cluster)
+        root = broker_tree(parsed("--cluster-dir", cluster), MemoryReactorClock())
+        self.assertEqual([s.name for s in root], ["runtime", "link", "trust watch", "facades"])
+        self.assertEqual(list(root.getServiceNamed("facades")), [])

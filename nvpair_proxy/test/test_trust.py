@@ -27,7 +27,8 @@ from nvpair_proxy.server import BoundedSite
 from nvpair_proxy.reservations import ReservationMap
 from nvpair_proxy.simfleet import SimNode, SimNodeResource
 from nvpair_proxy.test.certs import make_certificate, write_admission, write_identity, write_pin
-from nvpair_proxy.trust import ClusterDirectory, PeerAgents, PinnedPolicy, der_of, tls_ingress
+from nvpair_proxy.trust import (ClusterDirectory, PeerAgents, PinnedPolicy, der_of, tls_ingress,
+                                 trust_watch)
 
 from OpenSSL import SSL, crypto
 from twisted.internet.error import ConnectError
@@ -104,8 +105,9 @@ class DirectoryTests(SynchronousTestCase):
         write_identity(self.folder, *self.own)
         clock = Clock()
         directory = ClusterDirectory(self.folder)
-        directory.start(clock)
-        self.addCleanup(directory.stop)
+        watch = trust_watch(directory, clock)
+        watch.startService()
+        self.addCleanup(watch.stopService)
         self.assertIsNone(directory.pin("node-b"))
         write_pin(self.folder, "node-b", self.peer[0])
         clock.advance(2)
@@ -297,7 +299,7 @@ class PeerRoutingTests(SynchronousTestCase):
         path = write_pin(self.folder, "node-b", make_certificate("node-b")[0])
         self.directory.refresh()
         self.assertEqual(self.owners(), ["node-b"])
-        facade = self.proxy.broker.running["ollama"].facade
+        facade = self.proxy.facades["ollama"].facade
         self.assertEqual(facade.router.nodes.routable()[0].scheme, "https")
         os.unlink(path)
         self.directory.refresh()
@@ -332,12 +334,15 @@ class RobustDirectoryTests(SynchronousTestCase):
 
     def test_a_reader_that_raises_is_logged_and_the_watch_keeps_running(self):
         clock = Clock()
-        self.directory.start(clock)
-        self.addCleanup(self.directory.stop)
+        watch = trust_watch(self.directory, clock)
+        watch.startService()
+        self.addCleanup(watch.stopService)
         self.patch(ClusterDirectory, "_read_pins", lambda self: 1 / 0)
         clock.advance(2)
         self.assertEqual(len(self.flushLoggedErrors(ZeroDivisionError)), 1)
-        self.assertTrue(self.directory._loop.running)
+        clock.advance(2)
+        self.assertEqual(len(self.flushLoggedErrors(ZeroDivisionError)), 1)
+        self.assertTrue(watch.running)
 
     def test_a_pin_file_that_now_disagrees_stops_trusting_the_old_certificate(self):
         peer = make_certificate("node-b")

@@ -1,0 +1,63 @@
+"""Broker mode: how a discovered node is reached, or that it is not (spec 7, protocol 6).
+
+The self node is reached through the local backend the broker named; a peer only over pinned
+mutual TLS, and only while this node is a cluster member. Standalone mode admits every node as
+written, so it installs none of this.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import attrs
+
+from .discovery import Node
+from .trust import ClusterDirectory, PeerAgents
+
+# Pins are re-derived per request (spec 7); one stat pass serves a burst of resolutions.
+TRUST_RECHECK = 0.1
+
+LocalBackend = Callable[[], "tuple[str, int] | None"]
+
+
+@attrs.define(eq=False)
+class Admission:
+    """One facade's admission of discovered nodes, asked each time its node set is read."""
+
+    directory: ClusterDirectory | None
+    clock: object
+    local_backend: LocalBackend
+    checked_at: float = float("-inf")
+
+    def __call__(self, node: Node) -> Node | None:
+        if node.local:
+            backend = self.local_backend()
+            if backend is None:
+                return None
+            host, port = backend
+            return attrs.evolve(node, addresses=(host,), port=port, scheme="http")
+        if self.directory is None or not node.cluster_uuid:
+            return None
+        self._recheck()
+        if self.directory.pin(node.cluster_uuid):
+            return attrs.evolve(node, scheme="https")
+        return None
+
+    def _recheck(self) -> None:
+        """A pin that appeared or vanished counts at once, not only on the 2 s watch (spec 7);
+        throttled so a burst of resolutions costs one stat pass."""
+        now = self.clock.seconds()
+        if now - self.checked_at >= TRUST_RECHECK:
+            self.checked_at = now
+            self.directory.check()
+
+
+def admit_into(facade, directory: ClusterDirectory | None, peer_agents: PeerAgents | None,
+               local_backend: LocalBackend) -> None:
+    """Install broker-mode admission on a facade: its node set asks ``Admission``, and a
+    peer admitted over https is dialled on that peer's pinned pool."""
+    facade.router.nodes.admit = Admission(directory, facade.clock, local_backend)
+    if peer_agents is not None:
+        upstreams = facade.upstreams
+        upstreams.agent_for_node = lambda node: (
+            peer_agents.for_node(node) if node.scheme == "https" else upstreams.agent)
