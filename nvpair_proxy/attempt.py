@@ -18,12 +18,11 @@ from twisted.internet.defer import CancelledError, Deferred, maybeDeferred
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.internet.protocol import Protocol
 from twisted.python.failure import Failure
-from twisted.web.client import ResponseDone
-from twisted.web.http import PotentialDataLoss
 from twisted.web.http_headers import Headers
 from twisted.web.iweb import IAgent, IResponse
 
 from .discovery import Node, host_port
+from .relay import BodyRelay, clean_end
 from .requestbody import BytesProducer
 
 class State(enum.Enum):
@@ -100,66 +99,6 @@ class AddressMemory:
 
     def forget(self, node: Node) -> None:
         self._answered.pop(node.id, None)
-
-
-class BodyRelay(Protocol):
-    """Receives the upstream body; holds it until a sink attaches, then streams it through.
-
-    Holding is what lets the first byte be peeked and spliced back in front of the stream.
-    While unattached the upstream transport is paused, so nothing but the first chunk is held.
-    """
-
-    def __init__(self, on_first_data: Callable[[], None], on_end: Callable[[Failure], None]):
-        self._on_first_data = on_first_data
-        self._on_end = on_end
-        self._held: list[bytes] = []
-        self._ended: Failure | None = None
-        self._sink = None
-        self.bytes_received = 0
-
-    def connectionMade(self) -> None:
-        if self._sink is None:
-            self.transport.pauseProducing()
-
-    def dataReceived(self, data: bytes) -> None:
-        if not data:
-            return
-        first = self.bytes_received == 0
-        self.bytes_received += len(data)
-        if self._sink is not None:
-            self._sink.write(data)
-            return
-        self._held.append(data)
-        self.transport.pauseProducing()
-        if first:
-            self._on_first_data()
-
-    def connectionLost(self, reason: Failure) -> None:
-        if self._sink is not None:
-            self._sink.upstream_done(reason)
-            return
-        self._ended = reason
-        self._on_end(reason)
-
-    def attach(self, sink) -> None:
-        """Deliver what was held to ``sink`` and stream the rest (``write``/``upstream_done``)."""
-        self._sink = sink
-        held, self._held = self._held, []
-        for data in held:
-            sink.write(data)
-        if self._ended is not None:
-            sink.upstream_done(self._ended)
-        else:
-            self.transport.resumeProducing()
-
-    def abort(self) -> None:
-        if self.transport is not None and self._ended is None:
-            self.transport.stopProducing()
-
-
-def clean_end(reason: Failure) -> bool:
-    """A body that ended as the framing said it would (close-delimited counts)."""
-    return reason.check(ResponseDone, PotentialDataLoss) is not None
 
 
 # A body being read out must arrive within this long, or its connection is aborted.

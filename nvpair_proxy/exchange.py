@@ -10,15 +10,12 @@ from __future__ import annotations
 
 import enum
 import json
-from typing import Callable
-from twisted.internet.interfaces import IDelayedCall, IPushProducer
 from twisted.python.failure import Failure
 from twisted.web.server import Request
-from zope.interface import implementer
 
 from . import constants
 from .answers import answer_internal_error, send_error
-from .attempt import Attempt, Committed, clean_end
+from .attempt import Attempt, Committed
 from .discovery import Node, host_port
 from .dispatch import (ALL_OWNERS_BUSY, NO_CANDIDATE, NO_OWNER, Answer, Dispatch, Gone,
                        Upstreams, retryable_status)
@@ -28,6 +25,7 @@ from .events import (BACKSTOP, CANCELLED, CLIENT_GONE, COMPLETED, FAILED, SHUTDO
 from .hopbyhop import end_to_end
 from .interfaces import IRouter
 from .logs import logger
+from .relay import ClientWatch, StreamIdle, StreamIdleTimeout, clean_end
 from .router import retry_after
 from .stats import BodyObserver
 from .twisted_workarounds import channel_paused
@@ -45,81 +43,6 @@ def requested_model(body: bytes) -> str | None:
     if not isinstance(model, str) or not model.strip():
         return None
     return model
-
-
-class StreamIdleTimeout(Exception):
-    """The committed upstream was closed for silence (``--stream-idle-timeout``)."""
-
-
-@implementer(IPushProducer)
-class ClientWatch:
-    """The upstream body as seen by the client connection, with the dead-client deadline.
-
-    Registered as the request's producer, so a client that stops reading pauses the upstream
-    socket (backpressure) and starts the 30 s deadline; resuming stops it (design 11).
-    """
-
-    def __init__(self, upstream: IPushProducer, clock, on_dead, deadline: float) -> None:
-        self.upstream, self.clock, self.on_dead, self.deadline = upstream, clock, on_dead, deadline
-        self.timer: IDelayedCall | None = None
-
-    def pauseProducing(self) -> None:
-        self.upstream.pauseProducing()
-        if self.timer is None:
-            self.timer = self.clock.callLater(self.deadline, self._expired)
-
-    def resumeProducing(self) -> None:
-        self.stop_timer()
-        self.upstream.resumeProducing()
-
-    def stopProducing(self) -> None:
-        self.stop_timer()
-        self.upstream.stopProducing()
-
-    def stop_timer(self) -> None:
-        if self.timer is not None and self.timer.active():
-            self.timer.cancel()
-        self.timer = None
-
-    def _expired(self) -> None:
-        self.timer = None
-        self.on_dead()
-
-
-class StreamIdle:
-    """Closes a committed upstream that sent nothing for ``limit`` seconds (spec 5.2's known
-    gap, closed opt-in with ``--stream-idle-timeout``).
-
-    One timer per stream, not per chunk: a chunk only stamps the time, and the timer, when it
-    fires, re-arms for what is left. Time the client spends not reading does not count: the
-    upstream is paused by us then, and the dead-client deadline is the one that applies.
-    """
-
-    def __init__(self, clock, limit: float, client_paused: Callable[[], bool],
-                 on_idle: Callable[[], None]) -> None:
-        self.clock, self.limit = clock, limit
-        self.client_paused, self.on_idle = client_paused, on_idle
-        self.last = clock.seconds()
-        self.timer: IDelayedCall | None = clock.callLater(limit, self._check)
-
-    def touch(self) -> None:
-        self.last = self.clock.seconds()
-
-    def _check(self) -> None:
-        now = self.clock.seconds()
-        if self.client_paused():
-            self.last = now
-        due = self.last + self.limit
-        if now < due:
-            self.timer = self.clock.callLater(due - now, self._check)
-            return
-        self.timer = None
-        self.on_idle()
-
-    def stop(self) -> None:
-        if self.timer is not None and self.timer.active():
-            self.timer.cancel()
-        self.timer = None
 
 
 class Phase(enum.Enum):

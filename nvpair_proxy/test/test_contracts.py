@@ -22,7 +22,7 @@ from twisted.web.server import NOT_DONE_YET
 from treq.testing import RequestTraversalAgent
 from zope.interface.verify import verifyObject
 
-from nvpair_proxy.attempt import clean_end
+from nvpair_proxy.relay import clean_end
 from nvpair_proxy.discovery import Node
 from nvpair_proxy.events import LogEmitter, RecordingEmitter
 from nvpair_proxy.ingress import LocalBackendRoute

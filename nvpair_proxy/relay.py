@@ -1,0 +1,153 @@
+"""The committed body's way from the engine to the client (spec 5.2, design 6 and 11).
+
+``BodyRelay`` holds the upstream body until the exchange attaches, which is what lets the
+first byte be peeked and spliced back; ``ClientWatch`` is the producer the client connection
+sees, carrying backpressure upstream and the dead-client deadline; ``StreamIdle`` is the
+opt-in deadline on a committed upstream that went silent.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from twisted.internet.interfaces import IDelayedCall, IPushProducer
+from twisted.internet.protocol import Protocol
+from twisted.python.failure import Failure
+from twisted.web.client import ResponseDone
+from twisted.web.http import PotentialDataLoss
+from zope.interface import implementer
+
+
+class BodyRelay(Protocol):
+    """Receives the upstream body; holds it until a sink attaches, then streams it through.
+
+    Holding is what lets the first byte be peeked and spliced back in front of the stream.
+    While unattached the upstream transport is paused, so nothing but the first chunk is held.
+    """
+
+    def __init__(self, on_first_data: Callable[[], None], on_end: Callable[[Failure], None]):
+        self._on_first_data = on_first_data
+        self._on_end = on_end
+        self._held: list[bytes] = []
+        self._ended: Failure | None = None
+        self._sink = None
+        self.bytes_received = 0
+
+    def connectionMade(self) -> None:
+        if self._sink is None:
+            self.transport.pauseProducing()
+
+    def dataReceived(self, data: bytes) -> None:
+        if not data:
+            return
+        first = self.bytes_received == 0
+        self.bytes_received += len(data)
+        if self._sink is not None:
+            self._sink.write(data)
+            return
+        self._held.append(data)
+        self.transport.pauseProducing()
+        if first:
+            self._on_first_data()
+
+    def connectionLost(self, reason: Failure) -> None:
+        if self._sink is not None:
+            self._sink.upstream_done(reason)
+            return
+        self._ended = reason
+        self._on_end(reason)
+
+    def attach(self, sink) -> None:
+        """Deliver what was held to ``sink`` and stream the rest (``write``/``upstream_done``)."""
+        self._sink = sink
+        held, self._held = self._held, []
+        for data in held:
+            sink.write(data)
+        if self._ended is not None:
+            sink.upstream_done(self._ended)
+        else:
+            self.transport.resumeProducing()
+
+    def abort(self) -> None:
+        if self.transport is not None and self._ended is None:
+            self.transport.stopProducing()
+
+
+def clean_end(reason: Failure) -> bool:
+    """A body that ended as the framing said it would (close-delimited counts)."""
+    return reason.check(ResponseDone, PotentialDataLoss) is not None
+
+
+class StreamIdleTimeout(Exception):
+    """The committed upstream was closed for silence (``--stream-idle-timeout``)."""
+
+
+@implementer(IPushProducer)
+class ClientWatch:
+    """The upstream body as seen by the client connection, with the dead-client deadline.
+
+    Registered as the request's producer, so a client that stops reading pauses the upstream
+    socket (backpressure) and starts the 30 s deadline; resuming stops it (design 11).
+    """
+
+    def __init__(self, upstream: IPushProducer, clock, on_dead, deadline: float) -> None:
+        self.upstream, self.clock, self.on_dead, self.deadline = upstream, clock, on_dead, deadline
+        self.timer: IDelayedCall | None = None
+
+    def pauseProducing(self) -> None:
+        self.upstream.pauseProducing()
+        if self.timer is None:
+            self.timer = self.clock.callLater(self.deadline, self._expired)
+
+    def resumeProducing(self) -> None:
+        self.stop_timer()
+        self.upstream.resumeProducing()
+
+    def stopProducing(self) -> None:
+        self.stop_timer()
+        self.upstream.stopProducing()
+
+    def stop_timer(self) -> None:
+        if self.timer is not None and self.timer.active():
+            self.timer.cancel()
+        self.timer = None
+
+    def _expired(self) -> None:
+        self.timer = None
+        self.on_dead()
+
+
+class StreamIdle:
+    """Closes a committed upstream that sent nothing for ``limit`` seconds (spec 5.2's known
+    gap, closed opt-in with ``--stream-idle-timeout``).
+
+    One timer per stream, not per chunk: a chunk only stamps the time, and the timer, when it
+    fires, re-arms for what is left. Time the client spends not reading does not count: the
+    upstream is paused by us then, and the dead-client deadline is the one that applies.
+    """
+
+    def __init__(self, clock, limit: float, client_paused: Callable[[], bool],
+                 on_idle: Callable[[], None]) -> None:
+        self.clock, self.limit = clock, limit
+        self.client_paused, self.on_idle = client_paused, on_idle
+        self.last = clock.seconds()
+        self.timer: IDelayedCall | None = clock.callLater(limit, self._check)
+
+    def touch(self) -> None:
+        self.last = self.clock.seconds()
+
+    def _check(self) -> None:
+        now = self.clock.seconds()
+        if self.client_paused():
+            self.last = now
+        due = self.last + self.limit
+        if now < due:
+            self.timer = self.clock.callLater(due - now, self._check)
+            return
+        self.timer = None
+        self.on_idle()
+
+    def stop(self) -> None:
+        if self.timer is not None and self.timer.active():
+            self.timer.cancel()
+        self.timer = None
