@@ -31,11 +31,8 @@ class BodyRelay(Protocol):
         self._held: list[bytes] = []
         self._ended: Failure | None = None
         self._sink = None
+        self._paused = False
         self.bytes_received = 0
-
-    def connectionMade(self) -> None:
-        if self._sink is None:
-            self.transport.pauseProducing()
 
     def dataReceived(self, data: bytes) -> None:
         if not data:
@@ -46,9 +43,11 @@ class BodyRelay(Protocol):
             self._sink.write(data)
             return
         self._held.append(data)
-        self.transport.pauseProducing()
         if first:
-            self._on_first_data()
+            self._on_first_data()  # usually commits and attaches, in this same call
+        if self._sink is None and not self._paused:
+            self._paused = True
+            self.transport.pauseProducing()
 
     def connectionLost(self, reason: Failure) -> None:
         if self._sink is not None:
@@ -65,7 +64,8 @@ class BodyRelay(Protocol):
             sink.write(data)
         if self._ended is not None:
             sink.upstream_done(self._ended)
-        else:
+        elif self._paused:
+            self._paused = False
             self.transport.resumeProducing()
 
     def abort(self) -> None:
