@@ -100,25 +100,36 @@ def unavailable_reason() -> str | None:
 
 
 def _alive(pid: int) -> bool:
+    """Running (a zombie waiting to be reaped counts as gone)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def _owner_alive(name: str) -> bool:
+    owner = name[len(PREFIX):].split("-", 1)[0]
+    return owner.isdigit() and _alive(int(owner))
 
 
 def remove_leftovers() -> list[str]:
-    """Delete namespaces of ours whose creating process is gone, killing what runs in them."""
+    """Delete namespaces (and work folders) of ours whose creating process is gone, killing
+    what still runs in them."""
     removed = []
+    for entry in os.listdir(tempfile.gettempdir()):
+        if entry.startswith(PREFIX) and not _owner_alive(entry):
+            shutil.rmtree(os.path.join(tempfile.gettempdir(), entry), ignore_errors=True)
     listing = _run("ip", "netns", "list", check=False).stdout
     for line in listing.splitlines():
         name = line.split()[0] if line.strip() else ""
-        if not name.startswith(PREFIX):
-            continue
-        owner = name[len(PREFIX):].split("-", 1)[0]
-        if owner.isdigit() and _alive(int(owner)):
+        if not name.startswith(PREFIX) or _owner_alive(name):
             continue
         for pid in _run("ip", "netns", "pids", name, check=False).stdout.split():
             try:
@@ -277,7 +288,7 @@ class Topology:
                  header_timeout: str = "2", tokens: int = 6, token_delay: float = 0.02,
                  log=None) -> None:
         self.run_id = f"{PREFIX}{os.getpid()}-{secrets.token_hex(2)}"
-        self.workdir = tempfile.mkdtemp(prefix="nvpmh-")
+        self.workdir = tempfile.mkdtemp(prefix=f"{self.run_id}-")
         self.switch = f"{self.run_id}-sw"
         self.hosts = {key: Host(key, f"{self.run_id}-{key}", self.workdir) for key in LAYOUT}
         self.delay_host, self.delay = delay_host, delay
