@@ -14,7 +14,6 @@ from typing import Callable, Protocol
 import attrs
 from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
-from twisted.internet.task import LoopingCall
 from twisted.python.failure import Failure
 from twisted.web.iweb import IAgent
 
@@ -45,7 +44,6 @@ class Bounds:
     response_timeout: float = constants.DEFAULT_RESPONSE_TIMEOUT
     backoff: tuple[float, ...] = constants.BACKOFF_SCHEDULE
     jitter: float = constants.BACKOFF_JITTER
-    watch_interval: float = constants.TARGET_WATCH_INTERVAL
     stream_idle: float = 0.0
 
 
@@ -141,7 +139,6 @@ class Dispatch:
         self.reservation = None
         self._queue: list[Node] = []
         self._timer: IDelayedCall | None = None
-        self._watch: LoopingCall | None = None
         self._owner_missing = False
         self._failed_in_round = False
         self._done = False
@@ -217,20 +214,14 @@ class Dispatch:
         self.observer.dispatched(node)
         self.attempt = self.make_attempt(node, final)
         if self.inference:
-            self._watch = LoopingCall(self._guarded, self._check_target, self.attempt)
-            self._watch.clock = self.clock
-            self._watch.start(self.bounds.watch_interval, now=False)
+            self.router.watch(self.attempt)
         self.attempt.start().addCallback(
             lambda outcome, attempt=self.attempt: self._guarded(
                 self._attempt_ended, outcome, attempt.is_final()))
 
-    def _check_target(self, attempt: Attempt) -> None:
-        """Spec 5.3: a target that left discovery cannot be trusted to serve; abandon it."""
-        if not self.router.is_routable(attempt.node.id):
-            attempt.cancel("target left discovery")
-
     def _attempt_ended(self, outcome: Committed | Failed, final: bool) -> None:
-        self._stop_watch()
+        if self.inference and self.attempt is not None:
+            self.router.unwatch(self.attempt)
         self.attempt = None
         if self.inference:
             self._tell_router(outcome)
@@ -293,9 +284,10 @@ class Dispatch:
         if self._timer is not None and self._timer.active():
             self._timer.cancel()
         self._timer = None
-        self._stop_watch()
         if self.attempt is not None:
             attempt, self.attempt = self.attempt, None
+            if self.inference:
+                self.router.unwatch(attempt)
             attempt.cancel("request ended")
         if not keep_reservation:
             self._release()
@@ -304,8 +296,3 @@ class Dispatch:
         if self.reservation is not None:
             self.reservation.release()
             self.reservation = None
-
-    def _stop_watch(self) -> None:
-        if self._watch is not None and self._watch.running:
-            self._watch.stop()
-        self._watch = None

@@ -61,6 +61,12 @@ class LocalBackendRoute:
     def set_pin(self, node_id: str) -> None:
         raise KeyError(node_id)
 
+    def watch(self, attempt) -> None:
+        pass
+
+    def unwatch(self, attempt) -> None:
+        pass
+
 
 class IngressExchange(Exchange):
     """A forward to the local backend: one pass, no workload, backend errors coded."""

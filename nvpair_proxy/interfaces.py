@@ -45,3 +45,18 @@ class IRouter(Interface):
 
     def set_pin(node_id: str) -> None:
         """Pin a known node ("" clears); KeyError for an unknown one."""
+
+    def watch(attempt: "IWatchedAttempt") -> None:
+        """Cancel the attempt if its target leaves the routable set (spec 5.3)."""
+
+    def unwatch(attempt: "IWatchedAttempt") -> None:
+        """Stop watching the attempt."""
+
+
+class IWatchedAttempt(Interface):
+    """What the target watch needs of an attempt."""
+
+    node = Attribute("The Node the attempt targets.")
+
+    def cancel(reason: str) -> bool:
+        """Abandon the attempt unless it already committed or ended."""

@@ -23,15 +23,18 @@ import math
 from typing import Iterable, Sequence
 
 import attrs
-from twisted.internet.interfaces import IReactorTime
+from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from zope.interface import implementer
 
 from . import constants
 from .discovery import Diff, Node, NodeSet
 from .engines import Engine
-from .interfaces import IRouter
+from .interfaces import IRouter, IWatchedAttempt
+from .logs import logger
 from .reservations import Reservation, ReservationMap
 from .selection import order, owners
+
+log = logger()
 
 # issue 8: the statuses that mean "this engine's queue is full".
 BUSY_STATUSES = frozenset({429, 503})
@@ -46,9 +49,12 @@ class Router:
     nodes: NodeSet = attrs.Factory(NodeSet)
     busy_hold: float = constants.BUSY_HOLD
     stall_cooldown: float = constants.STALL_COOLDOWN
+    watch_interval: float = constants.TARGET_WATCH_INTERVAL
     _pin: str = ""
     _held: dict[str, float] = attrs.Factory(dict)
     _cooling: dict[str, float] = attrs.Factory(dict)
+    _watched: set = attrs.Factory(set)
+    _sweep: IDelayedCall | None = None
 
     # The node set.
 
@@ -176,6 +182,39 @@ class Router:
     def cooling(self) -> dict[str, float]:
         """Cooling nodes and the seconds left on each cooldown."""
         return self._remaining(self._cooling)
+
+    # Spec 5.3: an attempt whose target left the routable set is abandoned.
+
+    def watch(self, attempt: IWatchedAttempt) -> None:
+        """Check ``attempt``'s target every ``watch_interval`` until ``unwatch``.
+
+        One timer per facade sweeps every attempt in flight, rather than one per attempt: a
+        timer per dispatch was a measurable share of a request's CPU (issue 10).
+        """
+        self._watched.add(attempt)
+        if self._sweep is None:
+            self._sweep = self.clock.callLater(self.watch_interval, self._check_targets)
+
+    def unwatch(self, attempt: IWatchedAttempt) -> None:
+        self._watched.discard(attempt)
+        if not self._watched and self._sweep is not None:
+            if self._sweep.active():
+                self._sweep.cancel()
+            self._sweep = None
+
+    def _check_targets(self) -> None:
+        self._sweep = None
+        for attempt in list(self._watched):
+            if attempt not in self._watched:
+                continue  # a cancel earlier in this sweep ended it
+            if not self.is_routable(attempt.node.id):
+                self._watched.discard(attempt)
+                try:
+                    attempt.cancel("target left discovery")
+                except Exception:
+                    log.failure("cancelling an attempt whose target left", engine=self.engine.id)
+        if self._watched and self._sweep is None:
+            self._sweep = self.clock.callLater(self.watch_interval, self._check_targets)
 
     # Internals.
 

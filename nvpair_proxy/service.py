@@ -38,6 +38,7 @@ from .inventory import Prober
 from .logs import logger, set_level
 from .nodesfile import Fleet, NodesFileError, NodesFileWatcher
 from .options import Options
+from .twisted_workarounds import quiet_pool
 from .reservations import ReservationMap
 
 log = logger()
@@ -45,8 +46,8 @@ log = logger()
 
 def make_pool(reactor) -> HTTPConnectionPool:
     """One process-wide pool; idle connections kept as long as the engines keep them."""
-    pool = HTTPConnectionPool(reactor, persistent=True)
-    pool.maxPersistentPerHost = 64
+    pool = quiet_pool(reactor)
+    pool.maxPersistentPerHost = 256
     pool.cachedConnectionTimeout = constants.POOL_IDLE_TIMEOUT
     pool.retryAutomatically = False
     return pool

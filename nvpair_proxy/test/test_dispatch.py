@@ -614,3 +614,22 @@ class RobustnessTests(WorldTestCase):
         w.remove("b")
         w.agent.last.respond(503, body=b"busy", length=4, finish=True)
         self.assertEqual((client.response().status, client.response().body), (503, b"busy"))
+
+
+class TargetWatchTests(WorldTestCase):
+    def test_one_timer_per_facade_watches_every_attempt_in_flight(self):
+        w = self.world(response_timeout=0)  # no per-attempt caps: only the watch remains
+        w.add("a"), w.add("b", addresses=("10.0.0.2",))
+        for _ in range(6):
+            w.chat()
+        self.assertEqual(len(w.agent.requests), 6)
+        self.assertEqual(len(w.clock.getDelayedCalls()), 1)
+        w.remove("a")
+        w.clock.advance(0.5)
+        # The attempts on a were abandoned and went to b; those already on b were left alone.
+        self.assertEqual([r.cancelled for r in w.agent.requests[:6]],
+                         [r.uri.startswith(b"http://10.0.0.1") for r in w.agent.requests[:6]])
+        self.assertEqual(w.agent.hosts()[6:], ["10.0.0.2:11434"] * 3)
+        for record in w.agent.requests[6:] + [r for r in w.agent.requests[:6] if r.pending]:
+            record.respond(200, length=0, finish=True)
+        self.assertEqual(w.clock.getDelayedCalls(), [])

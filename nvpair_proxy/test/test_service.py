@@ -50,7 +50,8 @@ class PoolTests(SynchronousTestCase):
         self.assertTrue(pool.persistent)
         self.assertEqual(pool.cachedConnectionTimeout, constants.POOL_IDLE_TIMEOUT)
         self.assertEqual(constants.POOL_IDLE_TIMEOUT, constants.SERVER_IDLE_TIMEOUT)
-        self.assertGreaterEqual(pool.maxPersistentPerHost, 16)
+        self.assertGreaterEqual(pool.maxPersistentPerHost, 256)
+        self.assertFalse(pool._factory.noisy)  # no two log lines per upstream connection
         self.assertFalse(pool.retryAutomatically)
 
 
