@@ -55,19 +55,26 @@ class Node:
     cluster_uuid: str = ""
     txt: tuple[str, ...] | None = None
     local: bool = False
+    _dial: tuple[str, ...] = attrs.field(init=False, eq=False, repr=False)
 
     def advertises(self, model: str) -> bool:
         return self.models is not None and model in self.models
 
     def dial_order(self) -> list[str]:
         """Addresses to dial: loopback first, then the published order, de-duplicated."""
+        return list(self._dial)
+
+    @_dial.default
+    def _dial_default(self) -> tuple[str, ...]:
+        # Computed once per node, not per dispatch: parsing addresses was a measurable share
+        # of a request (issue 10).
         seen: set[str] = set()
         ordered: list[str] = []
         for address in sorted(self.addresses, key=lambda a: not is_loopback(a)):
             if address and address not in seen:
                 seen.add(address)
                 ordered.append(address)
-        return ordered
+        return tuple(ordered)
 
     def describe(self) -> dict:
         """The Node object of ``nodes/list`` and the node diffs (protocol 3, 4)."""

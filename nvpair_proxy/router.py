@@ -110,6 +110,8 @@ class Router:
         if model is not None:
             nodes = owners(nodes, model)
         ordered = order(nodes, self._pin, self.priority())
+        if not self._held and not self._cooling:
+            return ordered
         now = self.clock.seconds()
         return sorted(ordered, key=lambda n: (self._is_held(n.id, now),
                                                self._is_cooling(n.id, now)))

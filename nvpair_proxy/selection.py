@@ -16,11 +16,17 @@ def owners(nodes: Sequence[Node], model: str) -> list[Node]:
     return [node for node in nodes if node.advertises(model)]
 
 
+def _node_id(node: Node) -> str:
+    return node.id
+
+
 def order(nodes: Sequence[Node], pin: str = "", priority: Sequence[str] = ()) -> list[Node]:
     """Pin first, then the scheduler's priority list, then the rest by node id.
 
     Unknown ids in the priority list are ignored; an empty list is id order.
     """
+    if not priority and not pin:
+        return sorted(nodes, key=_node_id)
     rank = {node_id: index for index, node_id in enumerate(priority)}
     listed = sorted((n for n in nodes if n.id in rank), key=lambda n: rank[n.id])
     rest = sorted((n for n in nodes if n.id not in rank), key=lambda n: n.id)
