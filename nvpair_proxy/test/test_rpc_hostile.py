@@ -162,7 +162,7 @@ class LinkUnderHostileInput(SynchronousTestCase):
         written(out)
         self.survives(proxy, proxy.reservations.count)
 
-    @given(st.binary(min_size=1, max_size=8).filter(lambda b: not _utf8(b)),
+    @given(st.binary(min_size=1, max_size=8).filter(lambda b: not _utf8(b) and b"\n" not in b),
            st.integers(0, 40))
     def test_invalid_utf8_anywhere_is_skipped(self, junk: bytes, where: int) -> None:
         proxy = self.fresh()
@@ -184,7 +184,10 @@ class LinkUnderHostileInput(SynchronousTestCase):
         proxy = self.fresh()
         out = written(proxy.raw(json.dumps(message).encode() + b"\n"))
         answers = [line for line in out if "id" in line]
-        never_answered = message["method"].endswith("discovery:nodes")
+        # Only addressed to a known engine (or bare) is it discovery:nodes (protocol 2);
+        # "nobody:discovery:nodes" is just an unknown method.
+        never_answered = message["method"] in (
+            "discovery:nodes", *(f"{engine}:discovery:nodes" for engine in ENGINES))
         if _has_non_finite(message):
             # Infinity or NaN written out is not JSON: the whole line is skipped.
             self.assertEqual(out, [])
@@ -256,6 +259,16 @@ class LinkUnderHostileInput(SynchronousTestCase):
             (answer,) = out
             self.assertTrue("result" in answer or answer["error"]["code"] == -32602, answer)
         self.survives(proxy, proxy.reservations.count)
+
+    def test_null_port_reads_as_omitted(self) -> None:
+        # Found by test_every_method_with_broken_params: a null port crashed facade/enable
+        # (-32603, a traceback) instead of meaning "the standalone default".
+        proxy = Proxy(self)
+        self.assertEqual(written(proxy.raw(
+            b'{"jsonrpc":"2.0","id":1,"method":"facade/enable",'
+            b'"params":{"engine":"lmstudio","port":null,"ignorePersistedPort":true}}\n'))[-1],
+            {"jsonrpc": "2.0", "id": 1, "result": {"engine": "lmstudio", "port": 1234}})
+        self.survives(proxy)
 
     @settings(max_examples=max(10, FUZZ // 10),
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
