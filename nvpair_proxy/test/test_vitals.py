@@ -63,3 +63,42 @@ class VitalsTests(SynchronousTestCase):
         function(*args)
         (event,) = [e for e in lines if e.get("log_format") == "vitals {vitals}"]
         self.assertEqual(json.loads(event["vitals"]), {"in_flight": 0, "pooled": 4})
+
+
+class WiringTests(SynchronousTestCase):
+    """tap finds the facades of either service: standalone keeps them, broker mode's broker."""
+
+    def runtime(self):
+        class Runtime:
+            pool = Pool({("http", b"h", 1): ["c1"]})
+            reservations = ReservationMap()
+        return Runtime()
+
+    def test_standalone_service(self) -> None:
+        from nvpair_proxy import tap
+
+        class Standalone:
+            runtime = self.runtime()
+            facades = {"ollama": Facade(2), "lmstudio": Facade(1)}
+
+        got = tap._vitals(Standalone(), MemoryReactorClock())
+        self.assertEqual((got["in_flight"], got["pooled"]), (3, 1))
+
+    def test_broker_service(self) -> None:
+        from nvpair_proxy import tap
+
+        class Running:
+            facade = Facade(4)
+
+        class Broker:
+            running = {"ollama": Running()}
+
+        class BrokerService:
+            runtime = self.runtime()
+            broker = Broker()
+
+        self.assertEqual(tap._vitals(BrokerService(), MemoryReactorClock())["in_flight"], 4)
+
+    def test_before_start_up_there_is_nothing_to_report(self) -> None:
+        from nvpair_proxy import tap
+        self.assertIsNone(tap._vitals(object(), MemoryReactorClock()))
