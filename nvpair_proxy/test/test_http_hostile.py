@@ -16,14 +16,23 @@ import os
 import socket
 import time
 
+from twisted.internet.testing import StringTransport
 from twisted.trial.unittest import SynchronousTestCase
 
 from nvpair_proxy.constants import MAX_REQUEST_BODY
+from nvpair_proxy.listener import DemuxFactory
+from nvpair_proxy.test.certs import make_certificate, write_admission, write_identity
 from nvpair_proxy.test.processes import free_port, start_fleet, start_standalone
 from nvpair_proxy.test.world import World
+from nvpair_proxy.testing import lan
+from nvpair_proxy.trust import ClusterDirectory, tls_ingress
 
 GOOD = b"POST /api/chat HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}"
 CHAT = json.dumps({"model": "llama3", "messages": [{"role": "user", "content": "hi"}]}).encode()
+
+
+# A TLS record announcing a 200-byte ClientHello, and only its first 50 bytes.
+CLIENT_HELLO_HALF = bytes.fromhex("16030100c8010000c40303") + bytes(range(40))
 
 
 def post(headers: bytes, body: bytes = b"") -> bytes:
@@ -65,7 +74,7 @@ REFUSED = {
     "NUL in a header value": b"GET /api/tags HTTP/1.1\r\nHost: x\r\nX-A: a\x00b\r\n\r\n",
     "garbage after the first byte": b"G\x00\xff\xfe\x01garbage\r\n\r\n",
     "binary garbage": bytes(range(1, 256)) + b"\r\n\r\n",
-    "TLS ClientHello cut in half": bytes.fromhex("16030100c8010000c40303") + os.urandom(40),
+    "TLS ClientHello cut in half": CLIENT_HELLO_HALF,
 }
 
 
@@ -95,6 +104,13 @@ def exchange(port: int, data: bytes, timeout: float = 10.0) -> tuple[bytes, bool
 def status_of(received: bytes) -> int | None:
     parts = received.split(b"\r\n", 1)[0].split(b" ")
     return int(parts[1]) if len(parts) > 1 and parts[1].isdigit() else None
+
+
+class TCPStringTransport(StringTransport):
+    """What HTTPChannel asks of a TCP transport once TLS hands it one."""
+
+    def setTcpNoDelay(self, enabled: bool) -> None:
+        pass
 
 
 class InMemoryTests(SynchronousTestCase):
@@ -158,6 +174,38 @@ class InMemoryTests(SynchronousTestCase):
         self.assertEqual(w.agent.last.headers.getRawHeaders(b"x-a"), [b"one two"])
         w.agent.last.respond(200, body=b'{"done":true}\n', finish=True)
         self.assertEqual(client.response().status, 200)
+
+    def member_connection(self, w: World):
+        """A LAN peer on a facade port of a cluster member (the mTLS ingress is offered)."""
+        folder = os.path.abspath(self.mktemp())
+        os.makedirs(folder)
+        write_identity(folder, *make_certificate("node-a"))
+        write_admission(folder)
+        directory = ClusterDirectory(folder)
+        directory.refresh()
+        factory = DemuxFactory(w.site, tls=tls_ingress(directory, w.site, w.site_clock))
+        peer = lan()
+        protocol = factory.buildProtocol(peer)
+        transport = TCPStringTransport(peerAddress=peer)
+        protocol.makeConnection(transport)
+        return protocol, transport
+
+    def test_half_a_client_hello_is_closed_at_ten_seconds(self) -> None:
+        w = World()
+        protocol, transport = self.member_connection(w)
+        protocol.dataReceived(CLIENT_HELLO_HALF)
+        w.site_clock.advance(9.9)
+        self.assertFalse(transport.disconnecting)
+        w.site_clock.advance(0.1)
+        self.assertTrue(transport.disconnecting)
+        self.assertEqual(w.agent.requests, [])
+
+    def test_garbage_after_the_handshake_byte_is_closed_at_once(self) -> None:
+        w = World()
+        protocol, transport = self.member_connection(w)
+        protocol.dataReceived(b"\x16" + b"\xff" * 64)
+        self.assertTrue(transport.disconnecting or transport.disconnected)
+        self.assertEqual(w.agent.requests, [])
 
     def test_refused_requests_never_reach_an_engine(self) -> None:
         for name, data in REFUSED.items():
