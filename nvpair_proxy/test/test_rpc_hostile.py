@@ -327,3 +327,27 @@ def _has_non_finite(value) -> bool:
     except ValueError:
         return True
     return False
+
+
+class RealLinkTests(SynchronousTestCase):
+    """Once over the real stdio link of a running proxy: the process, not just the framer."""
+
+    def test_hostile_lines_leave_the_process_answering(self) -> None:
+        from nvpair_proxy.test.processes import BrokerChannel
+        link = BrokerChannel(self)
+        hostile = [
+            b"\xff\xfe\xc3\x28 not UTF-8",
+            b"[" * 200000 + b"]" * 200000,
+            b'{"jsonrpc":"2.0","id":1e400,"method":"nodes/list"}',
+            b'{"jsonrpc":"2.0","id":NaN,"method":"nodes/list"}',
+            b'[{"jsonrpc":"2.0","id":2,"method":"log/set-level","params":{"level":"info"}}]',
+            b'{"jsonrpc":"2.0","id":3,"method":"' + b"x" * (constants.MAX_RPC_LINE + 10) + b'"}',
+            b'{"jsonrpc":"2.0","id":4,"method":"facade/enable","params":{"engine":5}}',
+        ]
+        link.proc.stdin.write(b"\n".join(hostile) + b"\n")
+        link.proc.stdin.flush()
+        self.assertEqual(link.wait(lambda m: m.get("id") == 4)["error"]["code"], -32602)
+        self.assertEqual(link.call("log/set-level", {"level": "info"})["result"],
+                         {"level": "info"})
+        self.assertIsNone(link.proc.poll())
+        self.assertEqual([m.get("id") for m in link.lines], [4, link.next_id - 1])
