@@ -137,7 +137,7 @@ class Broker:
         if engine is None:
             raise RpcError(SERVER_ERROR, f'unknown engine "{engine_id}"; want one of '
                                          f'{", ".join(_engine_order(self.engines))}')
-        port = _int(params, "port", 0)
+        port = _int(params, "port", 0) or 0  # null reads as omitted
         if port != 0 and not 1 <= port <= 65535:
             raise RpcError(SERVER_ERROR, f"port must be between 1 and 65535 (got {port})")
         ignore = params.get("ignorePersistedPort", False)

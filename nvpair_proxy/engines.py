@@ -15,6 +15,8 @@ from typing import Iterable, Mapping
 
 import attrs
 
+from .files import read_regular_file
+
 ROUTE_CLASSES = ("inference", "models")
 MODEL_RULES = ("implied-latest", "exact")
 INVENTORY_SOURCES = ("models", "loaded")
@@ -183,8 +185,7 @@ def parse_engine(data: Mapping, source: str) -> Engine:
 def load_engine_file(path: str) -> Engine:
     """Load one engine file; every failure is an EngineFileError naming the file."""
     try:
-        with open(path, "rb") as handle:
-            data = tomllib.load(handle)
+        data = tomllib.loads(read_regular_file(path).decode("utf-8"))
     except OSError as exc:
         raise EngineFileError(f"{path}: cannot read: {exc.strerror or exc}") from None
     except tomllib.TOMLDecodeError as exc:

@@ -17,6 +17,7 @@ from twisted.internet.interfaces import IReactorTime
 from . import constants
 from .discovery import Node, make_node
 from .engines import Engine
+from .files import read_regular_file
 from .logs import logger
 
 log = logger()
@@ -100,8 +101,7 @@ def parse_nodes(text: str, engines: Mapping[str, Engine], source: str) -> Fleet:
 
 def load_nodes_file(path: str, engines: Mapping[str, Engine]) -> Fleet:
     try:
-        with open(path, "rb") as handle:
-            text = handle.read().decode("utf-8")
+        text = read_regular_file(path).decode("utf-8")
     except OSError as exc:
         raise NodesFileError(f"{path}: cannot read: {exc.strerror or exc}") from None
     except UnicodeDecodeError:

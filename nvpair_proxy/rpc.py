@@ -8,6 +8,8 @@ the connection instead, twisted-notes). Requests get exactly one answer; notific
 from __future__ import annotations
 
 import json
+import math
+import sys
 from typing import Any, Callable
 
 from twisted.internet.protocol import Protocol
@@ -48,6 +50,20 @@ class NoAnswer(Exception):
 
 def _not_json(constant: str):
     raise ValueError(f"{constant} is not JSON")
+
+
+def _int_or_infinity(text: str) -> int | float:
+    """An integer beyond float range reads as an infinite float, as ``1e400`` does: exact
+    within range, and no handler that reads a count as a float can overflow on one."""
+    value = int(text)
+    if abs(value) > sys.float_info.max:
+        return math.inf if value > 0 else -math.inf
+    return value
+
+
+def _encode(value: Any, strict: bool = True) -> bytes:
+    """Compact JSON; ``strict`` refuses what is not JSON (NaN, Infinity) rather than write it."""
+    return json.dumps(value, separators=(",", ":"), allow_nan=not strict).encode()
 
 
 class LineFramer(Protocol):
@@ -96,10 +112,15 @@ class LineFramer(Protocol):
         self.on_closed(reason)
 
     def send(self, message: dict) -> None:
+        # Notifications are ours and must never fail on the way out (a request's end is
+        # reported through here); an answer is checked strictly before it is sent.
+        self.write(_encode(message, strict=False), message.get("method", "a reply"))
+
+    def write(self, line: bytes, what: str = "a reply") -> None:
         if self.transport is None or getattr(self.transport, "disconnected", False):
-            log.debug("link closed; dropped {method}", method=message.get("method", "a reply"))
+            log.debug("link closed; dropped {method}", method=what)
             return
-        self.transport.write(json.dumps(message, separators=(",", ":")).encode() + b"\n")
+        self.transport.write(line + b"\n")
 
 
 @implementer(IEmitter)
@@ -125,7 +146,8 @@ class RpcLink:
         try:
             # UTF-8 only (protocol 1): json.loads(bytes) would also take UTF-16/32, and
             # NaN / Infinity are not JSON.
-            message = json.loads(line.decode("utf-8"), parse_constant=_not_json)
+            message = json.loads(line.decode("utf-8"), parse_constant=_not_json,
+                                 parse_int=_int_or_infinity)
         except (ValueError, UnicodeDecodeError, RecursionError):
             log.warn("skipped a JSON-RPC line that is not JSON")
             return
@@ -147,35 +169,44 @@ class RpcLink:
                 callback()
 
     def _handle(self, message: dict, method: str) -> None:
-        has_id = "id" in message
+        answer_id = None
+        if "id" in message:
+            # Encoded once, before the method runs: an id that cannot be echoed as JSON (a
+            # number beyond float range, or nested nearly as deep as the parser allows, which
+            # would not encode deeper in the stack) must not run a request left unanswered.
+            try:
+                answer_id = _encode(message["id"])
+            except (ValueError, RecursionError):
+                log.warn("skipped a JSON-RPC request whose id cannot be echoed")
+                return
         params = message.get("params", {})
         try:
             result = self.dispatch(method, params)
         except NoAnswer:
             return
         except RpcError as exc:
-            if has_id:
-                self._answer(message["id"], error={"code": exc.code, "message": exc.message})
+            if answer_id is not None:
+                self._answer(answer_id, error={"code": exc.code, "message": exc.message})
             return
         except Exception:
             log.failure("internal error handling {method}", method=method)
-            if has_id:
-                self._answer(message["id"], error={"code": INTERNAL_ERROR,
-                                                   "message": f"internal error handling {method}"})
+            if answer_id is not None:
+                self._answer(answer_id, error={"code": INTERNAL_ERROR,
+                                               "message": f"internal error handling {method}"})
             return
-        if has_id:
+        if answer_id is not None:
             try:
-                self._answer(message["id"], result=result)
+                self._answer(answer_id, result=result)
             except (TypeError, ValueError):
                 # A result that does not serialize still gets its one answer.
                 log.failure("internal error handling {method}", method=method)
-                self._answer(message["id"], error={"code": INTERNAL_ERROR,
-                                                   "message": f"internal error handling {method}"})
+                self._answer(answer_id, error={"code": INTERNAL_ERROR,
+                                               "message": f"internal error handling {method}"})
 
-    def _answer(self, message_id, result=None, error=None) -> None:
-        reply = {"jsonrpc": "2.0", "id": message_id}
+    def _answer(self, message_id: bytes, result=None, error=None) -> None:
+        """``message_id`` is the request's id, already encoded."""
+        head = b'{"jsonrpc":"2.0","id":' + message_id
         if error is not None:
-            reply["error"] = error
+            self.framer.write(head + b',"error":' + _encode(error) + b"}")
         else:
-            reply["result"] = result
-        self.framer.send(reply)
+            self.framer.write(head + b',"result":' + _encode(result) + b"}")

@@ -114,6 +114,9 @@ class ProcessService(MultiService):
 
     name = "process"
 
+    runtime: "Runtime | None" = None
+    facades: "Facades | None" = None
+
     def __init__(self, reactor) -> None:
         super().__init__()
         self.reactor = reactor
@@ -328,6 +331,7 @@ def standalone_tree(options: Options, reactor) -> ProcessService:
                       make_prober=runtime.prober, clock=reactor)
     Standalone(options, reactor, facades).setServiceParent(root)
     facades.setServiceParent(root)
+    root.runtime, root.facades = runtime, facades
     return root
 
 
@@ -356,6 +360,7 @@ def broker_tree(options: Options, reactor) -> ProcessService:
                     reservations=runtime.reservations, state_dir=options["state-dir"],
                     facades=facades, on_shutdown=lambda: reactor.callLater(0, reactor.stop),
                     after_answer=link.link.after_answer.append)
+    root.runtime, root.facades = runtime, facades
     return root
 
 

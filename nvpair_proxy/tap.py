@@ -10,5 +10,17 @@ __all__ = ["Options", "makeService"]
 
 
 def makeService(options: Options) -> IService:
+    from twisted.internet import reactor
+
     from .service import build_service
-    return build_service(options)
+    from .vitals import report_on_sigusr1
+    service = build_service(options)
+    reactor.callWhenRunning(report_on_sigusr1, reactor, lambda: _vitals(service, reactor))
+    return service
+
+
+def _vitals(service, reactor) -> dict | None:
+    """The process tree's runtime and its facades as they are now."""
+    from .vitals import snapshot
+    return snapshot(reactor, service.runtime.pool, service.runtime.reservations,
+                    [child.facade for child in service.facades])

@@ -24,12 +24,16 @@ from twisted.internet.interfaces import (IOpenSSLClientConnectionCreator,
 from twisted.web.iweb import IPolicyForHTTPS
 from zope.interface import implementer
 
+from .files import read_regular_file
 from .logs import logger
 
 log = logger()
 
 WATCH_INTERVAL = 2.0
-_UNREADABLE = object()
+
+
+class _Unreadable(Exception):
+    """A pin file that cannot be read whole; its previous value stands."""
 
 
 def _stat(path: str):
@@ -75,6 +79,7 @@ class ClusterDirectory:
     admission: dict = attrs.Factory(dict)
     pins: dict[str, bytes] = attrs.Factory(dict)
     _seen: tuple | None = None
+    _problems: dict[str, str] = attrs.Factory(dict)
 
     @property
     def member(self) -> bool:
@@ -103,16 +108,26 @@ class ClusterDirectory:
                 log.failure("could not read the cluster directory {path}", path=self.path)
         self._seen = stamp
 
+    def _warn_once(self, name: str, problem: str | None) -> None:
+        """One line when a file goes bad (or bad in another way), none on every re-read of
+        the watch while it stays so; ``None``: the file reads fine again."""
+        if problem is None:
+            self._problems.pop(name, None)
+        elif self._problems.get(name) != problem:
+            self._problems[name] = problem
+            log.warn("cluster directory {path}: {problem}", path=self.path, problem=problem)
+
     def _read_identity(self) -> None:
         try:
-            with open(os.path.join(self.path, "node.crt"), "rb") as handle:
-                cert_pem = handle.read()
-            with open(os.path.join(self.path, "node.key"), "rb") as handle:
-                key_pem = handle.read()
+            cert_pem = read_regular_file(os.path.join(self.path, "node.crt"))
+            key_pem = read_regular_file(os.path.join(self.path, "node.key"))
         except FileNotFoundError:
             self.identity = None
+            self._warn_once("identity", None)
             return
-        except OSError:
+        except OSError as exc:
+            self._warn_once("identity", f"cannot read {os.path.basename(exc.filename or '')}: "
+                                        f"{exc.strerror}; keeping the previous identity")
             return
         try:
             cert = crypto.load_certificate(crypto.FILETYPE_PEM, cert_pem)
@@ -123,54 +138,79 @@ class ClusterDirectory:
             check.check_privatekey()
         except (crypto.Error, SSL.Error, ValueError):
             # Mid-rotation the manager may have replaced one file and not yet the other.
-            log.warn("cluster identity in {path} does not load or its key does not match; "
-                     "keeping the previous one", path=self.path)
+            self._warn_once("identity", "node.crt or node.key does not load or the key does "
+                                        "not match; keeping the previous identity")
             return
+        self._warn_once("identity", None)
         der = cert.to_cryptography().public_bytes(Encoding.DER)
         if self.identity is None or self.identity.der != der:
             self.identity = Identity(cert, key, der)
 
     def _read_admission(self) -> None:
         try:
-            with open(os.path.join(self.path, "admission.json"), "rb") as handle:
-                data = json.load(handle)
+            data = json.loads(read_regular_file(os.path.join(self.path, "admission.json"))
+                              .decode("utf-8"))
         except FileNotFoundError:
             self.admission = {}
+            self._warn_once("admission.json", None)
             return
-        except (OSError, ValueError):
+        except OSError as exc:
+            self._warn_once("admission.json", f"cannot read admission.json: {exc.strerror}; "
+                                              "keeping the previous admission")
             return
+        except ValueError as exc:
+            self._warn_once("admission.json", f"admission.json is not JSON ({exc}); keeping "
+                                              "the previous admission")
+            return
+        self._warn_once("admission.json", None)
         self.admission = data if isinstance(data, dict) else {}
 
     def _read_pins(self) -> None:
         folder = os.path.join(self.path, "trusted")
         try:
             names = os.listdir(folder)
-        except OSError:
+        except FileNotFoundError:
             self.pins = {}
+            self._warn_once("trusted", None)
             return
+        except OSError as exc:
+            # A file (or a loop) where the folder belongs is not "no pins".
+            self._warn_once("trusted", f"cannot list trusted: {exc.strerror}; keeping the "
+                                       "previous pins")
+            return
+        self._warn_once("trusted", None)
         pins: dict[str, bytes] = {}
         for name in names:
             full = os.path.join(folder, name)
             if not name.endswith(".json") or name.endswith(".tmp") or os.path.isdir(full):
                 continue
             node_uuid = name[:-len(".json")]
-            der = self._read_pin(full, node_uuid)
-            if der is _UNREADABLE:
+            try:
+                der = self._read_pin(full, node_uuid)
+            except _Unreadable as exc:
+                self._warn_once(f"trusted/{name}", f"cannot read trusted/{name} whole ({exc}); "
+                                                   "keeping its previous pin")
                 der = self.pins.get(node_uuid)
+            else:
+                self._warn_once(f"trusted/{name}", None)
             if der is not None:
                 pins[node_uuid] = der
+        for name in [n for n in self._problems if n.startswith("trusted/")]:
+            if name[len("trusted/"):] not in names:
+                self._warn_once(name, None)
         self.pins = pins
 
     @staticmethod
     def _read_pin(path: str, node_uuid: str):
         """The pinned DER; None when the file disagrees (file name, ``nodeUuid`` and the
-        certificate's principal must agree); _UNREADABLE while it cannot be read whole."""
+        certificate's principal must agree). Raises _Unreadable while it cannot be read whole."""
         try:
-            with open(path, "rb") as handle:
-                data = json.load(handle)
+            data = json.loads(read_regular_file(path).decode("utf-8"))
             certificate = x509.load_pem_x509_certificate(data["certPem"].encode())
-        except (OSError, ValueError, KeyError, TypeError, AttributeError):
-            return _UNREADABLE
+        except OSError as exc:
+            raise _Unreadable(exc.strerror or str(exc)) from None
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise _Unreadable(f"{type(exc).__name__}: {exc}") from None
         if not isinstance(data, dict) or data.get("nodeUuid") != node_uuid:
             return None
         if principal(certificate) != node_uuid:
