@@ -22,5 +22,7 @@ def makeService(options: Options) -> IService:
 def _vitals(service, reactor) -> dict | None:
     """The process tree's runtime and its facades as they are now."""
     from .vitals import snapshot
+    if service.runtime is None:
+        return None
     return snapshot(reactor, service.runtime.pool, service.runtime.reservations,
                     [child.facade for child in service.facades])

@@ -66,7 +66,7 @@ class VitalsTests(SynchronousTestCase):
 
 
 class WiringTests(SynchronousTestCase):
-    """tap finds the facades of either service: standalone keeps them, broker mode's broker."""
+    """tap reads the process tree: its runtime and the facades it holds now."""
 
     def runtime(self):
         class Runtime:
@@ -74,31 +74,22 @@ class WiringTests(SynchronousTestCase):
             reservations = ReservationMap()
         return Runtime()
 
-    def test_standalone_service(self) -> None:
+    def test_the_facades_of_the_tree(self) -> None:
+        from twisted.application.service import MultiService, Service
+
         from nvpair_proxy import tap
-
-        class Standalone:
-            runtime = self.runtime()
-            facades = {"ollama": Facade(2), "lmstudio": Facade(1)}
-
-        got = tap._vitals(Standalone(), MemoryReactorClock())
+        from nvpair_proxy.service import ProcessService
+        root = ProcessService(MemoryReactorClock())
+        root.runtime, root.facades = self.runtime(), MultiService()
+        for count in (2, 1):
+            child = Service()
+            child.facade = Facade(count)
+            child.setServiceParent(root.facades)
+        got = tap._vitals(root, MemoryReactorClock())
         self.assertEqual((got["in_flight"], got["pooled"]), (3, 1))
-
-    def test_broker_service(self) -> None:
-        from nvpair_proxy import tap
-
-        class Running:
-            facade = Facade(4)
-
-        class Broker:
-            running = {"ollama": Running()}
-
-        class BrokerService:
-            runtime = self.runtime()
-            broker = Broker()
-
-        self.assertEqual(tap._vitals(BrokerService(), MemoryReactorClock())["in_flight"], 4)
 
     def test_before_start_up_there_is_nothing_to_report(self) -> None:
         from nvpair_proxy import tap
-        self.assertIsNone(tap._vitals(object(), MemoryReactorClock()))
+        from nvpair_proxy.service import ProcessService
+        self.assertIsNone(tap._vitals(ProcessService(MemoryReactorClock()),
+                                      MemoryReactorClock()))
