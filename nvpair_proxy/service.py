@@ -86,8 +86,17 @@ class Supervised(Service):
     watchdog = None
 
     def announce_ready(self) -> None:
-        from .sdnotify import notify, start_watchdog
+        """READY=1 once the reactor runs, not when the service starts.
+
+        twistd starts services before ``reactor.run`` installs the SIGTERM/SIGINT handlers; a
+        stop signal sent right after an early READY=1 killed the process by signal (status
+        143) instead of the orderly exit 0 of protocol 1.
+        """
         exit_zero_after_signal(self.reactor)
+        self.reactor.callWhenRunning(self._ready)
+
+    def _ready(self) -> None:
+        from .sdnotify import notify, start_watchdog
         notify("READY=1")
         self.watchdog = start_watchdog(self.reactor)
 

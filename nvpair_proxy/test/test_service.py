@@ -82,3 +82,31 @@ class CloseTests(SynchronousTestCase):
         self.assertEqual(closed, [])
         clock.advance(0.1)
         self.assertEqual(closed, [True])
+
+
+class ReadyTests(SynchronousTestCase):
+    def test_ready_is_announced_only_once_the_reactor_runs(self):
+        """Before reactor.run twistd has no SIGTERM handler yet: READY=1 must wait for it."""
+        import os
+        import shutil
+        import socket
+        import tempfile
+        from nvpair_proxy.service import Supervised
+        workdir = tempfile.mkdtemp(prefix="nvp-")  # AF_UNIX paths are short
+        self.addCleanup(shutil.rmtree, workdir, True)
+        path = os.path.join(workdir, "notify")
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.addCleanup(sock.close)
+        sock.bind(path)
+        sock.setblocking(False)
+        previous = os.environ.get("NOTIFY_SOCKET")
+        os.environ["NOTIFY_SOCKET"] = path  # sdnotify reads the process environment
+        self.addCleanup(lambda: os.environ.pop("NOTIFY_SOCKET") if previous is None
+                        else os.environ.__setitem__("NOTIFY_SOCKET", previous))
+        reactor = MemoryReactorClock()
+        service = Supervised()
+        service.reactor = reactor
+        service.announce_ready()
+        self.assertRaises(BlockingIOError, sock.recv, 64)
+        reactor.run()
+        self.assertEqual(sock.recv(64), b"READY=1")
