@@ -1,10 +1,10 @@
 """A simulated fleet of LLM engine nodes (Ollama, LM Studio, llama.cpp) on real sockets.
 
 The proxy is only as well tested as its fake engine is honest, so each node speaks its
-dialect's real wire formats (Ollama NDJSON, OpenAI SSE, Anthropic and Responses SSE, the model-list
-envelopes, the error bodies) and fails on demand in the ways real engines fail: an error
-status, silence before or after the headers, or a connection that drops mid-stream. Time
-comes from the injected reactor, so tests drive token spacing with a ``Clock``.
+dialect's real wire formats (Ollama NDJSON, OpenAI SSE, Anthropic Messages and OpenAI Responses
+SSE, the model-list envelopes, the error bodies) and fails on demand in the ways real engines
+fail: an error status, silence before or after the headers, or a connection that drops
+mid-stream. Time comes from the injected reactor, so tests drive token spacing with a ``Clock``.
 
 Every response carries ``X-Sim-Node: <id>`` so a demo or a test can see which node answered.
 

@@ -22,8 +22,8 @@ rule (the ``terminal`` field of the engine file):
   ``event: message_stop`` (``sse-message-stop``: Anthropic Messages) or
   ``event: response.completed`` (``sse-response-completed``: OpenAI Responses); the space after
   the colon is optional and trailing blanks or a ``\\r`` are allowed. When the route names no SSE
-  rule, any of these markers counts. A marker quoted inside a
-  JSON payload is escaped and never at a line start, so it does not count. Lines end with
+  rule, any of these markers counts. A marker quoted inside a JSON payload is escaped and never
+  at a line start, so it does not count. Lines end with
   ``\\n`` or ``\\r\\n`` (a bare ``\\r`` line end, legal but unused by any engine, is not
   recognised). When the framing comes only from an ``sse-*`` rule and the body's first
   non-blank byte is ``{`` or ``[``, the answer is a non-streaming JSON document (the request
@@ -352,8 +352,9 @@ class BodyObserver:
     """Watch a response body go by: its terminal frame and its stats, from a bounded tail.
 
     ``terminal`` is the route's terminal frame rule from the engine file (``sse-done``,
-    ``sse-message-stop``, ``sse-response-completed``, ``ndjson-done``) or ``None``; ``content_type`` is the response's
-    ``Content-Type`` (``str`` or ``bytes``), which wins over the rule when it names a framing.
+    ``sse-message-stop``, ``sse-response-completed``, ``ndjson-done``) or ``None``;
+    ``content_type`` is the response's ``Content-Type`` (``str`` or ``bytes``), which wins over
+    the rule when it names a framing.
 
     Cost per :meth:`feed`: one bounded append to the tail plus a few C-level searches over the
     lines the chunk completes; nothing is re-scanned. Memory: ``TAIL_LIMIT`` body bytes at most
