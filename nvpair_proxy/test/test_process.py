@@ -1,7 +1,7 @@
 """The proxy as a process: twistd, its stdio link, and the real client packages.
 
-The `ollama`, `openai` and `anthropic` packages are blocking, so they run here against a proxy in a
-subprocess (twisted-notes), never against a reactor this test would have to spin.
+The `ollama`, `openai` and `anthropic` packages are blocking, so they run here against a proxy
+in a subprocess (twisted-notes), never against a reactor this test would have to spin.
 """
 
 from __future__ import annotations
