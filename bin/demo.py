@@ -173,6 +173,20 @@ def main() -> int:
              {"model": "phi-3-mini", "messages": chat, "stream": True}, True, 200, None,
              "only nodes with the model loaded"),
             ("llamacpp", "GET", "/v1/models", None, False, 200, "", "fleet-wide, loaded models"),
+            ("ollama", "POST", "/v1/messages",
+             {"model": "llama3", "max_tokens": 64, "messages": chat, "stream": True}, True, 200,
+             "gpu-b", "Anthropic SSE, ends at message_stop"),
+            ("llamacpp", "POST", "/v1/messages",
+             {"model": "phi-3-mini", "max_tokens": 64, "messages": chat}, False, 200, None,
+             "Anthropic, non-streaming"),
+            ("lmstudio", "POST", "/v1/responses",
+             {"model": "qwen2.5-7b-instruct", "input": "Say hello", "stream": True}, True, 200,
+             None, "OpenAI Responses SSE, ends at response.completed"),
+            ("ollama", "POST", "/v1/responses", {"model": "mistral", "input": "Say hello"},
+             False, 200, "gpu-c", "OpenAI Responses, non-streaming"),
+            ("llamacpp", "POST", "/v1/responses",
+             {"model": "phi-3-mini", "input": "Say hello", "stream": True}, True, 200, None,
+             "OpenAI Responses SSE"),
         ]
         print()
         print(f"{'facade':9} {'request':28} {'model':20} {'status':6} {'served by':16} outcome")

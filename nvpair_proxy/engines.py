@@ -21,7 +21,7 @@ ROUTE_CLASSES = ("inference", "models")
 MODEL_RULES = ("implied-latest", "exact")
 INVENTORY_SOURCES = ("models", "loaded")
 ENVELOPES = ("openai", "ollama")
-TERMINAL_FRAMES = ("sse-done", "sse-message-stop", "ndjson-done")
+TERMINAL_FRAMES = ("sse-done", "sse-message-stop", "sse-response-completed", "ndjson-done")
 METHODS = ("GET", "POST", "PUT", "DELETE", "PATCH", "HEAD", "OPTIONS")
 
 

@@ -1,10 +1,10 @@
 """A simulated fleet of LLM engine nodes (Ollama, LM Studio, llama.cpp) on real sockets.
 
 The proxy is only as well tested as its fake engine is honest, so each node speaks its
-dialect's real wire formats (Ollama NDJSON, OpenAI SSE, Anthropic SSE, the model-list
-envelopes, the error bodies) and fails on demand in the ways real engines fail: an error
-status, silence before or after the headers, or a connection that drops mid-stream. Time
-comes from the injected reactor, so tests drive token spacing with a ``Clock``.
+dialect's real wire formats (Ollama NDJSON, OpenAI SSE, Anthropic Messages and OpenAI Responses
+SSE, the model-list envelopes, the error bodies) and fails on demand in the ways real engines
+fail: an error status, silence before or after the headers, or a connection that drops
+mid-stream. Time comes from the injected reactor, so tests drive token spacing with a ``Clock``.
 
 Every response carries ``X-Sim-Node: <id>`` so a demo or a test can see which node answered.
 
@@ -231,7 +231,7 @@ def _prompt_words(value: Any) -> int:
 def _prompt_tokens(body: Mapping[str, Any]) -> int:
     """Words of the prompt stand in for tokens, so a test can predict the count."""
     return max(1, sum(_prompt_words(body.get(key))
-                      for key in ("prompt", "system", "messages", "input")))
+                      for key in ("prompt", "system", "instructions", "messages", "input")))
 
 
 def _embedding(node_id: str, model: str, text: str) -> list[float]:
@@ -412,6 +412,84 @@ class _Anthropic:
                              job.completion_tokens)
 
 
+class _Responses:
+    """``/v1/responses`` (OpenAI Responses): named SSE events, ``response.completed`` last.
+
+    The event sequence and fields are OpenAI's (``sequence_number`` counting from 0), because
+    that is what the ``openai`` client and the proxy's stats reader are tested against; usage
+    comes only in the final ``response.completed``, and llama.cpp adds its ``timings`` there.
+    """
+
+    content_type = b"text/event-stream"
+    id_prefix = "resp_"
+    # response.created, response.in_progress, output_item.added, content_part.added
+    _OPENING_EVENTS = 4
+
+    def _item_id(self, job: _Job) -> str:
+        return "msg_" + job.reply_id[len(self.id_prefix):]
+
+    def _response(self, job: _Job, status: str, output: list, usage: dict | None):
+        return {"id": job.reply_id, "object": "response", "created_at": int(job.created),
+                "status": status, "error": None, "incomplete_details": None,
+                "instructions": None, "max_output_tokens": None, "model": job.model,
+                "output": output, "parallel_tool_calls": True, "previous_response_id": None,
+                "reasoning": {"effort": None, "summary": None}, "store": False,
+                "temperature": 1.0, "text": {"format": {"type": "text"}},
+                "tool_choice": "auto", "tools": [], "top_p": 1.0, "truncation": "disabled",
+                "usage": usage, "user": None, "metadata": {}}
+
+    def _item(self, job: _Job, text: str | None) -> dict[str, Any]:
+        content = [] if text is None else [self._part(text)]
+        return {"id": self._item_id(job), "type": "message",
+                "status": "in_progress" if text is None else "completed", "role": "assistant",
+                "content": content}
+
+    def _part(self, text: str) -> dict[str, Any]:
+        return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+    def _usage(self, job: _Job) -> dict[str, Any]:
+        return {"input_tokens": job.prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
+                "output_tokens": job.completion_tokens,
+                "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": job.prompt_tokens + job.completion_tokens}
+
+    def _event(self, name: str, sequence: int, **fields: Any) -> bytes:
+        return _sse({"type": name, "sequence_number": sequence, **fields}, name)
+
+    def _where(self, job: _Job) -> dict[str, Any]:
+        return {"item_id": self._item_id(job), "output_index": 0, "content_index": 0}
+
+    def prologue(self, job: _Job) -> bytes:
+        opening = self._response(job, "in_progress", [], None)
+        return (self._event("response.created", 0, response=opening)
+                + self._event("response.in_progress", 1, response=opening)
+                + self._event("response.output_item.added", 2, output_index=0,
+                              item=self._item(job, None))
+                + self._event("response.content_part.added", 3, **self._where(job),
+                              part=self._part("")))
+
+    def token(self, job: _Job, index: int, now: float) -> bytes:
+        return self._event("response.output_text.delta", self._OPENING_EVENTS + index,
+                           **self._where(job), delta=job.text(index), logprobs=[])
+
+    def epilogue(self, job: _Job, now: float) -> bytes:
+        text = job.full_text()
+        sequence = self._OPENING_EVENTS + job.completion_tokens
+        extra = {"timings": job.timings(now)} if job.dialect == "llamacpp" else {}
+        return (self._event("response.output_text.done", sequence, **self._where(job),
+                            text=text, logprobs=[])
+                + self._event("response.content_part.done", sequence + 1, **self._where(job),
+                              part=self._part(text))
+                + self._event("response.output_item.done", sequence + 2, output_index=0,
+                              item=self._item(job, text))
+                + self._event("response.completed", sequence + 3,
+                              response=self.whole(job, now), **extra))
+
+    def whole(self, job: _Job, now: float) -> dict[str, Any]:
+        return self._response(job, "completed", [self._item(job, job.full_text())],
+                              self._usage(job))
+
+
 class _Generation:
     """Writes one answer as time passes on the injected clock.
 
@@ -512,19 +590,22 @@ class _Generation:
 _GENERATION = {"ollama-chat": _OllamaNative(chat=True),
                "ollama-generate": _OllamaNative(chat=False),
                "chat": _OpenAI(chat=True), "completion": _OpenAI(chat=False),
-               "messages": _Anthropic()}
+               "messages": _Anthropic(), "responses": _Responses()}
 
-_OPENAI_ROUTES = {("POST", "/v1/chat/completions"): "chat",
+# What all three engines serve alike: the OpenAI set, Anthropic Messages, OpenAI Responses.
+_SHARED_ROUTES = {("POST", "/v1/chat/completions"): "chat",
                   ("POST", "/v1/completions"): "completion",
-                  ("POST", "/v1/embeddings"): "embeddings"}
+                  ("POST", "/v1/embeddings"): "embeddings",
+                  ("POST", "/v1/messages"): "messages",
+                  ("POST", "/v1/responses"): "responses"}
 
 _INFERENCE = {
     "ollama": {("POST", "/api/chat"): "ollama-chat", ("POST", "/api/generate"): "ollama-generate",
                ("POST", "/api/embed"): "ollama-embed",
                ("POST", "/api/embeddings"): "ollama-embeddings",
-               **_OPENAI_ROUTES, ("POST", "/v1/messages"): "messages"},
-    "lmstudio": {**_OPENAI_ROUTES, ("POST", "/v1/messages"): "messages"},
-    "llamacpp": dict(_OPENAI_ROUTES),
+               **_SHARED_ROUTES},
+    "lmstudio": dict(_SHARED_ROUTES),
+    "llamacpp": dict(_SHARED_ROUTES),
 }
 
 _MODEL_LISTS = {"ollama": {"/api/tags": "ollama", "/v1/models": "openai"},
@@ -535,11 +616,12 @@ _OWNED_BY = {"ollama": "library", "lmstudio": "organization_owner", "llamacpp": 
 
 
 def _error_style(dialect: str, kind: str) -> str:
-    if kind == "messages":
-        return "anthropic"
+    """llama.cpp answers every route's errors in its own shape; the others follow the route."""
     if kind.startswith("ollama-"):
         return "ollama"
-    return "llamacpp" if dialect == "llamacpp" else "openai"
+    if dialect == "llamacpp":
+        return "llamacpp"
+    return "anthropic" if kind == "messages" else "openai"
 
 
 def _wants_stream(kind: str, body: Mapping[str, Any]) -> bool:

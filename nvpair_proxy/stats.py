@@ -18,10 +18,12 @@ The framing comes from the ``Content-Type`` when it names one, else from the rou
 rule (the ``terminal`` field of the engine file):
 
 * ``text/event-stream`` (or an ``sse-*`` rule): Server-Sent Events. The terminal frame is a line
-  that is exactly ``data: [DONE]`` (``sse-done``) or ``event: message_stop``
-  (``sse-message-stop``); the space after the colon is optional and trailing blanks or a ``\\r``
-  are allowed. When the route names no SSE rule, either marker counts. A marker quoted inside a
-  JSON payload is escaped and never at a line start, so it does not count. Lines end with
+  that is exactly ``data: [DONE]`` (``sse-done``: OpenAI chat and completions),
+  ``event: message_stop`` (``sse-message-stop``: Anthropic Messages) or
+  ``event: response.completed`` (``sse-response-completed``: OpenAI Responses); the space after
+  the colon is optional and trailing blanks or a ``\\r`` are allowed. When the route names no SSE
+  rule, any of these markers counts. A marker quoted inside a JSON payload is escaped and never
+  at a line start, so it does not count. Lines end with
   ``\\n`` or ``\\r\\n`` (a bare ``\\r`` line end, legal but unused by any engine, is not
   recognised). When the framing comes only from an ``sse-*`` rule and the body's first
   non-blank byte is ``{`` or ``[``, the answer is a non-streaming JSON document (the request
@@ -45,7 +47,7 @@ Stats
 -----
 Read once, from the tail, when :meth:`BodyObserver.measure` is called:
 
-* ``completionTokens``: OpenAI ``usage.completion_tokens``, else Anthropic
+* ``completionTokens``: OpenAI ``usage.completion_tokens``, else Anthropic and OpenAI Responses
   ``usage.output_tokens``, else Ollama ``eval_count``, else llama.cpp ``timings.predicted_n``,
   else llama.cpp ``tokens_predicted``; failing all of them, the number of stream events counted
   while the body went by, with ``"estimated": True``. A stream event is an SSE ``data:`` line
@@ -57,7 +59,10 @@ Read once, from the tail, when :meth:`BodyObserver.measure` is called:
   without one unless the engine reported it. For an Anthropic stream longer than the tail,
   ``message_start`` (the only frame that carries ``input_tokens`` for some servers) has
   scrolled out, so the prompt count is best effort. The ``output_tokens`` of
-  ``message_start`` is a placeholder and is never read; the final ``message_delta``'s is.
+  ``message_start`` is a placeholder and is never read; the final ``message_delta``'s is. An
+  OpenAI Responses stream reports both counts once, in ``response.usage`` of its last event
+  (``response.completed``), and a non-streaming Responses object in its top-level ``usage``:
+  the same keys, so the same reading; the ``"usage": null`` of ``response.created`` is skipped.
 * ``tokensPerSecond``: the engine's own decode rate when it reports one (decision 12): Ollama
   ``eval_count / (eval_duration / 1e9)``, llama.cpp ``timings.predicted_per_second``; else
   completion tokens over first body byte to end. Rounded to one decimal; omitted when neither
@@ -89,12 +94,15 @@ __all__ = [
     "TERMINAL_NDJSON_DONE",
     "TERMINAL_SSE_DONE",
     "TERMINAL_SSE_MESSAGE_STOP",
+    "TERMINAL_SSE_RESPONSE_COMPLETED",
 ]
 
 TERMINAL_SSE_DONE = "sse-done"
 TERMINAL_SSE_MESSAGE_STOP = "sse-message-stop"
+TERMINAL_SSE_RESPONSE_COMPLETED = "sse-response-completed"
 TERMINAL_NDJSON_DONE = "ndjson-done"
-_TERMINALS = (TERMINAL_SSE_DONE, TERMINAL_SSE_MESSAGE_STOP, TERMINAL_NDJSON_DONE)
+_SSE_TERMINALS = (TERMINAL_SSE_DONE, TERMINAL_SSE_MESSAGE_STOP, TERMINAL_SSE_RESPONSE_COMPLETED)
+_TERMINALS = (*_SSE_TERMINALS, TERMINAL_NDJSON_DONE)
 
 #: The most body bytes an observer keeps (the tail every stats figure is read from).
 TAIL_LIMIT = 64 * 1024
@@ -123,8 +131,10 @@ _NDJSON_TYPES = frozenset({
 # MULTILINE: "^" matches at a line start, "$" before a "\n" (or at endpos).
 _SSE_DONE = re.compile(rb"^data: ?\[DONE\][ \t]*\r?$", re.MULTILINE)
 _SSE_STOP = re.compile(rb"^event: ?message_stop[ \t]*\r?$", re.MULTILINE)
+_SSE_COMPLETED = re.compile(rb"^event: ?response\.completed[ \t]*\r?$", re.MULTILINE)
 _DONE_LITERAL = b"[DONE]"
 _STOP_LITERAL = b"message_stop"
+_COMPLETED_LITERAL = b"response.completed"
 _NDJSON_DONE_TRUE = re.compile(rb'"done"[ \t]*:[ \t]*true')
 _NDJSON_EVENT_COMPACT = b'"done":false'  # what Go's encoding/json (Ollama) writes
 _NDJSON_EVENT_SPACED = b'"done": false'  # what Python's json.dumps writes
@@ -174,7 +184,7 @@ def _framing(terminal: str | None, content_type: str | bytes | None) -> tuple[st
         return _NDJSON, False
     if media is not None and (media == "application/json" or media.endswith("+json")):
         return _JSON, False
-    if terminal in (TERMINAL_SSE_DONE, TERMINAL_SSE_MESSAGE_STOP):
+    if terminal in _SSE_TERMINALS:
         return _SSE, True
     if terminal == TERMINAL_NDJSON_DONE:
         return _NDJSON, False
@@ -217,6 +227,9 @@ def _sse_marker_in(buf: bytes | bytearray, start: int, end: int, markers: tuple[
         found += len(_SSE_DONE.findall(buf, start, end))
     if TERMINAL_SSE_MESSAGE_STOP in markers and buf.find(_STOP_LITERAL, start, end) != -1:
         found += len(_SSE_STOP.findall(buf, start, end))
+    if (TERMINAL_SSE_RESPONSE_COMPLETED in markers
+            and buf.find(_COMPLETED_LITERAL, start, end) != -1):
+        found += len(_SSE_COMPLETED.findall(buf, start, end))
     return found
 
 
@@ -339,8 +352,9 @@ class BodyObserver:
     """Watch a response body go by: its terminal frame and its stats, from a bounded tail.
 
     ``terminal`` is the route's terminal frame rule from the engine file (``sse-done``,
-    ``sse-message-stop``, ``ndjson-done``) or ``None``; ``content_type`` is the response's
-    ``Content-Type`` (``str`` or ``bytes``), which wins over the rule when it names a framing.
+    ``sse-message-stop``, ``sse-response-completed``, ``ndjson-done``) or ``None``;
+    ``content_type`` is the response's ``Content-Type`` (``str`` or ``bytes``), which wins over
+    the rule when it names a framing.
 
     Cost per :meth:`feed`: one bounded append to the tail plus a few C-level searches over the
     lines the chunk completes; nothing is re-scanned. Memory: ``TAIL_LIMIT`` body bytes at most
@@ -370,10 +384,10 @@ class BodyObserver:
         if terminal is not None and terminal not in _TERMINALS:
             raise ValueError(f"unknown terminal frame rule {terminal!r}")
         framing, sniff = _framing(terminal, content_type)
-        if terminal in (TERMINAL_SSE_DONE, TERMINAL_SSE_MESSAGE_STOP):
+        if terminal in _SSE_TERMINALS:
             markers: tuple[str, ...] = (terminal,)
         else:
-            markers = (TERMINAL_SSE_DONE, TERMINAL_SSE_MESSAGE_STOP)
+            markers = _SSE_TERMINALS
         self.terminal = terminal
         self.content_type = content_type
         self.bytes_seen = 0

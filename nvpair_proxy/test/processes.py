@@ -87,8 +87,25 @@ def read_line(stream, timeout: float) -> str:
     return LineReader(stream).read_line(timeout)
 
 
-def start_standalone(test, args: list[str]) -> subprocess.Popen:
-    """twistd nvpair-proxy standalone; returns once it reported READY=1."""
+def logged_workloads(path: str, count: int, method: str = "workload:completed") -> list[dict]:
+    """The workloadInfo of the first ``count`` ``method`` events in a debug log, waiting (at
+    most DEADLINE) for the proxy to write them."""
+    marker = f" event {method} "
+    end = time.monotonic() + DEADLINE
+    while True:
+        with open(path, encoding="utf-8") as handle:
+            found = [json.loads(line.split(marker, 1)[1])["workloadInfo"]
+                     for line in handle if marker in line]
+        if len(found) >= count or time.monotonic() > end:
+            return found[:count]
+        time.sleep(0.05)
+
+
+def start_standalone(test, args: list[str], logfile: str | None = None) -> subprocess.Popen:
+    """twistd nvpair-proxy standalone; returns once it reported READY=1.
+
+    With ``logfile`` twistd logs there (at debug, so workload events can be read back).
+    """
     workdir = tempfile.mkdtemp(prefix="nvp-")
     test.addCleanup(shutil.rmtree, workdir, True)
     notify_path = os.path.join(workdir, "notify")
@@ -96,8 +113,11 @@ def start_standalone(test, args: list[str]) -> subprocess.Popen:
     notify.bind(notify_path)
     notify.settimeout(DEADLINE)
     env = dict(os.environ, NOTIFY_SOCKET=notify_path)
-    proc = subprocess.Popen(TWISTD + ["-n", "--pidfile=", "nvpair-proxy",
-                                      "--state-dir", os.path.join(workdir, "state")] + args,
+    logging = ["--logfile", logfile] if logfile else []
+    level = ["--log-level", "debug"] if logfile else []
+    proc = subprocess.Popen(TWISTD + ["-n", "--pidfile="] + logging + [
+                                "nvpair-proxy", "--state-dir", os.path.join(workdir, "state")]
+                            + level + args,
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     test.addCleanup(stop, proc)
     try:

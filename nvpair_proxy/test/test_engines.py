@@ -26,6 +26,7 @@ ROUTES = {
         ("POST", "/v1/completions"): ("inference", "sse-done", None, None),
         ("POST", "/v1/embeddings"): ("inference", None, None, None),
         ("POST", "/v1/messages"): ("inference", "sse-message-stop", None, None),
+        ("POST", "/v1/responses"): ("inference", "sse-response-completed", None, None),
         ("GET", "/api/tags"): ("models", None, "/api/tags", "ollama"),
         ("GET", "/v1/models"): ("models", None, "/v1/models", "openai"),
     },
@@ -34,12 +35,15 @@ ROUTES = {
         ("POST", "/v1/completions"): ("inference", "sse-done", None, None),
         ("POST", "/v1/embeddings"): ("inference", None, None, None),
         ("POST", "/v1/messages"): ("inference", "sse-message-stop", None, None),
+        ("POST", "/v1/responses"): ("inference", "sse-response-completed", None, None),
         ("GET", "/v1/models"): ("models", None, "/v1/models", "openai"),
     },
     "llamacpp": {
         ("POST", "/v1/chat/completions"): ("inference", "sse-done", None, None),
         ("POST", "/v1/completions"): ("inference", "sse-done", None, None),
         ("POST", "/v1/embeddings"): ("inference", None, None, None),
+        ("POST", "/v1/messages"): ("inference", "sse-message-stop", None, None),
+        ("POST", "/v1/responses"): ("inference", "sse-response-completed", None, None),
         ("GET", "/v1/models"): ("models", None, "/models", "openai"),
         ("GET", "/models"): ("models", None, "/models", "openai"),
     },
@@ -55,9 +59,9 @@ UNCLASSIFIED = {
     "lmstudio": [("GET", "/v1/chat/completions"), ("POST", "/api/chat"), ("GET", "/api/tags"),
                  ("GET", "/models"), ("GET", "/v1/messages"), ("POST", "/v1/models"),
                  ("GET", "/api/v0/models")],
-    "llamacpp": [("POST", "/v1/messages"), ("POST", "/api/chat"), ("GET", "/api/tags"),
-                 ("POST", "/models"), ("GET", "/health"), ("POST", "/completion"),
-                 ("GET", "/v1/completions")],
+    "llamacpp": [("GET", "/v1/messages"), ("GET", "/v1/responses"), ("POST", "/api/chat"),
+                 ("GET", "/api/tags"), ("POST", "/models"), ("GET", "/health"),
+                 ("POST", "/completion"), ("GET", "/v1/completions")],
 }
 
 # A complete engine file for an engine the code has never heard of.
@@ -312,7 +316,7 @@ class LoaderErrorTests(SynchronousTestCase):
     def test_bad_terminal(self) -> None:
         self.assertEqual(self.load(VLLM.replace('terminal = "sse-done"', 'terminal = "eof"')),
                          "FILE: routes[0]: field 'terminal' must be one of sse-done, "
-                         "sse-message-stop, ndjson-done (got 'eof')")
+                         "sse-message-stop, sse-response-completed, ndjson-done (got 'eof')")
 
     def test_terminal_on_a_models_route(self) -> None:
         text = VLLM + 'terminal = "sse-done"\n'

@@ -7,7 +7,10 @@ import json
 from twisted.logger import formatEvent, globalLogPublisher
 
 from nvpair_proxy import logs
-from nvpair_proxy.test.world import WorldTestCase
+from nvpair_proxy.test.test_stats import (LLAMACPP_ANTHROPIC_SSE, LLAMACPP_ANTHROPIC_SSE_STATS,
+                                          LLAMACPP_RESPONSES_SSE, LLAMACPP_RESPONSES_SSE_STATS,
+                                          RESPONSES_SSE, RESPONSES_SSE_STATS)
+from nvpair_proxy.test.world import World, WorldTestCase
 
 NDJSON = {"Content-Type": "application/x-ndjson"}
 
@@ -197,3 +200,65 @@ class PlacementTests(WorldTestCase):
             terminals = [m for m, _ in w.emitter.workload()
                          if m in ("workload:completed", "workload:errored")]
             self.assertEqual(terminals, ["workload:completed"], engine)
+
+
+class ClientClosingAfterTheTerminalFrameTests(WorldTestCase):
+    """Design 6: a client that closes once its route's terminal frame has arrived is
+    `completed` (with the stats read from the tail), one that closes before it `cancelled`."""
+
+    SSE = {"Content-Type": "text/event-stream"}
+    # (engine, path, model, body, its terminal frame, the stats of the whole body)
+    CASES = [
+        ("llamacpp", "/v1/messages", "phi", LLAMACPP_ANTHROPIC_SSE, b"event: message_stop",
+         LLAMACPP_ANTHROPIC_SSE_STATS),
+        ("ollama", "/v1/responses", "llama3:latest", RESPONSES_SSE,
+         b"event: response.completed", RESPONSES_SSE_STATS),
+        ("lmstudio", "/v1/responses", "qwen", RESPONSES_SSE, b"event: response.completed",
+         RESPONSES_SSE_STATS),
+        ("llamacpp", "/v1/responses", "phi", LLAMACPP_RESPONSES_SSE,
+         b"event: response.completed", LLAMACPP_RESPONSES_SSE_STATS),
+    ]
+
+    def _stream_then_close(self, engine: str, path: str, model: str, body: bytes,
+                           headers: dict) -> tuple[World, object]:
+        """Admitted at 1000 s, first byte at 1000.25 s, the client gone at 1002.25 s."""
+        w = self.world(engine)
+        w.clock.advance(1000)
+        w.add("a", models=(model,))
+        client = w.send("POST", path, {"model": model, "stream": True})
+        w.clock.advance(0.25)
+        upstream = w.agent.last.respond(200, headers)
+        upstream.write(body)
+        w.clock.advance(2)
+        client.disconnect()
+        return w, upstream
+
+    def _terminal(self, w: World) -> tuple[str, str, dict | None]:
+        method, info = w.emitter.workload()[-1]
+        return method, info["state"], info.get("stats")
+
+    def test_closing_after_the_terminal_frame_is_completed_with_the_streams_stats(self):
+        for engine, path, model, body, _, stats in self.CASES:
+            w, upstream = self._stream_then_close(engine, path, model, body, self.SSE)
+            self.assertEqual(self._terminal(w), ("workload:completed", "completed", stats),
+                             (engine, path))
+            self.assertTrue(upstream.transport.stopped)
+
+    def test_closing_before_the_terminal_frame_is_cancelled(self):
+        for engine, path, model, body, marker, _ in self.CASES:
+            w, upstream = self._stream_then_close(engine, path, model,
+                                                  body[:body.index(marker)], self.SSE)
+            method, state, _ = self._terminal(w)
+            self.assertEqual((method, state), ("workload:errored", "cancelled"), (engine, path))
+            self.assertEqual(w.emitter.workload()[-1][1]["error"],
+                             "client disconnected before completion")
+
+    def test_ollamas_end_frame_counts_with_a_space_after_the_colon(self):
+        body = (json.dumps({"model": "llama3:latest", "message": {"content": "x"},
+                            "done": False}).encode() + b"\n"
+                + json.dumps({"model": "llama3:latest", "done": True, "prompt_eval_count": 5,
+                              "eval_count": 3, "eval_duration": 1500000000}).encode() + b"\n")
+        self.assertIn(b'"done": true', body)
+        w, _ = self._stream_then_close("ollama", "/api/chat", "llama3:latest", body, NDJSON)
+        self.assertEqual(self._terminal(w), ("workload:completed", "completed", {
+            "promptTokens": 5, "completionTokens": 3, "tokensPerSecond": 2.0, "ttftMs": 250}))

@@ -1,12 +1,13 @@
 """The proxy as a process: twistd, its stdio link, and the real client packages.
 
-The `ollama` and `openai` packages are blocking, so they run here against a proxy in a
-subprocess (twisted-notes), never against a reactor this test would have to spin.
+The `ollama`, `openai` and `anthropic` packages are blocking, so they run here against a proxy
+in a subprocess (twisted-notes), never against a reactor this test would have to spin.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import urllib.error
@@ -14,8 +15,8 @@ import urllib.request
 
 from twisted.trial.unittest import SynchronousTestCase
 
-from nvpair_proxy.test.processes import (TWISTD, BrokerChannel, free_port, start_fleet,
-                                         start_standalone)
+from nvpair_proxy.test.processes import (TWISTD, BrokerChannel, free_port, logged_workloads,
+                                         start_fleet, start_standalone)
 
 
 def nodes_toml(entries: list[tuple[str, str, int, list[str]]]) -> str:
@@ -61,6 +62,84 @@ class RealClientTests(SynchronousTestCase):
             model="qwen", stream=True, messages=[{"role": "user", "content": "hi"}])
         text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
         self.assertEqual(text, "".join(f"gpu-b says hello {i} " for i in range(3)))
+
+
+class NewerRoutesRealClientTests(SynchronousTestCase):
+    """The `anthropic` and `openai` packages on /v1/messages and /v1/responses (design 5),
+    through the facades in a twistd subprocess, in front of a simulated node per engine."""
+
+    MODELS = {"ollama": "llama3:latest", "lmstudio": "qwen", "llamacpp": "phi"}
+    TOKENS = 3
+
+    def setUp(self):
+        fleet = start_fleet(self, "".join(
+            f'[[node]]\nid = "sim-{engine}"\ndialect = "{engine}"\n'
+            f'models = ["{model}"]\ntokens = {self.TOKENS}\n\n'
+            for engine, model in self.MODELS.items()))
+        self.ports = {engine: free_port() for engine in self.MODELS}
+        path = self.mktemp() + ".toml"
+        with open(path, "w") as handle:
+            handle.write(nodes_toml([(f"sim-{engine}", engine, fleet[f"sim-{engine}"], [model])
+                                     for engine, model in self.MODELS.items()]))
+        args = ["--nodes", path]
+        for engine, port in self.ports.items():
+            args += ["--engine", f"{engine}:{port}"]
+        self.log = os.path.abspath(self.mktemp() + ".log")
+        start_standalone(self, args, logfile=self.log)
+
+    def assert_reported(self, expected: list[tuple[str, str, int, int]]) -> None:
+        """Each request was one completed workload whose stats are the engine's usage."""
+        reported = [(info["engine"], info["model"], info["stats"].get("promptTokens"),
+                     info["stats"]["completionTokens"], info["stats"].get("estimated", False))
+                    for info in logged_workloads(self.log, len(expected))]
+        self.assertEqual(reported, [(*e, False) for e in expected])
+
+    def text(self, engine: str) -> str:
+        return "".join(f"sim-{engine} says hello {i} " for i in range(self.TOKENS))
+
+    def test_the_anthropic_client_creates_messages_through_ollama_and_llamacpp(self):
+        import anthropic
+        for engine, model in (("ollama", "llama3"), ("llamacpp", "phi")):
+            client = anthropic.Anthropic(base_url=f"http://127.0.0.1:{self.ports[engine]}",
+                                         api_key="unused", max_retries=0)
+            question = [{"role": "user", "content": "why is the sky blue"}]  # 5 words
+            message = client.messages.create(model=model, max_tokens=64, messages=question)
+            self.assertEqual((message.content[0].text, message.usage.input_tokens,
+                              message.usage.output_tokens, message.stop_reason),
+                             (self.text(engine), 5, self.TOKENS, "end_turn"), engine)
+            events = list(client.messages.create(model=model, max_tokens=64, messages=question,
+                                                 stream=True))
+            text = "".join(e.delta.text for e in events if e.type == "content_block_delta")
+            start = next(e for e in events if e.type == "message_start")
+            delta = next(e for e in events if e.type == "message_delta")
+            self.assertEqual((text, start.message.usage.input_tokens, delta.usage.output_tokens,
+                              events[-1].type),
+                             (self.text(engine), 5, self.TOKENS, "message_stop"), engine)
+        self.assert_reported([(engine, model, 5, self.TOKENS)
+                              for engine, model in (("ollama", "llama3"), ("llamacpp", "phi"))
+                              for _ in ("not streaming", "streaming")])
+
+    def test_the_openai_client_creates_responses_through_every_facade(self):
+        import openai
+        for engine, model in self.MODELS.items():
+            client = openai.OpenAI(base_url=f"http://127.0.0.1:{self.ports[engine]}/v1",
+                                   api_key="unused", max_retries=0)
+            response = client.responses.create(model=model, input="hello there")
+            self.assertEqual((response.status, response.output_text, response.usage.input_tokens,
+                              response.usage.output_tokens),
+                             ("completed", self.text(engine), 2, self.TOKENS), engine)
+            events = list(client.responses.create(model=model, input="hello there",
+                                                  instructions="be brief", stream=True))
+            text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+            completed = events[-1]
+            self.assertEqual((completed.type, text, completed.response.output_text,
+                              completed.response.usage.input_tokens,
+                              completed.response.usage.output_tokens),
+                             ("response.completed", self.text(engine), self.text(engine), 4,
+                              self.TOKENS), engine)
+            self.assertEqual([e.sequence_number for e in events], list(range(len(events))))
+        self.assert_reported([(engine, model, prompt, self.TOKENS)
+                              for engine, model in self.MODELS.items() for prompt in (2, 4)])
 
 
 class StartupTests(SynchronousTestCase):

@@ -559,6 +559,105 @@ class LlamaCppTests(_LoopbackCase):
                          ("list", [0], 4, {"prompt_tokens": 3, "total_tokens": 3}))
 
 
+class ResponsesAndMessagesOnEveryDialectTests(_LoopbackCase):
+    """Anthropic Messages and OpenAI Responses are served by all three dialects (design 5)."""
+
+    NODES = {"ollama": ("gpu-a", "llama3:latest"), "lmstudio": ("gpu-b", "qwen"),
+             "llamacpp": ("gpu-c", "phi")}
+    RESPONSES_EVENTS = (["response.created", "response.in_progress",
+                         "response.output_item.added", "response.content_part.added"]
+                        + ["response.output_text.delta"] * 2
+                        + ["response.output_text.done", "response.content_part.done",
+                           "response.output_item.done", "response.completed"])
+
+    def _serve(self, dialect: str, tokens: int = 2) -> tuple[str, str, str]:
+        node_id, model = self.NODES[dialect]
+        return self.serve(SimNode(node_id, dialect, models=[model], tokens=tokens)), node_id, model
+
+    async def test_responses_stream_is_openais_event_sequence_with_usage_last(self):
+        for dialect in self.NODES:
+            url, node_id, model = self._serve(dialect)
+            response, body = await self.call(
+                "POST", url + "/v1/responses",
+                {"model": model, "stream": True, "instructions": "be brief",
+                 "input": [{"role": "user", "content": "why is the sky blue"}]})
+            self.assertEqual(self.header(response, "content-type"), "text/event-stream")
+            frames = _sse(body)
+            self.assertEqual([event for event, _ in frames], self.RESPONSES_EVENTS, dialect)
+            data = [json.loads(d) for _, d in frames]
+            self.assertEqual([d["type"] for d in data], self.RESPONSES_EVENTS)
+            self.assertEqual([d["sequence_number"] for d in data], list(range(10)))
+            self.assertEqual(data[0]["response"]["status"], "in_progress")
+            self.assertIsNone(data[0]["response"]["usage"])
+            text = token_text(node_id, 0) + token_text(node_id, 1)
+            self.assertEqual([d["delta"] for d in data[4:6]],
+                             [token_text(node_id, 0), token_text(node_id, 1)])
+            self.assertEqual(data[6]["text"], text)
+            done = data[-1]["response"]
+            self.assertEqual((done["status"], done["model"],
+                              done["output"][0]["content"][0]["text"]),
+                             ("completed", model, text))
+            # 7 prompt words: instructions (2) and input (5)
+            self.assertEqual(done["usage"], {
+                "input_tokens": 7, "input_tokens_details": {"cached_tokens": 0},
+                "output_tokens": 2, "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": 9})
+            self.assertEqual("timings" in data[-1], dialect == "llamacpp")
+            self.assertTrue(body.endswith(b"\n\n") and
+                            b"\nevent: response.completed\ndata: " in body)
+
+    async def test_responses_non_stream_is_one_response_object(self):
+        for dialect in self.NODES:
+            url, node_id, model = self._serve(dialect, tokens=3)
+            response, body = await self.call("POST", url + "/v1/responses",
+                                             {"model": model, "input": "hello there"})
+            self.assertEqual(self.header(response, "content-type"), "application/json")
+            answer = json.loads(body)
+            self.assertEqual(
+                (answer["object"], answer["status"], answer["output"][0]["content"][0]["text"],
+                 answer["usage"]["input_tokens"], answer["usage"]["output_tokens"]),
+                ("response", "completed", "".join(token_text(node_id, i) for i in range(3)),
+                 2, 3), dialect)
+
+    async def test_messages_stream_and_non_stream_on_llamacpp(self):
+        url, node_id, model = self._serve("llamacpp")
+        _, body = await self.call("POST", url + "/v1/messages",
+                                  {"model": model, "stream": True, "max_tokens": 8, **CHAT})
+        frames = _sse(body)
+        self.assertEqual([event for event, _ in frames],
+                         ["message_start", "content_block_start", "content_block_delta",
+                          "content_block_delta", "content_block_stop", "message_delta",
+                          "message_stop"])
+        self.assertEqual(json.loads(frames[5][1])["usage"], {"output_tokens": 2})
+        _, body = await self.call("POST", url + "/v1/messages",
+                                  {"model": model, "max_tokens": 8, **CHAT})
+        answer = json.loads(body)
+        self.assertEqual((answer["type"], answer["content"], answer["usage"]),
+                         ("message", [{"type": "text", "text": token_text(node_id, 0)
+                                       + token_text(node_id, 1)}],
+                          {"input_tokens": 5, "output_tokens": 2}))
+
+    async def test_errors_keep_each_engines_shape_on_the_new_routes(self):
+        expected = {
+            ("ollama", "/v1/messages"): {"type": "error", "error": {
+                "type": "not_found_error", "message": 'model "nope" not found on gpu-a'}},
+            ("ollama", "/v1/responses"): {"error": {
+                "message": 'model "nope" not found on gpu-a', "type": "invalid_request_error",
+                "param": None, "code": None}},
+            ("llamacpp", "/v1/messages"): {"error": {
+                "code": 404, "message": 'model "nope" not found on gpu-c',
+                "type": "not_found_error"}},
+            ("llamacpp", "/v1/responses"): {"error": {
+                "code": 404, "message": 'model "nope" not found on gpu-c',
+                "type": "not_found_error"}},
+        }
+        for (dialect, path), error in expected.items():
+            url, _, _ = self._serve(dialect)
+            response, body = await self.call("POST", url + path,
+                                             {"model": "nope", "max_tokens": 8, "input": "x"})
+            self.assertEqual((response.code, json.loads(body)), (404, error), (dialect, path))
+
+
 class StartFleetTests(_LoopbackCase):
     async def test_each_node_listens_on_its_own_port_and_names_itself(self):
         nodes = [SimNode("gpu-a", "ollama", models=["llama3"]),

@@ -174,6 +174,117 @@ ANTHROPIC_SSE = _sse(
 ANTHROPIC_SSE_STATS = {"promptTokens": 25, "completionTokens": 15, "tokensPerSecond": 7.5,
                        "ttftMs": 250}
 
+# Anthropic /v1/messages, non-streaming (every engine): one Message object.
+ANTHROPIC_JSON = json.dumps(
+    {"id": "msg_02", "type": "message", "role": "assistant", "model": "qwen3:8b",
+     "content": [{"type": "text", "text": "Paris."}], "stop_reason": "end_turn",
+     "stop_sequence": None, "usage": {"input_tokens": 18, "output_tokens": 3}},
+    separators=(",", ":")).encode()
+ANTHROPIC_JSON_STATS = {"promptTokens": 18, "completionTokens": 3, "tokensPerSecond": 1.5,
+                        "ttftMs": 250}
+
+# llama.cpp server /v1/messages streaming: message_start splits the prompt into cached and
+# uncached input tokens; message_delta carries output_tokens only.
+LLAMACPP_ANTHROPIC_SSE = _sse(
+    ("message_start", {"message": {
+        "content": [], "id": "msg_c3a1", "model": "tiny.gguf", "role": "assistant",
+        "stop_reason": None, "stop_sequence": None, "type": "message",
+        "usage": {"cache_read_input_tokens": 0, "input_tokens": 9, "output_tokens": 0}},
+        "type": "message_start"}),
+    ("content_block_start", {"content_block": {"text": "", "type": "text"}, "index": 0,
+                             "type": "content_block_start"}),
+    ("content_block_delta", {"delta": {"text": "Hi", "type": "text_delta"}, "index": 0,
+                             "type": "content_block_delta"}),
+    ("content_block_stop", {"index": 0, "type": "content_block_stop"}),
+    ("message_delta", {"delta": {"stop_reason": "max_tokens", "stop_sequence": None},
+                       "type": "message_delta", "usage": {"output_tokens": 4}}),
+    ("message_stop", {"type": "message_stop"}),
+)
+LLAMACPP_ANTHROPIC_SSE_STATS = {"promptTokens": 9, "completionTokens": 4, "tokensPerSecond": 2.0,
+                                "ttftMs": 250}
+
+# Anthropic streaming where message_delta repeats the prompt count (newer servers): the last
+# figure wins, field by field.
+ANTHROPIC_DELTA_INPUT_SSE = ANTHROPIC_SSE.replace(
+    b'"usage":{"output_tokens":15}', b'"usage":{"input_tokens":26,"output_tokens":15}')
+ANTHROPIC_DELTA_INPUT_STATS = {**ANTHROPIC_SSE_STATS, "promptTokens": 26}
+
+
+def _response(status: str, output: list, usage) -> dict:
+    return {"id": "resp_68af", "object": "response", "created_at": 1716998400,
+            "status": status, "error": None, "incomplete_details": None, "instructions": None,
+            "max_output_tokens": None, "model": "qwen", "output": output,
+            "parallel_tool_calls": True, "previous_response_id": None,
+            "reasoning": {"effort": None, "summary": None}, "store": False,
+            "temperature": 1.0, "text": {"format": {"type": "text"}}, "tool_choice": "auto",
+            "tools": [], "top_p": 1.0, "truncation": "disabled", "usage": usage,
+            "user": None, "metadata": {}}
+
+
+def _message_item(text: str, status: str) -> dict:
+    return {"id": "msg_68af", "type": "message", "status": status, "role": "assistant",
+            "content": [{"type": "output_text", "text": text, "annotations": [],
+                         "logprobs": []}] if text else []}
+
+
+RESPONSES_USAGE = {"input_tokens": 11, "input_tokens_details": {"cached_tokens": 0},
+                   "output_tokens": 2, "output_tokens_details": {"reasoning_tokens": 0},
+                   "total_tokens": 13}
+
+
+def _responses_sse(deltas: list[str], usage: dict, **completed_extra) -> bytes:
+    """An OpenAI Responses stream: the event sequence and fields the openai client reads."""
+    text = "".join(deltas)
+    part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+    ids = {"item_id": "msg_68af", "output_index": 0, "content_index": 0}
+    events = [
+        ("response.created", {"type": "response.created",
+                              "response": _response("in_progress", [], None)}),
+        ("response.in_progress", {"type": "response.in_progress",
+                                  "response": _response("in_progress", [], None)}),
+        ("response.output_item.added", {"type": "response.output_item.added",
+                                        "output_index": 0,
+                                        "item": _message_item("", "in_progress")}),
+        ("response.content_part.added", {"type": "response.content_part.added", **ids,
+                                         "part": part}),
+        *[("response.output_text.delta", {"type": "response.output_text.delta", **ids,
+                                          "delta": delta, "logprobs": []}) for delta in deltas],
+        ("response.output_text.done", {"type": "response.output_text.done", **ids,
+                                       "text": text, "logprobs": []}),
+        ("response.content_part.done", {"type": "response.content_part.done", **ids,
+                                        "part": {**part, "text": text}}),
+        ("response.output_item.done", {"type": "response.output_item.done", "output_index": 0,
+                                       "item": _message_item(text, "completed")}),
+        ("response.completed", {"type": "response.completed", "response": _response(
+            "completed", [_message_item(text, "completed")], usage), **completed_extra}),
+    ]
+    return _sse(*[(name, {**data, "sequence_number": n})
+                  for n, (name, data) in enumerate(events)])
+
+
+# OpenAI Responses /v1/responses streaming: usage only in response.completed.
+RESPONSES_SSE = _responses_sse(["Hi", " thére"], RESPONSES_USAGE)
+RESPONSES_SSE_STATS = {"promptTokens": 11, "completionTokens": 2, "tokensPerSecond": 1.0,
+                       "ttftMs": 250}
+
+# llama.cpp's Responses stream adds its timings to response.completed: the engine's rate wins.
+LLAMACPP_RESPONSES_SSE = _responses_sse(
+    ["Hel", "lo"], {"input_tokens": 15, "output_tokens": 10, "total_tokens": 25,
+                    "input_tokens_details": {"cached_tokens": 0}},
+    timings={"prompt_n": 15, "prompt_ms": 30.1, "predicted_n": 10, "predicted_ms": 120.5,
+             "predicted_per_second": 82.98755186721992})
+LLAMACPP_RESPONSES_SSE_STATS = {"promptTokens": 15, "completionTokens": 10,
+                                "tokensPerSecond": 83.0, "ttftMs": 250}
+
+# OpenAI Responses, non-streaming: the Response object with its top-level usage.
+RESPONSES_JSON = json.dumps(
+    _response("completed", [_message_item("Paris is the capital.", "completed")],
+              {"input_tokens": 20, "input_tokens_details": {"cached_tokens": 0},
+               "output_tokens": 6, "output_tokens_details": {"reasoning_tokens": 0},
+               "total_tokens": 26})).encode()
+RESPONSES_JSON_STATS = {"promptTokens": 20, "completionTokens": 6, "tokensPerSecond": 3.0,
+                        "ttftMs": 250}
+
 # (name, terminal rule, content type, body, stats)
 RECORDED = [
     ("ollama stream", "ndjson-done", NDJSON, OLLAMA_STREAM, OLLAMA_STREAM_STATS),
@@ -184,6 +295,18 @@ RECORDED = [
     ("openai json, no type", "sse-done", None, OPENAI_JSON, OPENAI_JSON_STATS),
     ("llama.cpp sse", "sse-done", SSE, LLAMACPP_SSE, LLAMACPP_SSE_STATS),
     ("anthropic sse", "sse-message-stop", SSE, ANTHROPIC_SSE, ANTHROPIC_SSE_STATS),
+    ("anthropic json", "sse-message-stop", JSON, ANTHROPIC_JSON, ANTHROPIC_JSON_STATS),
+    ("anthropic json, no type", "sse-message-stop", None, ANTHROPIC_JSON, ANTHROPIC_JSON_STATS),
+    ("llama.cpp anthropic sse", "sse-message-stop", SSE, LLAMACPP_ANTHROPIC_SSE,
+     LLAMACPP_ANTHROPIC_SSE_STATS),
+    ("anthropic sse, delta input", "sse-message-stop", SSE, ANTHROPIC_DELTA_INPUT_SSE,
+     ANTHROPIC_DELTA_INPUT_STATS),
+    ("responses sse", "sse-response-completed", SSE, RESPONSES_SSE, RESPONSES_SSE_STATS),
+    ("llama.cpp responses sse", "sse-response-completed", SSE, LLAMACPP_RESPONSES_SSE,
+     LLAMACPP_RESPONSES_SSE_STATS),
+    ("responses json", "sse-response-completed", JSON, RESPONSES_JSON, RESPONSES_JSON_STATS),
+    ("responses json, no type", "sse-response-completed", None, RESPONSES_JSON,
+     RESPONSES_JSON_STATS),
     ("sse without usage", "sse-done", SSE, SSE_NO_USAGE, SSE_NO_USAGE_STATS),
 ]
 
@@ -238,6 +361,7 @@ class RecordedBodyTests(SynchronousTestCase):
         for terminal, body, marker in [
             ("sse-done", OPENAI_SSE, b"data: [DONE]"),
             ("sse-message-stop", ANTHROPIC_SSE, b"event: message_stop"),
+            ("sse-response-completed", RESPONSES_SSE, b"event: response.completed"),
             ("ndjson-done", OLLAMA_STREAM, b'"done":true'),
         ]:
             at = body.index(marker)
@@ -255,17 +379,27 @@ class RecordedBodyTests(SynchronousTestCase):
         self.assertEqual(measure(observer), OPENAI_SSE_STATS)
         anthropic = observe("sse-message-stop", SSE, [ANTHROPIC_SSE.replace(b"\n", b"\r\n")])
         self.assertTrue(anthropic.terminal_seen)
+        responses = observe("sse-response-completed", SSE,
+                            chunked(RESPONSES_SSE.replace(b"\n", b"\r\n"), 5))
+        self.assertTrue(responses.terminal_seen)
+        self.assertEqual(measure(responses), RESPONSES_SSE_STATS)
 
     def test_marker_without_space_or_trailing_newline(self):
         observer = observe("sse-done", SSE, [b'data:{"x":1}\n\ndata:[DONE]'])
         self.assertTrue(observer.terminal_seen)
         observer = observe("sse-message-stop", SSE, [b"event:message_stop\ndata: {}\n\n"])
         self.assertTrue(observer.terminal_seen)
+        observer = observe("sse-response-completed", SSE, [b"event:response.completed \r\n"])
+        self.assertTrue(observer.terminal_seen)
+        observer = observe("sse-response-completed", SSE, [b"event: response.completed"])
+        self.assertTrue(observer.terminal_seen)
 
     def test_events_counted(self):
         self.assertEqual(observe("sse-done", SSE, [OPENAI_SSE]).events_seen, 5)
         self.assertEqual(observe("sse-done", SSE, [SSE_NO_USAGE]).events_seen, 4)
         self.assertEqual(observe("ndjson-done", NDJSON, [OLLAMA_STREAM]).events_seen, 4)
+        # every data line of a Responses stream: 4 opening events, 2 deltas, 4 closing ones
+        self.assertEqual(observe("sse-response-completed", SSE, [RESPONSES_SSE]).events_seen, 10)
         self.assertEqual(observe("ndjson-done", JSON, [OLLAMA_JSON]).events_seen, 0)
 
 
@@ -298,11 +432,29 @@ class TerminalFrameTests(SynchronousTestCase):
         self.assertFalse(observe("sse-message-stop", SSE, [body]).terminal_seen)
         self.assertFalse(observe("sse-message-stop", SSE, chunked(body, 1)).terminal_seen)
 
+    def test_quoted_response_completed_in_content(self):
+        body = _responses_sse(["\nevent: response.completed\n", "x"], RESPONSES_USAGE)
+        body = body[:body.index(b"\nevent: response.completed\n") + 1]  # the real marker
+        self.assertIn(b"\\nevent: response.completed\\n", body)
+        self.assertFalse(observe("sse-response-completed", SSE, [body]).terminal_seen)
+        self.assertFalse(observe("sse-response-completed", SSE, chunked(body, 1)).terminal_seen)
+
+    def test_other_responses_events_are_not_terminal(self):
+        for line in (b"event: response.completed.extra\n", b"event: response.completedx\n",
+                     b"event: response.output_text.done\n", b"data: response.completed\n",
+                     b" event: response.completed\n", b"event: response_completed\n"):
+            self.assertFalse(observe("sse-response-completed", SSE, [line]).terminal_seen, line)
+
     def test_route_rule_picks_the_marker(self):
         self.assertFalse(observe("sse-message-stop", SSE, [OPENAI_SSE]).terminal_seen)
         self.assertFalse(observe("sse-done", SSE, [ANTHROPIC_SSE]).terminal_seen)
+        self.assertFalse(observe("sse-done", SSE, [RESPONSES_SSE]).terminal_seen)
+        self.assertFalse(observe("sse-message-stop", SSE, [RESPONSES_SSE]).terminal_seen)
+        self.assertFalse(observe("sse-response-completed", SSE, [OPENAI_SSE]).terminal_seen)
+        self.assertFalse(observe("sse-response-completed", SSE, [ANTHROPIC_SSE]).terminal_seen)
         self.assertTrue(observe(None, SSE, [OPENAI_SSE]).terminal_seen)
         self.assertTrue(observe(None, SSE, [ANTHROPIC_SSE]).terminal_seen)
+        self.assertTrue(observe(None, SSE, [RESPONSES_SSE]).terminal_seen)
 
     def test_quoted_done_in_ollama_token(self):
         for text in ('"done":true', '{"done": true}', '"done":true}\n'):
@@ -324,6 +476,8 @@ class TerminalFrameTests(SynchronousTestCase):
             ("sse-done", SSE, OPENAI_SSE, b"data: [DONE]"),
             ("sse-done", SSE, LLAMACPP_SSE, b"data: [DONE]"),
             ("sse-message-stop", SSE, ANTHROPIC_SSE, b"event: message_stop"),
+            ("sse-message-stop", SSE, LLAMACPP_ANTHROPIC_SSE, b"event: message_stop"),
+            ("sse-response-completed", SSE, RESPONSES_SSE, b"event: response.completed"),
             ("ndjson-done", NDJSON, OLLAMA_STREAM, b'{"model":"llama3:latest","created_at'
                                                    b'":"2024-05-29T16:00:03.5Z"'),
         ]:
@@ -355,6 +509,14 @@ class TerminalFrameTests(SynchronousTestCase):
         self.assertEqual(measure(observer), {"promptTokens": 25, "completionTokens": 6,
                                              "tokensPerSecond": 3.0, "ttftMs": 250,
                                              "estimated": True})
+
+    def test_truncated_responses_stream_is_estimated(self):
+        """Without response.completed there is no usage: every data line so far is counted."""
+        truncated = RESPONSES_SSE[:RESPONSES_SSE.index(b"event: response.completed")]
+        observer = observe("sse-response-completed", SSE, [truncated])
+        self.assertFalse(observer.terminal_seen)
+        self.assertEqual(measure(observer), {"completionTokens": 9, "tokensPerSecond": 4.5,
+                                             "ttftMs": 250, "estimated": True})
 
     def test_terminal_is_sticky(self):
         observer = observe("sse-done", SSE, [OPENAI_SSE])
@@ -426,6 +588,18 @@ class BoundedMemoryTests(SynchronousTestCase):
         self.assertEqual(measure(observer), {"completionTokens": 15, "tokensPerSecond": 7.5,
                                              "ttftMs": 250})
 
+    def test_responses_stream_whose_completed_event_outgrows_the_tail(self):
+        """response.completed repeats the whole output; its usage comes after it, in the tail."""
+        deltas = ["tök"] * (self.SIZE // 4 // 3)
+        body = _responses_sse(deltas, {**RESPONSES_USAGE, "output_tokens": len(deltas)})
+        completed = body[body.index(b"event: response.completed"):]
+        self.assertGreater(len(completed), TAIL_LIMIT)
+        observer = self._assert_bounded("sse-response-completed", SSE, body, 65536 + 5)
+        self.assertTrue(observer.terminal_seen)
+        self.assertEqual(measure(observer), {
+            "promptTokens": 11, "completionTokens": len(deltas),
+            "tokensPerSecond": round(len(deltas) / 2.0, 1), "ttftMs": 250})
+
     def test_openai_json_larger_than_tail(self):
         # The content quotes a usage object of its own: escaped, so never read.
         content = ('words "usage": {"prompt_tokens": 999, "completion_tokens": 999} ' * 8
@@ -473,6 +647,7 @@ class MeasureTests(SynchronousTestCase):
 
     def test_empty_body(self):
         for terminal, content_type in [("sse-done", SSE), ("sse-message-stop", None),
+                                       ("sse-response-completed", SSE),
                                        ("ndjson-done", NDJSON), (None, None)]:
             observer = BodyObserver(terminal, content_type)
             observer.feed(b"")
@@ -555,6 +730,11 @@ class HygieneTests(SynchronousTestCase):
 
     def test_unknown_rule_rejected(self):
         self.assertRaises(ValueError, BodyObserver, "sse-finished")
+
+    def test_every_rule_an_engine_file_may_name_is_understood(self):
+        from nvpair_proxy.engines import TERMINAL_FRAMES
+        for terminal in TERMINAL_FRAMES:
+            self.assertEqual(BodyObserver(terminal).terminal, terminal)
 
     def test_content_type_as_bytes(self):
         observer = observe("sse-done", b"text/event-stream; charset=utf-8", [OPENAI_SSE])
