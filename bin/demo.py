@@ -65,7 +65,7 @@ def write_files(workdir: str) -> tuple[str, str]:
 
 
 def start_fleet(fleet_path: str) -> tuple[subprocess.Popen, dict[str, int]]:
-    proc = subprocess.Popen([PY, "-m", "nvpair_proxy.simfleet", fleet_path],
+    proc = subprocess.Popen([PY, "-m", "nvpair_proxy.testing.simfleet", fleet_path],
                             stdout=subprocess.PIPE, text=True)
     line = proc.stdout.readline().strip()
     if not line.startswith("simfleet ready:"):

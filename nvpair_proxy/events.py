@@ -46,23 +46,6 @@ class LogEmitter:
                   engine=engine)
 
 
-@implementer(IEmitter)
-class RecordingEmitter:
-    """Keeps every notification in order; the tests' view of the link."""
-
-    def __init__(self) -> None:
-        self.sent: list[tuple[str, dict]] = []
-
-    def notify(self, method: str, params: dict, engine: str | None = None) -> None:
-        self.sent.append((f"{engine}:{method}" if engine else method, params))
-
-    def methods(self, prefix: str = "") -> list[str]:
-        return [m for m, _ in self.sent if m.startswith(prefix)]
-
-    def workload(self) -> list[tuple[str, dict]]:
-        return [(m, p["workloadInfo"]) for m, p in self.sent if m.startswith("workload:")]
-
-
 def _ms(seconds: float | None) -> int | None:
     return None if seconds is None else int(round(seconds * 1000))
 

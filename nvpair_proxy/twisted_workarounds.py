@@ -40,3 +40,9 @@ def quiet_pool(reactor) -> HTTPConnectionPool:
     pool = HTTPConnectionPool(reactor, persistent=True)
     pool._factory = QuietFactory
     return pool
+
+
+def pooled(pool) -> int:
+    """Idle connections the pool keeps: ``HTTPConnectionPool`` has no public count, and the
+    soak's growth check (``vitals``) needs one."""
+    return sum(len(connections) for connections in getattr(pool, "_connections", {}).values())

@@ -15,13 +15,9 @@ import signal
 from typing import Callable, Iterable
 
 from .logs import logger
+from .twisted_workarounds import pooled
 
 log = logger()
-
-
-def pooled(pool) -> int:
-    """Idle connections the pool keeps (``HTTPConnectionPool`` has no public count)."""
-    return sum(len(connections) for connections in getattr(pool, "_connections", {}).values())
 
 
 def rss_kib() -> int | None:

@@ -466,7 +466,7 @@ class Topology:
                 handle.write(f'[[node]]\nid = "{host.engine_id}"\ndialect = "ollama"\n'
                              f"port = {ENGINE_PORT}\nmodels = [{json.dumps(MODEL)}]\n"
                              f"tokens = {self.tokens}\ntoken_delay = {self.token_delay}\n")
-            host.engine = self.spawn(host.key, [sys.executable, "-m", "nvpair_proxy.simfleet",
+            host.engine = self.spawn(host.key, [sys.executable, "-m", "nvpair_proxy.testing.simfleet",
                                                 fleet], log_name="engine.log")
             host.broker = ScriptedBroker(host.file("broker.sock"))
             host.proxy = self.spawn(host.key, TWISTD + [

@@ -31,7 +31,7 @@ def start_fleet(test, fleet_toml: str) -> dict[str, int]:
     path = os.path.join(test.mktemp() + "-fleet.toml")
     with open(path, "w") as handle:
         handle.write(fleet_toml)
-    proc = subprocess.Popen([sys.executable, "-m", "nvpair_proxy.simfleet", path],
+    proc = subprocess.Popen([sys.executable, "-m", "nvpair_proxy.testing.simfleet", path],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     test.addCleanup(stop, proc)
     line = read_line(proc.stdout, DEADLINE)

@@ -24,7 +24,8 @@ from zope.interface.verify import verifyObject
 
 from nvpair_proxy.relay import clean_end
 from nvpair_proxy.discovery import Node
-from nvpair_proxy.events import LogEmitter, RecordingEmitter
+from nvpair_proxy.events import LogEmitter
+from nvpair_proxy.testing import RecordingEmitter
 from nvpair_proxy.ingress import LocalBackendRoute
 from nvpair_proxy.interfaces import IEmitter, IRouter
 from nvpair_proxy.requestbody import BytesProducer

@@ -26,7 +26,7 @@ from twisted.trial.unittest import SynchronousTestCase, TestCase
 from twisted.web.client import Agent, HTTPConnectionPool, ResponseFailed
 from twisted.web.server import Site
 
-from nvpair_proxy.simfleet import (FleetFileError, SimNode, SimNodeResource, load_fleet,
+from nvpair_proxy.testing.simfleet import (FleetFileError, SimNode, SimNodeResource, load_fleet,
                                    parse_fleet, start_fleet, token_text)
 
 CHAT = {"messages": [{"role": "user", "content": "why is the sky blue"}]}  # 5 prompt words
@@ -751,7 +751,7 @@ class CLITests(TestCase):
 
     async def run_cli(self, *args: str):
         return await getProcessOutputAndValue(
-            sys.executable, ["-m", "nvpair_proxy.simfleet", *args], env=dict(os.environ))
+            sys.executable, ["-m", "nvpair_proxy.testing.simfleet", *args], env=dict(os.environ))
 
     async def test_bad_file_exits_2_with_one_line_on_stderr(self):
         path = self.write('[[node]]\nid = "gpu-a"\ndialect = "vllm"\n')
@@ -771,7 +771,7 @@ class CLITests(TestCase):
                           '[[node]]\nid = "gpu-c"\ndialect = "llamacpp"\nmodels = ["m"]\n')
         protocol = _ReadyLine()
         process = reactor.spawnProcess(protocol, sys.executable,
-                                       [sys.executable, "-m", "nvpair_proxy.simfleet", path],
+                                       [sys.executable, "-m", "nvpair_proxy.testing.simfleet", path],
                                        env=dict(os.environ))
         self.addCleanup(lambda: process.pid and process.signalProcess("KILL"))
         line = await protocol.ready

@@ -21,12 +21,12 @@ from twisted.web.server import Site
 from nvpair_proxy.discovery import make_node
 from nvpair_proxy.dispatch import Bounds
 from nvpair_proxy.engines import load_engines
-from nvpair_proxy.events import RecordingEmitter
+from nvpair_proxy.testing import RecordingEmitter
 from nvpair_proxy.facade import make_facade, facade_site
 from nvpair_proxy.listener import DemuxFactory
 from nvpair_proxy.requestbody import BytesProducer
 from nvpair_proxy.reservations import ReservationMap
-from nvpair_proxy.simfleet import SimNode, SimNodeResource
+from nvpair_proxy.testing.simfleet import SimNode, SimNodeResource
 
 ENGINES = load_engines()
 

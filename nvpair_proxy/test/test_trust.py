@@ -18,14 +18,14 @@ from twisted.web.server import Site
 from nvpair_proxy.discovery import make_node
 from nvpair_proxy.dispatch import Bounds
 from nvpair_proxy.engines import load_engines
-from nvpair_proxy.events import RecordingEmitter
+from nvpair_proxy.testing import RecordingEmitter
 from nvpair_proxy.facade import make_facade, facade_site
 from nvpair_proxy.ingress import IngressResource
 from nvpair_proxy.listener import DemuxFactory
 from nvpair_proxy.requestbody import BytesProducer
 from nvpair_proxy.server import BoundedSite
 from nvpair_proxy.reservations import ReservationMap
-from nvpair_proxy.simfleet import SimNode, SimNodeResource
+from nvpair_proxy.testing.simfleet import SimNode, SimNodeResource
 from nvpair_proxy.test.certs import make_certificate, write_admission, write_identity, write_pin
 from nvpair_proxy.trust import (ClusterDirectory, PeerAgents, PinnedPolicy, der_of, tls_ingress,
                                  trust_watch)

@@ -15,7 +15,7 @@ from twisted.trial.unittest import SynchronousTestCase
 from nvpair_proxy.discovery import make_node
 from nvpair_proxy.dispatch import Bounds
 from nvpair_proxy.engines import load_engines
-from nvpair_proxy.events import RecordingEmitter
+from nvpair_proxy.testing import RecordingEmitter
 from nvpair_proxy.facade import make_facade, facade_site
 from nvpair_proxy.listener import DemuxFactory
 from nvpair_proxy.reservations import ReservationMap

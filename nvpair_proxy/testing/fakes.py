@@ -1,5 +1,7 @@
 """Fakes with the real APIs, for tests (style: fakes over mocks).
 
+``RecordingEmitter`` is the tests' view of the link: every notification, in order.
+
 ``FakeAgent`` is an IAgent whose every request waits for the test to answer it: respond with
 headers, stream body chunks, end the body cleanly or break it, or fail the connection. Its
 body transport records pause/resume/stop so backpressure and aborts are observable.
@@ -18,7 +20,7 @@ from twisted.web.http_headers import Headers
 from twisted.web.iweb import UNKNOWN_LENGTH, IAgent, IResponse
 from zope.interface import implementer
 
-from .events import RecordingEmitter  # noqa: F401  (re-exported for tests)
+from ..interfaces import IEmitter
 
 
 class FakeBodyTransport:
@@ -166,3 +168,20 @@ def lan(port: int = 40000):
 
 def mapped_loopback(port: int = 40000):
     return IPv6Address("TCP", "::ffff:127.0.0.1", port)
+
+
+@implementer(IEmitter)
+class RecordingEmitter:
+    """Keeps every notification in order; the tests' view of the link."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, dict]] = []
+
+    def notify(self, method: str, params: dict, engine: str | None = None) -> None:
+        self.sent.append((f"{engine}:{method}" if engine else method, params))
+
+    def methods(self, prefix: str = "") -> list[str]:
+        return [m for m, _ in self.sent if m.startswith(prefix)]
+
+    def workload(self) -> list[tuple[str, dict]]:
+        return [(m, p["workloadInfo"]) for m, p in self.sent if m.startswith("workload:")]

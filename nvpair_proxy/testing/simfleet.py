@@ -13,7 +13,7 @@ runtime, and ``GET /_sim/state`` reports its fields and what it served. They are
 test aids with no authentication: the CLI listens on 127.0.0.1 only, and nothing should ever
 expose them further.
 
-CLI: ``python -m nvpair_proxy.simfleet FLEET.toml`` (the file format is in ``parse_fleet``).
+CLI: ``python -m nvpair_proxy.testing.simfleet FLEET.toml`` (the file format is in ``parse_fleet``).
 """
 
 from __future__ import annotations
@@ -879,7 +879,7 @@ def load_fleet(path: str) -> list[SimNode]:
     return parse_fleet(data, path)
 
 
-_USAGE = "usage: python -m nvpair_proxy.simfleet FLEET.toml"
+_USAGE = "usage: python -m nvpair_proxy.testing.simfleet FLEET.toml"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
