@@ -10,6 +10,7 @@ from __future__ import annotations
 import ipaddress
 
 from .rpc import SERVER_ERROR, RpcError
+from .validate import is_port
 
 
 def parse_aliases(values, primary_port: int) -> tuple[list[str], int] | None:
@@ -44,7 +45,7 @@ def _split(value: str) -> tuple[str, int]:
     if not sep or not port_text or not all("0" <= c <= "9" for c in port_text):
         raise RpcError(SERVER_ERROR, f"invalid alias address {value!r}: want host:port")
     port = int(port_text)
-    if not 1 <= port <= 65535:
+    if not is_port(port):
         raise RpcError(SERVER_ERROR, f"invalid alias address {value!r}: port out of range")
     if host.startswith("[") and host.endswith("]"):
         host = host[1:-1]

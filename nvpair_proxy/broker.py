@@ -8,7 +8,6 @@ running a facade is ``facades.py``'s; how a discovered node is reached is ``admi
 
 from __future__ import annotations
 
-import ipaddress
 import math
 from typing import Any, Callable, Mapping
 
@@ -27,6 +26,7 @@ from .reservations import Rank
 from .rpc import (BIND_FAILED, INVALID_PARAMS, NO_FACADE, SERVER_ERROR, MethodNotFound,
                   NoAnswer, RpcError)
 from .slots import Slots, parse_slots
+from .validate import is_int, is_loopback, is_port
 
 log = logger()
 
@@ -63,7 +63,7 @@ def _int(params: dict, key: str, default=None):
     value = params.get(key, default)
     if value is None:
         return None
-    if not isinstance(value, int) or isinstance(value, bool):
+    if not is_int(value):
         raise RpcError(INVALID_PARAMS, f"{key} must be an integer")
     return value
 
@@ -138,7 +138,7 @@ class Broker:
             raise RpcError(SERVER_ERROR, f'unknown engine "{engine_id}"; want one of '
                                          f'{", ".join(_engine_order(self.engines))}')
         port = _int(params, "port", 0) or 0  # null reads as omitted
-        if port != 0 and not 1 <= port <= 65535:
+        if not is_port(port, zero=True):
             raise RpcError(SERVER_ERROR, f"port must be between 1 and 65535 (got {port})")
         ignore = params.get("ignorePersistedPort", False)
         if not isinstance(ignore, bool):
@@ -219,7 +219,7 @@ class Broker:
 
     def set_port(self, running: Running, params: dict) -> dict:
         port = _int(params, "port")
-        if port is None or not 1 <= port <= 65535:
+        if not is_port(port):
             raise RpcError(INVALID_PARAMS, f"port must be between 1 and 65535 (got {port})")
         engine = running.facade.engine
         if port == running.service.port:
@@ -303,8 +303,7 @@ class Broker:
         # A bare string is not a list of addresses (it would be split into characters).
         addresses = ([a for a in addresses if isinstance(a, str) and a]
                      if isinstance(addresses, list) else None)
-        if (not isinstance(node_id, str) or not node_id or not isinstance(port, int)
-                or isinstance(port, bool) or not 1 <= port <= 65535 or not addresses):
+        if not isinstance(node_id, str) or not node_id or not is_port(port) or not addresses:
             raise RpcError(INVALID_PARAMS, "id, port, and at least one address are required")
         models = params.get("models")
         if models is not None and (not isinstance(models, list)
@@ -353,9 +352,9 @@ class Broker:
         healthy = params.get("healthy", True)
         if not isinstance(healthy, bool):
             raise RpcError(INVALID_PARAMS, "healthy must be a boolean")
-        if not isinstance(host, str) or not _loopback_literal(host):
+        if not isinstance(host, str) or not is_loopback(host, name=True, scoped=False):
             raise RpcError(INVALID_PARAMS, "host must be a loopback address")
-        if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535:
+        if not is_port(port, zero=True):
             raise RpcError(INVALID_PARAMS, "port must be between 0 and 65535")
         try:
             slots = parse_slots(running.facade.engine, params.get("slots"))
@@ -391,17 +390,6 @@ def _whole(value) -> int:
 
 def _number(value) -> float:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0.0
-
-
-def _loopback_literal(host: str) -> bool:
-    """Loopback only; an IPv4-mapped LAN address is not loopback (behaviours)."""
-    try:
-        address = ipaddress.ip_address(host.strip("[]"))
-    except ValueError:
-        return host == "localhost"
-    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-        return address.ipv4_mapped.is_loopback
-    return address.is_loopback
 
 
 def _reason(exc: CannotListenError) -> str:

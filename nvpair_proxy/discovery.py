@@ -8,24 +8,14 @@ in the past"), so the set is the single source of truth for "routable right now"
 
 from __future__ import annotations
 
-import ipaddress
 from typing import Callable, Iterable, Mapping, Sequence
 
 import attrs
 
 from .engines import Engine
+from .validate import is_loopback, is_port
 
-
-def is_loopback(host: str) -> bool:
-    """Loopback test that survives dual-stack listeners and scoped addresses (twisted-notes)."""
-    host = host.strip("[]").split("%", 1)[0]
-    try:
-        address = ipaddress.ip_address(host)
-    except ValueError:
-        return False
-    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-        address = address.ipv4_mapped
-    return address.is_loopback
+__all__ = ["is_loopback"]  # the listener's gate asks here, as it always has
 
 
 def host_port(host: str, port: int) -> str:
@@ -243,7 +233,7 @@ def project(engine: Engine, raw: Mapping, is_self: Callable[[Sequence[str], int]
     if not isinstance(service, Mapping) or not isinstance(ip, str) or not ip:
         return None
     port = service.get("port")
-    if not isinstance(port, int) or isinstance(port, bool) or not 1 <= port <= 65535:
+    if not is_port(port):
         return None
     ips = raw.get("ips")
     addresses = [a for a in ips if isinstance(a, str) and a] if isinstance(ips, list) else []

@@ -16,6 +16,7 @@ from typing import Iterable, Mapping
 import attrs
 
 from .files import read_regular_file
+from .validate import is_port
 
 ROUTE_CLASSES = ("inference", "models")
 MODEL_RULES = ("implied-latest", "exact")
@@ -119,7 +120,7 @@ def _choice(data: Mapping, key: str, choices: tuple, where: str, required: bool 
 
 def _port(data: Mapping, key: str, where: str) -> int:
     value = _field(data, key, int, where)
-    if not 1 <= value <= 65535:
+    if not is_port(value):
         raise EngineFileError(f"{where}: field {key!r} must be a port 1-65535 (got {value})")
     return value
 
@@ -145,7 +146,7 @@ def parse_engine(data: Mapping, source: str) -> Engine:
     where = f"{source}: ports"
     reserved = _field(ports_data, "reserved", list, where, required=False) or []
     for value in reserved:
-        if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= 65535:
+        if not is_port(value):
             raise EngineFileError(f"{where}: field 'reserved' must list ports 1-65535 (got {value!r})")
     ports = Ports(own=_port(ports_data, "own", where), relocated=_port(ports_data, "relocated", where),
                   standalone=_port(ports_data, "standalone", where), reserved=tuple(reserved))

@@ -12,6 +12,16 @@ import os
 import stat
 
 
+def stamp(path: str) -> tuple[int, int, int] | None:
+    """What says a file changed (mtime, size, inode), None when it cannot be stat'ed: the
+    watches re-read a file only when this differs from the last read."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_mtime_ns, st.st_size, st.st_ino)
+
+
 def read_regular_file(path: str) -> bytes:
     """The whole content of the regular file at ``path`` (symlinks followed).
 

@@ -6,7 +6,6 @@ take the fleet down. At start-up a bad file is fatal instead, with one clear lin
 
 from __future__ import annotations
 
-import os
 import tomllib
 from typing import Callable, Mapping
 
@@ -17,8 +16,9 @@ from twisted.internet.interfaces import IReactorTime
 from . import constants
 from .discovery import Node, make_node
 from .engines import Engine
-from .files import read_regular_file
+from .files import read_regular_file, stamp
 from .logs import logger
+from .validate import is_port
 
 log = logger()
 
@@ -85,7 +85,7 @@ def parse_nodes(text: str, engines: Mapping[str, Engine], source: str) -> Fleet:
                 if key not in ("port", "models"):
                     raise NodesFileError(f"{ewhere}: unknown field {key!r}")
             port = spec.get("port", engine.ports.own)
-            if not isinstance(port, int) or isinstance(port, bool) or not 1 <= port <= 65535:
+            if not is_port(port):
                 raise NodesFileError(f"{ewhere}: field 'port' must be 1-65535 (got {port!r})")
             models = spec.get("models")
             if models is not None and (not isinstance(models, list)
@@ -143,8 +143,4 @@ class NodesFileWatcher(TimerService):
         self.apply(fleet)
 
     def _current_stamp(self):
-        try:
-            st = os.stat(self.path)
-        except OSError:
-            return None
-        return (st.st_mtime_ns, st.st_size, st.st_ino)
+        return stamp(self.path)

@@ -11,6 +11,7 @@ import os
 
 from .engines import Engine
 from .logs import logger
+from .validate import is_port
 
 log = logger()
 
@@ -28,7 +29,7 @@ def read_port(state_dir: str, engine: Engine) -> int | None:
                  engine=engine.id)
         return None
     port = data.get("port") if isinstance(data, dict) else None
-    if not isinstance(port, int) or isinstance(port, bool) or not 1 <= port <= 65535:
+    if not is_port(port):
         log.warn("ignoring persisted port file {path}: no valid port", path=path, engine=engine.id)
         return None
     if port in engine.ports.reserved:

@@ -24,7 +24,7 @@ from twisted.internet.interfaces import (IOpenSSLClientConnectionCreator,
 from twisted.web.iweb import IPolicyForHTTPS
 from zope.interface import implementer
 
-from .files import read_regular_file
+from .files import read_regular_file, stamp
 from .logs import logger
 
 log = logger()
@@ -36,12 +36,6 @@ class _Unreadable(Exception):
     """A pin file that cannot be read whole; its previous value stands."""
 
 
-def _stat(path: str):
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return (st.st_mtime_ns, st.st_size, st.st_ino)
 URN_PREFIX = "urn:nvpair:node:"
 
 
@@ -229,12 +223,12 @@ class ClusterDirectory:
     def _stamp(self):
         entries = []
         for name in ("node.crt", "node.key", "admission.json", "trusted"):
-            entries.append(_stat(os.path.join(self.path, name)))
+            entries.append(stamp(os.path.join(self.path, name)))
         try:
             names = sorted(os.listdir(os.path.join(self.path, "trusted")))
         except OSError:
             names = []
-        entries.extend((name, _stat(os.path.join(self.path, "trusted", name))) for name in names)
+        entries.extend((name, stamp(os.path.join(self.path, "trusted", name))) for name in names)
         return tuple(entries)
 
 
