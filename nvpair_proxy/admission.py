@@ -56,7 +56,7 @@ def admit_into(facade, directory: ClusterDirectory | None, peer_agents: PeerAgen
                local_backend: LocalBackend) -> None:
     """Install broker-mode admission on a facade: its node set asks ``Admission``, and a
     peer admitted over https is dialled on that peer's pinned pool."""
-    facade.router.nodes.admit = Admission(directory, facade.clock, local_backend)
+    facade.router.set_admission(Admission(directory, facade.clock, local_backend))
     if peer_agents is not None:
         upstreams = facade.upstreams
         upstreams.agent_for_node = lambda node: (

@@ -20,7 +20,7 @@ facade is idle. The broker and standalone mode change routing only through this 
 from __future__ import annotations
 
 import math
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import attrs
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
@@ -82,6 +82,12 @@ class Router:
         if node is not None and self._pin == node_id:
             self._pin = ""
         return node
+
+    def set_admission(self, admit: Callable[[Node], Node | None]) -> None:
+        """How a discovered node is reached, asked at every read (broker mode: self through
+        the local backend, peers over pinned mTLS only)."""
+        self.nodes.admit = admit
+        self.nodes.changed()
 
     def set_models(self, node_id: str, models: Iterable[str]) -> None:
         self.nodes.set_models(node_id, self.engine, models)

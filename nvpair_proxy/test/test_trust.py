@@ -258,7 +258,7 @@ class PinnedTLSTests(TestCase):
                    reservations=ReservationMap())
         a.upstreams.agent_for_node = peers.for_node
         b_port = int(self.url.split(b":")[2].split(b"/")[0])
-        a.router.nodes.admit = lambda node: _attrs.evolve(node, scheme="https")
+        a.router.set_admission(lambda node: _attrs.evolve(node, scheme="https"))
         a.router.replace_discovered([make_node(OLLAMA, id="node-b", port=b_port,
                                               addresses=["127.0.0.1"], models=["llama3"],
                                               source="discovered", cluster_uuid="node-b")])
