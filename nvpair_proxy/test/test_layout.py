@@ -1,0 +1,90 @@
+"""The import direction of the layout (issue 9, item 7; README "Architecture").
+
+Data flows one way: a connection enters the listener, the facade turns it into a request,
+dispatch finds it a node and runs attempts, the response streams back, events leave by the
+link. Each product module may import only modules before it in ``ORDER``, so the core can
+never reach up into the broker, the service tree or the plugin, and no import cycle can form.
+A new module must be placed here, which is the moment to decide where it belongs.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+
+from twisted.trial.unittest import SynchronousTestCase
+
+import nvpair_proxy
+
+PACKAGE = os.path.dirname(nvpair_proxy.__file__)
+
+ORDER = (
+    # Foundations: no knowledge of engines, nodes or requests.
+    "constants", "interfaces", "logs", "files", "validate", "hopbyhop", "requestbody",
+    "relay", "stats", "reservations", "twisted_workarounds", "sdnotify",
+    # The model: engines, nodes, the link's framing, events, trust.
+    "engines", "discovery", "selection", "slots", "ports", "rpc", "aliases", "answers",
+    "events", "trust", "admission",
+    # Routing and one dispatch; the server side.
+    "router", "attempt", "inventory", "cors", "server", "listener", "nodesfile", "options",
+    # The request path, top to bottom.
+    "dispatch", "fleet", "exchange", "facade", "ingress",
+    # Lifecycle and the broker's methods; wiring last.
+    "facades", "broker", "vitals", "service", "tap", "cli",
+)
+
+# Plain bookkeeping the request path drives: no Twisted at all (design 1b).
+NO_TWISTED = ("constants", "files", "validate", "reservations", "engines", "selection", "slots",
+              "stats")
+
+
+def product_modules() -> list[str]:
+    return sorted(name[:-3] for name in os.listdir(PACKAGE)
+                  if name.endswith(".py") and name != "__init__.py")
+
+
+def imports_of(module: str) -> tuple[set[str], set[str]]:
+    """(sibling modules, top-level packages) a module imports, wherever in the file."""
+    with open(os.path.join(PACKAGE, module + ".py"), encoding="utf-8") as handle:
+        tree = ast.parse(handle.read())
+    siblings, packages = set(), set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level == 1:
+            if node.module:
+                siblings.add(node.module.split(".")[0])
+            else:
+                siblings.update(a.name for a in node.names if a.name != "__version__")
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            parts = node.module.split(".")
+            if parts[0] == "nvpair_proxy" and len(parts) > 1:
+                siblings.add(parts[1])
+            packages.add(parts[0])
+        elif isinstance(node, ast.Import):
+            packages.update(a.name.split(".")[0] for a in node.names)
+    return siblings, packages
+
+
+class LayoutTests(SynchronousTestCase):
+    def test_every_product_module_has_its_place(self):
+        self.assertEqual(sorted(set(product_modules()) - set(ORDER)), [],
+                         "place new modules in ORDER")
+        self.assertEqual(sorted(set(ORDER) - set(product_modules())), [],
+                         "ORDER names a module that is gone")
+
+    def test_modules_import_only_what_comes_before_them(self):
+        rank = {name: index for index, name in enumerate(ORDER)}
+        upward = []
+        for module in product_modules():
+            siblings, _ = imports_of(module)
+            for sibling in sorted(siblings - {"testing", "test"}):
+                if rank.get(sibling, len(ORDER)) >= rank[module]:
+                    upward.append(f"{module} -> {sibling}")
+        self.assertEqual(upward, [])
+
+    def test_product_modules_never_import_the_tests_or_their_fakes(self):
+        offending = [m for m in product_modules() if imports_of(m)[0] & {"testing", "test"}]
+        self.assertEqual(offending, [])
+
+    def test_bookkeeping_modules_import_nothing_of_twisted(self):
+        offending = [m for m in NO_TWISTED if "twisted" in imports_of(m)[1]]
+        self.assertEqual(offending, [])
