@@ -177,7 +177,7 @@ class Attempt:
     def _dial_next(self) -> None:
         self._address = self._pending_addresses.pop(0)
         url = f"{self.node.scheme}://{host_port(self._address, self.node.port)}".encode() + self.path
-        request = maybeDeferred(self.agent.request, self.method, url, self.headers.copy(),
+        request = maybeDeferred(self.agent.request, self.method, url, self.headers,
                                 BytesProducer(self.body) if self.body else None)
         self._request = request
         request.addCallbacks(self._got_response, self._dial_failed)
