@@ -207,9 +207,10 @@ class Attempt:
         self._relay = BodyRelay(self._first_data, self._body_ended)
         if self.inference and 200 <= status < 300:
             self._enter(PEEKING)
-            self._cancel_timer()
-            if self.response_timeout > 0:
-                self._timer = self.clock.callLater(self.response_timeout, self._timed_out)
+            if self._timer is not None and self._timer.active():
+                # The first-content cap starts with the headers (spec 5.1): the header cap's
+                # timer moves rather than a second one being made.
+                self._timer.reset(self.response_timeout)
             response.deliverBody(self._relay)
             return
         response.deliverBody(self._relay)

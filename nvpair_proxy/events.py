@@ -38,6 +38,10 @@ def new_run_id() -> str:
 class LogEmitter:
     """Standalone mode: events to the log at debug, one line each (design decision 20)."""
 
+    @property
+    def listening(self) -> bool:
+        return enabled(LogLevel.debug)
+
     def notify(self, method: str, params: dict, engine: str | None = None) -> None:
         if not enabled(LogLevel.debug):
             return  # nobody reads it: do not encode it (issue 10)
@@ -104,6 +108,8 @@ class Workload:
               stats: dict | None) -> None:
         self._sent_any = True
         self.seq += 1
+        if not self.emitter.listening:
+            return
         info = {"id": self.id, "model": self.model, "engine": self.engine, "runId": self.run_id,
                 "state": self.state, "originatedFrom": ""}
         if self.scheduled_on:
@@ -180,16 +186,23 @@ class Reporter:
                         engine=self.engine, id=str(next(self._workload_ids)), model=model,
                         created_at=created_at)
 
+    @property
+    def listening(self) -> bool:
+        """Whether the events (and the figures that only feed them) are wanted at all."""
+        return self.emitter.listening
+
     def notify(self, method: str, params: dict) -> None:
         self.emitter.notify(method, params, engine=self.engine)
 
     def request_started(self, *args, **kwargs) -> None:
         """``proxy/request-started``, with :func:`request_started`'s arguments."""
-        self.notify("proxy/request-started", request_started(*args, **kwargs))
+        if self.emitter.listening:
+            self.notify("proxy/request-started", request_started(*args, **kwargs))
 
     def request_finished(self, *args, **kwargs) -> None:
         """``proxy/request``, with :func:`request_finished`'s arguments."""
-        self.notify("proxy/request", request_finished(*args, **kwargs))
+        if self.emitter.listening:
+            self.notify("proxy/request", request_finished(*args, **kwargs))
 
     def activity_on(self, node_id: str) -> None:
         self.activity.touch(node_id)

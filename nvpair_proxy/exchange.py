@@ -255,7 +255,7 @@ class Exchange:
     def _end_committed(self) -> None:
         code = self.committed.response.code
         stats = None
-        if self.observer is not None and code < 400:
+        if self.observer is not None and code < 400 and self.reporter.listening:
             try:
                 stats = self.observer.measure(admitted_at=self.admitted_at,
                                               first_byte_at=self.first_byte_at,

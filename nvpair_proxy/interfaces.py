@@ -10,6 +10,10 @@ from zope.interface import Attribute, Interface
 
 
 class IEmitter(Interface):
+    listening = Attribute(
+        "Whether anything consumes notifications now. When False a producer may skip building "
+        "them (issue 10: no work for an event nobody reads); counters such as seq still count.")
+
     def notify(method: str, params: dict, engine: str | None = None) -> None:
         """Send one notification; ``engine`` addresses a facade-scoped one (spec 4)."""
 

@@ -127,8 +127,12 @@ class LineFramer(Protocol):
 class RpcLink:
     """The broker link: routes inbound messages to ``dispatch`` and sends what it answers.
 
+    The broker consumes every notification: ``listening`` is always true.
+
     ``dispatch(method, params)`` returns the result, or raises RpcError / NoAnswer.
     """
+
+    listening = True
 
     def __init__(self, dispatch: Callable[[str, Any], Any],
                  on_closed: Callable[[], None] = lambda: None) -> None:

@@ -174,6 +174,8 @@ def mapped_loopback(port: int = 40000):
 class RecordingEmitter:
     """Keeps every notification in order; the tests' view of the link."""
 
+    listening = True
+
     def __init__(self) -> None:
         self.sent: list[tuple[str, dict]] = []
 
