@@ -322,13 +322,20 @@ class LinkService(Service):
         return flushed.addErrback(lambda _: None)
 
 
+def lan_gate(options: Options, reactor):
+    """The opt-in LAN keys every facade's listener asks (issue 11), the same in both modes."""
+    from .apikeys import KeyStore, LanGate
+    return LanGate(KeyStore(reactor, env=options["api-keys"], path=options["api-keys-file"]),
+                   allowed=options["allowed-cidrs"])
+
+
 def standalone_tree(options: Options, reactor) -> ProcessService:
     """Facades from ``--engine``, fleet from ``--nodes``; events to the log."""
     root = ProcessService(reactor)
     runtime = Runtime.build(options, reactor, LogEmitter())
     RuntimeService(runtime).setServiceParent(root)
     facades = Facades(make_facade=runtime.facade, listen=listen_on(reactor),
-                      make_prober=runtime.prober, clock=reactor)
+                      make_prober=runtime.prober, clock=reactor, lan=lan_gate(options, reactor))
     Standalone(options, reactor, facades).setServiceParent(root)
     facades.setServiceParent(root)
     root.runtime, root.facades = runtime, facades
@@ -354,7 +361,8 @@ def broker_tree(options: Options, reactor) -> ProcessService:
         trust_watch(directory, reactor).setServiceParent(root)
     facades = Facades(make_facade=runtime.facade, listen=listen_on(reactor),
                       make_prober=runtime.prober, clock=reactor, admission=True,
-                      directory=directory, peer_agents=peer_agents)
+                      directory=directory, peer_agents=peer_agents,
+                      lan=lan_gate(options, reactor))
     facades.setServiceParent(root)
     broker = Broker(engines=options.engines, emitter=link.link,
                     reservations=runtime.reservations, state_dir=options["state-dir"],
