@@ -1,5 +1,8 @@
 """The standalone fleet: a TOML nodes file, re-read when it changes (design 4).
 
+An engine entry may reach its engine over https, with a client certificate or a key
+(``engineaccess.py``); the files it names are read with the nodes file.
+
 A reload that fails keeps the last good snapshot and logs why: an operator mid-edit must not
 take the fleet down. At start-up a bad file is fatal instead, with one clear line.
 """
@@ -16,6 +19,7 @@ from twisted.internet.interfaces import IReactorTime
 
 from . import constants
 from .discovery import Node, make_node
+from .engineaccess import ACCESS_FIELDS, AccessError, access_from
 from .engines import Engine
 from .files import read_regular_file
 from .logs import logger
@@ -82,8 +86,12 @@ def parse_nodes(text: str, engines: Mapping[str, Engine], source: str) -> Fleet:
             if not isinstance(spec, dict):
                 raise NodesFileError(f"{ewhere}: must be a table")
             for key in spec:
-                if key not in ("port", "models"):
+                if key not in ("port", "models") + ACCESS_FIELDS:
                     raise NodesFileError(f"{ewhere}: unknown field {key!r}")
+            try:
+                scheme, access = access_from(spec, os.path.dirname(source))
+            except AccessError as exc:
+                raise NodesFileError(f"{ewhere}: {exc}") from None
             port = spec.get("port", engine.ports.own)
             if not isinstance(port, int) or isinstance(port, bool) or not 1 <= port <= 65535:
                 raise NodesFileError(f"{ewhere}: field 'port' must be 1-65535 (got {port!r})")
@@ -95,7 +103,8 @@ def parse_nodes(text: str, engines: Mapping[str, Engine], source: str) -> Fleet:
                 probed.add((engine_id, node_id))
             nodes[engine_id].append(make_node(engine, id=node_id, name=name, port=port,
                                               addresses=addresses, models=models,
-                                              source="standalone"))
+                                              source="standalone", scheme=scheme,
+                                              access=access))
     return Fleet({k: tuple(v) for k, v in nodes.items()}, frozenset(probed))
 
 
