@@ -23,6 +23,7 @@ from nvpair_proxy.engineaccess import EngineAgents
 from nvpair_proxy.engines import load_engines
 from nvpair_proxy.facade import make_facade, facade_site
 from nvpair_proxy.inventory import Prober
+from nvpair_proxy.listener import DemuxFactory
 from nvpair_proxy.nodesfile import NodesFileError, load_nodes_file
 from nvpair_proxy.test.certs import TestCA
 from nvpair_proxy.test.test_apikeys import LogCapture
@@ -101,21 +102,27 @@ class TLSFleet:
                             f'{listed}{access}{extra}')
         return resource
 
-    def start(self, bounds: Bounds = Bounds(max_attempts=2, backoff=(0.0,), jitter=0.0)):
+    def start(self, bounds: Bounds = Bounds(max_attempts=2, backoff=(0.0,), jitter=0.0),
+              emitter=None, lan=None, interface: str = "127.0.0.1", bind: str | None = None):
+        """The facade on ``interface`` behind the listener (with ``lan`` keys, if given);
+        the test's client connects from ``bind``."""
         path = write(self.folder, "nodes.toml", "\n".join(self.entries).encode())
         fleet = load_nodes_file(path, ENGINES)
         pool = HTTPConnectionPool(reactor, persistent=False)
         self.agents = EngineAgents(reactor, Agent(reactor, pool=pool), 5.0, 5.0)
         self.test.addCleanup(self.agents.close)
         self.facade = make_facade(ENGINES["ollama"], clock=reactor, agent=self.agents.agent,
-                                  emitter=RecordingEmitter(), run_id="0123456789abcdef",
+                                  emitter=emitter or RecordingEmitter(),
+                                  run_id="0123456789abcdef",
                                   random=lambda: 0.5, bounds=bounds)
         self.facade.upstreams.agent_for_node = self.agents.for_node
         self.facade.router.replace_discovered(list(fleet.nodes["ollama"]))
-        listening = reactor.listenTCP(0, facade_site(self.facade, reactor), interface="127.0.0.1")
+        listening = reactor.listenTCP(0, DemuxFactory(facade_site(self.facade, reactor), lan=lan),
+                                      interface=interface)
         self.test.addCleanup(listening.stopListening)
-        self.url = f"http://127.0.0.1:{listening.getHost().port}"
-        self.client = Agent(reactor, pool=HTTPConnectionPool(reactor, persistent=False))
+        self.url = f"http://{interface}:{listening.getHost().port}"
+        self.client = Agent(reactor, pool=HTTPConnectionPool(reactor, persistent=False),
+                            bindAddress=(bind, 0) if bind else None)
         return self
 
     @inlineCallbacks
