@@ -109,12 +109,14 @@ class KeyStore:
     _checked_at: float = float("-inf")
 
     def __attrs_post_init__(self) -> None:
+        """Read at start-up too, so a bad key source is reported before any client comes."""
         if self.env:
             try:
                 self._env_digests = parse_keys(env_entries(self.env), "NVPAIR_PROXY_API_KEYS")
             except KeysError as exc:
                 self._env_error = str(exc)
                 log.error("API keys disabled: {why}", why=self._env_error)
+        self._recheck()
 
     def digests(self) -> list[bytes] | None:
         if self._env_error is not None:
