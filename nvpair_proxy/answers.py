@@ -17,8 +17,13 @@ ORIGIN_DENIED = "origin not allowed by every engine"
 NO_PREFLIGHT_ANSWER = "no engine answered the preflight"
 LOOPBACK_ONLY = ("loopback-only", "plaintext requests are accepted only from loopback; "
                  "cluster peers must use the mTLS ingress")
+# Opt-in LAN keys (issue 11): the allowlist refusal, and the missing or wrong key.
+SOURCE_NOT_ALLOWED = ("source-not-allowed", "this source address is not allowed to use "
+                      "this proxy")
+UNAUTHORIZED = ("unauthorized", "a valid API key is required for non-loopback requests; "
+                "send it as Authorization: Bearer <key> or X-Api-Key: <key>")
 
-_REASONS = {403: b"Forbidden", 409: b"Conflict", 413: b"Request Entity Too Large",
+_REASONS = {401: b"Unauthorized", 403: b"Forbidden", 409: b"Conflict", 413: b"Request Entity Too Large",
             500: b"Internal Server Error", 502: b"Bad Gateway", 503: b"Service Unavailable",
             504: b"Gateway Timeout"}
 

@@ -22,6 +22,7 @@ from twisted.web.http_headers import Headers
 from twisted.web.iweb import IAgent, IResponse
 
 from .discovery import Node, host_port
+from .engineaccess import tls_problem
 from .relay import BodyRelay, clean_end
 from .requestbody import BytesProducer
 
@@ -265,6 +266,9 @@ class Attempt:
 
 def _reason(failure: Failure) -> str:
     """Short, body-free text for an upstream failure (spec 9: operational detail only)."""
+    tls = tls_problem(failure)
+    if tls is not None:
+        return f"TLS: {tls}"
     value = failure.value
     inner = getattr(value, "reasons", None)
     if inner:

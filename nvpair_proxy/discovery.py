@@ -45,6 +45,8 @@ class Node:
     cluster_uuid: str = ""
     txt: tuple[str, ...] | None = None
     local: bool = False
+    # Standalone TLS and key settings of this engine (engineaccess.py); never in a repr.
+    access: object = attrs.field(default=None, repr=False)
     _dial: tuple[str, ...] = attrs.field(init=False, eq=False, repr=False)
 
     def advertises(self, model: str) -> bool:

@@ -17,6 +17,7 @@ from twisted.internet.error import CannotListenError
 
 from . import constants
 from .admission import LocalBackend, admit_into
+from .apikeys import LanGate
 from .discovery import Node
 from .engines import Engine
 from .facade import Facade, facade_site
@@ -40,15 +41,16 @@ def listen_on(reactor) -> Callable:
 
 
 def listener_factory(facade: Facade, directory: ClusterDirectory | None,
-                     local_backend: LocalBackend) -> DemuxFactory:
-    """Loopback plaintext for local clients; pinned mTLS for peers when a member."""
+                     local_backend: LocalBackend, lan: LanGate | None = None) -> DemuxFactory:
+    """Loopback plaintext for local clients (LAN clients with a key, when keys are
+    configured); pinned mTLS for peers when a member."""
     site = facade_site(facade, facade.clock)
     if directory is None:
-        return DemuxFactory(site)
+        return DemuxFactory(site, lan=lan)
     ingress = BoundedSite(IngressResource(facade, directory, local_backend),
                           reactor=facade.clock, timeout=site.timeOut,
                           on_rejected=site.on_rejected)
-    return DemuxFactory(site, tls=tls_ingress(directory, ingress, facade.clock))
+    return DemuxFactory(site, tls=tls_ingress(directory, ingress, facade.clock), lan=lan)
 
 
 class FacadeService(MultiService):
@@ -123,12 +125,12 @@ class Facades(MultiService):
     def __init__(self, *, make_facade: Callable[[Engine], Facade], listen: Callable,
                  make_prober: Callable[[Facade, Callable[[Node], bool]], Prober], clock,
                  admission: bool = False, directory: ClusterDirectory | None = None,
-                 peer_agents: PeerAgents | None = None) -> None:
+                 peer_agents: PeerAgents | None = None, lan: LanGate | None = None) -> None:
         super().__init__()
         self.setName("facades")
         self.make_facade, self.listen, self.make_prober = make_facade, listen, make_prober
         self.clock, self.admission = clock, admission
-        self.directory, self.peer_agents = directory, peer_agents
+        self.directory, self.peer_agents, self.lan = directory, peer_agents, lan
 
     def open(self, engine: Engine, port: int, should_probe: Callable[[Node], bool],
              local_backend: LocalBackend = lambda: None) -> FacadeService:
@@ -136,7 +138,7 @@ class Facades(MultiService):
         ``add`` starts it, so a caller can announce it first."""
         facade = self.make_facade(engine)
         factory = listener_factory(facade, self.directory if self.admission else None,
-                                   local_backend)
+                                   local_backend, self.lan)
         service = FacadeService(facade, factory, self.listen,
                                 self.make_prober(facade, should_probe), self.clock, port)
         if self.admission:

@@ -198,9 +198,12 @@ class Prober(TimerService):
 
     def __init__(self, engine: Engine, nodes: NodeSet, agent: IAgent, clock: IReactorTime,
                  should_probe: Callable[[Node], bool],
-                 interval: float = constants.INVENTORY_PROBE_INTERVAL) -> None:
+                 interval: float = constants.INVENTORY_PROBE_INTERVAL,
+                 agent_for: Callable[[Node], IAgent] | None = None) -> None:
         super().__init__(interval, self.probe_all)
         self.engine, self.nodes, self.agent, self.clock = engine, nodes, agent, clock
+        # The agent per node, as requests use it (TLS and key settings of the nodes file).
+        self.agent_for = agent_for or (lambda node: agent)
         self.should_probe = should_probe
         self._busy: dict[str, Deferred] = {}
 
@@ -218,7 +221,7 @@ class Prober(TimerService):
 
     def probe(self, node: Node) -> Deferred:
         path = self.engine.model_list.upstream_path
-        d = fetch(self.agent, self.clock, node_url(node, path))
+        d = fetch(self.agent_for(node), self.clock, node_url(node, path))
         self._busy[node.id] = d
 
         def ok(reply):

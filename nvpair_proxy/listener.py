@@ -4,6 +4,8 @@
 member; anything else is plaintext HTTP, served only to loopback peers. A LAN peer speaking
 plaintext still gets an HTTP answer (403 ``loopback-only``) rather than a silent close, so a
 misconfigured client learns why. The gate ships with the first listener: never an open relay.
+With opt-in API keys (``apikeys.py``) the gate serves a LAN request that presents a valid key
+as it serves loopback, and answers the others 403 or 401 (issue 11).
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ from twisted.python.failure import Failure
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Request
 
-from .answers import LOOPBACK_ONLY, send_error
+from .answers import send_error
+from .apikeys import LanGate, Verdict, answer_for
 from .constants import SERVER_HEADER_READ_TIMEOUT
 from .discovery import is_loopback
 from .logs import logger
@@ -29,18 +32,29 @@ log = logger()
 
 
 class LoopbackOnly(Resource):
-    """What a non-loopback plaintext peer gets, whatever it asked (preflights included)."""
+    """What a non-loopback plaintext peer gets, whatever it asked (preflights included):
+    403, or with LAN keys configured, the facade (``serve``) when a valid key came along."""
 
     isLeaf = True
 
-    def __init__(self, on_rejected: Rejected) -> None:
+    def __init__(self, on_rejected: Rejected, lan: LanGate | None = None,
+                 serve: Resource | None = None) -> None:
         super().__init__()
-        self.on_rejected = on_rejected
+        self.on_rejected, self.lan, self.serve = on_rejected, lan, serve
 
     def render(self, request: Request):
-        code, text = LOOPBACK_ONLY
-        self.on_rejected(request.method, request.path, 403, code)
-        send_error(request, 403, text, code=code)
+        verdict = Verdict.LOOPBACK_ONLY
+        if self.lan is not None:
+            verdict = self.lan.decide(request.getClientAddress().host, request.requestHeaders)
+        refusal = answer_for(verdict)
+        if refusal is None:
+            self.lan.admit(request.requestHeaders)
+            return self.serve.render(request)
+        status, code, text, challenge = refusal
+        self.on_rejected(request.method, request.path, status, code)
+        if challenge is not None:
+            request.responseHeaders.setRawHeaders(b"WWW-Authenticate", [challenge])
+        send_error(request, status, text, code=code)
         return NOT_DONE_YET
 
 
@@ -99,10 +113,11 @@ class DemuxFactory(ServerFactory):
     noisy = False
 
     def __init__(self, site: BoundedSite, gate: BoundedSite | None = None,
-                 tls: Callable[[], WrappingFactory | None] = lambda: None) -> None:
+                 tls: Callable[[], WrappingFactory | None] = lambda: None,
+                 lan: LanGate | None = None) -> None:
         self.site = site
         self.clock = site.reactor
-        self.gate = gate or _gate_site(site)
+        self.gate = gate or _gate_site(site, lan)
         self.tls = tls
 
     def buildProtocol(self, addr: IAddress) -> Protocol:
@@ -126,10 +141,10 @@ class DemuxFactory(ServerFactory):
         return protocol
 
 
-def _gate_site(site: BoundedSite) -> BoundedSite:
-    """The same limits as the facade (body size, header read, idle), a 403 for everything,
-    reported where the facade's own refusals go."""
-    return BoundedSite(LoopbackOnly(site.on_rejected), reactor=site.reactor,
+def _gate_site(site: BoundedSite, lan: LanGate | None) -> BoundedSite:
+    """The same limits as the facade (body size, header read, idle), a 403 for everything
+    (or the facade behind a valid key), reported where the facade's own refusals go."""
+    return BoundedSite(LoopbackOnly(site.on_rejected, lan, site.resource), reactor=site.reactor,
                        timeout=site.timeOut, on_rejected=site.on_rejected)
 
 

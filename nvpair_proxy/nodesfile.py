@@ -1,11 +1,15 @@
 """The standalone fleet: a TOML nodes file, re-read when it changes (design 4).
 
+An engine entry may reach its engine over https, with a client certificate or a key
+(``engineaccess.py``); the files it names are read with the nodes file.
+
 A reload that fails keeps the last good snapshot and logs why: an operator mid-edit must not
 take the fleet down. At start-up a bad file is fatal instead, with one clear line.
 """
 
 from __future__ import annotations
 
+import os
 import tomllib
 from typing import Callable, Mapping
 
@@ -15,6 +19,7 @@ from twisted.internet.interfaces import IReactorTime
 
 from . import constants
 from .discovery import Node, make_node
+from .engineaccess import ACCESS_FIELDS, AccessError, access_from
 from .engines import Engine
 from .files import read_regular_file, stamp
 from .logs import logger
@@ -82,8 +87,12 @@ def parse_nodes(text: str, engines: Mapping[str, Engine], source: str) -> Fleet:
             if not isinstance(spec, dict):
                 raise NodesFileError(f"{ewhere}: must be a table")
             for key in spec:
-                if key not in ("port", "models"):
+                if key not in ("port", "models") + ACCESS_FIELDS:
                     raise NodesFileError(f"{ewhere}: unknown field {key!r}")
+            try:
+                scheme, access = access_from(spec, os.path.dirname(source))
+            except AccessError as exc:
+                raise NodesFileError(f"{ewhere}: {exc}") from None
             port = spec.get("port", engine.ports.own)
             if not is_port(port):
                 raise NodesFileError(f"{ewhere}: field 'port' must be 1-65535 (got {port!r})")
@@ -95,7 +104,8 @@ def parse_nodes(text: str, engines: Mapping[str, Engine], source: str) -> Fleet:
                 probed.add((engine_id, node_id))
             nodes[engine_id].append(make_node(engine, id=node_id, name=name, port=port,
                                               addresses=addresses, models=models,
-                                              source="standalone"))
+                                              source="standalone", scheme=scheme,
+                                              access=access))
     return Fleet({k: tuple(v) for k, v in nodes.items()}, frozenset(probed))
 
 

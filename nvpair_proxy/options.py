@@ -46,7 +46,7 @@ def parse_duration(text: str) -> float:
 class Options(usage.Options):
     synopsis = ("[--ipc PATH] [--cluster-dir DIR] [--log-level LEVEL] "
                 "[--response-header-timeout DURATION] [--stream-idle-timeout DURATION] "
-                "[--state-dir DIR] [--version] "
+                "[--state-dir DIR] [--api-keys-file FILE] [--allowed-cidrs LIST] [--version] "
                 "[--engine ENGINE[:PORT]]... [--nodes FILE] [--engines-dir DIR]")
     longdesc = ("Broker mode (default): JSON-RPC on stdin/stdout or --ipc. Standalone mode: any "
                 "--engine; the fleet comes from --nodes, else this machine's engine.")
@@ -65,6 +65,10 @@ class Options(usage.Options):
                                   "~/.config/Nvidia Corporation/Personal AI Router)."],
         ["nodes", None, None, "Standalone fleet: a TOML nodes file, reloaded on change."],
         ["engines-dir", None, None, "Extra directory of engine files (*.toml)."],
+        ["api-keys-file", None, None, "LAN API keys, one per line, mode 600 (default "
+                                      "$NVPAIR_PROXY_API_KEYS_FILE, else <state-dir>/proxy-api-keys)."],
+        ["allowed-cidrs", None, None, "LAN sources allowed to present a key, comma-separated "
+                                      "(default $NVPAIR_PROXY_ALLOWED_CIDRS, else any)."],
     ]
 
     def __init__(self) -> None:
@@ -127,6 +131,24 @@ class Options(usage.Options):
             raise ValueError(f"--cluster-dir: no such directory: {self['cluster-dir']}")
         if self["ipc"] is not None and self["facades"]:
             raise ValueError("--ipc is for broker mode; it cannot be combined with --engine")
+        self._lan_keys()
+
+    def _lan_keys(self) -> None:
+        """Opt-in LAN keys (issue 11): the keys themselves are checked when read, so a bad
+        one turns the gate off (logged) rather than stopping start-up."""
+        from .apikeys import KEYS_FILE_NAME, parse_cidrs
+        self["api-keys"] = os.environ.get("NVPAIR_PROXY_API_KEYS") or None
+        self["api-keys-file"] = (self["api-keys-file"]
+                                 or os.environ.get("NVPAIR_PROXY_API_KEYS_FILE")
+                                 or os.path.join(self["state-dir"], KEYS_FILE_NAME))
+        raw, flag = self["allowed-cidrs"], "--allowed-cidrs"
+        if raw is None:
+            raw, flag = os.environ.get("NVPAIR_PROXY_ALLOWED_CIDRS") or "", \
+                "NVPAIR_PROXY_ALLOWED_CIDRS"
+        try:
+            self["allowed-cidrs"] = parse_cidrs(raw)
+        except ValueError as exc:
+            raise ValueError(f"{flag}: {exc}") from None
 
     def _facades(self) -> list[tuple[str, int]]:
         facades: list[tuple[str, int]] = []

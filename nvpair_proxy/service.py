@@ -31,6 +31,7 @@ from twisted.web.client import Agent, HTTPConnectionPool
 from . import constants
 from .discovery import make_node
 from .dispatch import Bounds
+from .engineaccess import EngineAgents
 from .events import ActivityThrottle, LogEmitter, new_run_id
 from .facade import Facade, make_facade
 from .facades import Facades, listen_on
@@ -67,24 +68,31 @@ class Runtime:
     run_id: str = attrs.Factory(new_run_id)
     rng: random.Random = attrs.Factory(random.Random)
     activity: ActivityThrottle | None = None
+    engine_agents: EngineAgents | None = None
 
     @classmethod
     def build(cls, options: Options, reactor, emitter) -> "Runtime":
         set_level(options["log-level"])
         pool = make_pool(reactor)
+        agent = Agent(reactor, pool=pool, connectTimeout=constants.DIAL_TIMEOUT)
         return cls(reactor=reactor, emitter=emitter,
                    bounds=Bounds(response_timeout=options["response-timeout"],
                                  stream_idle=options["stream-idle"]), pool=pool,
-                   agent=Agent(reactor, pool=pool, connectTimeout=constants.DIAL_TIMEOUT),
-                   activity=ActivityThrottle(emitter, reactor.seconds))
+                   agent=agent, activity=ActivityThrottle(emitter, reactor.seconds),
+                   engine_agents=EngineAgents(reactor, agent, constants.DIAL_TIMEOUT,
+                                              constants.POOL_IDLE_TIMEOUT))
 
     def facade(self, engine) -> Facade:
-        return make_facade(engine, clock=self.reactor, agent=self.agent, emitter=self.emitter,
-                           run_id=self.run_id, random=self.rng.random, bounds=self.bounds,
-                           reservations=self.reservations, activity=self.activity)
+        facade = make_facade(engine, clock=self.reactor, agent=self.agent, emitter=self.emitter,
+                             run_id=self.run_id, random=self.rng.random, bounds=self.bounds,
+                             reservations=self.reservations, activity=self.activity)
+        if self.engine_agents is not None:
+            facade.upstreams.agent_for_node = self.engine_agents.for_node
+        return facade
 
     def prober(self, facade: Facade, should_probe) -> Prober:
-        return Prober(facade.engine, facade.router.nodes, self.agent, self.reactor, should_probe)
+        return Prober(facade.engine, facade.router.nodes, self.agent, self.reactor, should_probe,
+                      agent_for=facade.upstreams.agent_for)
 
 
 class RuntimeService(Service):
@@ -99,6 +107,8 @@ class RuntimeService(Service):
     def stopService(self) -> Deferred:
         super().stopService()
         closing = [maybeDeferred(self.runtime.pool.closeCachedConnections)]
+        if self.runtime.engine_agents is not None:
+            closing.append(maybeDeferred(self.runtime.engine_agents.close))
         if self.peer_agents is not None:
             closing.append(maybeDeferred(self.peer_agents.close))
         return DeferredList(closing, consumeErrors=True).addCallback(lambda _: None)
@@ -322,13 +332,20 @@ class LinkService(Service):
         return flushed.addErrback(lambda _: None)
 
 
+def lan_gate(options: Options, reactor):
+    """The opt-in LAN keys every facade's listener asks (issue 11), the same in both modes."""
+    from .apikeys import KeyStore, LanGate
+    return LanGate(KeyStore(reactor, env=options["api-keys"], path=options["api-keys-file"]),
+                   allowed=options["allowed-cidrs"])
+
+
 def standalone_tree(options: Options, reactor) -> ProcessService:
     """Facades from ``--engine``, fleet from ``--nodes``; events to the log."""
     root = ProcessService(reactor)
     runtime = Runtime.build(options, reactor, LogEmitter())
     RuntimeService(runtime).setServiceParent(root)
     facades = Facades(make_facade=runtime.facade, listen=listen_on(reactor),
-                      make_prober=runtime.prober, clock=reactor)
+                      make_prober=runtime.prober, clock=reactor, lan=lan_gate(options, reactor))
     Standalone(options, reactor, facades).setServiceParent(root)
     facades.setServiceParent(root)
     root.runtime, root.facades = runtime, facades
@@ -354,7 +371,8 @@ def broker_tree(options: Options, reactor) -> ProcessService:
         trust_watch(directory, reactor).setServiceParent(root)
     facades = Facades(make_facade=runtime.facade, listen=listen_on(reactor),
                       make_prober=runtime.prober, clock=reactor, admission=True,
-                      directory=directory, peer_agents=peer_agents)
+                      directory=directory, peer_agents=peer_agents,
+                      lan=lan_gate(options, reactor))
     facades.setServiceParent(root)
     broker = Broker(engines=options.engines, emitter=link.link,
                     reservations=runtime.reservations, state_dir=options["state-dir"],

@@ -24,7 +24,7 @@ ORDER = (
     "relay", "stats", "reservations", "twisted_workarounds", "sdnotify",
     # The model: engines, nodes, the link's framing, events, trust.
     "engines", "discovery", "selection", "slots", "ports", "rpc", "aliases", "answers",
-    "events", "trust", "admission",
+    "events", "trust", "admission", "apikeys", "engineaccess",
     # Routing and one dispatch; the server side.
     "router", "attempt", "inventory", "cors", "server", "listener", "nodesfile", "options",
     # The request path, top to bottom.

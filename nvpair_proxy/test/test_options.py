@@ -278,3 +278,32 @@ class PluginTests(SynchronousTestCase):
         (maker,) = [m for m in getPlugins(IServiceMaker) if m.tapname == "nvpair-proxy"]
         self.assertIs(maker.options, tap.Options)
         self.assertEqual(maker.module, "nvpair_proxy.tap")
+
+
+class LanKeyOptionsTests(OptionsCase):
+    """Issue 11: the keys file, the env keys and the allowlist."""
+
+    def test_defaults_are_the_state_dir_file_no_env_keys_and_no_allowlist(self):
+        options = self.parse("--engine", "ollama")
+        self.assertEqual(options["api-keys-file"], os.path.join(DEFAULT_STATE, "proxy-api-keys"))
+        self.assertIsNone(options["api-keys"])
+        self.assertEqual(options["allowed-cidrs"], [])
+
+    def test_env_then_flag(self):
+        self.environ.update(NVPAIR_PROXY_API_KEYS_FILE="/etc/env-keys",
+                            NVPAIR_PROXY_API_KEYS="k" * 32,
+                            NVPAIR_PROXY_ALLOWED_CIDRS="10.0.0.0/8, 192.168.1.7")
+        options = self.parse()
+        self.assertEqual(options["api-keys-file"], "/etc/env-keys")
+        self.assertEqual(options["api-keys"], "k" * 32)
+        self.assertEqual([str(n) for n in options["allowed-cidrs"]],
+                         ["10.0.0.0/8", "192.168.1.7/32"])
+        options = self.parse("--api-keys-file", "/etc/flag-keys", "--allowed-cidrs", "fd00::/8")
+        self.assertEqual(options["api-keys-file"], "/etc/flag-keys")
+        self.assertEqual([str(n) for n in options["allowed-cidrs"]], ["fd00::/8"])
+
+    def test_a_bad_cidr_stops_start_up_naming_the_flag(self):
+        self.assertIn("--allowed-cidrs: not an address or CIDR: '10.0.0.0/33'",
+                      self.refused("--allowed-cidrs", "10.0.0.0/33"))
+        self.environ["NVPAIR_PROXY_ALLOWED_CIDRS"] = "lan"
+        self.assertIn("NVPAIR_PROXY_ALLOWED_CIDRS", self.refused())

@@ -107,7 +107,8 @@ def request_bytes(method: str, path: str, body: bytes | dict | None = None,
 class World:
     def __init__(self, engine: str = "ollama", *, response_timeout: float = 1800.0,
                  reservations: ReservationMap | None = None, clock: Clock | None = None,
-                 agent: FakeAgent | None = None, emitter: RecordingEmitter | None = None) -> None:
+                 agent: FakeAgent | None = None, emitter: RecordingEmitter | None = None,
+                 lan=None) -> None:
         self.engine = ENGINES[engine]
         self.clock = clock or Clock()
         self.site_clock = Clock()
@@ -119,7 +120,7 @@ class World:
                              random=lambda: 0.5, bounds=Bounds(response_timeout=response_timeout),
                              reservations=self.reservations)
         self.site = facade_site(self.facade, reactor=self.site_clock)
-        self.factory = DemuxFactory(self.site)
+        self.factory = DemuxFactory(self.site, lan=lan)
 
     def add(self, node_id: str, models=("llama3:latest",), addresses=("10.0.0.1",),
             port: int = 11434, manual: bool = True):

@@ -1,0 +1,304 @@
+"""HTTPS and keyed engines in a standalone fleet (issue 11): real TLS servers on loopback with a
+test CA, the proxy's facade on a real port, the nodes file as an operator writes it."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+
+from OpenSSL import crypto
+from twisted.internet import reactor
+from twisted.internet.defer import inlineCallbacks
+from twisted.internet.ssl import Certificate, CertificateOptions
+from twisted.trial.unittest import SynchronousTestCase, TestCase
+from twisted.web.client import Agent, HTTPConnectionPool, readBody
+from twisted.web.http_headers import Headers
+from twisted.web.resource import Resource
+from twisted.web.server import Site
+
+from nvpair_proxy.dispatch import Bounds
+from nvpair_proxy.engineaccess import EngineAgents
+from nvpair_proxy.engines import load_engines
+from nvpair_proxy.facade import make_facade, facade_site
+from nvpair_proxy.inventory import Prober
+from nvpair_proxy.listener import DemuxFactory
+from nvpair_proxy.nodesfile import NodesFileError, load_nodes_file
+from nvpair_proxy.test.certs import TestCA
+from nvpair_proxy.test.test_apikeys import LogCapture
+from nvpair_proxy.testing import RecordingEmitter
+
+ENGINES = load_engines([])
+ENGINE_KEY = "engine-secret-0123456789abcdefXYZ"
+CALLER_KEY = "caller-secret-9876543210zyxwvuQRS"
+
+
+class EngineResource(Resource):
+    """An Ollama-speaking engine that remembers the headers of every request it got."""
+
+    isLeaf = True
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.name = name
+        self.seen: list[tuple[bytes, bytes, Headers]] = []
+
+    def render(self, request):
+        self.seen.append((request.method, request.path, request.requestHeaders.copy()))
+        request.setHeader(b"Content-Type", b"application/json")
+        if request.path == b"/api/tags":
+            return json.dumps({"models": [{"name": "llama3:latest"}]}).encode()
+        return json.dumps({"message": {"content": f"hi from {self.name}"}, "done": True}).encode()
+
+
+def write(folder: str, name: str, data: bytes, mode: int = 0o600) -> str:
+    path = os.path.join(folder, name)
+    with open(path, "wb") as handle:
+        handle.write(data)
+    os.chmod(path, mode)
+    return path
+
+
+def server_options(cert_pem: bytes, key_pem: bytes, client_ca: TestCA | None = None):
+    kwargs = {}
+    if client_ca is not None:
+        kwargs = dict(verify=True, requireCertificate=True,
+                      caCerts=[Certificate.loadPEM(client_ca.pem).original])
+    return CertificateOptions(privateKey=crypto.load_privatekey(crypto.FILETYPE_PEM, key_pem),
+                              certificate=crypto.load_certificate(crypto.FILETYPE_PEM, cert_pem),
+                              **kwargs)
+
+
+class TLSFleet:
+    """Engines on loopback (TLS or not), a nodes file naming them, and the proxy's facade."""
+
+    def __init__(self, test: TestCase) -> None:
+        self.test = test
+        self.ca = TestCA()
+        self.folder = tempfile.mkdtemp()
+        test.addCleanup(shutil.rmtree, self.folder, True)
+        self.ca_file = write(self.folder, "ca.pem", self.ca.pem)
+        self.engines: dict[str, EngineResource] = {}
+        self.entries: list[str] = []
+
+    def engine(self, node_id: str, *, tls: tuple[bytes, bytes] | None = None,
+               client_ca: TestCA | None = None, address: str = "127.0.0.1",
+               extra: str = "", models: bool = True) -> EngineResource:
+        resource = EngineResource(node_id)
+        site = Site(resource)
+        if tls is None:
+            port = reactor.listenTCP(0, site, interface="127.0.0.1")
+            access = ""
+        else:
+            port = reactor.listenSSL(0, site, server_options(*tls, client_ca),
+                                     interface="127.0.0.1")
+            access = f'scheme = "https"\nca_file = "{self.ca_file}"\n'
+        self.test.addCleanup(port.stopListening)
+        self.engines[node_id] = resource
+        listed = 'models = ["llama3:latest"]\n' if models else ""
+        self.entries.append(f'[[node]]\nid = "{node_id}"\naddress = "{address}"\n'
+                            f'[node.engines.ollama]\nport = {port.getHost().port}\n'
+                            f'{listed}{access}{extra}')
+        return resource
+
+    def start(self, bounds: Bounds = Bounds(max_attempts=2, backoff=(0.0,), jitter=0.0),
+              emitter=None, lan=None, interface: str = "127.0.0.1", bind: str | None = None):
+        """The facade on ``interface`` behind the listener (with ``lan`` keys, if given);
+        the test's client connects from ``bind``."""
+        path = write(self.folder, "nodes.toml", "\n".join(self.entries).encode())
+        fleet = load_nodes_file(path, ENGINES)
+        pool = HTTPConnectionPool(reactor, persistent=False)
+        self.agents = EngineAgents(reactor, Agent(reactor, pool=pool), 5.0, 5.0)
+        self.test.addCleanup(self.agents.close)
+        self.facade = make_facade(ENGINES["ollama"], clock=reactor, agent=self.agents.agent,
+                                  emitter=emitter or RecordingEmitter(),
+                                  run_id="0123456789abcdef",
+                                  random=lambda: 0.5, bounds=bounds)
+        self.facade.upstreams.agent_for_node = self.agents.for_node
+        self.facade.router.replace_discovered(list(fleet.nodes["ollama"]))
+        listening = reactor.listenTCP(0, DemuxFactory(facade_site(self.facade, reactor), lan=lan),
+                                      interface=interface)
+        self.test.addCleanup(listening.stopListening)
+        self.url = f"http://{interface}:{listening.getHost().port}"
+        self.client = Agent(reactor, pool=HTTPConnectionPool(reactor, persistent=False),
+                            bindAddress=(bind, 0) if bind else None)
+        return self
+
+    @inlineCallbacks
+    def request(self, method: bytes, path: str, headers: dict | None = None,
+                body: bytes | None = None):
+        from twisted.web.client import FileBodyProducer
+        from io import BytesIO
+        raw = Headers({k.encode(): [v.encode()] for k, v in (headers or {}).items()})
+        response = yield self.client.request(method, (self.url + path).encode(), raw,
+                                             FileBodyProducer(BytesIO(body)) if body else None)
+        data = yield readBody(response)
+        return response.code, data
+
+    def chat(self, headers: dict | None = None):
+        return self.request(b"POST", "/api/chat", headers,
+                            json.dumps({"model": "llama3", "stream": False}).encode())
+
+
+class HTTPSEngineTests(TestCase):
+    @inlineCallbacks
+    def test_an_engine_serving_the_right_certificate_is_reached_by_its_dns_name(self):
+        fleet = TLSFleet(self)
+        engine = fleet.engine("a", tls=fleet.ca.issue(dns=("localhost",)), address="localhost")
+        fleet.start()
+        status, body = yield fleet.chat()
+        self.assertEqual((status, json.loads(body)["message"]["content"]), (200, "hi from a"))
+        self.assertEqual([(m, p) for m, p, _ in engine.seen], [(b"POST", b"/api/chat")])
+
+    @inlineCallbacks
+    def test_a_certificate_for_another_host_is_refused_and_failed_over_warned_once(self):
+        logs = LogCapture(self)
+        fleet = TLSFleet(self)
+        wrong = fleet.engine("a", tls=fleet.ca.issue(dns=("engine.example",)))
+        fleet.engine("b", tls=fleet.ca.issue(ips=("127.0.0.1",)))
+        fleet.start()
+        for _ in range(2):
+            status, body = yield fleet.chat()
+            self.assertEqual((status, json.loads(body)["message"]["content"]), (200, "hi from b"))
+        self.assertEqual(wrong.seen, [])
+        warnings = [e for e in logs.at("warn") if e.get("node") == "a"]
+        self.assertEqual(len(warnings), 1)
+        self.assertIn("does not name the host", warnings[0]["why"])
+
+    @inlineCallbacks
+    def test_an_expired_certificate_is_refused_as_a_transport_failure(self):
+        fleet = TLSFleet(self)
+        expired = fleet.engine("a", tls=fleet.ca.issue(ips=("127.0.0.1",), expired=True))
+        fleet.start(Bounds(max_attempts=1))
+        status, body = yield fleet.chat()
+        self.assertEqual(status, 502)
+        self.assertIn("upstream error: TLS: certificate verify failed", json.loads(body)["error"])
+        self.assertEqual(expired.seen, [])
+
+    @inlineCallbacks
+    def test_a_certificate_from_another_ca_is_refused(self):
+        fleet = TLSFleet(self)
+        stranger = fleet.engine("a", tls=TestCA("other").issue(ips=("127.0.0.1",)))
+        fleet.start(Bounds(max_attempts=1))
+        status, _ = yield fleet.chat()
+        self.assertEqual((status, stranger.seen), (502, []))
+
+    @inlineCallbacks
+    def test_an_engine_behind_mutual_tls_gets_the_client_certificate(self):
+        fleet = TLSFleet(self)
+        client_ca = TestCA("clients")
+        cert_pem, key_pem = client_ca.issue(client=True)
+        cert_file = write(fleet.folder, "client.pem", cert_pem)
+        key_file = write(fleet.folder, "client.key", key_pem)
+        engine = fleet.engine("a", tls=fleet.ca.issue(ips=("127.0.0.1",)), client_ca=client_ca,
+                              extra=f'cert_file = "{cert_file}"\nkey_file = "{key_file}"\n')
+        fleet.start()
+        status, _ = yield fleet.chat()
+        self.assertEqual((status, len(engine.seen)), (200, 1))
+
+    @inlineCallbacks
+    def test_an_engine_behind_mutual_tls_refuses_a_proxy_without_a_certificate(self):
+        fleet = TLSFleet(self)
+        engine = fleet.engine("a", tls=fleet.ca.issue(ips=("127.0.0.1",)), client_ca=TestCA())
+        fleet.start(Bounds(max_attempts=1))
+        status, _ = yield fleet.chat()
+        self.assertEqual((status, engine.seen), (502, []))
+
+
+class KeyedEngineTests(TestCase):
+    @inlineCallbacks
+    def test_a_keyed_engine_gets_its_key_and_never_the_callers(self):
+        fleet = TLSFleet(self)
+        keyed = fleet.engine("a", tls=fleet.ca.issue(ips=("127.0.0.1",)),
+                             extra=f'api_key = "{ENGINE_KEY}"\n')
+        fleet.start()
+        status, _ = yield fleet.chat({"Authorization": f"Bearer {CALLER_KEY}",
+                                      "X-Api-Key": CALLER_KEY})
+        self.assertEqual(status, 200)
+        [(_, _, headers)] = keyed.seen
+        self.assertEqual(headers.getRawHeaders(b"authorization"), [f"Bearer {ENGINE_KEY}".encode()])
+        self.assertIsNone(headers.getRawHeaders(b"x-api-key"))
+        self.assertNotIn(CALLER_KEY.encode(), repr(list(headers.getAllRawHeaders())).encode())
+
+    @inlineCallbacks
+    def test_the_key_goes_to_its_engine_only(self):
+        fleet = TLSFleet(self)
+        fleet.engine("a", extra=f'api_key = "{ENGINE_KEY}"\n')
+        plain = fleet.engine("b")
+        fleet.start()
+        status, body = yield fleet.request(b"GET", "/api/tags")
+        self.assertEqual(status, 200)
+        [(_, _, headers)] = plain.seen
+        self.assertIsNone(headers.getRawHeaders(b"authorization"))
+        [(_, _, headers)] = fleet.engines["a"].seen
+        self.assertEqual(headers.getRawHeaders(b"authorization"), [f"Bearer {ENGINE_KEY}".encode()])
+
+    @inlineCallbacks
+    def test_inventory_probes_use_the_tls_and_key_settings(self):
+        fleet = TLSFleet(self)
+        engine = fleet.engine("a", tls=fleet.ca.issue(ips=("127.0.0.1",)), models=False,
+                              extra=f'api_key = "{ENGINE_KEY}"\n')
+        fleet.start()
+        facade = fleet.facade
+        prober = Prober(facade.engine, facade.router.nodes, fleet.agents.agent, reactor,
+                        lambda node: True, agent_for=facade.upstreams.agent_for)
+        [node] = facade.router.nodes.routable()
+        yield prober.probe(node)
+        self.assertEqual(facade.router.nodes.routable()[0].models, frozenset({"llama3:latest"}))
+        [(_, path, headers)] = engine.seen
+        self.assertEqual((path, headers.getRawHeaders(b"authorization")),
+                         (b"/api/tags", [f"Bearer {ENGINE_KEY}".encode()]))
+
+
+class NodesFileAccessTests(SynchronousTestCase):
+    def setUp(self) -> None:
+        self.folder = tempfile.mkdtemp()
+        self.addCleanup(shutil.rmtree, self.folder, True)
+        self.ca = TestCA()
+
+    def load(self, extra: str):
+        path = write(self.folder, "nodes.toml", (
+            '[[node]]\nid = "a"\naddress = "engine.lan"\n[node.engines.ollama]\nport = 443\n'
+            + extra).encode())
+        return load_nodes_file(path, ENGINES)
+
+    def error(self, extra: str) -> str:
+        with self.assertRaises(NodesFileError) as caught:
+            self.load(extra)
+        return str(caught.exception)
+
+    def test_https_with_a_relative_ca_file_and_a_dns_address(self):
+        write(self.folder, "ca.pem", self.ca.pem)
+        [node] = self.load('scheme = "https"\nca_file = "ca.pem"\n').nodes["ollama"]
+        self.assertEqual((node.scheme, node.addresses), ("https", ("engine.lan",)))
+        self.assertEqual(node.access.tls.ca_file, os.path.join(self.folder, "ca.pem"))
+
+    def test_a_ca_file_that_is_not_pem_names_the_file(self):
+        bad = write(self.folder, "ca.pem", b"not a certificate")
+        self.assertIn(f"ca_file {bad}: no PEM certificate", self.error(
+            'scheme = "https"\nca_file = "ca.pem"\n'))
+
+    def test_a_missing_ca_file_names_the_file(self):
+        self.assertIn("ca_file", self.error('scheme = "https"\nca_file = "nowhere.pem"\n'))
+
+    def test_a_key_file_that_does_not_match_names_the_file(self):
+        cert_pem, _ = self.ca.issue(client=True)
+        _, other_key = self.ca.issue(client=True)
+        write(self.folder, "c.pem", cert_pem)
+        key = write(self.folder, "c.key", other_key)
+        self.assertIn(f"key_file {key}: does not match", self.error(
+            'scheme = "https"\ncert_file = "c.pem"\nkey_file = "c.key"\n'))
+
+    def test_tls_files_need_https(self):
+        self.assertIn("needs scheme", self.error('ca_file = "ca.pem"\n'))
+
+    def test_a_bad_api_key_is_refused_without_showing_it(self):
+        text = self.error('api_key = "two words"\n')
+        self.assertIn("api_key", text)
+        self.assertNotIn("two words", text)
+
+    def test_the_key_is_not_in_a_nodes_repr(self):
+        [node] = self.load(f'api_key = "{ENGINE_KEY}"\n').nodes["ollama"]
+        self.assertNotIn(ENGINE_KEY, repr(node))
+        self.assertEqual(node.access.api_key, ENGINE_KEY)
