@@ -16,13 +16,13 @@ from typing import Iterable, Mapping
 import attrs
 
 from .files import read_regular_file
+from .frames import TERMINAL_FRAMES
 from .validate import is_port
 
 ROUTE_CLASSES = ("inference", "models")
 MODEL_RULES = ("implied-latest", "exact")
 INVENTORY_SOURCES = ("models", "loaded")
 ENVELOPES = ("openai", "ollama")
-TERMINAL_FRAMES = ("sse-done", "sse-message-stop", "sse-response-completed", "ndjson-done")
 METHODS = ("GET", "POST", "PUT", "DELETE", "PATCH", "HEAD", "OPTIONS")
 
 

@@ -21,7 +21,7 @@ PACKAGE = os.path.dirname(nvpair_proxy.__file__)
 ORDER = (
     # Foundations: no knowledge of engines, nodes or requests.
     "constants", "interfaces", "logs", "files", "validate", "hopbyhop", "requestbody",
-    "relay", "stats", "reservations", "twisted_workarounds", "sdnotify",
+    "relay", "frames", "tokens", "stats", "reservations", "twisted_workarounds", "sdnotify",
     # The model: engines, nodes, the link's framing, events, trust.
     "engines", "discovery", "selection", "slots", "ports", "rpc", "aliases", "answers",
     "events", "trust", "admission", "apikeys", "engineaccess",
@@ -35,7 +35,7 @@ ORDER = (
 
 # Plain bookkeeping the request path drives: no Twisted at all (design 1b).
 NO_TWISTED = ("constants", "files", "validate", "reservations", "engines", "selection", "slots",
-              "stats")
+              "frames", "tokens", "stats")
 
 
 def product_modules() -> list[str]:
