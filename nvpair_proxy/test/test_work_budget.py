@@ -1,0 +1,81 @@
+"""A regression guard that measures work, not time (issue 10, item 3).
+
+One proxied streaming request in standalone mode, at the default log level, through the real
+listener, server, facade, exchange, dispatch and attempt (in memory): the timers it schedules,
+the Deferreds it makes and the log events it emits are counted and held to a budget. A change
+that adds per-request work fails here, not in a benchmark nobody runs. The budget is today's
+count; lower it when a change does less.
+"""
+
+from __future__ import annotations
+
+from twisted.internet import defer
+from twisted.logger import globalLogPublisher
+
+from nvpair_proxy import logs
+from nvpair_proxy.events import LogEmitter
+from nvpair_proxy.test.world import WorldTestCase
+
+NDJSON = {"Content-Type": "application/x-ndjson"}
+
+# Per request, on a new client connection (its accept deadline and idle timeout included):
+BUDGET = {"timers": 6, "deferreds": 6, "log events": 0}
+
+
+class WorkBudgetTests(WorldTestCase):
+    def count(self, w) -> dict[str, int]:
+        counts = dict.fromkeys(BUDGET, 0)
+        original_init = defer.Deferred.__init__
+
+        def counting_init(deferred, *args, **kwargs):
+            counts["deferreds"] += 1
+            original_init(deferred, *args, **kwargs)
+
+        self.patch(defer.Deferred, "__init__", counting_init)
+        for clock in (w.clock, w.site_clock):
+            def counting_call_later(*args, _original=clock.callLater, **kwargs):
+                counts["timers"] += 1
+                return _original(*args, **kwargs)
+            self.patch(clock, "callLater", counting_call_later)
+
+        def observe(event) -> None:
+            counts["log events"] += 1
+
+        globalLogPublisher.addObserver(observe)
+        self.addCleanup(globalLogPublisher.removeObserver, observe)
+        return counts
+
+    def proxied(self, w):
+        client = w.chat()
+        upstream = w.agent.last.respond(200, NDJSON)
+        upstream.write(b'{"message":{"content":"hi"},"done":false}\n')
+        upstream.write(b'{"done":true,"eval_count":1,"prompt_eval_count":2}\n')
+        upstream.finish()
+        return client
+
+    def test_one_streaming_request_stays_within_its_budget(self):
+        self.addCleanup(logs.set_level, logs.level_name())
+        logs.set_level("info")
+        w = self.world(emitter=LogEmitter())
+        w.add("a")
+        self.proxied(w)  # warm: first-use work (imports, caches) is not per request
+        counts = self.count(w)
+        for _ in range(3):
+            client = self.proxied(w)
+            self.assertEqual(client.response().status, 200)
+        per_request = {name: count / 3 for name, count in counts.items()}
+        self.assertEqual({name: per_request[name] <= BUDGET[name] for name in BUDGET},
+                         dict.fromkeys(BUDGET, True), per_request)
+
+    def test_the_guard_sees_work_added_to_the_request_path(self):
+        """The counter is live: one extra timer per request is seen (a guard that cannot fail
+        guards nothing)."""
+        w = self.world(emitter=LogEmitter())
+        w.add("a")
+        counts = self.count(w)
+        self.proxied(w)
+        before = counts["timers"]
+        w.clock.callLater(1, lambda: None)
+        w.clock.advance(1)
+        self.assertEqual(counts["timers"], before + 1)
+        self.assertGreater(counts["deferreds"], 0)
