@@ -5,19 +5,18 @@ from __future__ import annotations
 
 import json
 
-from twisted.trial.unittest import SynchronousTestCase
 
 from nvpair_proxy.constants import MAX_REQUEST_BODY
-from nvpair_proxy.test.world import Response, World
+from nvpair_proxy.test.world import Response, WorldTestCase
 from nvpair_proxy.testing import lan, mapped_loopback
 
 LOOPBACK_ONLY = {"error": "plaintext requests are accepted only from loopback; cluster peers "
                           "must use the mTLS ingress", "code": "loopback-only"}
 
 
-class LoopbackGateTests(SynchronousTestCase):
+class LoopbackGateTests(WorldTestCase):
     def test_plaintext_from_a_lan_peer_gets_403_loopback_only_and_nothing_is_dialled(self):
-        w = World()
+        w = self.world()
         w.add("a")
         client = w.send("POST", "/api/chat", {"model": "llama3"}, peer=lan())
         response = client.response()
@@ -27,20 +26,20 @@ class LoopbackGateTests(SynchronousTestCase):
         self.assertEqual(w.agent.requests, [])
 
     def test_a_lan_preflight_is_refused_too(self):
-        w = World()
+        w = self.world()
         client = w.send("OPTIONS", "/v1/chat/completions", peer=lan(), headers={
             "Origin": "http://evil.example", "Access-Control-Request-Method": "POST"})
         self.assertEqual(client.response().status, 403)
 
     def test_ipv4_mapped_loopback_is_loopback(self):
-        w = World()
+        w = self.world()
         w.add("a")
         w.send("POST", "/api/chat", {"model": "llama3"}, peer=mapped_loopback())
         self.assertEqual(len(w.agent.requests), 1)
         w.agent.last.respond(200, length=0, finish=True)
 
     def test_a_tls_hello_is_refused_while_this_node_is_not_a_cluster_member(self):
-        w = World()
+        w = self.world()
         client = w.connect(lan())
         protocol, transport = client.protocol, client.transport
         protocol.dataReceived(b"\x16\x03\x01\x00\xa5")
@@ -48,9 +47,9 @@ class LoopbackGateTests(SynchronousTestCase):
         self.assertTrue(transport.disconnecting)
 
 
-class IdentityProbeTests(SynchronousTestCase):
+class IdentityProbeTests(WorldTestCase):
     def test_probe_header_gets_409_naming_the_engine(self):
-        w = World("lmstudio")
+        w = self.world("lmstudio")
         client = w.send("GET", "/v1/models", headers={"X-NVPAIR-Engine-Identity-Probe": "1"})
         response = client.response()
         self.assertEqual(response.status, 409)
@@ -59,9 +58,9 @@ class IdentityProbeTests(SynchronousTestCase):
         self.assertEqual(w.agent.requests, [])
 
 
-class BodyLimitTests(SynchronousTestCase):
+class BodyLimitTests(WorldTestCase):
     def test_a_declared_length_over_32_mib_is_413_before_the_body_arrives(self):
-        w = World()
+        w = self.world()
         w.add("a")
         client = w.connect()
         protocol, transport = client.protocol, client.transport
@@ -74,7 +73,7 @@ class BodyLimitTests(SynchronousTestCase):
         self.assertEqual(w.agent.requests, [])
 
     def test_a_chunked_body_over_32_mib_is_413(self):
-        w = World()
+        w = self.world()
         w.add("a")
         client = w.connect()
         protocol, transport = client.protocol, client.transport
@@ -86,7 +85,7 @@ class BodyLimitTests(SynchronousTestCase):
         self.assertEqual(w.agent.requests, [])
 
     def test_exactly_32_mib_is_accepted_and_forwarded_intact(self):
-        w = World()
+        w = self.world()
         w.add("a")
         body = b'{"model":"llama3","pad":"' + b"x" * (MAX_REQUEST_BODY - 27) + b'"}'
         self.assertEqual(len(body), MAX_REQUEST_BODY)
@@ -96,9 +95,9 @@ class BodyLimitTests(SynchronousTestCase):
         w.agent.last.respond(200, length=0, finish=True)
 
 
-class HeaderTests(SynchronousTestCase):
+class HeaderTests(WorldTestCase):
     def test_hop_by_hop_headers_are_removed_both_ways_and_host_is_the_target(self):
-        w = World()
+        w = self.world()
         w.add("a")
         client = w.send("POST", "/api/chat", {"model": "llama3"}, headers={
             "Connection": "keep-alive, X-Secret-Hop", "X-Secret-Hop": "1", "Keep-Alive": "300",
@@ -120,7 +119,7 @@ class HeaderTests(SynchronousTestCase):
         self.assertEqual(response.header("x-engine"), "kept")
 
     def test_repeated_headers_are_kept(self):
-        w = World()
+        w = self.world()
         w.add("a")
         client = w.send("GET", "/api/ps")
         from twisted.web.http_headers import Headers
@@ -128,9 +127,9 @@ class HeaderTests(SynchronousTestCase):
         self.assertEqual(client.response().headers["set-cookie"], ["a=1", "b=2"])
 
 
-class BackpressureTests(SynchronousTestCase):
+class BackpressureTests(WorldTestCase):
     def test_a_paused_client_pauses_the_upstream_read_and_resuming_resumes_it(self):
-        w = World()
+        w = self.world()
         w.add("a")
         client = w.chat()
         upstream = w.agent.last.respond(200, {"Content-Type": "application/x-ndjson"})
@@ -146,9 +145,9 @@ class BackpressureTests(SynchronousTestCase):
         w.assert_quiet(self)
 
 
-class ServerTimeoutTests(SynchronousTestCase):
+class ServerTimeoutTests(WorldTestCase):
     def test_headers_must_arrive_within_ten_seconds_of_the_request_line(self):
-        w = World()
+        w = self.world()
         client = w.connect()
         protocol, transport = client.protocol, client.transport
         protocol.dataReceived(b"POST /api/chat HTTP/1.1\r\nHost: x\r\n")
@@ -159,7 +158,7 @@ class ServerTimeoutTests(SynchronousTestCase):
         self.assertTrue(transport.disconnecting)
 
     def test_complete_headers_cancel_the_header_timer_and_idle_timeout_is_90s(self):
-        w = World()
+        w = self.world()
         w.add("a")
         client = w.send("GET", "/api/ps")
         w.site_clock.advance(60)
@@ -171,12 +170,12 @@ class ServerTimeoutTests(SynchronousTestCase):
         self.assertTrue(client.transport.disconnecting)
 
 
-class RejectionReportTests(SynchronousTestCase):
+class RejectionReportTests(WorldTestCase):
     def _reports(self, w):
         return [(p["status"], p["error"]) for m, p in w.emitter.sent if m == "ollama:proxy/request"]
 
     def test_the_probe_the_gate_and_the_body_limit_are_reported(self):
-        w = World()
+        w = self.world()
         w.send("GET", "/", headers={"X-NVPAIR-Engine-Identity-Probe": "1"})
         w.send("GET", "/api/tags", peer=lan())
         client = w.connect()
@@ -187,7 +186,7 @@ class RejectionReportTests(SynchronousTestCase):
         self.assertNotIn(b"100 Continue", client.raw())
 
     def test_the_gate_has_the_body_limit_and_header_timeout_too(self):
-        w = World()
+        w = self.world()
         client = w.connect(lan())
         client.protocol.dataReceived(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n"
                                      % (MAX_REQUEST_BODY + 1))
@@ -198,7 +197,7 @@ class RejectionReportTests(SynchronousTestCase):
         self.assertTrue(slow.transport.disconnecting)
 
     def test_a_connection_that_never_speaks_is_closed_after_ten_seconds(self):
-        w = World()
+        w = self.world()
         silent = w.connect()
         w.site_clock.advance(9.9)
         self.assertFalse(silent.transport.disconnecting)
@@ -206,9 +205,9 @@ class RejectionReportTests(SynchronousTestCase):
         self.assertTrue(silent.transport.disconnecting)
 
 
-class ModelListTests(SynchronousTestCase):
+class ModelListTests(WorldTestCase):
     def test_fan_out_strips_credentials_and_content_coding_and_merges_first_wins(self):
-        w = World()
+        w = self.world()
         w.add("a"), w.add("b", addresses=("10.0.0.2",))
         client = w.send("GET", "/api/tags", headers={"Authorization": "Bearer t", "Cookie": "c=1",
                                                     "Accept-Encoding": "gzip", "X-Kept": "1"})
@@ -228,7 +227,7 @@ class ModelListTests(SynchronousTestCase):
 
     def test_nothing_valid_is_503_and_502_with_an_origin(self):
         for headers, status in (({}, 503), ({"Origin": "http://app.example"}, 502)):
-            w = World()
+            w = self.world()
             w.add("a")
             client = w.send("GET", "/api/tags", headers=headers)
             w.agent.last.respond(200, {"Access-Control-Allow-Origin": "*"}, body=b"not json",
@@ -237,7 +236,7 @@ class ModelListTests(SynchronousTestCase):
                              (status, {"error": "model inventory unavailable"}))
 
     def test_half_a_request_line_is_closed_after_ten_seconds(self):
-        w = World()
+        w = self.world()
         slow = w.connect()
         slow.protocol.dataReceived(b"GET /api/tags HT")
         w.site_clock.advance(9.9)
