@@ -12,7 +12,7 @@ from twisted.trial.unittest import SynchronousTestCase
 from twisted.web.http_headers import Headers
 
 from nvpair_proxy.apikeys import KeyStore, LanGate, Verdict, parse_cidrs
-from nvpair_proxy.test.world import World
+from nvpair_proxy.test.world import World, WorldTestCase
 from nvpair_proxy.testing import lan, loopback
 
 KEY = "k" * 24 + "-._~+/=0123"           # 35 characters of the key alphabet
@@ -167,12 +167,12 @@ class GateDecisionTests(SynchronousTestCase):
         self.assertNotIn(OTHER, repr(logs.events))
 
 
-class GateAnswerTests(SynchronousTestCase):
+class GateAnswerTests(WorldTestCase):
     """The answers through the listener, from a LAN peer, byte for byte (protocol 5)."""
 
     def world(self, **kwargs) -> World:
         self.clock = Clock()
-        w = World(lan=gate(self.clock, **kwargs))
+        w = super().world(lan=gate(self.clock, **kwargs))
         w.add("a")
         return w
 

@@ -23,7 +23,7 @@ from nvpair_proxy.constants import MAX_REQUEST_BODY
 from nvpair_proxy.listener import DemuxFactory
 from nvpair_proxy.test.certs import make_certificate, write_admission, write_identity
 from nvpair_proxy.test.processes import free_port, start_fleet, start_standalone
-from nvpair_proxy.test.world import World
+from nvpair_proxy.test.world import World, WorldTestCase
 from nvpair_proxy.testing import lan
 from nvpair_proxy.trust import ClusterDirectory, tls_ingress
 
@@ -113,11 +113,11 @@ class TCPStringTransport(StringTransport):
         pass
 
 
-class InMemoryTests(SynchronousTestCase):
+class InMemoryTests(WorldTestCase):
     """The parts of hostile HTTP that are about time or about what reaches the engine."""
 
     def test_request_line_trickled_a_byte_a_second_is_closed_at_ten_seconds(self) -> None:
-        w = World()
+        w = self.world()
         slow = w.connect()
         for index, byte in enumerate(b"GET /api/tags HTTP/1.1"[:10]):
             slow.protocol.dataReceived(bytes([byte]))
@@ -129,7 +129,7 @@ class InMemoryTests(SynchronousTestCase):
         self.assertEqual(slow.raw(), b"")
 
     def test_headers_trickled_a_byte_a_second_are_closed_ten_seconds_after_the_line(self):
-        w = World()
+        w = self.world()
         slow = w.connect()
         w.site_clock.advance(5)  # the request line's own deadline ends with the line
         slow.protocol.dataReceived(b"GET /api/tags HTTP/1.1\r\n")
@@ -148,7 +148,7 @@ class InMemoryTests(SynchronousTestCase):
         self.assertEqual(client.response().status, 200)
 
     def test_an_overflowing_chunk_size_still_meets_the_body_limit(self) -> None:
-        w = World()
+        w = self.world()
         w.add("a")
         client = w.connect()
         client.protocol.dataReceived(post(b"Transfer-Encoding: chunked\r\n",
@@ -165,7 +165,7 @@ class InMemoryTests(SynchronousTestCase):
     def test_obsolete_folding_is_unfolded_before_forwarding(self) -> None:
         # RFC 9112 5.2 lets a server replace each obs-fold with a space instead of a 400;
         # twisted.web does, so no CR or LF can reach the engine inside a header.
-        w = World()
+        w = self.world()
         w.add("a")
         client = w.connect()
         client.protocol.dataReceived(b"POST /api/chat HTTP/1.1\r\nHost: x\r\nX-A: one\r\n"
@@ -191,7 +191,7 @@ class InMemoryTests(SynchronousTestCase):
         return protocol, transport
 
     def test_half_a_client_hello_is_closed_at_ten_seconds(self) -> None:
-        w = World()
+        w = self.world()
         protocol, transport = self.member_connection(w)
         protocol.dataReceived(CLIENT_HELLO_HALF)
         w.site_clock.advance(9.9)
@@ -201,7 +201,7 @@ class InMemoryTests(SynchronousTestCase):
         self.assertEqual(w.agent.requests, [])
 
     def test_garbage_after_the_handshake_byte_is_closed_at_once(self) -> None:
-        w = World()
+        w = self.world()
         protocol, transport = self.member_connection(w)
         protocol.dataReceived(b"\x16" + b"\xff" * 64)
         self.assertTrue(transport.disconnecting or transport.disconnected)
@@ -209,7 +209,7 @@ class InMemoryTests(SynchronousTestCase):
 
     def test_refused_requests_never_reach_an_engine(self) -> None:
         for name, data in REFUSED.items():
-            w = World()
+            w = self.world()
             w.add("a")
             client = w.connect()
             client.protocol.dataReceived(data)
