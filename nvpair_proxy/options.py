@@ -13,7 +13,8 @@ from twisted.python import usage
 
 from . import __version__, constants
 from .engines import EngineFileError, load_engines
-from .logs import LEVELS
+from .admin import admin_address
+from .logs import LEVELS, LOG_FORMATS
 
 DEFAULT_STATE_DIR = os.path.join("~", ".config", "Nvidia Corporation", "Personal AI Router")
 
@@ -46,7 +47,8 @@ def parse_duration(text: str) -> float:
 class Options(usage.Options):
     synopsis = ("[--ipc PATH] [--cluster-dir DIR] [--log-level LEVEL] "
                 "[--response-header-timeout DURATION] [--stream-idle-timeout DURATION] "
-                "[--state-dir DIR] [--version] "
+                "[--state-dir DIR] [--admin HOST:PORT] [--log-format text|json] [--access-log] "
+                "[--version] "
                 "[--engine ENGINE[:PORT]]... [--nodes FILE] [--engines-dir DIR]")
     longdesc = ("Broker mode (default): JSON-RPC on stdin/stdout or --ipc. Standalone mode: any "
                 "--engine; the fleet comes from --nodes, else this machine's engine.")
@@ -65,6 +67,13 @@ class Options(usage.Options):
                                   "~/.config/Nvidia Corporation/Personal AI Router)."],
         ["nodes", None, None, "Standalone fleet: a TOML nodes file, reloaded on change."],
         ["engines-dir", None, None, "Extra directory of engine files (*.toml)."],
+        ["admin", None, None, "Admin listener HOST:PORT, loopback only: /metrics, /status, "
+                              "/healthz and the status page at /."],
+        ["log-format", None, "text", "text, or json: one JSON object per line."],
+    ]
+    optFlags = [
+        ["access-log", None, "Log one line per HTTP request (method, path without query, "
+                             "status, size; never bodies)."],
     ]
 
     def __init__(self) -> None:
@@ -116,6 +125,10 @@ class Options(usage.Options):
             self["stream-idle"] = parse_duration(raw)
         except ValueError as exc:
             raise ValueError(f"{flag}: {exc}") from None
+        if self["admin"] is not None:
+            self["admin"] = admin_address(self["admin"])
+        if self["log-format"] not in LOG_FORMATS:
+            raise ValueError(f"--log-format must be text or json (got {self['log-format']!r})")
         state_dir = self["state-dir"] or os.environ.get("STATE_DIRECTORY") or DEFAULT_STATE_DIR
         self["state-dir"] = os.path.expanduser(state_dir)
         self["facades"] = self._facades()
