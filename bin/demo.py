@@ -216,6 +216,7 @@ def main(argv: list[str]) -> int:
         if hold:
             print(f"holding: the fleet and the proxy keep running; status page "
                   f"http://127.0.0.1:{admin}/ ; Ctrl-C to stop", flush=True)
+            signal.signal(signal.SIGTERM, lambda number, frame: sys.exit(0))
             try:
                 while True:
                     time.sleep(3600)
