@@ -2,7 +2,8 @@
 
 Three simulated GPU nodes each run Ollama, LM Studio and llama.cpp; gpu-a's Ollama answers
 503 to every inference request and `mistral` lives on gpu-c only. The proxy runs standalone
-with all three facades and the nodes file below; every request goes through it.
+with all three facades, the nodes file below and the admin listener (its status page URL is
+printed); every request goes through it. ``--hold`` keeps everything running afterwards.
 """
 
 from __future__ import annotations
@@ -89,7 +90,8 @@ def write_nodes(workdir: str, ports: dict[str, int]) -> str:
     return path
 
 
-def start_proxy(workdir: str, nodes_path: str, facades: dict[str, int]) -> subprocess.Popen:
+def start_proxy(workdir: str, nodes_path: str, facades: dict[str, int],
+                admin: int | None = None) -> subprocess.Popen:
     notify_path = os.path.join(workdir, "notify.sock")
     notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     notify.bind(notify_path)
@@ -99,6 +101,8 @@ def start_proxy(workdir: str, nodes_path: str, facades: dict[str, int]) -> subpr
             "--state-dir", os.path.join(workdir, "state")]
     for engine, port in facades.items():
         args += ["--engine", f"{engine}:{port}"]
+    if admin is not None:
+        args += ["--admin", f"127.0.0.1:{admin}"]
     env = dict(os.environ, NOTIFY_SOCKET=notify_path)
     proc = subprocess.Popen(args, env=env, cwd=workdir)
     try:
@@ -141,7 +145,8 @@ def outcome(status: int, body: bytes, stream: bool) -> str:
     return f"{len(body)} bytes"
 
 
-def main() -> int:
+def main(argv: list[str]) -> int:
+    hold = "--hold" in argv
     workdir = tempfile.mkdtemp(prefix="nvpair-demo-")
     fleet_path, _ = write_files(workdir)
     fleet, proc = None, None
@@ -149,9 +154,11 @@ def main() -> int:
     try:
         fleet, fleet_ports = start_fleet(fleet_path)
         facades = {"ollama": free_port(), "lmstudio": free_port(), "llamacpp": free_port()}
-        proc = start_proxy(workdir, write_nodes(workdir, fleet_ports), facades)
+        admin = free_port()
+        proc = start_proxy(workdir, write_nodes(workdir, fleet_ports), facades, admin)
         print(f"simulated fleet: {len(fleet_ports)} engine servers on 3 nodes (gpu-a, gpu-b, gpu-c)")
         print("proxy facades: " + ", ".join(f"{e} on :{p}" for e, p in facades.items()))
+        print(f"status page: http://127.0.0.1:{admin}/  (metrics: /metrics, JSON: /status)")
         time.sleep(0.5)  # let the first inventory probe of the llama.cpp facade land
         chat = [{"role": "user", "content": "Say hello"}]
         cases = [
@@ -206,6 +213,15 @@ def main() -> int:
                   f"{outcome(status, content, stream)}{extra}  [{note}]{'' if ok else '  <- UNEXPECTED'}")
         print()
         print("all requests behaved as expected" if not failures else f"{failures} unexpected results")
+        if hold:
+            print(f"holding: the fleet and the proxy keep running; status page "
+                  f"http://127.0.0.1:{admin}/ ; Ctrl-C to stop", flush=True)
+            signal.signal(signal.SIGTERM, lambda number, frame: sys.exit(0))
+            try:
+                while True:
+                    time.sleep(3600)
+            except KeyboardInterrupt:
+                pass
         return 1 if failures else 0
     finally:
         for child in (proc, fleet):
@@ -218,4 +234,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

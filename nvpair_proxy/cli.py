@@ -9,8 +9,8 @@ from __future__ import annotations
 import sys
 from typing import Sequence
 
-VALUED = ("ipc", "cluster-dir", "log-level", "response-header-timeout")
-FLAGS = ("version",)
+VALUED = ("ipc", "cluster-dir", "log-level", "response-header-timeout", "admin", "log-format")
+FLAGS = ("version", "access-log")
 
 
 class CliError(ValueError):

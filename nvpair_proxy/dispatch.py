@@ -89,12 +89,17 @@ class Observer(Protocol):
 
     def cleared(self) -> None: ...
 
+    def attempt_ended(self, outcome: Committed | Failed) -> None: ...
+
 
 class _Silent:
     def dispatched(self, node: Node) -> None:
         pass
 
     def cleared(self) -> None:
+        pass
+
+    def attempt_ended(self, outcome: Committed | Failed) -> None:
         pass
 
 
@@ -142,6 +147,11 @@ class Dispatch:
         self._owner_missing = False
         self._failed_in_round = False
         self._done = False
+
+    @property
+    def waiting_for_owner(self) -> bool:
+        """Backing off because no node advertises the model now (protocol 7), for status."""
+        return self._owner_missing and not self._done
 
     def run(self) -> Deferred:
         self._guarded(self._round)
@@ -220,6 +230,7 @@ class Dispatch:
                 self._attempt_ended, outcome, attempt.is_final()))
 
     def _attempt_ended(self, outcome: Committed | Failed, final: bool) -> None:
+        self.observer.attempt_ended(outcome)
         if self.inference and self.attempt is not None:
             self.router.unwatch(self.attempt)
         self.attempt = None

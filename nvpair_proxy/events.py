@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
-from typing import Callable
+from typing import Any, Callable, Protocol
 
 import attrs
 from twisted.logger import LogLevel
@@ -161,6 +161,50 @@ class ActivityThrottle:
         self._last[node_id] = now
         self.emitter.notify("node/activity", {"hostUuid": node_id, "msSince": 0})
 
+    def last_seen(self) -> dict[str, float]:
+        """When each node last streamed bytes, to within the interval (for the status page)."""
+        return dict(self._last)
+
+
+# Route classes and request outcomes: the fixed vocabularies of the admin listener (issue 12).
+INFERENCE, MODELS, PREFLIGHT, OTHER = "inference", "models", "preflight", "other"
+REJECTED = "rejected"
+
+
+def route_class(route) -> str:
+    """An engine route's class: inference, models, or other (forwarded verbatim)."""
+    if route is None:
+        return OTHER
+    return INFERENCE if route.is_inference else MODELS if route.is_models else OTHER
+
+
+@attrs.frozen
+class RequestEnded:
+    """What the admin listener learns of one finished request: operational metadata only
+    (spec 9: never a prompt, a body or a credential). Times in seconds on the facade clock."""
+
+    engine: str
+    at: float
+    route: str
+    outcome: str
+    status: int
+    duration: float
+    node: str | None = None
+    model: str | None = None
+    error: str | None = None
+    ttfb: float | None = None
+    dispatches: int = 0
+    stats: dict | None = None
+
+
+class Recorder(Protocol):
+    """Who is told of ended requests and dispatches besides the link: the admin listener's
+    recorder, when there is one (issue 12). Without one the request path does no more."""
+
+    def request_ended(self, ended: RequestEnded) -> None: ...
+
+    def dispatch_ended(self, engine: str, outcome: Any) -> None: ...
+
 
 @attrs.define(eq=False)
 class Reporter:
@@ -175,6 +219,7 @@ class Reporter:
     clock: Callable[[], float]
     run_id: str
     activity: ActivityThrottle
+    recorder: Recorder | None = None
     _request_ids: itertools.count = attrs.Factory(lambda: itertools.count(1))
     _workload_ids: itertools.count = attrs.Factory(lambda: itertools.count(1))
 
@@ -188,8 +233,9 @@ class Reporter:
 
     @property
     def listening(self) -> bool:
-        """Whether the events (and the figures that only feed them) are wanted at all."""
-        return self.emitter.listening
+        """Whether the events (and the figures that only feed them: token stats) are wanted
+        at all: by the link or log, or by the admin listener's recorder."""
+        return self.emitter.listening or self.recorder is not None
 
     def notify(self, method: str, params: dict) -> None:
         self.emitter.notify(method, params, engine=self.engine)
@@ -206,3 +252,14 @@ class Reporter:
 
     def activity_on(self, node_id: str) -> None:
         self.activity.touch(node_id)
+
+    def request_ended(self, **fields) -> None:
+        """A finished request, with :class:`RequestEnded`'s fields, for the recorder if any."""
+        if self.recorder is not None:
+            self.recorder.request_ended(RequestEnded(engine=self.engine, at=self.clock(),
+                                                     **fields))
+
+    def dispatch_ended(self, outcome) -> None:
+        """One dispatch's outcome (Committed or Failed), for the recorder if any."""
+        if self.recorder is not None:
+            self.recorder.dispatch_ended(self.engine, outcome)

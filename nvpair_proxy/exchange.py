@@ -21,7 +21,7 @@ from .dispatch import (ALL_OWNERS_BUSY, NO_CANDIDATE, NO_OWNER, Answer, Dispatch
                        Upstreams, retryable_status)
 from .engines import Engine
 from .events import (BACKSTOP, CANCELLED, CLIENT_GONE, COMPLETED, FAILED, SHUTDOWN, Reporter,
-                     Workload)
+                     Workload, route_class)
 from .hopbyhop import end_to_end
 from .interfaces import IRouter
 from .logs import logger
@@ -156,6 +156,9 @@ class Exchange:
     def cleared(self) -> None:
         if self.workload is not None:
             self.workload.cleared()
+
+    def attempt_ended(self, outcome) -> None:
+        self.reporter.dispatch_ended(outcome)
 
     # Outcome of the loop.
 
@@ -354,7 +357,14 @@ class Exchange:
         if self.workload is not None:
             self.workload.terminal(state, error, stats)
         ttfb = None if self.first_byte_at is None else self.first_byte_at - self.admitted_at
+        status = status if status is not None else 499
+        duration = self.clock.seconds() - self.admitted_at
         self.reporter.request_finished(
-            self.id, self.method, self.path, self.target,
-            status if status is not None else 499, self.clock.seconds() - self.admitted_at,
+            self.id, self.method, self.path, self.target, status, duration,
             node_id=self.node_id, ttfb=ttfb, error=error or note)
+        if self.reporter.recorder is not None:
+            self.reporter.request_ended(
+                route=route_class(self.route), outcome=state, status=status, duration=duration,
+                node=self.node_id, model=self.workload.model if self.workload else None,
+                error=error, ttfb=ttfb, stats=stats,
+                dispatches=self.dispatch.dispatches if self.dispatch else 0)

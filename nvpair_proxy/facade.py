@@ -22,7 +22,7 @@ from . import constants, cors
 from .answers import send_error
 from .dispatch import Bounds, Upstreams
 from .engines import Engine
-from .events import ActivityThrottle, Reporter
+from .events import REJECTED, ActivityThrottle, Recorder, Reporter, route_class
 from .exchange import Exchange
 from .fleet import Fleet, serve_model_list, serve_preflight
 from .interfaces import IEmitter
@@ -68,23 +68,26 @@ class Facade:
 def make_facade(engine: Engine, *, clock: IReactorTime, agent: IAgent, emitter: IEmitter,
                 run_id: str, random: Callable[[], float], bounds: Bounds = Bounds(),
                 reservations: ReservationMap | None = None,
-                activity: ActivityThrottle | None = None) -> Facade:
+                activity: ActivityThrottle | None = None,
+                recorder: Recorder | None = None) -> Facade:
     """A facade from the parts every facade of a process shares (spec 3.1)."""
     if activity is None:
         activity = ActivityThrottle(emitter, clock.seconds)
     return Facade(engine=engine,
                   router=Router(engine=engine, clock=clock, reservations=reservations),
                   reporter=Reporter(engine=engine.id, emitter=emitter, clock=clock.seconds,
-                                    run_id=run_id, activity=activity),
+                                    run_id=run_id, activity=activity, recorder=recorder),
                   upstreams=Upstreams(clock=clock, agent=agent, random=random, bounds=bounds))
 
 
 def report_rejection(facade: Facade, method: bytes, path: bytes, status: int, error: str) -> None:
     """``proxy/request`` for an answer given before a request reached routing (protocol 4)."""
     reporter = facade.reporter
+    path = path.split(b"?", 1)[0]
     reporter.request_finished(reporter.next_request_id(), method.decode("latin-1"),
-                              path.split(b"?", 1)[0].decode("latin-1"), "", status, 0.0,
-                              error=error)
+                              path.decode("latin-1"), "", status, 0.0, error=error)
+    reporter.request_ended(route=route_class(facade.engine.classify(method, path)),
+                           outcome=REJECTED, status=status, duration=0.0, error=error)
 
 
 def answered_identity_probe(facade: Facade, request: Request) -> bool:

@@ -22,7 +22,7 @@ from .answers import (INVENTORY_UNAVAILABLE, NO_PREFLIGHT_ANSWER, ORIGIN_DENIED,
 from .discovery import Node
 from .dispatch import NO_CANDIDATE, Upstreams
 from .engines import Engine
-from .events import Reporter
+from .events import CANCELLED, COMPLETED, FAILED, MODELS, PREFLIGHT, Reporter
 from .hopbyhop import end_to_end
 from .inventory import (MODEL_LIST_STRIPPED, Reply, ask_fleet, fetch, listed_models,
                         merged_list, node_url)
@@ -63,8 +63,8 @@ class FleetAnswer:
     """A request the whole fleet answers together (model list, preflight): no workload, no
     reservation, one ``proxy/request`` with target ``cluster`` (protocol 4)."""
 
-    def __init__(self, fleet: Fleet, request: Request) -> None:
-        self.fleet, self.request = fleet, request
+    def __init__(self, fleet: Fleet, request: Request, route: str) -> None:
+        self.fleet, self.request, self.route = fleet, request, route
         self.started = fleet.clock.seconds()
         self.id = fleet.reporter.next_request_id()
         self.asking: Deferred | None = None
@@ -116,10 +116,14 @@ class FleetAnswer:
                                             node.id if node else None)
 
     def report(self, status: int, error: str | None = None, node: Node | None = None) -> None:
+        duration = self.fleet.clock.seconds() - self.started
+        node_id = node.id if node else None
         self.fleet.reporter.request_finished(
-            self.id, self._method(), self._path(), "cluster", status,
-            self.fleet.clock.seconds() - self.started, node_id=node.id if node else None,
-            error=error)
+            self.id, self._method(), self._path(), "cluster", status, duration,
+            node_id=node_id, error=error)
+        outcome = CANCELLED if status == 499 else COMPLETED if status < 400 else FAILED
+        self.fleet.reporter.request_ended(route=self.route, outcome=outcome, status=status,
+                                          duration=duration, node=node_id, error=error)
 
 
 def serve_preflight(fleet: Fleet, request: Request) -> None:
@@ -128,7 +132,7 @@ def serve_preflight(fleet: Fleet, request: Request) -> None:
     Candidates are ordered as for any request (pin, priority, id), which decides whose
     denial is shown when several refuse. The caller's credentials never reach the fleet.
     """
-    answering = FleetAnswer(fleet, request)
+    answering = FleetAnswer(fleet, request, PREFLIGHT)
     nodes = fleet.router.candidates(None)
     if not nodes:
         answering.error(502, NO_CANDIDATE)
@@ -159,7 +163,7 @@ def serve_model_list(fleet: Fleet, request: Request, route) -> None:
     that answered must agree (spec 5.8): a refusal of the origin is a 403, and an answer
     that is not a valid inventory makes the whole list a 502 rather than a partial one.
     """
-    answering = FleetAnswer(fleet, request)
+    answering = FleetAnswer(fleet, request, MODELS)
     origin = request.getHeader(b"origin")
     query = request.uri.partition(b"?")[2]
     path = route.upstream_path.encode() + (b"?" + query if query else b"")

@@ -1,19 +1,37 @@
 """Logging for the whole process: one component name, one level that can change at runtime.
 
-twistd owns the observer, so the level is applied where records are made: every module logs
-through ``logger()``, whose records below the current level are dropped before formatting
-(spec 9 keeps routing detail at debug, so dropping it cheaply matters on the request path).
+The level (``--log-level``, ``log/set-level``) is applied twice: where our records are made
+(every module logs through ``logger()``, whose records below the level are dropped before
+formatting: spec 9 keeps routing detail at debug, so dropping it cheaply matters on the request
+path), and by the process's observer (logformat.py), whose ``FilteringLogObserver`` asks
+``PREDICATE``, so Twisted's own loggers and legacy ``log.msg`` obey it too.
 """
 
 from __future__ import annotations
 
-from twisted.logger import Logger, LogLevel
+from twisted.logger import Logger, LogLevel, LogLevelFilterPredicate
 
 COMPONENT = "nvpair-proxy"
 LEVELS = {"debug": LogLevel.debug, "info": LogLevel.info, "warn": LogLevel.warn,
           "error": LogLevel.error}
+LOG_FORMATS = ("text", "json")
 
 _level = {"current": LogLevel.info}
+_access = {"on": False}
+
+
+class LevelPredicate(LogLevelFilterPredicate):
+    """The process level for every namespace; an event without a level reads as info and
+    one without a namespace is judged like any other (Twisted's predicate drops both)."""
+
+    def __call__(self, event):
+        if event.get("log_level") is None or not event.get("log_namespace"):
+            event = dict(event, log_level=event.get("log_level") or LogLevel.info,
+                         log_namespace=event.get("log_namespace") or "-")
+        return super().__call__(event)
+
+
+PREDICATE = LevelPredicate(LogLevel.info)
 
 
 class LeveledLogger(Logger):
@@ -23,13 +41,15 @@ class LeveledLogger(Logger):
         super().emit(level, format, **kwargs)
 
 
-def logger() -> Logger:
-    return LeveledLogger(namespace=COMPONENT)
+def logger(namespace: str = COMPONENT) -> Logger:
+    return LeveledLogger(namespace=namespace)
 
 
 def set_level(name: str) -> None:
     """Raises KeyError for an unknown level name."""
-    _level["current"] = LEVELS[name]
+    level = LEVELS[name]
+    _level["current"] = level
+    PREDICATE.setLogLevelForNamespace("", level)
 
 
 def enabled(level: LogLevel) -> bool:
@@ -39,3 +59,25 @@ def enabled(level: LogLevel) -> bool:
 
 def level_name() -> str:
     return next(name for name, level in LEVELS.items() if level == _level["current"])
+
+
+# twisted.web's access log: one line per request, off unless --access-log (issue 12).
+
+_access_log = logger(COMPONENT + ".access")
+
+
+def set_access_log(on: bool) -> None:
+    _access["on"] = bool(on)
+
+
+def log_access(request) -> None:
+    """The request line without its query (which may carry a key), status and size: never
+    a header value or a body (spec 9)."""
+    if not _access["on"]:
+        return
+    client = request.getClientAddress()
+    _access_log.info('{client} "{method} {path}" {status} {size}',
+                     client=getattr(client, "host", "-"),
+                     method=request.method.decode("latin-1"),
+                     path=request.path.decode("latin-1"), status=request.code,
+                     size=request.sentLength)

@@ -6,6 +6,7 @@ systemd the journal shows the last line, and it must say what to fix.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 
@@ -13,7 +14,8 @@ from twisted.python import usage
 
 from . import __version__, constants
 from .engines import EngineFileError, load_engines
-from .logs import LEVELS
+from .logs import LEVELS, LOG_FORMATS
+from .validate import is_loopback
 
 DEFAULT_STATE_DIR = os.path.join("~", ".config", "Nvidia Corporation", "Personal AI Router")
 
@@ -43,10 +45,29 @@ def parse_duration(text: str) -> float:
     return value
 
 
+def admin_address(text: str) -> tuple[str, int]:
+    """``HOST:PORT`` (``[::1]:PORT`` for IPv6, ``localhost`` for 127.0.0.1); raises ValueError
+    with the one line start-up stops with."""
+    host, colon, port = text.rpartition(":")
+    if not colon or not host or not (port.isascii() and port.isdigit()) or int(port) > 65535:
+        raise ValueError(f"--admin: want HOST:PORT, e.g. 127.0.0.1:9464 (got {text!r})")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if host == "localhost":
+        host = "127.0.0.1"
+    if not is_loopback(host):
+        raise ValueError(f"--admin: {host} is not a loopback address; the admin listener "
+                         f"serves this machine only (use 127.0.0.1 or ::1)")
+    address = ipaddress.ip_address(host.split("%", 1)[0])
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    return str(address), int(port)
+
+
 class Options(usage.Options):
     synopsis = ("[--ipc PATH] [--cluster-dir DIR] [--log-level LEVEL] "
                 "[--response-header-timeout DURATION] [--stream-idle-timeout DURATION] "
-                "[--state-dir DIR] [--api-keys-file FILE] [--allowed-cidrs LIST] [--version] "
+                "[--state-dir DIR] [--api-keys-file FILE] [--allowed-cidrs LIST] "
+                "[--admin HOST:PORT] [--log-format text|json] [--access-log] [--version] "
                 "[--engine ENGINE[:PORT]]... [--nodes FILE] [--engines-dir DIR]")
     longdesc = ("Broker mode (default): JSON-RPC on stdin/stdout or --ipc. Standalone mode: any "
                 "--engine; the fleet comes from --nodes, else this machine's engine.")
@@ -69,6 +90,13 @@ class Options(usage.Options):
                                       "$NVPAIR_PROXY_API_KEYS_FILE, else <state-dir>/proxy-api-keys)."],
         ["allowed-cidrs", None, None, "LAN sources allowed to present a key, comma-separated "
                                       "(default $NVPAIR_PROXY_ALLOWED_CIDRS, else any)."],
+        ["admin", None, None, "Admin listener HOST:PORT, loopback only: /metrics, /status, "
+                              "/healthz and the status page at /."],
+        ["log-format", None, "text", "text, or json: one JSON object per line."],
+    ]
+    optFlags = [
+        ["access-log", None, "Log one line per HTTP request (method, path without query, "
+                             "status, size; never bodies)."],
     ]
 
     def __init__(self) -> None:
@@ -120,6 +148,10 @@ class Options(usage.Options):
             self["stream-idle"] = parse_duration(raw)
         except ValueError as exc:
             raise ValueError(f"{flag}: {exc}") from None
+        if self["admin"] is not None:
+            self["admin"] = admin_address(self["admin"])
+        if self["log-format"] not in LOG_FORMATS:
+            raise ValueError(f"--log-format must be text or json (got {self['log-format']!r})")
         state_dir = self["state-dir"] or os.environ.get("STATE_DIRECTORY") or DEFAULT_STATE_DIR
         self["state-dir"] = os.path.expanduser(state_dir)
         self["facades"] = self._facades()

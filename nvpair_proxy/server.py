@@ -27,6 +27,7 @@ from twisted.web.server import Request, Site
 
 from . import constants
 from .answers import BODY_TOO_LARGE, raw_error
+from .logs import log_access
 
 # method, request target (query included), status, error text
 Rejected = Callable[[bytes, bytes, int, str], None]
@@ -173,3 +174,7 @@ class BoundedSite(Site):
         super().__init__(resource, timeout=timeout, reactor=reactor,
                          parsePOSTFormSubmission=False)
         self.on_rejected = on_rejected
+
+    def log(self, request: Request) -> None:
+        """twisted.web's per-request line: off unless ``--access-log`` (logs.py)."""
+        log_access(request)

@@ -6,6 +6,7 @@ the one before it has finished):
 
     process (ProcessService: READY, signals, STOPPING)
     ├── runtime          the shared pool and agent; added first, so it closes last
+    ├── admin            --admin: /metrics, /status, /healthz, the page (stops after facades)
     ├── link             broker mode: the JSON-RPC link (stdio or --ipc)
     │   or standalone    standalone mode: opens the --engine facades, feeds them the fleet
     │      └── nodes-file watch (TimerService, 2 s) when --nodes is given
@@ -36,7 +37,7 @@ from .events import ActivityThrottle, LogEmitter, new_run_id
 from .facade import Facade, make_facade
 from .facades import Facades, listen_on
 from .inventory import Prober
-from .logs import logger, set_level
+from .logs import logger, set_access_log, set_level
 from .nodesfile import Fleet, NodesFileError, NodesFileWatcher
 from .options import Options
 from .twisted_workarounds import quiet_pool
@@ -69,13 +70,19 @@ class Runtime:
     rng: random.Random = attrs.Factory(random.Random)
     activity: ActivityThrottle | None = None
     engine_agents: EngineAgents | None = None
+    recorder: object | None = None
 
     @classmethod
     def build(cls, options: Options, reactor, emitter) -> "Runtime":
         set_level(options["log-level"])
+        set_access_log(options["access-log"])
         pool = make_pool(reactor)
         agent = Agent(reactor, pool=pool, connectTimeout=constants.DIAL_TIMEOUT)
-        return cls(reactor=reactor, emitter=emitter,
+        recorder = None
+        if options["admin"] is not None:
+            from .recorder import Recorder
+            recorder = Recorder()
+        return cls(reactor=reactor, emitter=emitter, recorder=recorder,
                    bounds=Bounds(response_timeout=options["response-timeout"],
                                  stream_idle=options["stream-idle"]), pool=pool,
                    agent=agent, activity=ActivityThrottle(emitter, reactor.seconds),
@@ -85,7 +92,8 @@ class Runtime:
     def facade(self, engine) -> Facade:
         facade = make_facade(engine, clock=self.reactor, agent=self.agent, emitter=self.emitter,
                              run_id=self.run_id, random=self.rng.random, bounds=self.bounds,
-                             reservations=self.reservations, activity=self.activity)
+                             reservations=self.reservations, activity=self.activity,
+                             recorder=self.recorder)
         if self.engine_agents is not None:
             facade.upstreams.agent_for_node = self.engine_agents.for_node
         return facade
@@ -126,10 +134,17 @@ class ProcessService(MultiService):
 
     runtime: "Runtime | None" = None
     facades: "Facades | None" = None
+    # Set by makeService: offered to twistd's application as its log observer (logformat.py).
+    offer_log_observer = None
 
     def __init__(self, reactor) -> None:
         super().__init__()
         self.reactor = reactor
+
+    def setServiceParent(self, parent) -> None:
+        if self.offer_log_observer is not None:
+            self.offer_log_observer(parent)
+        super().setServiceParent(parent)
 
     def startService(self) -> None:
         super().startService()
@@ -339,11 +354,19 @@ def lan_gate(options: Options, reactor):
                    allowed=options["allowed-cidrs"])
 
 
+def add_admin(root: ProcessService, options: Options, reactor, mode: str) -> None:
+    """The admin listener (issue 12), when ``--admin`` asks for it."""
+    if options["admin"] is not None:
+        from .admin import AdminService
+        AdminService(root, options["admin"], reactor, mode).setServiceParent(root)
+
+
 def standalone_tree(options: Options, reactor) -> ProcessService:
     """Facades from ``--engine``, fleet from ``--nodes``; events to the log."""
     root = ProcessService(reactor)
     runtime = Runtime.build(options, reactor, LogEmitter())
     RuntimeService(runtime).setServiceParent(root)
+    add_admin(root, options, reactor, "standalone")
     facades = Facades(make_facade=runtime.facade, listen=listen_on(reactor),
                       make_prober=runtime.prober, clock=reactor, lan=lan_gate(options, reactor))
     Standalone(options, reactor, facades).setServiceParent(root)
@@ -365,6 +388,7 @@ def broker_tree(options: Options, reactor) -> ProcessService:
         peer_agents = PeerAgents(reactor, directory, constants.DIAL_TIMEOUT,
                                  constants.POOL_IDLE_TIMEOUT)
     RuntimeService(runtime, peer_agents).setServiceParent(root)
+    add_admin(root, options, reactor, "broker")
     link.setServiceParent(root)
     if directory is not None:
         from .trust import trust_watch

@@ -20,15 +20,16 @@ PACKAGE = os.path.dirname(nvpair_proxy.__file__)
 
 ORDER = (
     # Foundations: no knowledge of engines, nodes or requests.
-    "constants", "interfaces", "logs", "files", "validate", "hopbyhop", "requestbody",
+    "constants", "interfaces", "logs", "logformat", "files", "validate", "hopbyhop", "requestbody",
     "relay", "frames", "tokens", "stats", "reservations", "twisted_workarounds", "sdnotify",
     # The model: engines, nodes, the link's framing, events, trust.
     "engines", "discovery", "selection", "slots", "ports", "rpc", "aliases", "answers",
     "events", "trust", "admission", "apikeys", "engineaccess",
     # Routing and one dispatch; the server side.
-    "router", "attempt", "inventory", "cors", "server", "listener", "nodesfile", "options",
+    "router", "attempt", "inventory", "cors", "server", "listener", "nodesfile",
+    "options",
     # The request path, top to bottom.
-    "dispatch", "fleet", "exchange", "facade", "ingress",
+    "dispatch", "recorder", "status", "metrics", "admin", "fleet", "exchange", "facade", "ingress",
     # Lifecycle and the broker's methods; wiring last.
     "facades", "broker", "vitals", "service", "tap", "cli",
 )

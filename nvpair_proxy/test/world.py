@@ -108,7 +108,7 @@ class World:
     def __init__(self, engine: str = "ollama", *, response_timeout: float = 1800.0,
                  reservations: ReservationMap | None = None, clock: Clock | None = None,
                  agent: FakeAgent | None = None, emitter: RecordingEmitter | None = None,
-                 lan=None) -> None:
+                 lan=None, recorder=None) -> None:
         self.engine = ENGINES[engine]
         self.clock = clock or Clock()
         self.site_clock = Clock()
@@ -118,7 +118,7 @@ class World:
         self.facade = make_facade(self.engine, clock=self.clock, agent=self.agent,
                              emitter=self.emitter, run_id="0123456789abcdef",
                              random=lambda: 0.5, bounds=Bounds(response_timeout=response_timeout),
-                             reservations=self.reservations)
+                             reservations=self.reservations, recorder=recorder)
         self.site = facade_site(self.facade, reactor=self.site_clock)
         self.factory = DemuxFactory(self.site, lan=lan)
 
