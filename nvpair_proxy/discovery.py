@@ -129,6 +129,9 @@ class NodeSet:
     manual: dict[str, Node] = attrs.field(factory=dict)
     admit: Callable[[Node], Node | None] = _admit_all
     _observers: list[Callable[[], None]] = attrs.field(factory=list)
+    # The routable set, kept between changes when admission is the plain "everything" (it
+    # is then a pure function of the tables); asked several times per request (issue 10).
+    _routable: dict[str, Node] | None = attrs.field(default=None, init=False)
 
     def all(self) -> list[Node]:
         """Every known node, routable or not: what ``nodes/list`` shows."""
@@ -140,19 +143,24 @@ class NodeSet:
         return node_id in self.discovered or node_id in self.manual
 
     def routable(self) -> list[Node]:
+        return list(self._routable_now().values())
+
+    def _routable_now(self) -> dict[str, Node]:
+        if self._routable is not None:
+            return self._routable
         nodes = {}
         for node in self.discovered.values():
             admitted = self.admit(node)
             if admitted is not None:
                 nodes[node.id] = admitted
         nodes.update(self.manual)
-        return [nodes[i] for i in sorted(nodes)]
+        ordered = {i: nodes[i] for i in sorted(nodes)}
+        if self.admit is _admit_all:
+            self._routable = ordered
+        return ordered
 
     def get(self, node_id: str) -> Node | None:
-        for node in self.routable():
-            if node.id == node_id:
-                return node
-        return None
+        return self._routable_now().get(node_id)
 
     def __contains__(self, node_id: str) -> bool:
         return self.get(node_id) is not None
@@ -200,6 +208,7 @@ class NodeSet:
 
     def changed(self) -> None:
         """Tell observers the routable set may differ (a trust or backend change)."""
+        self._routable = None
         for callback in list(self._observers):
             callback()
 

@@ -22,7 +22,7 @@ from .dispatch import (ALL_OWNERS_BUSY, NO_CANDIDATE, NO_OWNER, Answer, Dispatch
 from .engines import Engine
 from .events import (BACKSTOP, CANCELLED, CLIENT_GONE, COMPLETED, FAILED, SHUTDOWN, Reporter,
                      Workload, route_class)
-from .hopbyhop import end_to_end
+from .hopbyhop import copy_end_to_end, end_to_end
 from .interfaces import IRouter
 from .logs import logger
 from .relay import ClientWatch, StreamIdle, StreamIdleTimeout, clean_end
@@ -193,8 +193,7 @@ class Exchange:
         request = self.request
         request.setResponseCode(response.code, response.phrase)
         request.defaultContentType = None
-        for name, values in end_to_end(response.headers).getAllRawHeaders():
-            request.responseHeaders.setRawHeaders(name, list(values))
+        copy_end_to_end(response.headers, request.responseHeaders)
         if response.code < 400:
             content_type = response.headers.getRawHeaders(b"content-type", [b""])[0]
             self.observer = BodyObserver(self.route.terminal if self.route else None,

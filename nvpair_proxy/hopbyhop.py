@@ -15,12 +15,18 @@ HOP_BY_HOP = frozenset(name.lower() for name in (
 
 def end_to_end(headers: Headers, drop: tuple[bytes, ...] = ()) -> Headers:
     """A copy without hop-by-hop headers, those named in Connection, and ``drop``."""
-    named = set()
-    for value in headers.getRawHeaders(b"connection", []):
-        named.update(token.strip().lower() for token in value.split(b",") if token.strip())
-    skip = HOP_BY_HOP | named | {name.lower() for name in drop}
-    out = Headers()
+    return copy_end_to_end(headers, Headers(), drop)
+
+
+def copy_end_to_end(headers: Headers, into: Headers, drop: tuple[bytes, ...] = ()) -> Headers:
+    """Add ``headers``' end-to-end headers to ``into`` (one pass, no copy in between)."""
+    skip = HOP_BY_HOP
+    connection = headers.getRawHeaders(b"connection")
+    if connection or drop:
+        named = {token.strip().lower() for value in connection or () for token in value.split(b",")
+                 if token.strip()}
+        skip = skip | named | {name.lower() for name in drop}
     for name, values in headers.getAllRawHeaders():
         if name.lower() not in skip:
-            out.setRawHeaders(name, list(values))
-    return out
+            into.setRawHeaders(name, list(values))
+    return into
