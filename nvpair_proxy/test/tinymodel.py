@@ -9,6 +9,12 @@ as U+2581, three bytes). The output layer gives a logit only to the printable AS
 greedy decode (temperature 0) always picks one of them: printable text, never an end of
 sequence, exactly the number of tokens asked for. Weights are seeded: the same file every time
 and the same text on every run. It is about 400 kB; writing it takes well under a second.
+
+Its context is 16,384 tokens so that one generation can hold an engine's slot for seconds on
+any machine (it decodes about a thousand tokens a second on one CPU thread here): the
+real-engine tests queue a request behind it and close a stream in the middle of one.
+llama.cpp caps a slot's context at the model's, so a 512-token model could not do that. The
+KV cache of a full context is 8 MB.
 """
 
 from __future__ import annotations
@@ -17,7 +23,8 @@ from __future__ import annotations
 CHAT_TEMPLATE = ("{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n"
                  "{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}")
 
-_EMBED, _LAYERS, _FEED_FORWARD, _HEADS, _CONTEXT = 64, 2, 128, 4, 512
+_EMBED, _LAYERS, _FEED_FORWARD, _HEADS, _CONTEXT = 64, 2, 128, 4, 16384
+CONTEXT = _CONTEXT
 _PRINTABLE = range(0x20, 0x7F)
 _SPECIALS = 3  # <unk>, <s>, </s>
 
