@@ -118,10 +118,12 @@ class BoundedRequest(Request):
         self.client_gone = False
         self._received = 0
         self._rejected = False
-        self.notifyFinish().addErrback(self._client_left)
 
-    def _client_left(self, _: Failure) -> None:
-        self.client_gone = True
+    def connectionLost(self, reason: Failure) -> None:
+        # What notifyFinish reports as an error, without a Deferred per request (issue 10).
+        if not self.finished:
+            self.client_gone = True
+        super().connectionLost(reason)
 
     def gotLength(self, length: int | None) -> None:
         if length is not None and length > self.max_body:
