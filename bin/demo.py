@@ -36,6 +36,17 @@ FLEET = {
 }
 
 
+def stop(*children: subprocess.Popen | None) -> None:
+    """SIGTERM each child still running; kill one that has not exited 10 s later."""
+    for child in children:
+        if child is not None and child.poll() is None:
+            child.send_signal(signal.SIGTERM)
+            try:
+                child.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                child.kill()
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -224,13 +235,7 @@ def main(argv: list[str]) -> int:
                 pass
         return 1 if failures else 0
     finally:
-        for child in (proc, fleet):
-            if child is not None and child.poll() is None:
-                child.send_signal(signal.SIGTERM)
-                try:
-                    child.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    child.kill()
+        stop(proc, fleet)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ import argparse
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -123,13 +122,7 @@ def main() -> int:
               f"screenshot saved to {args.out}")
         return 0
     finally:
-        for child in (proc, fleet):
-            if child is not None and child.poll() is None:
-                child.send_signal(signal.SIGTERM)
-                try:
-                    child.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    child.kill()
+        demo.stop(proc, fleet)
 
 
 if __name__ == "__main__":

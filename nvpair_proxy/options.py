@@ -129,25 +129,13 @@ class Options(usage.Options):
         if level not in LEVELS:
             raise ValueError(f"{source} must be one of {', '.join(LEVELS)} (got {level!r})")
         self["log-level"] = level
-        raw = self["response-header-timeout"]
-        flag = "--response-header-timeout"
-        if raw is None:
-            raw = os.environ.get("NVPAIR_PROXY_RESPONSE_HEADER_TIMEOUT")
-            flag = "NVPAIR_PROXY_RESPONSE_HEADER_TIMEOUT"
-        try:
-            unset = raw is None or (raw == "" and flag != "--response-header-timeout")
-            self["response-timeout"] = (constants.DEFAULT_RESPONSE_TIMEOUT if unset
-                                        else parse_duration(raw))
-        except ValueError as exc:
-            raise ValueError(f"{flag}: {exc}") from None
-        raw, flag = self["stream-idle-timeout"], "--stream-idle-timeout"
-        if raw is None:
-            raw, flag = os.environ.get("NVPAIR_PROXY_STREAM_IDLE_TIMEOUT") or "0", \
-                "NVPAIR_PROXY_STREAM_IDLE_TIMEOUT"
-        try:
-            self["stream-idle"] = parse_duration(raw)
-        except ValueError as exc:
-            raise ValueError(f"{flag}: {exc}") from None
+        self["response-timeout"] = self._parsed("response-header-timeout",
+                                                "NVPAIR_PROXY_RESPONSE_HEADER_TIMEOUT",
+                                                str(constants.DEFAULT_RESPONSE_TIMEOUT),
+                                                parse_duration)
+        self["stream-idle"] = self._parsed("stream-idle-timeout",
+                                           "NVPAIR_PROXY_STREAM_IDLE_TIMEOUT", "0",
+                                           parse_duration)
         if self["admin"] is not None:
             self["admin"] = admin_address(self["admin"])
         if self["log-format"] not in LOG_FORMATS:
@@ -173,14 +161,19 @@ class Options(usage.Options):
         self["api-keys-file"] = (self["api-keys-file"]
                                  or os.environ.get("NVPAIR_PROXY_API_KEYS_FILE")
                                  or os.path.join(self["state-dir"], KEYS_FILE_NAME))
-        raw, flag = self["allowed-cidrs"], "--allowed-cidrs"
+        self["allowed-cidrs"] = self._parsed("allowed-cidrs", "NVPAIR_PROXY_ALLOWED_CIDRS", "",
+                                             parse_cidrs)
+
+    def _parsed(self, name: str, variable: str, default: str, parse):
+        """The flag's value, else the environment's (set but empty counts as unset), else
+        ``default``, parsed; a bad value stops start-up with one line naming its source."""
+        raw, source = self[name], f"--{name}"
         if raw is None:
-            raw, flag = os.environ.get("NVPAIR_PROXY_ALLOWED_CIDRS") or "", \
-                "NVPAIR_PROXY_ALLOWED_CIDRS"
+            raw, source = os.environ.get(variable) or default, variable
         try:
-            self["allowed-cidrs"] = parse_cidrs(raw)
+            return parse(raw)
         except ValueError as exc:
-            raise ValueError(f"{flag}: {exc}") from None
+            raise ValueError(f"{source}: {exc}") from None
 
     def _facades(self) -> list[tuple[str, int]]:
         facades: list[tuple[str, int]] = []

@@ -114,6 +114,16 @@ def _alive(pid: int) -> bool:
         return True
 
 
+def _delete_namespace(name: str) -> None:
+    """Kill whatever still runs in the namespace, then delete it (its links go with it)."""
+    for pid in _run("ip", "netns", "pids", name, check=False).stdout.split():
+        try:
+            os.kill(int(pid), signal.SIGKILL)
+        except (ProcessLookupError, ValueError):
+            pass
+    _run("ip", "netns", "del", name, check=False)
+
+
 def _owner_alive(name: str) -> bool:
     owner = name[len(PREFIX):].split("-", 1)[0]
     return owner.isdigit() and _alive(int(owner))
@@ -131,12 +141,7 @@ def remove_leftovers() -> list[str]:
         name = line.split()[0] if line.strip() else ""
         if not name.startswith(PREFIX) or _owner_alive(name):
             continue
-        for pid in _run("ip", "netns", "pids", name, check=False).stdout.split():
-            try:
-                os.kill(int(pid), signal.SIGKILL)
-            except (ProcessLookupError, ValueError):
-                pass
-        _run("ip", "netns", "del", name, check=False)
+        _delete_namespace(name)
         removed.append(name)
     return removed
 
@@ -324,12 +329,7 @@ class Topology:
         for proc in self.processes:
             self._kill(proc)
         for namespace in reversed(self.namespaces):
-            for pid in _run("ip", "netns", "pids", namespace, check=False).stdout.split():
-                try:
-                    os.kill(int(pid), signal.SIGKILL)
-                except (ProcessLookupError, ValueError):
-                    pass
-            _run("ip", "netns", "del", namespace, check=False)
+            _delete_namespace(namespace)
         shutil.rmtree(self.workdir, ignore_errors=True)
 
     @staticmethod
