@@ -153,8 +153,9 @@ class Dispatch:
         """Backing off because no node advertises the model now (protocol 7), for status."""
         return self._owner_missing and not self._done
 
-    def run(self) -> Deferred:
-        self._guarded(self._round)
+    def run(self, candidates: list[Node] | None = None) -> Deferred:
+        """Start; ``candidates``: the first round's, when the caller just resolved them."""
+        self._guarded(self._round, candidates)
         return self.result
 
     def _guarded(self, step: Callable, *args) -> None:
@@ -178,8 +179,9 @@ class Dispatch:
 
     # The loop, in the spec's order.
 
-    def _round(self) -> None:
-        candidates = self.router.candidates(self.model)
+    def _round(self, candidates: list[Node] | None = None) -> None:
+        if candidates is None:
+            candidates = self.router.candidates(self.model)
         if not candidates:
             if self.dispatches == 0:
                 self._finish(Answer(502, self.no_candidate_text))

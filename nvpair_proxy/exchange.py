@@ -45,6 +45,11 @@ def requested_model(body: bytes) -> str | None:
     return model
 
 
+# "The caller did not classify the request": the route may be None (unlisted), so None
+# cannot say it.
+UNCLASSIFIED = object()
+
+
 class Phase(enum.Enum):
     ADMITTING = "admitting"
     DISPATCHING = "dispatching"
@@ -70,7 +75,7 @@ class Exchange:
     """A client request's whole life in one facade."""
 
     def __init__(self, request: Request, *, engine: Engine, router: IRouter, reporter: Reporter,
-                 upstreams: Upstreams, in_flight: set) -> None:
+                 upstreams: Upstreams, in_flight: set, route=UNCLASSIFIED) -> None:
         self.request, self.engine, self.router = request, engine, router
         self.reporter, self.upstreams, self.in_flight = reporter, upstreams, in_flight
         self.clock = upstreams.clock
@@ -78,7 +83,8 @@ class Exchange:
         self.id = reporter.next_request_id()
         self.method = request.method.decode("latin-1")
         self.path = request.path.decode("latin-1")
-        self.route = engine.classify(request.method, request.path)
+        self.route = (engine.classify(request.method, request.path) if route is UNCLASSIFIED
+                      else route)
         self.inference = self.route is not None and self.route.is_inference
         self.workload: Workload | None = None
         self.dispatch: Dispatch | None = None
@@ -100,7 +106,8 @@ class Exchange:
         model = requested_model(body) if self.inference else None
         wanted = None if model is None else self.engine.normalize_model(model)
         no_candidate = NO_CANDIDATE if model is None else NO_OWNER
-        if not self.router.candidates(wanted):
+        candidates = self.router.candidates(wanted)
+        if not candidates:
             self._answer(Answer(502, no_candidate))
             return
         held = None if wanted is None else self.router.busy_for(wanted)
@@ -134,7 +141,7 @@ class Exchange:
             no_candidate_text=no_candidate, bounds=upstreams.bounds,
             reserve=self.workload is not None, observer=self)
         self._enter(Phase.DISPATCHING)
-        self.dispatch.run().addCallback(self._dispatched).addErrback(self.crashed)
+        self.dispatch.run(candidates).addCallback(self._dispatched).addErrback(self.crashed)
 
     @property
     def ended(self) -> bool:

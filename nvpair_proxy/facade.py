@@ -23,7 +23,7 @@ from .answers import send_error
 from .dispatch import Bounds, Upstreams
 from .engines import Engine
 from .events import REJECTED, ActivityThrottle, Recorder, Reporter, route_class
-from .exchange import Exchange
+from .exchange import UNCLASSIFIED, Exchange
 from .fleet import Fleet, serve_model_list, serve_preflight
 from .interfaces import IEmitter
 from .reservations import ReservationMap
@@ -49,9 +49,10 @@ class Facade:
     def clock(self) -> IReactorTime:
         return self.upstreams.clock
 
-    def exchange(self, request: Request) -> Exchange:
+    def exchange(self, request: Request, route=UNCLASSIFIED) -> Exchange:
+        """An exchange for ``request``; ``route`` when the caller already classified it."""
         return Exchange(request, engine=self.engine, router=self.router, reporter=self.reporter,
-                        upstreams=self.upstreams, in_flight=self.in_flight)
+                        upstreams=self.upstreams, in_flight=self.in_flight, route=route)
 
     @property
     def fleet(self) -> Fleet:
@@ -120,7 +121,7 @@ class FacadeResource(Resource):
         if route is not None and route.is_models:
             serve_model_list(self.facade.fleet, request, route)
             return NOT_DONE_YET
-        exchange = self.facade.exchange(request)
+        exchange = self.facade.exchange(request, route)
         try:
             exchange.start()
         except Exception:

@@ -75,7 +75,9 @@ class BodyRelay(Protocol):
 
 def clean_end(reason: Failure) -> bool:
     """A body that ended as the framing said it would (close-delimited counts)."""
-    return reason.check(ResponseDone, PotentialDataLoss) is not None
+    # isinstance, not Failure.check: check walks the class hierarchy of each name given,
+    # once per response (issue 10).
+    return isinstance(reason.value, (ResponseDone, PotentialDataLoss))
 
 
 class StreamIdleTimeout(Exception):
