@@ -12,7 +12,6 @@ from __future__ import annotations
 from typing import Callable, Protocol
 
 import attrs
-from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.python.failure import Failure
 from twisted.web.iweb import IAgent
@@ -120,8 +119,12 @@ def final_answer(failure: Failed) -> Answer:
     return Answer(502, f"upstream error: {failure.reason}")
 
 
+def _unset(*_) -> None:
+    raise RuntimeError("Dispatch.run was not called")
+
+
 class Dispatch:
-    """One request's loop. ``run`` fires once with Committed, Answer or Gone.
+    """One request's loop. ``run``'s ``on_done`` gets Committed, Answer or Gone, once.
 
     ``inference`` selects the full budget (re-resolve, back off, deadline, discovery watch);
     otherwise a single pass over the candidates resolved once, each tried at most once,
@@ -139,7 +142,8 @@ class Dispatch:
         self.no_candidate_text = no_candidate_text
         self.reserve, self.observer = reserve and inference, observer
         self.dispatches = 0
-        self.result: Deferred = Deferred()
+        self._on_done: Callable[[Committed | Answer | Gone], None] = _unset
+        self._on_error: Callable[[Failure], None] = _unset
         self.attempt: Attempt | None = None
         self.reservation = None
         self._queue: list[Node] = []
@@ -153,10 +157,13 @@ class Dispatch:
         """Backing off because no node advertises the model now (protocol 7), for status."""
         return self._owner_missing and not self._done
 
-    def run(self, candidates: list[Node] | None = None) -> Deferred:
-        """Start; ``candidates``: the first round's, when the caller just resolved them."""
+    def run(self, on_done: Callable[[Committed | Answer | Gone], None],
+            on_error: Callable[[Failure], None], candidates: list[Node] | None = None) -> None:
+        """Start. Exactly one of ``on_done`` (Committed, Answer or Gone) and ``on_error`` (a
+        bug in the loop) is called, once. ``candidates``: the first round's, when the caller
+        just resolved them."""
+        self._on_done, self._on_error = on_done, on_error
         self._guarded(self._round, candidates)
-        return self.result
 
     def _guarded(self, step: Callable, *args) -> None:
         """Run one step of the loop; a bug ends this request only (spec 3.2), never the
@@ -169,7 +176,7 @@ class Dispatch:
             failure = Failure()
             self._done = True
             self._cleanup()
-            self.result.errback(failure)
+            self._on_error(failure)
 
     def stop(self, reason: str) -> None:
         """The requester left (or we shut down): end at once, no further dispatch."""
@@ -227,9 +234,8 @@ class Dispatch:
         self.attempt = self.make_attempt(node, final)
         if self.inference:
             self.router.watch(self.attempt)
-        self.attempt.start().addCallback(
-            lambda outcome, attempt=self.attempt: self._guarded(
-                self._attempt_ended, outcome, attempt.is_final()))
+        self.attempt.start(lambda outcome, attempt=self.attempt: self._guarded(
+            self._attempt_ended, outcome, attempt.is_final()))
 
     def _attempt_ended(self, outcome: Committed | Failed, final: bool) -> None:
         self.observer.attempt_ended(outcome)
@@ -291,7 +297,7 @@ class Dispatch:
     def _finish(self, result: Committed | Answer | Gone) -> None:
         self._done = True
         self._cleanup(keep_reservation=isinstance(result, Committed))
-        self.result.callback(result)
+        self._on_done(result)
 
     def _cleanup(self, keep_reservation: bool = False) -> None:
         if self._timer is not None and self._timer.active():

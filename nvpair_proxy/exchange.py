@@ -141,7 +141,7 @@ class Exchange:
             no_candidate_text=no_candidate, bounds=upstreams.bounds,
             reserve=self.workload is not None, observer=self)
         self._enter(Phase.DISPATCHING)
-        self.dispatch.run(candidates).addCallback(self._dispatched).addErrback(self.crashed)
+        self.dispatch.run(self._dispatched, self.crashed, candidates)
 
     @property
     def ended(self) -> bool:
@@ -170,6 +170,12 @@ class Exchange:
     # Outcome of the loop.
 
     def _dispatched(self, result: Committed | Answer | Gone) -> None:
+        try:
+            self._take(result)
+        except Exception:
+            self.crashed(Failure())
+
+    def _take(self, result: Committed | Answer | Gone) -> None:
         if self.ended:
             if isinstance(result, Committed):
                 result.relay.abort()

@@ -48,7 +48,7 @@ class AttemptStateTests(SynchronousTestCase):
         agent, clock = FakeAgent(), Clock()
         a = attempt(agent, clock)
         outcomes = []
-        a.start().addCallback(outcomes.append)
+        a.start(outcomes.append)
         upstream = agent.last.respond(200, NDJSON)
         self.assertIs(a.state, PEEKING)
         upstream.write(b"{")
@@ -63,7 +63,7 @@ class AttemptStateTests(SynchronousTestCase):
         agent, clock = FakeAgent(), Clock()
         a = attempt(agent, clock)
         outcomes = []
-        a.start().addCallback(outcomes.append)
+        a.start(outcomes.append)
         upstream = agent.last.respond(200, NDJSON)
         self.assertTrue(a.cancel("target left discovery"))
         self.assertIs(a.state, CANCELLED)

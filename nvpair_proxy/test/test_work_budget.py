@@ -19,7 +19,7 @@ from nvpair_proxy.test.world import WorldTestCase
 NDJSON = {"Content-Type": "application/x-ndjson"}
 
 # Per request, on a new client connection (its accept deadline and idle timeout included):
-BUDGET = {"timers": 6, "deferreds": 5, "log events": 0}
+BUDGET = {"timers": 6, "deferreds": 3, "log events": 0}
 
 
 class WorkBudgetTests(WorldTestCase):
