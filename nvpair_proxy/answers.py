@@ -14,6 +14,7 @@ JSON_HEADERS = ((b"Content-Type", b"application/json"), (b"X-Content-Type-Option
 BODY_TOO_LARGE = "request body exceeds 32 MiB limit"
 INVENTORY_UNAVAILABLE = "model inventory unavailable"
 ORIGIN_DENIED = "origin not allowed by every engine"
+SHUTTING_DOWN = "the proxy is shutting down"
 NO_PREFLIGHT_ANSWER = "no engine answered the preflight"
 LOOPBACK_ONLY = ("loopback-only", "plaintext requests are accepted only from loopback; "
                  "cluster peers must use the mTLS ingress")

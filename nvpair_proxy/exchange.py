@@ -294,7 +294,8 @@ class Exchange:
     # The client side going away.
 
     def _client_stalled(self) -> None:
-        """Design 11: a client that took nothing for 30 s is gone."""
+        """Design 11: a client that took nothing for 30 s is gone. It is cancelled even when
+        the terminal frame was relayed: a client that stopped reading never received it."""
         transport = self.request.channel.transport if self.request.channel else None
         self._stop_upstream(CLIENT_GONE)
         self._end(CANCELLED, CLIENT_GONE)

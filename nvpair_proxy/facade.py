@@ -19,7 +19,7 @@ from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Request
 
 from . import constants, cors
-from .answers import send_error
+from .answers import SHUTTING_DOWN, send_error
 from .dispatch import Bounds, Upstreams
 from .engines import Engine
 from .events import REJECTED, ActivityThrottle, Recorder, Reporter, route_class
@@ -44,6 +44,7 @@ class Facade:
     reporter: Reporter
     upstreams: Upstreams
     in_flight: set = attrs.Factory(set)
+    stopping: bool = False
 
     @property
     def clock(self) -> IReactorTime:
@@ -61,7 +62,13 @@ class Facade:
                      upstreams=self.upstreams)
 
     def shutdown(self) -> None:
-        """Cancel every request in flight; each reports ``cancelled`` once (protocol 1)."""
+        """Cancel every request in flight; each reports ``cancelled`` once (protocol 1).
+
+        From here on a request arriving on a connection still open (a client's pooled
+        keep-alive) is refused, so nothing is admitted that the stopping reactor would cut off
+        without a terminal event.
+        """
+        self.stopping = True
         for exchange in list(self.in_flight):
             exchange.shutdown()
 
@@ -91,6 +98,16 @@ def report_rejection(facade: Facade, method: bytes, path: bytes, status: int, er
                            outcome=REJECTED, status=status, duration=0.0, error=error)
 
 
+def answered_stopping(facade: Facade, request: Request) -> bool:
+    """While the process stops, a new request gets 503 and the connection closes."""
+    if not facade.stopping:
+        return False
+    report_rejection(facade, request.method, request.path, 503, SHUTTING_DOWN)
+    request.setHeader(b"Connection", b"close")
+    send_error(request, 503, SHUTTING_DOWN, retry_after=1)
+    return True
+
+
 def answered_identity_probe(facade: Facade, request: Request) -> bool:
     """A client asking whether this port is a proxy facade gets 409 naming the engine, on
     every ingress, so nothing mistakes the proxy for the engine itself (protocol 5)."""
@@ -112,7 +129,8 @@ class FacadeResource(Resource):
         self.facade = facade
 
     def render(self, request: Request):
-        if answered_identity_probe(self.facade, request):
+        if answered_identity_probe(self.facade, request) or answered_stopping(self.facade,
+                                                                              request):
             return NOT_DONE_YET
         if cors.is_preflight(request.method, request.requestHeaders):
             serve_preflight(self.facade.fleet, request)

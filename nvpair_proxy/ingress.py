@@ -19,7 +19,7 @@ from .answers import send_error
 from .discovery import Node
 from .dispatch import Answer
 from .exchange import Exchange
-from .facade import Facade, answered_identity_probe, report_rejection
+from .facade import Facade, answered_identity_probe, answered_stopping, report_rejection
 from .interfaces import IRouter
 from .trust import ClusterDirectory, der_of
 
@@ -92,7 +92,8 @@ class IngressResource(Resource):
         self.facade, self.directory, self.backend = facade, directory, backend
 
     def render(self, request: Request):
-        if answered_identity_probe(self.facade, request):
+        if answered_identity_probe(self.facade, request) or answered_stopping(self.facade,
+                                                                              request):
             return NOT_DONE_YET
         self.directory.check()
         certificate = request.channel.transport.getPeerCertificate()

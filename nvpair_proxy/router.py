@@ -230,10 +230,11 @@ class Router:
         return bool(self._pin) and nodes[0].id == self._pin
 
     def _preferred_ids(self, nodes: Sequence[Node]) -> list[str]:
+        """Free nodes; else those only cooling (a busy hold is the stronger signal); else all."""
         now = self.clock.seconds()
-        free = [n.id for n in nodes
-                if not self._is_held(n.id, now) and not self._is_cooling(n.id, now)]
-        return free or [n.id for n in nodes]
+        not_held = [n.id for n in nodes if not self._is_held(n.id, now)]
+        free = [node_id for node_id in not_held if not self._is_cooling(node_id, now)]
+        return free or not_held or [n.id for n in nodes]
 
     def _is_held(self, node_id: str, now: float) -> bool:
         return self._expires(self._held, node_id, now)

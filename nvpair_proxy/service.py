@@ -253,6 +253,16 @@ class Standalone(MultiService):
             facade.router.replace_discovered(nodes)
 
 
+def stop_once(reactor) -> None:
+    """Stop the reactor unless it is already stopping: a broker's ``shutdown`` followed by
+    SIGTERM, or Ctrl-C twice, must not log a ReactorNotRunning traceback."""
+    from twisted.internet.error import ReactorNotRunning
+    try:
+        reactor.stop()
+    except ReactorNotRunning:
+        pass
+
+
 def stop_on_signals(reactor) -> None:
     """SIGTERM and SIGINT are orderly stops here (protocol 1: exit 0).
 
@@ -264,7 +274,7 @@ def stop_on_signals(reactor) -> None:
 
     def stop(number: int, frame) -> None:
         log.info("received {signal}, shutting down", signal=signal.Signals(number).name)
-        reactor.callFromThread(reactor.stop)
+        reactor.callFromThread(stop_once, reactor)
 
     for number in (signal.SIGTERM, signal.SIGINT):
         signal.signal(number, stop)
@@ -331,7 +341,7 @@ class LinkService(Service):
         """EOF ends the process (protocol 1), unless it is already ending."""
         if self.running and self.parent is not None and self.parent.running:
             log.info("broker link closed; shutting down")
-            self.reactor.stop()
+            stop_once(self.reactor)
 
     def stopService(self) -> Deferred:
         """Flush what the link still holds (the shutdown answer, the cancelled events)
@@ -400,7 +410,7 @@ def broker_tree(options: Options, reactor) -> ProcessService:
     facades.setServiceParent(root)
     broker = Broker(engines=options.engines, emitter=link.link,
                     reservations=runtime.reservations, state_dir=options["state-dir"],
-                    facades=facades, on_shutdown=lambda: reactor.callLater(0, reactor.stop),
+                    facades=facades, on_shutdown=lambda: reactor.callLater(0, stop_once, reactor),
                     after_answer=link.link.after_answer.append)
     root.runtime, root.facades = runtime, facades
     return root

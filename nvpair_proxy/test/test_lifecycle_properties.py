@@ -202,6 +202,7 @@ class _Run:
                         for present, node in zip(self.present, self.nodes))
         # The busy gate (issue 8) has its own tests; here its verdict is taken as given.
         all_held = self.world.facade.router.busy_for(wanted) is not None
+        stopping = self.world.facade.stopping  # a stopping facade admits nothing new
         before = self.workload_ids()
         client = self.world.send("POST", "/api/chat", {
             "model": model, "stream": stream,
@@ -210,7 +211,7 @@ class _Run:
         new = [i for i in self.workload_ids() if i not in before]
         state.admitted = bool(new)
         state.workload_id = new[0] if new else None
-        state.expected_admission = has_owner and not all_held
+        state.expected_admission = has_owner and not all_held and not stopping
         state.new_workloads = new
         self.clients.append(state)
         self.log(f"send request {index} model={model} stream={stream} "

@@ -260,3 +260,34 @@ class StallCooldownTests(WorldTestCase):
         self.assertEqual(w.agent.hosts()[4], "10.0.0.1:11434")
         serve(w.agent.last)
         self.assertEqual(client.response().status, 200)
+
+
+class HeldAndCoolingTests(WorldTestCase):
+    def test_the_chooser_prefers_a_cooling_node_to_a_held_one(self):
+        w = self.world()
+        w.add("a"), w.add("b", addresses=("10.0.0.2",))
+        w.reservations.set_priority(1, ["a", "b"], [Rank("b", pending=5)])
+        router = w.facade.router
+        router.answered("a", 429)  # held: the engine said it is full
+        router.stalled("b")  # cooling: slow once, not full
+        client = w.chat()
+        self.assertEqual(w.agent.hosts(), ["10.0.0.2:11434"])
+        self.assertEqual(w.reservations.reservations, {"b": 1})
+        serve(w.agent.last)
+        self.assertEqual(client.response().status, 200)
+
+
+class StoppingTests(WorldTestCase):
+    def test_a_request_after_shutdown_began_is_refused_not_admitted(self):
+        w = self.world()
+        w.add("a")
+        w.facade.shutdown()
+        sent = len(w.emitter.sent)
+        response = w.chat().response()
+        self.assertEqual((response.status, response.json()),
+                         (503, {"error": "the proxy is shutting down"}))
+        self.assertEqual(response.header("connection"), "close")
+        self.assertEqual(response.header("retry-after"), "1")
+        self.assertEqual(w.agent.requests, [])
+        self.assertEqual([m for m, _ in w.emitter.sent[sent:]], ["ollama:proxy/request"])
+        self.assertEqual(w.emitter.sent[-1][1]["status"], 503)

@@ -271,3 +271,23 @@ class TreeTests(SynchronousTestCase):
         root = broker_tree(parsed("--cluster-dir", cluster), MemoryReactorClock())
         self.assertEqual([s.name for s in root], ["runtime", "link", "trust watch", "facades"])
         self.assertEqual(list(root.getServiceNamed("facades")), [])
+
+
+class StopOnceTests(SynchronousTestCase):
+    def test_a_second_stop_is_quiet(self):
+        from twisted.internet.error import ReactorNotRunning
+
+        from nvpair_proxy.service import stop_once
+
+        class Reactor:
+            stops = 0
+
+            def stop(self):
+                self.stops += 1
+                if self.stops > 1:
+                    raise ReactorNotRunning("Can't stop reactor that isn't running.")
+
+        reactor = Reactor()
+        stop_once(reactor)
+        stop_once(reactor)  # shutdown, then SIGTERM: no traceback
+        self.assertEqual(reactor.stops, 2)
