@@ -28,7 +28,9 @@ from twisted.internet.interfaces import IReactorTime
 from twisted.web.http_headers import Headers
 
 from .answers import LOOPBACK_ONLY, SOURCE_NOT_ALLOWED, UNAUTHORIZED
+from .files import stamp as file_stamp
 from .logs import logger
+from .validate import ip_of
 
 log = logger()
 
@@ -134,14 +136,7 @@ class KeyStore:
         if now - self._checked_at < RECHECK_INTERVAL:
             return
         self._checked_at = now
-        try:
-            st = os.stat(self.path)
-        except FileNotFoundError:
-            stamp = None
-        except OSError as exc:
-            stamp = ("error", exc.errno)
-        else:
-            stamp = (st.st_mtime_ns, st.st_size, st.st_ino, st.st_mode, st.st_uid, st.st_ctime_ns)
+        stamp = file_stamp(self.path)
         if stamp == self._stamp:
             return
         self._stamp = stamp
@@ -218,16 +213,6 @@ def parse_cidrs(text: str) -> list[ipaddress.IPv4Network | ipaddress.IPv6Network
     return networks
 
 
-def _address(host: str):
-    try:
-        address = ipaddress.ip_address(host.strip("[]").split("%", 1)[0])
-    except ValueError:
-        return None
-    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-        return address.ipv4_mapped
-    return address
-
-
 @attrs.define(eq=False)
 class LanGate:
     """The decision for one plaintext request from a non-loopback peer (issue 11).
@@ -246,7 +231,7 @@ class LanGate:
         if digests is None:
             return Verdict.LOOPBACK_ONLY
         if self.allowed:
-            address = _address(host)
+            address = ip_of(host)
             if address is None or not any(address in network for network in self.allowed):
                 self._failed(host, "source not in the allowlist")
                 return Verdict.NOT_ALLOWED

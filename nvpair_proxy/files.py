@@ -12,14 +12,17 @@ import os
 import stat
 
 
-def stamp(path: str) -> tuple[int, int, int] | None:
-    """What says a file changed (mtime, size, inode), None when it cannot be stat'ed: the
-    watches re-read a file only when this differs from the last read."""
+def stamp(path: str) -> tuple | None:
+    """What says a file changed, so a watch re-reads it only then: None when it is missing,
+    the error when it cannot be stat'ed, else its mtime, size, inode and (for files whose
+    permissions are checked, like the API-key file) mode, owner and ctime."""
     try:
         st = os.stat(path)
-    except OSError:
+    except FileNotFoundError:
         return None
-    return (st.st_mtime_ns, st.st_size, st.st_ino)
+    except OSError as exc:
+        return ("unreadable", exc.errno)
+    return (st.st_mtime_ns, st.st_size, st.st_ino, st.st_mode, st.st_uid, st.st_ctime_ns)
 
 
 def read_regular_file(path: str) -> bytes:

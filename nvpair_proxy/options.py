@@ -6,7 +6,6 @@ systemd the journal shows the last line, and it must say what to fix.
 
 from __future__ import annotations
 
-import ipaddress
 import os
 import re
 
@@ -15,7 +14,7 @@ from twisted.python import usage
 from . import __version__, constants
 from .engines import EngineFileError, load_engines
 from .logs import LEVELS, LOG_FORMATS
-from .validate import is_loopback
+from .validate import ip_of, is_loopback
 
 DEFAULT_STATE_DIR = os.path.join("~", ".config", "Nvidia Corporation", "Personal AI Router")
 
@@ -57,10 +56,7 @@ def admin_address(text: str) -> tuple[str, int]:
     if not is_loopback(host):
         raise ValueError(f"--admin: {host} is not a loopback address; the admin listener "
                          f"serves this machine only (use 127.0.0.1 or ::1)")
-    address = ipaddress.ip_address(host.split("%", 1)[0])
-    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-        address = address.ipv4_mapped
-    return str(address), int(port)
+    return str(ip_of(host)), int(port)
 
 
 class Options(usage.Options):

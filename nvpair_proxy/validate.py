@@ -22,6 +22,19 @@ def is_port(value: object, *, zero: bool = False) -> bool:
     return is_int(value) and (PORT_MIN - zero) <= value <= PORT_MAX
 
 
+def ip_of(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """The address a host literal names, or None: brackets and a ``%scope`` stripped, and an
+    IPv4-mapped address read as the IPv4 inside it (a dual-stack listener reports IPv4
+    clients so)."""
+    try:
+        address = ipaddress.ip_address(host.strip("[]").split("%", 1)[0])
+    except ValueError:
+        return None
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        return address.ipv4_mapped
+    return address
+
+
 def is_loopback(host: str, *, name: bool = False, scoped: bool = True) -> bool:
     """A loopback address (twisted-notes): brackets and a ``%scope`` are stripped (unless
     ``scoped`` is False, which refuses a scoped address), an IPv4-mapped address is judged by
@@ -29,15 +42,7 @@ def is_loopback(host: str, *, name: bool = False, scoped: bool = True) -> bool:
     address is not loopback), and ``localhost`` counts only when ``name`` allows it."""
     if name and host == "localhost":
         return True
-    text = host.strip("[]")
-    if "%" in text:
-        if not scoped:
-            return False
-        text = text.split("%", 1)[0]
-    try:
-        address = ipaddress.ip_address(text)
-    except ValueError:
+    if not scoped and "%" in host:
         return False
-    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-        address = address.ipv4_mapped
-    return address.is_loopback
+    address = ip_of(host)
+    return address is not None and address.is_loopback
