@@ -31,6 +31,7 @@ from twisted.web.http_headers import Headers
 from twisted.web.iweb import IAgent, IPolicyForHTTPS
 from zope.interface import implementer
 
+from .client import Client, ConnectionPool
 from .files import read_regular_file
 from .logs import logger
 
@@ -219,15 +220,12 @@ class EngineAgents:
         return _NodeAgent(agent, node.id, access.api_key, self)
 
     def _tls_agent(self, tls: EngineTLS) -> IAgent:
-        from twisted.web.client import Agent, HTTPConnectionPool
         entry = self._agents.get(tls)
         if entry is None:
-            pool = HTTPConnectionPool(self.reactor, persistent=True)
-            pool.maxPersistentPerHost = self.max_idle_per_host
-            pool.cachedConnectionTimeout = self.idle_timeout
-            pool.retryAutomatically = False
-            agent = Agent(self.reactor, contextFactory=EnginePolicy(tls), pool=pool,
-                          connectTimeout=self.connect_timeout)
+            pool = ConnectionPool(self.reactor, max_idle_per_host=self.max_idle_per_host,
+                                  idle_timeout=self.idle_timeout)
+            agent = Client(self.reactor, pool, connect_timeout=self.connect_timeout,
+                           tls=EnginePolicy(tls))
             entry = self._agents[tls] = (agent, pool)
         return entry[0]
 

@@ -27,11 +27,11 @@ from twisted.application.service import MultiService, Service
 from twisted.internet.defer import Deferred, DeferredList, maybeDeferred, succeed
 from twisted.internet.error import CannotListenError
 from twisted.python.failure import Failure
-from twisted.web.client import Agent, HTTPConnectionPool
 
 from . import constants
 from .discovery import make_node
 from .dispatch import Bounds
+from .client import Client, ConnectionPool
 from .engineaccess import EngineAgents
 from .events import ActivityThrottle, LogEmitter, new_run_id
 from .facade import Facade, make_facade
@@ -40,19 +40,14 @@ from .inventory import Prober
 from .logs import logger, set_access_log, set_level
 from .nodesfile import Fleet, NodesFileError, NodesFileWatcher
 from .options import Options
-from .twisted_workarounds import quiet_pool
 from .reservations import ReservationMap
 
 log = logger()
 
 
-def make_pool(reactor) -> HTTPConnectionPool:
+def make_pool(reactor) -> ConnectionPool:
     """One process-wide pool; idle connections kept as long as the engines keep them."""
-    pool = quiet_pool(reactor)
-    pool.maxPersistentPerHost = 256
-    pool.cachedConnectionTimeout = constants.POOL_IDLE_TIMEOUT
-    pool.retryAutomatically = False
-    return pool
+    return ConnectionPool(reactor, max_idle_per_host=256, idle_timeout=constants.POOL_IDLE_TIMEOUT)
 
 
 @attrs.define(eq=False)
@@ -63,8 +58,8 @@ class Runtime:
     reactor: object
     emitter: object
     bounds: Bounds
-    pool: HTTPConnectionPool
-    agent: Agent
+    pool: ConnectionPool
+    agent: Client
     reservations: ReservationMap = attrs.Factory(ReservationMap)
     run_id: str = attrs.Factory(new_run_id)
     rng: random.Random = attrs.Factory(random.Random)
@@ -77,7 +72,7 @@ class Runtime:
         set_level(options["log-level"])
         set_access_log(options["access-log"])
         pool = make_pool(reactor)
-        agent = Agent(reactor, pool=pool, connectTimeout=constants.DIAL_TIMEOUT)
+        agent = Client(reactor, pool, connect_timeout=constants.DIAL_TIMEOUT)
         recorder = None
         if options["admin"] is not None:
             from .recorder import Recorder

@@ -24,6 +24,7 @@ from twisted.internet.interfaces import (IOpenSSLClientConnectionCreator,
 from twisted.web.iweb import IPolicyForHTTPS
 from zope.interface import implementer
 
+from .client import Client, ConnectionPool
 from .files import read_regular_file, stamp
 from .logs import logger
 
@@ -331,19 +332,15 @@ class PeerAgents:
     def for_node(self, node):
         """The peer's agent for its current pin: a rotated pin gets a fresh pool, so no
         connection verified against the old pin is ever reused (protocol 6)."""
-        from twisted.web.client import Agent, HTTPConnectionPool
         pin = self.directory.pin(node.cluster_uuid)
         entry = self._agents.get(node.cluster_uuid)
         if entry is not None and entry[2] != pin:
             entry[1].closeCachedConnections()
             entry = None
         if entry is None:
-            pool = HTTPConnectionPool(self.reactor, persistent=True)
-            pool.maxPersistentPerHost = 16
-            pool.cachedConnectionTimeout = self.idle_timeout
-            pool.retryAutomatically = False
-            agent = Agent(self.reactor, contextFactory=PinnedPolicy(self.directory, node.cluster_uuid),
-                          pool=pool, connectTimeout=self.connect_timeout)
+            pool = ConnectionPool(self.reactor, max_idle_per_host=16, idle_timeout=self.idle_timeout)
+            agent = Client(self.reactor, pool, connect_timeout=self.connect_timeout,
+                           tls=PinnedPolicy(self.directory, node.cluster_uuid))
             entry = self._agents[node.cluster_uuid] = (agent, pool, pin)
         return entry[0]
 

@@ -14,7 +14,6 @@ module when HTTPChannel.registerProducer pauses a producer registered while paus
 
 from __future__ import annotations
 
-from twisted.web.client import HTTPConnectionPool
 from twisted.web.server import Request
 
 
@@ -22,27 +21,3 @@ def channel_paused(request: Request) -> bool:
     """Whether the client connection has asked the request's channel to stop producing (and
     not yet to resume): a producer registered now must be paused by its registrant."""
     return request.channel is not None and bool(request.channel._waitingForTransport)
-
-
-def quiet_pool(reactor) -> HTTPConnectionPool:
-    """An ``HTTPConnectionPool`` that does not log two lines per upstream connection.
-
-    The pool builds a fresh ``_HTTP11ClientFactory`` for every connection it opens, and that
-    factory is ``noisy``: "Starting factory" and "Stopping factory" at info, 2,000 lines for
-    1,000 concurrent streams, formatted on the request path. The pool offers no switch; its
-    factory class is the private ``_factory`` attribute, set here and nowhere else.
-    """
-    from twisted.web.client import _HTTP11ClientFactory
-
-    class QuietFactory(_HTTP11ClientFactory):
-        noisy = False
-
-    pool = HTTPConnectionPool(reactor, persistent=True)
-    pool._factory = QuietFactory
-    return pool
-
-
-def pooled(pool) -> int:
-    """Idle connections the pool keeps: ``HTTPConnectionPool`` has no public count, and the
-    soak's growth check (``vitals``) needs one."""
-    return sum(len(connections) for connections in getattr(pool, "_connections", {}).values())

@@ -15,7 +15,6 @@ import signal
 from typing import Callable, Iterable
 
 from .logs import logger
-from .twisted_workarounds import pooled
 
 log = logger()
 
@@ -40,7 +39,7 @@ def open_fds() -> int | None:
 
 def snapshot(reactor, pool, reservations, facades: Iterable) -> dict:
     facades = list(facades)
-    return {"pending_calls": len(reactor.getDelayedCalls()), "pooled": pooled(pool),
+    return {"pending_calls": len(reactor.getDelayedCalls()), "pooled": pool.idle_count(),
             "reservations": sum(reservations.reservations.values()),
             "in_flight": sum(len(facade.in_flight) for facade in facades),
             "rss_kib": rss_kib(), "fds": open_fds()}

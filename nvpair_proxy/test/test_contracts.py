@@ -2,9 +2,10 @@
 
 Every seam with a real and a fake implementation is checked with ``verifyObject``, and the
 upstream agent, the seam the whole request path stands on, runs one contract mixin against
-both Twisted's real ``Agent`` (serving an in-memory resource through ``treq.testing``) and the
+Twisted's real ``Agent`` (serving an in-memory resource through ``treq.testing``), the proxy's
+own ``Client`` (client.py, against twisted.web's server over in-memory transports) and the
 ``FakeAgent`` the dispatch tests use: what the attempt relies on (status, headers, the body in
-order, a clean end versus a broken one, the request as sent) must hold for both.
+order, a clean end versus a broken one, the request as sent) must hold for all three.
 """
 
 from __future__ import annotations
@@ -18,10 +19,12 @@ from twisted.web.client import Agent
 from twisted.web.http_headers import Headers
 from twisted.web.iweb import IAgent, IResponse
 from twisted.web.resource import Resource
-from twisted.web.server import NOT_DONE_YET
+from twisted.test import iosim
+from twisted.web.server import NOT_DONE_YET, Site
 from treq.testing import RequestTraversalAgent
 from zope.interface.verify import verifyObject
 
+from nvpair_proxy.client import Client
 from nvpair_proxy.relay import clean_end
 from nvpair_proxy.discovery import Node
 from nvpair_proxy.events import LogEmitter
@@ -53,6 +56,7 @@ class Interfaces(SynchronousTestCase):
         node = Node(id="a", name="a", port=1, addresses=("127.0.0.1",))
         for interface, implementation in (
                 (IAgent, FakeAgent()), (IAgent, Agent(MemoryReactorClock())),
+                (IAgent, Client(MemoryReactorClock())),
                 (IEmitter, RecordingEmitter()), (IEmitter, LogEmitter()),
                 (IRouter, Router(engine=ENGINES["ollama"], clock=Clock())),
                 (IRouter, LocalBackendRoute(node)), (IReactorTime, Clock())):
@@ -63,6 +67,15 @@ class Interfaces(SynchronousTestCase):
         agent = FakeAgent()
         agent.request(b"GET", URL)
         self.assertTrue(verifyObject(IResponse, agent.last.respond(200)))
+
+    def test_a_client_response_provides_iresponse(self):
+        from twisted.internet.testing import StringTransport
+        reactor = MemoryReactorClock()
+        d = Client(reactor).request(b"GET", URL)
+        protocol = reactor.tcpClients[0][2].buildProtocol(None)
+        protocol.makeConnection(StringTransport())
+        protocol.dataReceived(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
+        self.assertTrue(verifyObject(IResponse, self.successResultOf(d)))
 
 
 class AgentContract:
@@ -97,31 +110,58 @@ class AgentContract:
         self.assertFalse(clean_end(body.reason))
 
 
+def engine_resource(test, status, headers, chunks, clean) -> Resource:
+    """A twisted.web resource answering as the contract's ``answer`` says."""
+
+    class Engine(Resource):
+        isLeaf = True
+
+        def render(self, request):
+            test.seen = (request.method, request.path, request.content.read())
+            request.setResponseCode(status)
+            for name, value in headers.items():
+                request.responseHeaders.setRawHeaders(name, [value])
+            for chunk in chunks:
+                request.write(chunk)
+            if clean:
+                request.finish()
+            else:
+                request.channel.transport.loseConnection()
+            return NOT_DONE_YET
+
+    return Engine()
+
+
 class RealAgentContract(AgentContract, SynchronousTestCase):
     def answer(self, status, headers, chunks, clean):
-        test = self
-
-        class Engine(Resource):
-            isLeaf = True
-
-            def render(self, request):
-                test.seen = (request.method, request.path, request.content.read())
-                request.setResponseCode(status)
-                for name, value in headers.items():
-                    request.responseHeaders.setRawHeaders(name, [value])
-                for chunk in chunks:
-                    request.write(chunk)
-                if clean:
-                    request.finish()
-                else:
-                    request.channel.transport.loseConnection()
-                return NOT_DONE_YET
-
-        self.agent = RequestTraversalAgent(Engine())
+        self.agent = RequestTraversalAgent(engine_resource(self, status, headers, chunks, clean))
         return self.agent
 
     def pump(self):
         self.agent.flush()
+
+    def received(self):
+        return self.seen
+
+
+class ClientContract(AgentContract, SynchronousTestCase):
+    """The proxy's own client (client.py) against twisted.web's server, over in-memory
+    transports: the same bytes a socket would carry."""
+
+    def answer(self, status, headers, chunks, clean):
+        self.reactor = MemoryReactorClock()
+        self.site = Site(engine_resource(self, status, headers, chunks, clean))
+        self.pumps: list = []
+        return Client(self.reactor)
+
+    def pump(self):
+        while len(self.pumps) < len(self.reactor.tcpClients):
+            factory = self.reactor.tcpClients[len(self.pumps)][2]
+            client, server = factory.buildProtocol(None), self.site.buildProtocol(None)
+            self.pumps.append(iosim.connect(server, iosim.makeFakeServer(server),
+                                            client, iosim.makeFakeClient(client)))
+        for pump in self.pumps:
+            pump.flush()
 
     def received(self):
         return self.seen

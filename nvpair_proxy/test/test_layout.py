@@ -22,6 +22,7 @@ ORDER = (
     # Foundations: no knowledge of engines, nodes or requests.
     "constants", "interfaces", "logs", "logformat", "files", "validate", "hopbyhop", "requestbody",
     "relay", "frames", "tokens", "stats", "reservations", "twisted_workarounds", "sdnotify",
+    "responsewire", "client",
     # The model: engines, nodes, the link's framing, events, trust.
     "engines", "discovery", "selection", "slots", "ports", "rpc", "aliases", "answers",
     "events", "trust", "admission", "apikeys", "engineaccess",
@@ -36,7 +37,7 @@ ORDER = (
 
 # Plain bookkeeping the request path drives: no Twisted at all (design 1b).
 NO_TWISTED = ("constants", "files", "validate", "reservations", "engines", "selection", "slots",
-              "frames", "tokens", "stats")
+              "frames", "tokens", "stats", "responsewire")
 
 
 def product_modules() -> list[str]:

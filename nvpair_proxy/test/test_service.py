@@ -47,12 +47,9 @@ class LocalFleetTests(SynchronousTestCase):
 class PoolTests(SynchronousTestCase):
     def test_pool_keeps_idle_connections_as_long_as_the_servers_do(self):
         pool = make_pool(MemoryReactorClock())
-        self.assertTrue(pool.persistent)
-        self.assertEqual(pool.cachedConnectionTimeout, constants.POOL_IDLE_TIMEOUT)
+        self.assertEqual(pool.idle_timeout, constants.POOL_IDLE_TIMEOUT)
         self.assertEqual(constants.POOL_IDLE_TIMEOUT, constants.SERVER_IDLE_TIMEOUT)
-        self.assertGreaterEqual(pool.maxPersistentPerHost, 256)
-        self.assertFalse(pool._factory.noisy)  # no two log lines per upstream connection
-        self.assertFalse(pool.retryAutomatically)
+        self.assertGreaterEqual(pool.max_idle_per_host, 256)
 
 
 class Steps:

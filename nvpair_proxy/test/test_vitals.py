@@ -11,14 +11,15 @@ from twisted.logger import globalLogPublisher
 from twisted.trial.unittest import SynchronousTestCase
 
 from nvpair_proxy import vitals
+from nvpair_proxy.client import ConnectionPool
 from nvpair_proxy.reservations import ReservationMap
 
 
-class Pool:
-    """What HTTPConnectionPool keeps: idle connections by (scheme, host, port)."""
+class Idle:
+    """An idle connection as the pool holds it: its origin and when it went idle."""
 
-    def __init__(self, connections: dict) -> None:
-        self._connections = connections
+    def __init__(self, key: tuple) -> None:
+        self.key, self.idle_since = key, 0.0
 
 
 class Facade:
@@ -36,11 +37,14 @@ class VitalsTests(SynchronousTestCase):
         reservations.reserve("a")
         reservations.reserve("a")
         reservations.reserve("b")
-        pool = Pool({("http", b"h", 1): ["c1", "c2"], ("http", b"h", 2): ["c3"]})
+        pool = ConnectionPool(reactor)
+        for key in (("http", b"h", 1), ("http", b"h", 1), ("http", b"h", 2)):
+            pool.give(Idle(key))
         got = vitals.snapshot(reactor, pool, reservations, [Facade(2), Facade(0), Facade(1)])
         self.assertEqual({k: got[k] for k in ("pending_calls", "pooled", "reservations",
                                               "in_flight")},
-                         {"pending_calls": 2, "pooled": 3, "reservations": 3, "in_flight": 3})
+                         {"pending_calls": 3, "pooled": 3, "reservations": 3, "in_flight": 3},
+                         "two timers plus the pool's one idle sweep")
         self.assertEqual(got["fds"], len(os.listdir("/proc/self/fd")))
         self.assertGreater(got["rss_kib"], 1000)
 
@@ -70,8 +74,9 @@ class WiringTests(SynchronousTestCase):
 
     def runtime(self):
         class Runtime:
-            pool = Pool({("http", b"h", 1): ["c1"]})
+            pool = ConnectionPool(MemoryReactorClock())
             reservations = ReservationMap()
+        Runtime.pool.give(Idle(("http", b"h", 1)))
         return Runtime()
 
     def test_the_facades_of_the_tree(self) -> None:

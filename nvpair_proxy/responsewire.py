@@ -1,0 +1,159 @@
+"""An engine's HTTP/1.1 response as bytes: the head in one pass, then the body's framing.
+
+Plain functions over bytes, no I/O and no Twisted, so the client (``client.py``) stays a thin
+protocol and every framing rule is tested on its own. It reads what engines and peers send:
+a status line, headers, and a body framed by ``Content-Length``, ``chunked`` or the close of
+the connection (RFC 9112 section 6.3). Anything else is a ``WireError``: the connection is not
+trusted again and the attempt fails over.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+# A head larger than this is not an engine's; the connection is dropped.
+MAX_HEAD = 64 * 1024
+# A chunk-size line (hex digits and extensions) longer than this is not one.
+MAX_CHUNK_LINE = 4096
+MAX_TRAILERS = 64 * 1024
+
+# Body framings.
+LENGTH, CHUNKED, UNTIL_CLOSE = "length", "chunked", "until-close"
+
+_HEX = frozenset(b"0123456789abcdefABCDEF")
+
+
+class WireError(Exception):
+    """The bytes are not an HTTP/1.1 response we can frame."""
+
+
+class Head:
+    """A parsed status line and header block; ``fields`` maps lower-case names to their
+    values in arrival order."""
+
+    __slots__ = ("version", "code", "phrase", "fields")
+
+    def __init__(self, version: bytes, code: int, phrase: bytes,
+                 fields: dict[bytes, list[bytes]]) -> None:
+        self.version, self.code, self.phrase, self.fields = version, code, phrase, fields
+
+
+def parse_head(block: bytes) -> Head:
+    """``block`` is everything before the blank line that ends the head."""
+    lines = block.split(b"\r\n")
+    status = lines[0].split(b" ", 2)
+    if len(status) < 2 or not status[0].startswith(b"HTTP/1."):
+        raise WireError("not an HTTP/1.x status line")
+    code = status[1]
+    if len(code) != 3 or not code.isdigit():
+        raise WireError("invalid status code")
+    fields: dict[bytes, list[bytes]] = {}
+    for line in lines[1:]:
+        name, colon, value = line.partition(b":")
+        if not colon or not name or name != name.strip() or b" " in name or b"\t" in name:
+            # Obsolete folding (a line starting with whitespace) lands here too (RFC 9112 5.2).
+            raise WireError("malformed header line")
+        lower = name.lower()
+        value = value.strip(b" \t")
+        existing = fields.get(lower)
+        if existing is None:
+            fields[lower] = [value]
+        else:
+            existing.append(value)
+    return Head(status[0], int(code), status[2] if len(status) == 3 else b"", fields)
+
+
+def body_framing(head: Head, method: bytes) -> tuple[str, int]:
+    """(framing, length): ``LENGTH`` with its byte count (0 for a response that has no body),
+    ``CHUNKED`` or ``UNTIL_CLOSE`` with -1 (RFC 9112 6.3, in its order)."""
+    code = head.code
+    if method == b"HEAD" or code < 200 or code in (204, 304):
+        return LENGTH, 0
+    codings = head.fields.get(b"transfer-encoding")
+    if codings is not None:
+        last = b",".join(codings).split(b",")[-1].strip().lower()
+        return (CHUNKED, -1) if last == b"chunked" else (UNTIL_CLOSE, -1)
+    lengths = head.fields.get(b"content-length")
+    if lengths is None:
+        return UNTIL_CLOSE, -1
+    values = {part.strip() for value in lengths for part in value.split(b",")}
+    if len(values) != 1:
+        raise WireError("conflicting Content-Length")
+    value = values.pop()
+    if not value.isdigit() or len(value) > 18:
+        raise WireError("invalid Content-Length")
+    return LENGTH, int(value)
+
+
+def persistent(head: Head, framing: str) -> bool:
+    """Whether the connection can carry another request after this response."""
+    if framing == UNTIL_CLOSE or head.version != b"HTTP/1.1":
+        return False
+    connection = head.fields.get(b"connection")
+    if connection is None:
+        return True
+    return b"close" not in {token.strip().lower()
+                            for value in connection for token in value.split(b",")}
+
+
+class ChunkedBody:
+    """Decodes a chunked body as it arrives. ``feed`` hands chunk data to ``deliver`` and
+    returns None until the last chunk and its trailers are in, then the bytes that followed
+    (which a well-behaved server never sends)."""
+
+    __slots__ = ("deliver", "remaining", "buffer", "state")
+
+    SIZE, DATA, DATA_END, TRAILER = range(4)
+
+    def __init__(self, deliver: Callable[[bytes], None]) -> None:
+        self.deliver = deliver
+        self.remaining = 0
+        self.buffer = b""
+        self.state = self.SIZE
+
+    def feed(self, data: bytes) -> bytes | None:
+        if self.buffer:
+            data, self.buffer = self.buffer + data, b""
+        position, end = 0, len(data)
+        while position < end:
+            state = self.state
+            if state == self.DATA:
+                take = min(self.remaining, end - position)
+                self.deliver(data[position:position + take])
+                position += take
+                self.remaining -= take
+                if self.remaining == 0:
+                    self.state = self.DATA_END
+            elif state == self.SIZE:
+                newline = data.find(b"\r\n", position)
+                if newline < 0:
+                    return self._keep(data, position, MAX_CHUNK_LINE)
+                size = data[position:newline].split(b";", 1)[0].strip(b" \t")
+                if not size or len(size) > 16 or not _HEX.issuperset(size):
+                    raise WireError("invalid chunk size")
+                self.remaining = int(size, 16)
+                position = newline + 2
+                self.state = self.DATA if self.remaining else self.TRAILER
+            elif state == self.DATA_END:
+                if end - position < 2:
+                    return self._keep(data, position, 2)
+                if data[position:position + 2] != b"\r\n":
+                    raise WireError("chunk data not followed by CRLF")
+                position += 2
+                self.state = self.SIZE
+            else:  # TRAILER: header lines, none kept, until an empty one
+                newline = data.find(b"\r\n", position)
+                if newline < 0:
+                    return self._keep(data, position, MAX_TRAILERS)
+                empty = newline == position
+                position = newline + 2
+                if empty:
+                    return data[position:]
+        return None
+
+    def _keep(self, data: bytes, position: int, limit: int) -> None:
+        rest = data[position:]
+        if len(rest) > limit:
+            raise WireError("chunked framing line too long")
+        self.buffer = rest
+        return None

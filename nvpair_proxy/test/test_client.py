@@ -1,0 +1,437 @@
+"""The proxy's own HTTP/1.1 client (client.py): the bytes it sends, how it frames what comes
+back, what it tells the attempt, and the pool. Driven in memory: a ``MemoryReactorClock``
+records each dial and a ``StringTransport`` is the engine's end of the wire."""
+
+from __future__ import annotations
+
+from twisted.internet import error as ierror
+from twisted.internet.defer import CancelledError
+from twisted.internet.protocol import Protocol
+from twisted.internet.testing import MemoryReactorClock, StringTransport
+from twisted.python.failure import Failure
+from twisted.trial.unittest import SynchronousTestCase
+from twisted.web.client import (ResponseDone, ResponseFailed, ResponseNeverReceived,
+                                RequestTransmissionFailed)
+from twisted.web.http import PotentialDataLoss
+from twisted.web.http_headers import Headers
+from twisted.web.iweb import UNKNOWN_LENGTH, IBodyProducer, IPolicyForHTTPS
+from zope.interface import implementer
+
+from nvpair_proxy.client import Client, ConnectionPool
+from nvpair_proxy.relay import clean_end
+from nvpair_proxy.requestbody import BytesProducer
+from nvpair_proxy.responsewire import WireError
+
+URL = b"http://10.0.0.1:11434/api/chat"
+OK = b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhello"
+
+
+class Collect(Protocol):
+    def __init__(self) -> None:
+        self.chunks: list[bytes] = []
+        self.reason: Failure | None = None
+
+    def dataReceived(self, data: bytes) -> None:
+        self.chunks.append(data)
+
+    def connectionLost(self, reason) -> None:
+        self.reason = reason
+
+    @property
+    def body(self) -> bytes:
+        return b"".join(self.chunks)
+
+
+class Wire:
+    """The engine's end of one dialled connection."""
+
+    def __init__(self, reactor: MemoryReactorClock, index: int = -1) -> None:
+        self.host, self.port, factory = reactor.tcpClients[index][:3]
+        self.protocol = factory.buildProtocol(None)
+        self.transport = StringTransport()
+        self.protocol.makeConnection(self.transport)
+
+    def sent(self) -> bytes:
+        data = self.transport.value()
+        self.transport.clear()
+        return data
+
+    def reply(self, data: bytes) -> None:
+        self.protocol.dataReceived(data)
+
+    def close(self, reason=ierror.ConnectionDone) -> None:
+        self.protocol.connectionLost(Failure(reason()))
+
+
+class ClientCase(SynchronousTestCase):
+    def setUp(self) -> None:
+        self.reactor = MemoryReactorClock()
+        self.pool = ConnectionPool(self.reactor, max_idle_per_host=2, idle_timeout=90.0)
+        self.client = Client(self.reactor, self.pool, connect_timeout=7.0)
+
+    def respond(self, data: bytes, method: bytes = b"GET", url: bytes = URL):
+        """Send one request and answer it, on a new connection or the pooled one it took."""
+        dialled = len(self.reactor.tcpClients)
+        d = self.client.request(method, url)
+        if len(self.reactor.tcpClients) > dialled:
+            self.wire = Wire(self.reactor)
+        self.wire.reply(data)
+        return self.successResultOf(d), self.wire
+
+    def body_of(self, response) -> Collect:
+        body = Collect()
+        response.deliverBody(body)
+        return body
+
+
+class RequestBytesTests(ClientCase):
+    def test_the_head_and_body_go_out_in_one_write_with_our_framing(self):
+        headers = Headers({b"Content-Type": [b"application/json"], b"X-Two": [b"a", b"b"],
+                           b"Content-Length": [b"999"], b"Connection": [b"close"],
+                           b"Transfer-Encoding": [b"chunked"]})
+        self.client.request(b"POST", URL + b"?stream=1#frag", headers,
+                            BytesProducer(b'{"model":"m"}'))
+        host, port, _, timeout, _ = self.reactor.tcpClients[0]
+        self.assertEqual((host, port, timeout), ("10.0.0.1", 11434, 7.0))
+        wire = Wire(self.reactor)
+        self.assertEqual(wire.sent(), b"POST /api/chat?stream=1 HTTP/1.1\r\n"
+                                      b"Host: 10.0.0.1:11434\r\n"
+                                      b"Content-Type: application/json\r\n"
+                                      b"X-Two: a\r\nX-Two: b\r\n"
+                                      b"Content-Length: 13\r\n\r\n"
+                                      b'{"model":"m"}')
+
+    def test_the_host_header_as_agent_writes_it_and_a_callers_own_kept(self):
+        for url, host in ((b"http://[::1]:8080/x", b"[::1]:8080"),
+                          (b"http://127.0.0.1:80", b"127.0.0.1"),
+                          (b"http://engine.lan:8080/x", b"engine.lan:8080")):
+            self.client.request(b"GET", url)
+            self.assertIn(b"\r\nHost: " + host + b"\r\n", Wire(self.reactor).sent())
+        self.client.request(b"GET", URL, Headers({b"Host": [b"named.example"]}))
+        self.assertEqual(Wire(self.reactor).sent(),
+                         b"GET /api/chat HTTP/1.1\r\nHost: named.example\r\n\r\n")
+
+    def test_a_body_of_unknown_length_is_sent_chunked(self):
+        @implementer(IBodyProducer)
+        class Stream:
+            length = UNKNOWN_LENGTH
+
+            def startProducing(self, consumer):
+                consumer.write(b"abc")
+                consumer.write(b"")
+                from twisted.internet.defer import succeed
+                return succeed(None)
+
+            def stopProducing(self):
+                pass
+
+        self.client.request(b"PUT", URL, None, Stream())
+        self.assertEqual(Wire(self.reactor).sent(),
+                         b"PUT /api/chat HTTP/1.1\r\nHost: 10.0.0.1:11434\r\n"
+                         b"Transfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n")
+
+    def test_a_body_that_fails_to_produce_fails_the_request(self):
+        from twisted.internet.defer import fail
+
+        @implementer(IBodyProducer)
+        class Broken:
+            length = 4
+
+            def startProducing(self, consumer):
+                return fail(ValueError("disk"))
+
+            def stopProducing(self):
+                pass
+
+        d = self.client.request(b"POST", URL, None, Broken())
+        wire = Wire(self.reactor)
+        failure = self.failureResultOf(d, RequestTransmissionFailed)
+        self.assertTrue(failure.value.reasons[0].check(ValueError))
+        self.assertTrue(wire.transport.disconnected)
+
+    def test_whitespace_in_the_target_is_refused_before_anything_is_sent(self):
+        self.assertRaises(ValueError, self.client.request, b"GET", URL + b" HTTP/1.1\r\nX: y")
+        self.assertEqual(self.reactor.tcpClients, [])
+
+
+class ResponseTests(ClientCase):
+    def test_status_headers_and_a_length_framed_body_then_a_clean_end(self):
+        response, wire = self.respond(b"HTTP/1.1 201 Made\r\nX-Engine: one\r\n"
+                                      b"Content-Length: 10\r\n\r\nhello")
+        self.assertEqual((response.code, response.phrase, response.length, response.version),
+                         (201, b"Made", 10, (b"HTTP", 1, 1)))
+        self.assertEqual(response.headers.getRawHeaders(b"x-engine"), [b"one"])
+        self.assertEqual((response.request.method, response.request.absoluteURI),
+                         (b"GET", URL))
+        body = self.body_of(response)
+        self.assertEqual((body.body, body.reason), (b"hello", None))
+        wire.reply(b"world")
+        self.assertEqual(body.chunks, [b"hello", b"world"])
+        self.assertTrue(body.reason.check(ResponseDone))
+        self.assertEqual(self.pool.idle_count(), 1)
+
+    def test_a_chunked_body_is_decoded_and_the_connection_reused(self):
+        response, wire = self.respond(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+                                      b"3\r\nabc\r\n")
+        self.assertIs(response.length, UNKNOWN_LENGTH)
+        body = self.body_of(response)
+        wire.reply(b"2\r\nde\r\n0\r\n\r\n")
+        self.assertEqual(body.chunks, [b"abc", b"de"])
+        self.assertTrue(body.reason.check(ResponseDone))
+        d = self.client.request(b"GET", URL)
+        self.assertEqual(len(self.reactor.tcpClients), 1, "reused, not dialled again")
+        self.assertTrue(wire.sent().endswith(b"GET /api/chat HTTP/1.1\r\n"
+                                             b"Host: 10.0.0.1:11434\r\n\r\n"))
+        wire.reply(OK)
+        self.assertEqual(self.successResultOf(d).code, 200)
+
+    def test_a_body_until_the_close_ends_with_potential_data_loss_and_is_not_pooled(self):
+        response, wire = self.respond(b"HTTP/1.1 200 OK\r\n\r\npart")
+        body = self.body_of(response)
+        wire.close()
+        self.assertEqual(body.body, b"part")
+        self.assertTrue(body.reason.check(PotentialDataLoss))
+        self.assertTrue(clean_end(body.reason))
+        self.assertEqual(self.pool.idle_count(), 0)
+
+    def test_a_body_broken_off_is_a_response_failure(self):
+        response, wire = self.respond(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\npartial")
+        body = self.body_of(response)
+        wire.close(ierror.ConnectionLost)
+        self.assertTrue(body.reason.check(ResponseFailed))
+        self.assertFalse(clean_end(body.reason))
+
+    def test_a_body_that_arrived_before_delivery_is_held_then_handed_over(self):
+        response, wire = self.respond(OK)
+        self.assertEqual(self.pool.idle_count(), 1, "the bytes are read; the connection is free")
+        body = self.body_of(response)
+        self.assertEqual(body.body, b"hello")
+        self.assertTrue(body.reason.check(ResponseDone))
+
+    def test_responses_without_a_body_end_at_once(self):
+        for status, method in ((b"204 No Content", b"GET"), (b"304 Not Modified", b"GET"),
+                               (b"200 OK", b"HEAD")):
+            response, wire = self.respond(b"HTTP/1.1 " + status + b"\r\nContent-Length: 9\r\n\r\n",
+                                          method=method)
+            self.assertEqual(response.length, 0)
+            self.assertTrue(self.body_of(response).reason.check(ResponseDone))
+
+    def test_an_interim_response_is_skipped(self):
+        response, wire = self.respond(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Hints\r\n"
+                                      b"Link: x\r\n\r\n" + OK)
+        self.assertEqual((response.code, self.body_of(response).body), (200, b"hello"))
+
+    def test_a_head_split_anywhere_is_read_alike(self):
+        d = self.client.request(b"GET", URL)
+        wire = Wire(self.reactor)
+        head_end = OK.index(b"\r\n\r\n") + 4
+        for byte in range(len(OK)):
+            if byte < head_end:
+                self.assertNoResult(d)
+            wire.reply(OK[byte:byte + 1])
+        self.assertEqual(self.body_of(self.successResultOf(d)).chunks, list(b"hello"[i:i + 1]
+                                                                            for i in range(5)))
+
+    def test_connection_close_and_http_1_0_are_not_pooled(self):
+        for head in (b"HTTP/1.1 200 OK\r\nConnection: close\r\n", b"HTTP/1.0 200 OK\r\n"):
+            response, wire = self.respond(head + b"Content-Length: 1\r\n\r\nx")
+            self.assertTrue(self.body_of(response).reason.check(ResponseDone))
+            self.assertTrue(wire.transport.disconnecting)
+            self.assertEqual(self.pool.idle_count(), 0)
+
+    def test_bytes_after_a_complete_response_close_the_connection(self):
+        response, wire = self.respond(OK + b"HTTP/1.1 200 OK\r\n")
+        self.assertTrue(self.body_of(response).reason.check(ResponseDone))
+        self.assertTrue(wire.transport.disconnected)
+        self.assertEqual(self.pool.idle_count(), 0)
+
+    def test_an_unframeable_head_fails_the_request_and_aborts(self):
+        for data in (b"HTTP/1.1 200 OK\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\n",
+                     b"SSH-2.0-OpenSSH\r\n\r\n", b"HTTP/1.1 101 Switching\r\n\r\n",
+                     b"HTTP/1.1 200 OK\r\nX: " + b"a" * 70000):
+            d = self.client.request(b"GET", URL)
+            wire = Wire(self.reactor)
+            wire.reply(data)
+            failure = self.failureResultOf(d, ResponseFailed)
+            self.assertTrue(failure.value.reasons[0].check(WireError))
+            self.assertTrue(wire.transport.disconnected)
+
+    def test_broken_chunked_framing_fails_the_body_and_aborts(self):
+        response, wire = self.respond(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+                                      b"2\r\nok\r\nzz\r\n")
+        body = self.body_of(response)
+        self.assertEqual(body.body, b"ok")
+        self.assertTrue(body.reason.check(ResponseFailed))
+        self.assertTrue(wire.transport.disconnected)
+
+
+class FailureTests(ClientCase):
+    def test_a_connect_error_passes_through_as_the_endpoint_raised_it(self):
+        d = self.client.request(b"GET", URL)
+        connector = self.reactor.connectors[0]
+        factory = self.reactor.tcpClients[0][2]
+        factory.clientConnectionFailed(connector, Failure(ierror.ConnectionRefusedError()))
+        self.failureResultOf(d, ierror.ConnectionRefusedError)
+
+    def test_closed_before_any_response_byte_is_response_never_received(self):
+        d = self.client.request(b"GET", URL)
+        Wire(self.reactor).close(ierror.ConnectionLost)
+        failure = self.failureResultOf(d, ResponseNeverReceived)
+        self.assertTrue(failure.value.reasons[0].check(ierror.ConnectionLost))
+
+    def test_closed_inside_the_head_is_a_response_failure(self):
+        d = self.client.request(b"GET", URL)
+        wire = Wire(self.reactor)
+        wire.reply(b"HTTP/1.1 200 OK\r\nX-")
+        wire.close()
+        self.failureResultOf(d, ResponseFailed)
+
+    def test_cancel_while_waiting_aborts_the_connection_which_is_never_reused(self):
+        d = self.client.request(b"GET", URL)
+        wire = Wire(self.reactor)
+        d.cancel()
+        self.failureResultOf(d, CancelledError)
+        self.assertTrue(wire.transport.disconnected)
+        wire.reply(OK)
+        wire.close()
+        self.assertEqual(self.pool.idle_count(), 0)
+
+    def test_cancel_while_dialling_stops_the_dial(self):
+        d = self.client.request(b"GET", URL)
+        d.cancel()
+        self.failureResultOf(d)
+        self.assertTrue(self.reactor.connectors[0].stoppedConnecting)
+
+
+class BodyTransportTests(ClientCase):
+    def test_pause_and_resume_reach_the_socket(self):
+        response, wire = self.respond(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nhello")
+        body = self.body_of(response)
+        body.transport.pauseProducing()
+        self.assertEqual(wire.transport.producerState, "paused")
+        body.transport.resumeProducing()
+        self.assertEqual(wire.transport.producerState, "producing")
+
+    def test_a_connection_paused_when_its_body_ended_is_resumed_before_it_is_pooled(self):
+        d = self.client.request(b"GET", URL)
+        wire = Wire(self.reactor)
+        wire.reply(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\n")
+        class PauseAtOnce(Collect):
+            def dataReceived(self, data):
+                super().dataReceived(data)
+                self.transport.pauseProducing()
+
+        body = PauseAtOnce()
+        self.successResultOf(d).deliverBody(body)
+        wire.reply(b"hello")
+        self.assertEqual(wire.transport.producerState, "paused")
+        wire.reply(b"world")
+        self.assertTrue(body.reason.check(ResponseDone))
+        self.assertEqual(wire.transport.producerState, "producing")
+        self.assertEqual(self.pool.idle_count(), 1)
+
+    def test_after_the_body_ended_the_consumer_cannot_touch_the_pooled_connection(self):
+        response, wire = self.respond(OK)
+        body = self.body_of(response)
+        body.transport.pauseProducing()
+        body.transport.stopProducing()
+        self.assertEqual(wire.transport.producerState, "producing")
+        self.assertFalse(wire.transport.disconnecting)
+        self.assertEqual(self.pool.idle_count(), 1)
+
+    def test_stop_aborts_delivers_nothing_more_and_ends_once_the_socket_is_gone(self):
+        response, wire = self.respond(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+                                      b"3\r\nabc\r\n")
+        body = self.body_of(response)
+        body.transport.stopProducing()
+        self.assertTrue(wire.transport.disconnected)
+        wire.reply(b"3\r\ndef\r\n0\r\n\r\n")
+        self.assertEqual((body.body, body.reason), (b"abc", None))
+        wire.close(ierror.ConnectionAborted)
+        self.assertTrue(body.reason.check(ResponseFailed))
+        self.assertEqual(self.pool.idle_count(), 0)
+
+
+class PoolTests(ClientCase):
+    def idle_connections(self, count: int, url: bytes = URL) -> list[Wire]:
+        requests = [self.client.request(b"GET", url) for _ in range(count)]
+        wires = [Wire(self.reactor, index) for index in range(-count, 0)]
+        for d, wire in zip(requests, wires):
+            wire.reply(OK)
+            self.body_of(self.successResultOf(d))
+        return wires
+
+    def test_the_newest_idle_connection_is_reused_first(self):
+        first, second = self.idle_connections(2)
+        first.sent(), second.sent()
+        self.client.request(b"GET", URL)
+        self.assertEqual((first.sent(), second.sent()[:15]), (b"", b"GET /api/chat H"))
+
+    def test_idle_connections_beyond_the_cap_are_closed(self):
+        wires = self.idle_connections(3)
+        self.assertEqual(self.pool.idle_count(), 2)
+        self.assertEqual([w.transport.disconnecting for w in wires], [False, False, True])
+
+    def test_one_timer_expires_idle_connections(self):
+        first, second = self.idle_connections(2)
+        self.assertEqual(len(self.reactor.getDelayedCalls()), 1)
+        self.reactor.advance(89)
+        self.assertEqual(self.pool.idle_count(), 2)
+        self.assertFalse(first.transport.disconnecting)
+        self.reactor.advance(1)
+        self.assertEqual(self.pool.idle_count(), 0)
+        self.assertTrue(first.transport.disconnecting and second.transport.disconnecting)
+        self.assertEqual(self.reactor.getDelayedCalls(), [])
+
+    def test_the_timer_rearms_for_the_connections_that_went_idle_later(self):
+        (first,) = self.idle_connections(1)
+        self.reactor.advance(60)
+        (second,) = self.idle_connections(1, b"http://10.0.0.9:11434/")
+        self.reactor.advance(30)
+        self.assertEqual((first.transport.disconnecting, second.transport.disconnecting),
+                         (True, False))
+        self.reactor.advance(60)
+        self.assertTrue(second.transport.disconnecting)
+        self.assertEqual(self.reactor.getDelayedCalls(), [])
+
+    def test_a_connection_the_server_closed_or_spoke_on_leaves_the_pool(self):
+        first, second = self.idle_connections(2)
+        first.close()
+        self.assertEqual(self.pool.idle_count(), 1)
+        second.reply(b"HTTP/1.1 408 Request Timeout\r\n\r\n")
+        self.assertEqual(self.pool.idle_count(), 0)
+        self.assertTrue(second.transport.disconnected)
+        self.client.request(b"GET", URL)
+        self.assertEqual(len(self.reactor.tcpClients), 3, "a fresh dial")
+
+    def test_close_cached_connections_fires_once_they_are_all_gone(self):
+        first, second = self.idle_connections(2)
+        d = self.pool.closeCachedConnections()
+        self.assertTrue(first.transport.disconnecting and second.transport.disconnecting)
+        self.assertEqual(self.reactor.getDelayedCalls(), [])
+        first.close()
+        self.assertNoResult(d)
+        second.close()
+        self.successResultOf(d)
+        self.assertEqual(self.pool.idle_count(), 0)
+
+
+class TLSTests(ClientCase):
+    def test_https_goes_through_the_policy_for_the_host_and_port(self):
+        asked = []
+
+        @implementer(IPolicyForHTTPS)
+        class Policy:
+            def creatorForNetloc(self, hostname, port):
+                asked.append((hostname, port))
+                from twisted.internet.ssl import optionsForClientTLS
+                return optionsForClientTLS("peer.example")
+
+        client = Client(self.reactor, self.pool, tls=Policy())
+        client.request(b"GET", b"https://10.0.0.2:9443/v1/models")
+        client.request(b"GET", b"https://10.0.0.2:9443/v1/other")
+        self.assertEqual(asked, [(b"10.0.0.2", 9443)], "one creator per origin")
+        self.assertEqual(self.reactor.tcpClients[0][:2], ("10.0.0.2", 9443))
+        hello = Wire(self.reactor, 0).sent()
+        self.assertEqual(hello[:2], b"\x16\x03", "a TLS handshake, not plaintext HTTP")
+        self.assertNotIn(b"GET /v1/models", hello)
