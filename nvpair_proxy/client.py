@@ -306,7 +306,7 @@ class _Connection(Protocol):
         self.framing, self.remaining = framing, length
         response = self.response = ClientResponse(self, head, length if framing == LENGTH
                                                   else UNKNOWN_LENGTH, self.sent)
-        self.chunked = ChunkedBody(self._chunk) if framing == CHUNKED else None
+        self.chunked = ChunkedBody(response.data) if framing == CHUNKED else None
         self.state = BODY
         result, self.result = self.result, None
         result.callback(response)
@@ -340,10 +340,6 @@ class _Connection(Protocol):
             if rest is not None and self.state == BODY and not self.stopped:
                 self._complete(rest)
         else:
-            self.response.data(data)
-
-    def _chunk(self, data: bytes) -> None:
-        if not self.stopped:
             self.response.data(data)
 
     def _complete(self, rest: bytes) -> None:
@@ -389,6 +385,7 @@ class _Connection(Protocol):
         """The consumer wants no more: the connection cannot be reused, so it is aborted."""
         if self.state == BODY and not self.stopped:
             self.stopped = True
+            self.response.silence()
             self.transport.abortConnection()
 
     # Closing.
@@ -478,6 +475,7 @@ class ClientResponse:
         self.transport = BodyTransport(connection)
         self._sent = sent
         self._protocol: Protocol | None = None
+        self._sink = None  # the protocol's dataReceived, once it is delivered to
         self._held: list[bytes] = []
         self._ended: Failure | None = None
 
@@ -494,18 +492,24 @@ class ClientResponse:
         self._protocol = protocol
         protocol.makeConnection(self.transport)
         held, self._held = self._held, []
-        for data in held:
-            protocol.dataReceived(data)
+        if self._sink is None:
+            self._sink = protocol.dataReceived
+            for data in held:
+                protocol.dataReceived(data)
         if self._ended is not None:
             protocol.connectionLost(self._ended)
 
     def data(self, data: bytes) -> None:
-        if not data:
-            return
-        if self._protocol is not None:
-            self._protocol.dataReceived(data)
-        else:
+        sink = self._sink
+        if sink is not None:
+            sink(data)
+        elif data:
             self._held.append(data)
+
+    def silence(self) -> None:
+        """The consumer stopped the body: nothing more reaches it but its end."""
+        self._held = []
+        self._sink = _ignore
 
     def detach(self) -> None:
         self.transport.connection = None
@@ -515,6 +519,10 @@ class ClientResponse:
             self._protocol.connectionLost(reason)
         else:
             self._ended = reason
+
+
+def _ignore(data: bytes) -> None:
+    pass
 
 
 class ConnectionPool:

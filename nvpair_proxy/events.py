@@ -153,13 +153,15 @@ class ActivityThrottle:
         self.emitter, self.clock, self.interval = emitter, clock, interval
         self._last: dict[str, float] = {}
 
-    def touch(self, node_id: str) -> None:
+    def touch(self, node_id: str) -> float:
+        """Report the node unless it was within the interval; returns when it may be next."""
         now = self.clock()
         last = self._last.get(node_id)
         if last is not None and now - last < self.interval:
-            return
+            return last + self.interval
         self._last[node_id] = now
         self.emitter.notify("node/activity", {"hostUuid": node_id, "msSince": 0})
+        return now + self.interval
 
     def last_seen(self) -> dict[str, float]:
         """When each node last streamed bytes, to within the interval (for the status page)."""
@@ -250,8 +252,9 @@ class Reporter:
         if self.emitter.listening:
             self.notify("proxy/request", request_finished(*args, **kwargs))
 
-    def activity_on(self, node_id: str) -> None:
-        self.activity.touch(node_id)
+    def activity_on(self, node_id: str) -> float:
+        """Bytes streamed from the node; returns the time before which asking again is moot."""
+        return self.activity.touch(node_id)
 
     def request_ended(self, **fields) -> None:
         """A finished request, with :class:`RequestEnded`'s fields, for the recorder if any."""

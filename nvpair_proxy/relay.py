@@ -32,16 +32,16 @@ class BodyRelay(Protocol):
         self._ended: Failure | None = None
         self._sink = None
         self._paused = False
-        self.bytes_received = 0
 
     def dataReceived(self, data: bytes) -> None:
+        sink = self._sink
+        if sink is not None:  # every chunk after the first: straight through
+            if data:  # an empty write would end a chunked response early
+                sink.write(data)
+            return
         if not data:
             return
-        first = self.bytes_received == 0
-        self.bytes_received += len(data)
-        if self._sink is not None:
-            self._sink.write(data)
-            return
+        first = not self._held
         self._held.append(data)
         if first:
             self._on_first_data()  # usually commits and attaches, in this same call

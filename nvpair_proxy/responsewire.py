@@ -9,6 +9,7 @@ trusted again and the attempt fails over.
 
 from __future__ import annotations
 
+import re
 from typing import Callable
 
 # A head larger than this is not an engine's; the connection is dropped.
@@ -20,7 +21,8 @@ MAX_TRAILERS = 64 * 1024
 # Body framings.
 LENGTH, CHUNKED, UNTIL_CLOSE = "length", "chunked", "until-close"
 
-_HEX = frozenset(b"0123456789abcdefABCDEF")
+# A chunk-size line: hex digits, optional extensions (ignored), CRLF.
+_CHUNK_SIZE = re.compile(rb"([0-9a-fA-F]{1,16})[ \t]*(?:;[^\r\n]*)?\r\n")
 
 
 class WireError(Exception):
@@ -115,25 +117,36 @@ class ChunkedBody:
         if self.buffer:
             data, self.buffer = self.buffer + data, b""
         position, end = 0, len(data)
+        deliver = self.deliver
         while position < end:
             state = self.state
-            if state == self.DATA:
+            if state == self.SIZE:
+                # The common case, a whole chunk and its CRLF in hand: one match, one slice.
+                match = _CHUNK_SIZE.match(data, position)
+                if match is None:
+                    if data.find(b"\r\n", position) >= 0 or end - position > MAX_CHUNK_LINE:
+                        raise WireError("invalid chunk size")
+                    return self._keep(data, position, MAX_CHUNK_LINE)
+                size = int(match[1], 16)
+                position = match.end()
+                if not size:
+                    self.state = self.TRAILER
+                    continue
+                stop = position + size
+                if stop + 2 <= end:
+                    if data[stop:stop + 2] != b"\r\n":
+                        raise WireError("chunk data not followed by CRLF")
+                    deliver(data[position:stop])
+                    position = stop + 2
+                    continue
+                self.remaining, self.state = size, self.DATA
+            elif state == self.DATA:
                 take = min(self.remaining, end - position)
-                self.deliver(data[position:position + take])
+                deliver(data[position:position + take])
                 position += take
                 self.remaining -= take
                 if self.remaining == 0:
                     self.state = self.DATA_END
-            elif state == self.SIZE:
-                newline = data.find(b"\r\n", position)
-                if newline < 0:
-                    return self._keep(data, position, MAX_CHUNK_LINE)
-                size = data[position:newline].split(b";", 1)[0].strip(b" \t")
-                if not size or len(size) > 16 or not _HEX.issuperset(size):
-                    raise WireError("invalid chunk size")
-                self.remaining = int(size, 16)
-                position = newline + 2
-                self.state = self.DATA if self.remaining else self.TRAILER
             elif state == self.DATA_END:
                 if end - position < 2:
                     return self._keep(data, position, 2)

@@ -150,7 +150,8 @@ class ClientContract(AgentContract, SynchronousTestCase):
 
     def answer(self, status, headers, chunks, clean):
         self.reactor = MemoryReactorClock()
-        self.site = Site(engine_resource(self, status, headers, chunks, clean))
+        self.site = Site(engine_resource(self, status, headers, chunks, clean),
+                         reactor=self.reactor)  # its idle timers on the memory reactor
         self.pumps: list = []
         return Client(self.reactor)
 

@@ -18,6 +18,7 @@ from twisted.web.http_headers import Headers
 from twisted.web.resource import Resource
 from twisted.web.server import Site
 
+from nvpair_proxy.client import Client, ConnectionPool
 from nvpair_proxy.dispatch import Bounds
 from nvpair_proxy.engineaccess import EngineAgents
 from nvpair_proxy.engines import load_engines
@@ -108,9 +109,10 @@ class TLSFleet:
         the test's client connects from ``bind``."""
         path = write(self.folder, "nodes.toml", "\n".join(self.entries).encode())
         fleet = load_nodes_file(path, ENGINES)
-        pool = HTTPConnectionPool(reactor, persistent=False)
-        self.agents = EngineAgents(reactor, Agent(reactor, pool=pool), 5.0, 5.0)
+        pool = ConnectionPool(reactor)
+        self.agents = EngineAgents(reactor, Client(reactor, pool), 5.0, 5.0)
         self.test.addCleanup(self.agents.close)
+        self.test.addCleanup(pool.closeCachedConnections)
         self.facade = make_facade(ENGINES["ollama"], clock=reactor, agent=self.agents.agent,
                                   emitter=emitter or RecordingEmitter(),
                                   run_id="0123456789abcdef",
