@@ -131,6 +131,20 @@ def discard(response: IResponse, clock: IReactorTime) -> None:
         drain.timer = clock.callLater(_DRAIN_TIMEOUT, drain.transport.stopProducing)
 
 
+_ORIGINS: dict[tuple[str, str, int], bytes] = {}
+
+
+def origin_of(scheme: str, address: str, port: int) -> bytes:
+    """``scheme://host:port`` as bytes, made once per address (a fleet has a handful)."""
+    key = (scheme, address, port)
+    origin = _ORIGINS.get(key)
+    if origin is None:
+        if len(_ORIGINS) >= 4096:
+            _ORIGINS.clear()
+        origin = _ORIGINS[key] = f"{scheme}://{host_port(address, port)}".encode()
+    return origin
+
+
 class Attempt:
     """One dispatch: dial the node's addresses, wait for headers, peek the first body byte.
 
@@ -182,7 +196,7 @@ class Attempt:
 
     def _dial_next(self) -> None:
         self._address = self._pending_addresses.pop(0)
-        url = f"{self.node.scheme}://{host_port(self._address, self.node.port)}".encode() + self.path
+        url = origin_of(self.node.scheme, self._address, self.node.port) + self.path
         request = maybeDeferred(self.agent.request, self.method, url, self.headers,
                                 BytesProducer(self.body) if self.body else None)
         self._request = request

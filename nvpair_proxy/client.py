@@ -49,6 +49,8 @@ CONNECTING, IDLE, WAITING, BODY, CLOSED = range(5)
 
 # Origins remembered; a fleet has a handful, so reaching this means something churns.
 _MAX_ORIGINS = 4096
+# Request URIs remembered with their origin and target (query strings make more of them).
+_MAX_ROUTES = 4096
 
 
 class Origin:
@@ -72,6 +74,7 @@ class Client:
         self.pool = pool if pool is not None else ConnectionPool(reactor)
         self.tls = tls
         self._origins: dict[bytes, Origin] = {}
+        self._routes: dict[bytes, tuple[Origin, bytes]] = {}
 
     def request(self, method: bytes, uri: bytes, headers: Headers | None = None,
                 bodyProducer: IBodyProducer | None = None) -> Deferred:
@@ -91,6 +94,16 @@ class Client:
         return result
 
     def _route(self, uri: bytes) -> tuple[Origin, bytes]:
+        """The origin and request target of ``uri``; remembered, since a fleet's requests
+        go to a handful of nodes on a handful of routes."""
+        routed = self._routes.get(uri)
+        if routed is None:
+            if len(self._routes) >= _MAX_ROUTES:
+                self._routes.clear()
+            routed = self._routes[uri] = self._split(uri)
+        return routed
+
+    def _split(self, uri: bytes) -> tuple[Origin, bytes]:
         start = uri.find(b"://")
         slash = uri.find(b"/", start + 3) if start > 0 else -1
         if slash < 0:

@@ -36,7 +36,12 @@ log = logger()
 def requested_model(body: bytes) -> str | None:
     """The ``model`` a body names, or None (design decision 7): not JSON, not a string, empty."""
     try:
-        data = json.loads(body)
+        try:
+            # JSON between systems is UTF-8 (RFC 8259 8.1): decoding first skips json's
+            # encoding sniffing; any other encoding still gets it.
+            data = json.loads(body.decode("utf-8"))
+        except UnicodeDecodeError:
+            data = json.loads(body)
     except (ValueError, UnicodeDecodeError, RecursionError):
         return None
     model = data.get("model") if isinstance(data, dict) else None

@@ -13,6 +13,21 @@ HOP_BY_HOP = frozenset(name.lower() for name in (
     b"Proxy-Connection", b"TE", b"Trailer", b"Transfer-Encoding", b"Upgrade"))
 
 
+def _canonical(names) -> frozenset[bytes]:
+    """Header names as ``Headers.getAllRawHeaders`` gives them (its documented canonical
+    capitalization), so the per-request pass compares names without lower-casing each."""
+    probe = Headers()
+    for name in names:
+        try:
+            probe.setRawHeaders(name, [b""])
+        except ValueError:  # not a token: no header can carry that name anyway
+            continue
+    return frozenset(name for name, _ in probe.getAllRawHeaders())
+
+
+_SKIP: dict[tuple[bytes, ...], frozenset[bytes]] = {}
+
+
 def end_to_end(headers: Headers, drop: tuple[bytes, ...] = ()) -> Headers:
     """A copy without hop-by-hop headers, those named in Connection, and ``drop``."""
     return copy_end_to_end(headers, Headers(), drop)
@@ -20,13 +35,14 @@ def end_to_end(headers: Headers, drop: tuple[bytes, ...] = ()) -> Headers:
 
 def copy_end_to_end(headers: Headers, into: Headers, drop: tuple[bytes, ...] = ()) -> Headers:
     """Add ``headers``' end-to-end headers to ``into`` (one pass, no copy in between)."""
-    skip = HOP_BY_HOP
+    skip = _SKIP.get(drop)
+    if skip is None:
+        skip = _SKIP[drop] = _canonical(HOP_BY_HOP | set(drop))
     connection = headers.getRawHeaders(b"connection")
-    if connection or drop:
-        named = {token.strip().lower() for value in connection or () for token in value.split(b",")
-                 if token.strip()}
-        skip = skip | named | {name.lower() for name in drop}
+    if connection:
+        skip = skip | _canonical(token.strip() for value in connection
+                                 for token in value.split(b",") if token.strip())
     for name, values in headers.getAllRawHeaders():
-        if name.lower() not in skip:
-            into.setRawHeaders(name, list(values))
+        if name not in skip:
+            into.setRawHeaders(name, values)
     return into
