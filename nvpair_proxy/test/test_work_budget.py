@@ -12,7 +12,10 @@ from __future__ import annotations
 from twisted.internet import defer
 from twisted.logger import globalLogPublisher
 
+from twisted.internet.testing import MemoryReactorClock, StringTransport
+
 from nvpair_proxy import logs
+from nvpair_proxy.client import Client
 from nvpair_proxy.events import LogEmitter
 from nvpair_proxy.test.world import WorldTestCase
 
@@ -20,10 +23,13 @@ NDJSON = {"Content-Type": "application/x-ndjson"}
 
 # Per request, on a new client connection (its accept deadline and idle timeout included):
 BUDGET = {"timers": 6, "deferreds": 3, "log events": 0}
+# The same with the proxy's own upstream client instead of the fake agent (which makes one
+# Deferred more than the client does).
+CLIENT_BUDGET = {"timers": 6, "deferreds": 2, "log events": 0}
 
 
 class WorkBudgetTests(WorldTestCase):
-    def count(self, w) -> dict[str, int]:
+    def count(self, w, *clocks) -> dict[str, int]:
         counts = dict.fromkeys(BUDGET, 0)
         original_init = defer.Deferred.__init__
 
@@ -32,7 +38,7 @@ class WorkBudgetTests(WorldTestCase):
             original_init(deferred, *args, **kwargs)
 
         self.patch(defer.Deferred, "__init__", counting_init)
-        for clock in (w.clock, w.site_clock):
+        for clock in (w.clock, w.site_clock, *clocks):
             def counting_call_later(*args, _original=clock.callLater, **kwargs):
                 counts["timers"] += 1
                 return _original(*args, **kwargs)
@@ -65,6 +71,42 @@ class WorkBudgetTests(WorldTestCase):
             self.assertEqual(client.response().status, 200)
         per_request = {name: count / 3 for name, count in counts.items()}
         self.assertEqual({name: per_request[name] <= BUDGET[name] for name in BUDGET},
+                         dict.fromkeys(BUDGET, True), per_request)
+
+    def test_through_the_proxys_own_client_on_a_pooled_connection(self):
+        """The same request with the real upstream client (client.py) in place of the fake
+        agent, the engine's end an in-memory wire: the client's whole share is one Deferred
+        (its ``IAgent.request`` answer) and no timer, its connection reused from the pool."""
+        self.addCleanup(logs.set_level, logs.level_name())
+        logs.set_level("info")
+        reactor = MemoryReactorClock()
+        w = self.world(emitter=LogEmitter(), agent=Client(reactor))
+        w.add("a")
+        wires = []
+
+        def proxied():
+            client = w.chat()
+            if len(reactor.tcpClients) > len(wires):
+                protocol = reactor.tcpClients[-1][2].buildProtocol(None)
+                protocol.makeConnection(StringTransport())
+                wires.append(protocol)
+            wires[-1].dataReceived(
+                b"HTTP/1.1 200 OK\r\nContent-Type: application/x-ndjson\r\n"
+                b"Transfer-Encoding: chunked\r\n\r\n"
+                b"2a\r\n{\"message\":{\"content\":\"hi\"},\"done\":false}\n\r\n"
+                b"33\r\n{\"done\":true,\"eval_count\":1,\"prompt_eval_count\":2}\n\r\n"
+                b"0\r\n\r\n")
+            return client
+
+        proxied()  # warm: the first request dials; the rest reuse that connection
+        counts = self.count(w, reactor)
+        for _ in range(3):
+            client = proxied()
+            self.assertEqual(client.response().status, 200)
+            self.assertIn(b'"eval_count":1', client.response().body)
+        self.assertEqual(len(wires), 1, "one connection, reused")
+        per_request = {name: count / 3 for name, count in counts.items()}
+        self.assertEqual({name: per_request[name] <= CLIENT_BUDGET[name] for name in BUDGET},
                          dict.fromkeys(BUDGET, True), per_request)
 
     def test_the_guard_sees_work_added_to_the_request_path(self):
