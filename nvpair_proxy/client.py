@@ -24,7 +24,7 @@ from twisted.internet.abstract import isIPAddress, isIPv6Address
 from twisted.internet.defer import Deferred, DeferredList
 from twisted.internet.endpoints import (HostnameEndpoint, TCP4ClientEndpoint, TCP6ClientEndpoint,
                                         wrapClientTLS)
-from twisted.internet.interfaces import IDelayedCall, IPushProducer
+from twisted.internet.interfaces import IConsumer, IDelayedCall, IPushProducer
 from twisted.internet.protocol import Factory, Protocol
 from twisted.python.failure import Failure
 from twisted.web.client import (BrowserLikePolicyForHTTPS, RequestTransmissionFailed,
@@ -38,7 +38,7 @@ from zope.interface import implementer
 from . import constants
 from .requestbody import BytesProducer
 from .responsewire import (CHUNKED, LENGTH, MAX_HEAD, UNTIL_CLOSE, ChunkedBody, WireError,
-                           body_framing, parse_head, persistent)
+                           body_framing, find_head_end, parse_head, persistent)
 
 # Headers the client writes itself: the caller's are not relayed (a body is framed by us,
 # and whether the connection persists is ours to say). A caller's Host is kept, as Agent does.
@@ -54,13 +54,24 @@ _MAX_ROUTES = 4096
 
 
 class Origin:
-    """Where requests to one ``scheme://host:port`` go: made once, reused by every request."""
+    """Where requests to one ``scheme://host:port`` go: made once, reused by every request.
 
-    __slots__ = ("key", "host_header", "endpoint", "factory")
+    For https the TLS connection creator is asked of the policy at every new connection, as
+    Agent did: the pinned-peer policy reads this node's current identity then (trust.py).
+    """
 
-    def __init__(self, key: tuple, host_header: bytes, endpoint, pool: "ConnectionPool") -> None:
-        self.key, self.host_header, self.endpoint = key, host_header, endpoint
+    __slots__ = ("key", "host", "port", "host_header", "tcp", "tls", "factory")
+
+    def __init__(self, key: tuple, host: bytes, port: int, host_header: bytes, tcp,
+                 tls: IPolicyForHTTPS | None, pool: "ConnectionPool") -> None:
+        self.key, self.host, self.port, self.host_header = key, host, port, host_header
+        self.tcp, self.tls = tcp, tls
         self.factory = _ConnectionFactory(pool, key)
+
+    def endpoint(self):
+        if self.tls is None:
+            return self.tcp
+        return wrapClientTLS(self.tls.creatorForNetloc(self.host, self.port), self.tcp)
 
 
 @implementer(IAgent)
@@ -78,6 +89,8 @@ class Client:
 
     def request(self, method: bytes, uri: bytes, headers: Headers | None = None,
                 bodyProducer: IBodyProducer | None = None) -> Deferred:
+        if bodyProducer is not None and not isinstance(bodyProducer, BytesProducer):
+            return self._read_body_first(method, uri, headers, bodyProducer)
         origin, path = self._route(uri)
         connection = self.pool.take(origin.key)
         if connection is not None:
@@ -86,11 +99,48 @@ class Client:
             return result
         dial = _Dial()
         result = Deferred(dial.cancel)
-        connecting = dial.connecting = origin.endpoint.connect(origin.factory)
+        connecting = dial.connecting = origin.endpoint().connect(origin.factory)
         connecting.addCallbacks(dial.connected, dial.failed,
                                 callbackArgs=(method, uri, path, origin.host_header, headers,
                                               bodyProducer, result, self.pool),
                                 errbackArgs=(result,))
+        return result
+
+    def _read_body_first(self, method: bytes, uri: bytes, headers: Headers | None,
+                         producer: IBodyProducer) -> Deferred:
+        """A body from any other producer is read whole, then sent as an in-memory one: a
+        connection never carries a request half written (the proxy's own bodies are already
+        in memory; this is for other callers of the IAgent)."""
+        self._route(uri)  # a bad URI is refused before anything is produced
+        parts: list[bytes] = []
+        sending: list[Deferred] = []
+
+        def cancel(_) -> None:
+            if sending:
+                sending[0].cancel()
+            else:
+                producer.stopProducing()
+
+        result = Deferred(cancel)
+
+        def produced(_) -> None:
+            if result.called:
+                return
+            body = b"".join(parts)
+            if producer.length is not UNKNOWN_LENGTH and producer.length != len(body):
+                result.errback(Failure(RequestTransmissionFailed([Failure(ValueError(
+                    f"the body producer wrote {len(body)} bytes, not {producer.length}"))])))
+                return
+            sent = self.request(method, uri, headers, BytesProducer(body))
+            sending.append(sent)
+            sent.addCallbacks(lambda response: None if result.called else result.callback(response),
+                              lambda failure: None if result.called else result.errback(failure))
+
+        def failed(failure: Failure) -> None:
+            if not result.called:
+                result.errback(Failure(RequestTransmissionFailed([failure])))
+
+        producer.startProducing(_Collect(parts)).addCallbacks(produced, failed)
         return result
 
     def _route(self, uri: bytes) -> tuple[Origin, bytes]:
@@ -134,12 +184,13 @@ class Client:
         else:
             endpoint = HostnameEndpoint(self.reactor, host, port, timeout=self.connect_timeout)
             named = host
+        policy = None
         if parsed.scheme == b"https":
             policy = self.tls if self.tls is not None else BrowserLikePolicyForHTTPS()
-            endpoint = wrapClientTLS(policy.creatorForNetloc(host, port), endpoint)
         default = (parsed.scheme, port) in ((b"http", 80), (b"https", 443))
-        origin = Origin((parsed.scheme, host, port), named if default else b"%b:%d" % (named, port),
-                        endpoint, self.pool)
+        origin = Origin((parsed.scheme, host, port), host, port,
+                        named if default else b"%b:%d" % (named, port), endpoint, policy,
+                        self.pool)
         if len(self._origins) >= _MAX_ORIGINS:
             self._origins.clear()
         self._origins[base] = origin
@@ -186,21 +237,21 @@ class _ConnectionFactory(Factory):
         return _Connection(self.pool, self.key)
 
 
-class _ChunkedWriter:
-    """The consumer a body of unknown length writes into: each write becomes a chunk."""
+@implementer(IConsumer)
+class _Collect:
+    """The consumer another producer's body is read into."""
 
-    def __init__(self, transport) -> None:
-        self.transport = transport
+    def __init__(self, parts: list[bytes]) -> None:
+        self.parts = parts
 
     def write(self, data: bytes) -> None:
-        if data:
-            self.transport.writeSequence([b"%x\r\n" % len(data), data, b"\r\n"])
+        self.parts.append(data)
 
     def registerProducer(self, producer, streaming) -> None:
-        self.transport.registerProducer(producer, streaming)
+        pass
 
     def unregisterProducer(self) -> None:
-        self.transport.unregisterProducer()
+        pass
 
 
 class _Connection(Protocol):
@@ -214,6 +265,7 @@ class _Connection(Protocol):
         self.method = b""
         self.sent: tuple = ()
         self.head = b""
+        self.scanned = 0  # how far into ``head`` the end of the head was already looked for
         self.answered = False
         self.framing = LENGTH
         self.remaining = 0
@@ -230,7 +282,7 @@ class _Connection(Protocol):
     # Sending.
 
     def send(self, method: bytes, uri: bytes, path: bytes, host_header: bytes,
-             headers: Headers | None, producer, result: Deferred) -> None:
+             headers: Headers | None, producer: BytesProducer | None, result: Deferred) -> None:
         self.state, self.result, self.method = WAITING, result, method
         self.sent, self.answered = (method, uri, headers), False
         head = [method, b" ", path, b" HTTP/1.1\r\n"]
@@ -242,41 +294,17 @@ class _Connection(Protocol):
                     continue
                 for value in values:
                     head += (name, b": ", value, b"\r\n")
-        transport = self.transport
         if producer is None:
             head.append(b"\r\n")
-            transport.writeSequence(head)
-            return
-        length = producer.length
-        if isinstance(producer, BytesProducer):
-            head += (b"Content-Length: %d\r\n\r\n" % length, producer.body)
-            transport.writeSequence(head)
-            return
-        if length is UNKNOWN_LENGTH:
-            head.append(b"Transfer-Encoding: chunked\r\n\r\n")
-            consumer = _ChunkedWriter(transport)
-        else:
-            head.append(b"Content-Length: %d\r\n\r\n" % length)
-            consumer = transport
-        transport.writeSequence(head)
-        producer.startProducing(consumer).addCallbacks(
-            self._body_sent, self._body_failed, callbackArgs=(length,))
-
-    def _body_sent(self, _, length) -> None:
-        if length is UNKNOWN_LENGTH and self.state in (WAITING, BODY):
-            self.transport.write(b"0\r\n\r\n")
-
-    def _body_failed(self, failure: Failure) -> None:
-        result, self.result = self.result, None
-        self._close(abort=True)
-        if result is not None and not result.called:
-            result.errback(Failure(RequestTransmissionFailed([failure])))
+        else:  # a BytesProducer: Client.request reads any other body whole first
+            head += (b"Content-Length: %d\r\n\r\n" % len(producer.body), producer.body)
+        self.transport.writeSequence(head)
 
     def cancel(self, result: Deferred) -> None:
         """The caller gave up on the response (a deadline, or it left)."""
         if self.result is result:
             self.result = None
-            self._close(abort=True)
+            self._close()
 
     # Receiving.
 
@@ -289,33 +317,43 @@ class _Connection(Protocol):
         elif state == IDLE:
             # A server that speaks out of turn is not trusted with another request.
             self.pool.forget(self)
-            self._close(abort=True)
+            self._close()
 
     def _head(self, data: bytes) -> None:
         self.answered = True
         buffer = self.head + data if self.head else data
-        end = buffer.find(b"\r\n\r\n")
-        if end < 0:
-            if len(buffer) > MAX_HEAD:
-                self._unframeable(Failure(WireError("response head too large")))
-            else:
-                self.head = buffer
-            return
-        self.head = b""
-        try:
-            head = parse_head(buffer[:end])
-            framing, length = body_framing(head, self.method)
-            if head.code == 101:
-                raise WireError("unexpected protocol switch")
-        except WireError:
-            self._unframeable(Failure())
-            return
-        rest = buffer[end + 4:]
-        if head.code < 200:
-            if rest:  # an interim response (100 Continue, 103): the real one follows
-                self._head(rest)
-            return
+        position = 0  # where the head being read starts (interim answers come before it)
+        while True:
+            found = find_head_end(buffer, max(position, self.scanned))
+            if found is None:
+                if len(buffer) - position > MAX_HEAD:
+                    self._unframeable(Failure(WireError("response head too large")))
+                    return
+                buffer = buffer[position:]
+                self.head, self.scanned = buffer, max(0, len(buffer) - 3)
+                return
+            end, after = found
+            self.head, self.scanned = b"", 0
+            try:
+                if end - position > MAX_HEAD:
+                    raise WireError("response head too large")
+                head = parse_head(buffer[position:end])
+                framing, length = body_framing(head, self.method)
+                if head.code == 101 or head.code < 100:
+                    raise WireError(f"unexpected status {head.code}")
+            except WireError:
+                self._unframeable(Failure())
+                return
+            position = after
+            if head.code >= 200:
+                break
+            if position == len(buffer):  # an interim answer (100, 103): the real one follows
+                return
+        buffer = buffer[position:]
         self.keep = persistent(head, framing)
+        if framing != LENGTH:
+            # A length beside a coding is not this body's (RFC 9112 6.3): never relayed.
+            head.fields.pop(b"content-length", None)
         self.framing, self.remaining = framing, length
         response = self.response = ClientResponse(self, head, length if framing == LENGTH
                                                   else UNKNOWN_LENGTH, self.sent)
@@ -326,9 +364,9 @@ class _Connection(Protocol):
         if self.state != BODY or self.stopped:
             return
         if framing == LENGTH and length == 0:
-            self._complete(rest)
-        elif rest:
-            self._body(rest)
+            self._complete(buffer)
+        elif buffer:
+            self._body(buffer)
 
     def _body(self, data: bytes) -> None:
         if self.stopped:
@@ -366,18 +404,18 @@ class _Connection(Protocol):
                 self.transport.resumeProducing()
             self.pool.give(self)
         else:
-            self._close(abort=bool(rest))
+            self._close()
         response.end(Failure(ResponseDone("Response body fully received")))
 
     def _unframeable(self, failure: Failure) -> None:
         result, self.result = self.result, None
-        self._close(abort=True)
+        self._close()
         if result is not None and not result.called:
             result.errback(Failure(ResponseFailed([failure])))
 
     def _broken_body(self, failure: Failure) -> None:
         response, self.response = self.response, None
-        self._close(abort=True)
+        self._close()
         if response is not None:
             response.detach()
             response.end(Failure(ResponseFailed([failure])))
@@ -403,20 +441,19 @@ class _Connection(Protocol):
 
     # Closing.
 
-    def _close(self, abort: bool) -> None:
+    def _close(self) -> None:
+        """Abort, never a graceful close: over TLS that waits for the peer's close_notify,
+        which a peer may never send (Twisted's own pool aborts its idle connections too)."""
         if self.state == CLOSED:
             return
         self.state = CLOSED
-        if abort:
-            self.transport.abortConnection()
-        else:
-            self.transport.loseConnection()
+        self.transport.abortConnection()
 
     def close_idle(self) -> Deferred:
         """Close a connection the pool held; fires once it is gone."""
         waiter = Deferred()
         self.closed.append(waiter)
-        self._close(abort=False)
+        self._close()
         return waiter
 
     def connectionLost(self, reason: Failure = None) -> None:

@@ -40,9 +40,27 @@ class Head:
         self.version, self.code, self.phrase, self.fields = version, code, phrase, fields
 
 
+def find_head_end(buffer: bytes, start: int = 0) -> tuple[int, int] | None:
+    """(end of the head, start of what follows) once the blank line that ends a head is in
+    ``buffer`` (searched from ``start``), else None. Lines end in CRLF; a bare LF is read as
+    one too (RFC 9112 2.2), as Twisted's client did."""
+    end = buffer.find(b"\r\n\r\n", start)
+    limit = len(buffer) if end < 0 else end + 1  # a bare-LF end can only come before it
+    bare = buffer.find(b"\n\n", start, limit)
+    if bare >= 0:
+        return bare, bare + 2
+    # The blank line may itself be a CRLF after a bare-LF line: "...\n\r\n".
+    mixed = buffer.find(b"\n\r\n", start, limit)
+    if mixed >= 0 and (end < 0 or mixed < end):
+        return mixed, mixed + 3
+    return None if end < 0 else (end, end + 4)
+
+
 def parse_head(block: bytes) -> Head:
     """``block`` is everything before the blank line that ends the head."""
     lines = block.split(b"\r\n")
+    if block.count(b"\n") != len(lines) - 1:  # some line ends in a bare LF
+        lines = [line[:-1] if line.endswith(b"\r") else line for line in block.split(b"\n")]
     status = lines[0].split(b" ", 2)
     if len(status) < 2 or not status[0].startswith(b"HTTP/1."):
         raise WireError("not an HTTP/1.x status line")
@@ -88,8 +106,12 @@ def body_framing(head: Head, method: bytes) -> tuple[str, int]:
 
 
 def persistent(head: Head, framing: str) -> bool:
-    """Whether the connection can carry another request after this response."""
+    """Whether the connection can carry another request after this response. Not after one
+    that sent both ``Transfer-Encoding`` and ``Content-Length`` (RFC 9112 6.1: a sign of
+    response splitting; the coding wins for this response, and the connection is closed)."""
     if framing == UNTIL_CLOSE or head.version != b"HTTP/1.1":
+        return False
+    if b"transfer-encoding" in head.fields and b"content-length" in head.fields:
         return False
     connection = head.fields.get(b"connection")
     if connection is None:

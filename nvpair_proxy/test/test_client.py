@@ -5,7 +5,7 @@ records each dial and a ``StringTransport`` is the engine's end of the wire."""
 from __future__ import annotations
 
 from twisted.internet import error as ierror
-from twisted.internet.defer import CancelledError
+from twisted.internet.defer import CancelledError, Deferred
 from twisted.internet.protocol import Protocol
 from twisted.internet.testing import MemoryReactorClock, StringTransport
 from twisted.python.failure import Failure
@@ -40,6 +40,22 @@ class Collect(Protocol):
     @property
     def body(self) -> bytes:
         return b"".join(self.chunks)
+
+
+@implementer(IBodyProducer)
+class Producer:
+    """A body producer that writes when the test says, and says whether it was stopped."""
+
+    def __init__(self, length) -> None:
+        self.length, self.stopped, self.consumer = length, False, None
+        self.done = Deferred()
+
+    def startProducing(self, consumer):
+        self.consumer = consumer
+        return self.done
+
+    def stopProducing(self) -> None:
+        self.stopped = True
 
 
 class Wire:
@@ -111,43 +127,39 @@ class RequestBytesTests(ClientCase):
         self.assertEqual(Wire(self.reactor).sent(),
                          b"GET /api/chat HTTP/1.1\r\nHost: named.example\r\n\r\n")
 
-    def test_a_body_of_unknown_length_is_sent_chunked(self):
-        @implementer(IBodyProducer)
-        class Stream:
-            length = UNKNOWN_LENGTH
-
-            def startProducing(self, consumer):
-                consumer.write(b"abc")
-                consumer.write(b"")
-                from twisted.internet.defer import succeed
-                return succeed(None)
-
-            def stopProducing(self):
-                pass
-
-        self.client.request(b"PUT", URL, None, Stream())
+    def test_another_producers_body_is_read_whole_then_sent_with_its_length(self):
+        producer = Producer(UNKNOWN_LENGTH)
+        d = self.client.request(b"PUT", URL, None, producer)
+        producer.consumer.write(b"abc")
+        producer.consumer.write(b"de")
+        self.assertEqual(self.reactor.tcpClients, [], "nothing dialled while the body is read")
+        producer.done.callback(None)
         self.assertEqual(Wire(self.reactor).sent(),
                          b"PUT /api/chat HTTP/1.1\r\nHost: 10.0.0.1:11434\r\n"
-                         b"Transfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n")
+                         b"Content-Length: 5\r\n\r\nabcde")
+        self.assertNoResult(d)
 
-    def test_a_body_that_fails_to_produce_fails_the_request(self):
-        from twisted.internet.defer import fail
+    def test_a_body_that_fails_or_misstates_its_length_fails_the_request_undialled(self):
+        for length, outcome in ((4, "fail"), (9, "short")):
+            producer = Producer(length)
+            d = self.client.request(b"POST", URL, None, producer)
+            producer.consumer.write(b"abcd")
+            if outcome == "fail":
+                producer.done.errback(ValueError("disk"))
+            else:
+                producer.done.callback(None)
+            failure = self.failureResultOf(d, RequestTransmissionFailed)
+            self.assertTrue(failure.value.reasons[0].check(ValueError))
+        self.assertEqual(self.reactor.tcpClients, [])
 
-        @implementer(IBodyProducer)
-        class Broken:
-            length = 4
-
-            def startProducing(self, consumer):
-                return fail(ValueError("disk"))
-
-            def stopProducing(self):
-                pass
-
-        d = self.client.request(b"POST", URL, None, Broken())
-        wire = Wire(self.reactor)
-        failure = self.failureResultOf(d, RequestTransmissionFailed)
-        self.assertTrue(failure.value.reasons[0].check(ValueError))
-        self.assertTrue(wire.transport.disconnected)
+    def test_a_cancel_while_the_body_is_read_stops_its_producer(self):
+        producer = Producer(3)
+        d = self.client.request(b"POST", URL, None, producer)
+        d.cancel()
+        self.failureResultOf(d, CancelledError)
+        self.assertTrue(producer.stopped)
+        producer.done.callback(None)
+        self.assertEqual(self.reactor.tcpClients, [])
 
     def test_whitespace_in_the_target_is_refused_before_anything_is_sent(self):
         self.assertRaises(ValueError, self.client.request, b"GET", URL + b" HTTP/1.1\r\nX: y")
@@ -221,6 +233,26 @@ class ResponseTests(ClientCase):
                                       b"Link: x\r\n\r\n" + OK)
         self.assertEqual((response.code, self.body_of(response).body), (200, b"hello"))
 
+    def test_heads_with_bare_lf_line_ends_are_read(self):
+        for data in (b"HTTP/1.1 200 OK\nContent-Length: 2\n\nok",
+                     b"HTTP/1.1 200 OK\nContent-Length: 2\n\r\nok",
+                     b"HTTP/1.1 200 OK\r\nContent-Length: 2\n\nok"):
+            response, wire = self.respond(data)
+            self.assertEqual((response.code, self.body_of(response).body), (200, b"ok"), data)
+
+    def test_a_flood_of_interim_responses_is_read_without_recursion(self):
+        response, wire = self.respond(b"HTTP/1.1 100 Continue\r\n\r\n" * 5000 + OK)
+        self.assertEqual(self.body_of(response).body, b"hello")
+
+    def test_a_length_beside_chunked_is_dropped_and_the_connection_not_reused(self):
+        response, wire = self.respond(b"HTTP/1.1 200 OK\r\nContent-Length: 3\r\n"
+                                      b"Transfer-Encoding: chunked\r\n\r\n"
+                                      b"5\r\nhello\r\n0\r\n\r\n")
+        self.assertIsNone(response.headers.getRawHeaders(b"content-length"))
+        self.assertEqual(self.body_of(response).body, b"hello")
+        self.assertTrue(wire.transport.disconnected)
+        self.assertEqual(self.pool.idle_count(), 0)
+
     def test_a_head_split_anywhere_is_read_alike(self):
         d = self.client.request(b"GET", URL)
         wire = Wire(self.reactor)
@@ -248,7 +280,9 @@ class ResponseTests(ClientCase):
     def test_an_unframeable_head_fails_the_request_and_aborts(self):
         for data in (b"HTTP/1.1 200 OK\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\n",
                      b"SSH-2.0-OpenSSH\r\n\r\n", b"HTTP/1.1 101 Switching\r\n\r\n",
-                     b"HTTP/1.1 200 OK\r\nX: " + b"a" * 70000):
+                     b"HTTP/1.1 000 Zero\r\n\r\n",
+                     b"HTTP/1.1 200 OK\r\nX: " + b"a" * 70000,
+                     b"HTTP/1.1 200 OK\r\nX: " + b"a" * 70000 + b"\r\n\r\n"):
             d = self.client.request(b"GET", URL)
             wire = Wire(self.reactor)
             wire.reply(data)
@@ -407,7 +441,8 @@ class PoolTests(ClientCase):
     def test_close_cached_connections_fires_once_they_are_all_gone(self):
         first, second = self.idle_connections(2)
         d = self.pool.closeCachedConnections()
-        self.assertTrue(first.transport.disconnecting and second.transport.disconnecting)
+        self.assertTrue(first.transport.disconnected and second.transport.disconnected,
+                        "aborted: a graceful TLS close waits for a peer's close_notify")
         self.assertEqual(self.reactor.getDelayedCalls(), [])
         first.close()
         self.assertNoResult(d)
@@ -430,7 +465,9 @@ class TLSTests(ClientCase):
         client = Client(self.reactor, self.pool, tls=Policy())
         client.request(b"GET", b"https://10.0.0.2:9443/v1/models")
         client.request(b"GET", b"https://10.0.0.2:9443/v1/other")
-        self.assertEqual(asked, [(b"10.0.0.2", 9443)], "one creator per origin")
+        self.assertEqual(asked, [(b"10.0.0.2", 9443)] * 2,
+                         "asked at every new connection: the pinned-peer policy reads this "
+                         "node's current identity then")
         self.assertEqual(self.reactor.tcpClients[0][:2], ("10.0.0.2", 9443))
         hello = Wire(self.reactor, 0).sent()
         self.assertEqual(hello[:2], b"\x16\x03", "a TLS handshake, not plaintext HTTP")
