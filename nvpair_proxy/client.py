@@ -20,11 +20,15 @@ framed; cancellation; and no automatic retry (the pools had ``retryAutomatically
 
 from __future__ import annotations
 
+import math
+import socket
+
 from twisted.internet.abstract import isIPAddress, isIPv6Address
 from twisted.internet.defer import Deferred, DeferredList
 from twisted.internet.endpoints import (HostnameEndpoint, TCP4ClientEndpoint, TCP6ClientEndpoint,
                                         wrapClientTLS)
-from twisted.internet.interfaces import IConsumer, IDelayedCall, IPushProducer
+from twisted.internet.interfaces import (IConsumer, IDelayedCall, IPushProducer,
+                                         IStreamClientEndpoint, ITCPTransport)
 from twisted.internet.protocol import Factory, Protocol
 from twisted.python.failure import Failure
 from twisted.web.client import (BrowserLikePolicyForHTTPS, RequestTransmissionFailed,
@@ -80,8 +84,8 @@ class Client:
 
     def __init__(self, reactor, pool: "ConnectionPool | None" = None, *,
                  connect_timeout: float = constants.DIAL_TIMEOUT,
-                 tls: IPolicyForHTTPS | None = None) -> None:
-        self.reactor, self.connect_timeout = reactor, connect_timeout
+                 tls: IPolicyForHTTPS | None = None, keepalive: float = 0.0) -> None:
+        self.reactor, self.connect_timeout, self.keepalive = reactor, connect_timeout, keepalive
         self.pool = pool if pool is not None else ConnectionPool(reactor)
         self.tls = tls
         self._origins: dict[bytes, Origin] = {}
@@ -184,6 +188,8 @@ class Client:
         else:
             endpoint = HostnameEndpoint(self.reactor, host, port, timeout=self.connect_timeout)
             named = host
+        if self.keepalive > 0:
+            endpoint = KeepAliveEndpoint(endpoint, self.keepalive)
         policy = None
         if parsed.scheme == b"https":
             policy = self.tls if self.tls is not None else BrowserLikePolicyForHTTPS()
@@ -195,6 +201,40 @@ class Client:
             self._origins.clear()
         self._origins[base] = origin
         return origin
+
+
+@implementer(IStreamClientEndpoint)
+class KeepAliveEndpoint:
+    """A TCP endpoint whose connections probe an idle peer (under TLS, if any).
+
+    Without it a peer whose host died or whose link was cut after commit holds the request
+    until the client gives up: nothing arrives, and the kernel's default keepalive starts
+    after two hours. ``TCP_USER_TIMEOUT`` bounds unacknowledged data the same way (a request
+    sent into a dead link). A live engine that is merely silent still answers the probes;
+    ``--stream-idle-timeout`` is for that.
+    """
+
+    def __init__(self, endpoint, seconds: float,
+                 probes: int = constants.UPSTREAM_KEEPALIVE_PROBES) -> None:
+        self.endpoint, self.probes = endpoint, probes
+        self.seconds = max(1, math.ceil(seconds))
+
+    def connect(self, factory) -> Deferred:
+        return self.endpoint.connect(factory).addCallback(self._probe)
+
+    def _probe(self, protocol):
+        transport = protocol.transport
+        if not ITCPTransport.providedBy(transport):
+            return protocol  # in memory (tests): nothing to set
+        transport.setTcpKeepAlive(True)
+        handle = transport.getHandle()
+        for name, value in (("TCP_KEEPIDLE", self.seconds), ("TCP_KEEPINTVL", self.seconds),
+                            ("TCP_KEEPCNT", self.probes),
+                            ("TCP_USER_TIMEOUT", 1000 * self.seconds * (1 + self.probes))):
+            option = getattr(socket, name, None)
+            if option is not None:
+                handle.setsockopt(socket.IPPROTO_TCP, option, value)
+        return protocol
 
 
 class _Dial:

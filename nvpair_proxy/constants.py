@@ -7,6 +7,12 @@ spec = ../shared/spec/engine-proxy.md, protocol = ../shared/protocol.md.
 MAX_DISPATCH_ATTEMPTS = 5
 JOB_DEADLINE = 600.0
 DIAL_TIMEOUT = 10.0
+# TCP keepalive on upstream connections (--upstream-keepalive): probes after this many idle
+# seconds, then one every as many seconds; UPSTREAM_KEEPALIVE_PROBES unanswered ones (or
+# unacknowledged data for as long) end the connection. A dead link or host is then noticed in
+# at most 15 + 4 x 15 = 75 s, where the kernel's defaults take over two hours.
+UPSTREAM_KEEPALIVE = 15.0
+UPSTREAM_KEEPALIVE_PROBES = 4
 DEFAULT_RESPONSE_TIMEOUT = 30 * 60.0
 
 # protocol 7: backoff by dispatches so far (last repeating), with +-25% jitter.

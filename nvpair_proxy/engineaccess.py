@@ -205,8 +205,8 @@ class EngineAgents:
     """One pooled HTTPS Agent per distinct TLS configuration; closed at shutdown."""
 
     def __init__(self, reactor, agent: IAgent, connect_timeout: float, idle_timeout: float,
-                 max_idle_per_host: int = 256) -> None:
-        self.reactor, self.agent = reactor, agent
+                 max_idle_per_host: int = 256, keepalive: float = 0.0) -> None:
+        self.reactor, self.agent, self.keepalive = reactor, agent, keepalive
         self.connect_timeout, self.idle_timeout = connect_timeout, idle_timeout
         self.max_idle_per_host = max_idle_per_host
         self._agents: dict[EngineTLS, tuple] = {}
@@ -225,7 +225,7 @@ class EngineAgents:
             pool = ConnectionPool(self.reactor, max_idle_per_host=self.max_idle_per_host,
                                   idle_timeout=self.idle_timeout)
             agent = Client(self.reactor, pool, connect_timeout=self.connect_timeout,
-                           tls=EnginePolicy(tls))
+                           tls=EnginePolicy(tls), keepalive=self.keepalive)
             entry = self._agents[tls] = (agent, pool)
         return entry[0]
 

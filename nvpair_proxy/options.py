@@ -59,9 +59,18 @@ def admin_address(text: str) -> tuple[str, int]:
     return str(ip_of(host)), int(port)
 
 
+def parse_keepalive(text: str) -> float:
+    """A keepalive period: a duration of at most an hour (0 turns keepalive off)."""
+    value = parse_duration(text)
+    if value > 3600:
+        raise ValueError(f"at most 1h (got {text.strip()!r})")
+    return value
+
+
 class Options(usage.Options):
     synopsis = ("[--ipc PATH] [--cluster-dir DIR] [--log-level LEVEL] "
                 "[--response-header-timeout DURATION] [--stream-idle-timeout DURATION] "
+                "[--upstream-keepalive DURATION] "
                 "[--state-dir DIR] [--api-keys-file FILE] [--allowed-cidrs LIST] "
                 "[--admin HOST:PORT] [--log-format text|json] [--access-log] [--version] "
                 "[--engine ENGINE[:PORT]]... [--nodes FILE] [--engines-dir DIR]")
@@ -78,6 +87,10 @@ class Options(usage.Options):
         ["stream-idle-timeout", None, None,
          "After commit, close an upstream silent this long: seconds or 30m-style (default "
          "$NVPAIR_PROXY_STREAM_IDLE_TIMEOUT, else 0: off, the spec's behaviour)."],
+        ["upstream-keepalive", None, None,
+         "TCP keepalive toward engines and peers: probe after this long idle, then as often; "
+         "4 unanswered end the connection (default $NVPAIR_PROXY_UPSTREAM_KEEPALIVE, else "
+         "15s; 0 disables)."],
         ["state-dir", None, None, "Where persisted ports live (default $STATE_DIRECTORY, else "
                                   "~/.config/Nvidia Corporation/Personal AI Router)."],
         ["nodes", None, None, "Standalone fleet: a TOML nodes file, reloaded on change."],
@@ -132,6 +145,10 @@ class Options(usage.Options):
         self["stream-idle"] = self._parsed("stream-idle-timeout",
                                            "NVPAIR_PROXY_STREAM_IDLE_TIMEOUT", "0",
                                            parse_duration)
+        self["upstream-keepalive"] = self._parsed("upstream-keepalive",
+                                                  "NVPAIR_PROXY_UPSTREAM_KEEPALIVE",
+                                                  str(constants.UPSTREAM_KEEPALIVE),
+                                                  parse_keepalive)
         if self["admin"] is not None:
             self["admin"] = admin_address(self["admin"])
         if self["log-format"] not in LOG_FORMATS:

@@ -72,7 +72,8 @@ class Runtime:
         set_level(options["log-level"])
         set_access_log(options["access-log"])
         pool = make_pool(reactor)
-        agent = Client(reactor, pool, connect_timeout=constants.DIAL_TIMEOUT)
+        agent = Client(reactor, pool, connect_timeout=constants.DIAL_TIMEOUT,
+                       keepalive=options["upstream-keepalive"])
         recorder = None
         if options["admin"] is not None:
             from .recorder import Recorder
@@ -82,7 +83,8 @@ class Runtime:
                                  stream_idle=options["stream-idle"]), pool=pool,
                    agent=agent, activity=ActivityThrottle(emitter, reactor.seconds),
                    engine_agents=EngineAgents(reactor, agent, constants.DIAL_TIMEOUT,
-                                              constants.POOL_IDLE_TIMEOUT))
+                                              constants.POOL_IDLE_TIMEOUT,
+                                              keepalive=options["upstream-keepalive"]))
 
     def facade(self, engine) -> Facade:
         facade = make_facade(engine, clock=self.reactor, agent=self.agent, emitter=self.emitter,
@@ -391,7 +393,8 @@ def broker_tree(options: Options, reactor) -> ProcessService:
         from .trust import ClusterDirectory, PeerAgents
         directory = ClusterDirectory(options["cluster-dir"])
         peer_agents = PeerAgents(reactor, directory, constants.DIAL_TIMEOUT,
-                                 constants.POOL_IDLE_TIMEOUT)
+                                 constants.POOL_IDLE_TIMEOUT,
+                                 keepalive=options["upstream-keepalive"])
     RuntimeService(runtime, peer_agents).setServiceParent(root)
     add_admin(root, options, reactor, "broker")
     link.setServiceParent(root)

@@ -324,8 +324,8 @@ class PeerAgents:
     """One pooled HTTPS transport per pinned peer (protocol 6), closed at shutdown."""
 
     def __init__(self, reactor, directory: ClusterDirectory, connect_timeout: float,
-                 idle_timeout: float) -> None:
-        self.reactor, self.directory = reactor, directory
+                 idle_timeout: float, keepalive: float = 0.0) -> None:
+        self.reactor, self.directory, self.keepalive = reactor, directory, keepalive
         self.connect_timeout, self.idle_timeout = connect_timeout, idle_timeout
         self._agents: dict[str, tuple] = {}
 
@@ -340,7 +340,8 @@ class PeerAgents:
         if entry is None:
             pool = ConnectionPool(self.reactor, max_idle_per_host=16, idle_timeout=self.idle_timeout)
             agent = Client(self.reactor, pool, connect_timeout=self.connect_timeout,
-                           tls=PinnedPolicy(self.directory, node.cluster_uuid))
+                           tls=PinnedPolicy(self.directory, node.cluster_uuid),
+                           keepalive=self.keepalive)
             entry = self._agents[node.cluster_uuid] = (agent, pool, pin)
         return entry[0]
 

@@ -291,7 +291,7 @@ class Topology:
 
     def __init__(self, *, delay_host: str | None = None, delay: float = 0.1,
                  header_timeout: str = "2", tokens: int = 6, token_delay: float = 0.02,
-                 log=None) -> None:
+                 keepalive: str | None = None, log=None) -> None:
         self.run_id = f"{PREFIX}{os.getpid()}-{secrets.token_hex(2)}"
         self.workdir = tempfile.mkdtemp(prefix=f"{self.run_id}-")
         self.switch = f"{self.run_id}-sw"
@@ -299,6 +299,7 @@ class Topology:
         self.delay_host, self.delay = delay_host, delay
         self.delay_mode = ""
         self.header_timeout = header_timeout
+        self.keepalive = keepalive  # --upstream-keepalive, when not the default
         self.tokens, self.token_delay = tokens, token_delay
         self.namespaces: list[str] = []
         self.processes: list[subprocess.Popen] = []
@@ -472,7 +473,8 @@ class Topology:
             host.proxy = self.spawn(host.key, TWISTD + [
                 "-n", "--pidfile=", "nvpair-proxy", "--ipc", host.broker.path,
                 "--cluster-dir", host.cluster_dir, "--state-dir", host.file("state"),
-                "--response-header-timeout", self.header_timeout, "--log-level", "debug"],
+                "--response-header-timeout", self.header_timeout, "--log-level", "debug",
+                *(["--upstream-keepalive", self.keepalive] if self.keepalive else [])],
                 log_name="proxy.log", stdout=None)
         if self.delay_mode == "relay":
             host = self.hosts[self.delay_host]

@@ -4,12 +4,19 @@ records each dial and a ``StringTransport`` is the engine's end of the wire."""
 
 from __future__ import annotations
 
+import socket
+
 from twisted.internet import error as ierror
 from twisted.internet.defer import CancelledError, Deferred
 from twisted.internet.protocol import Protocol
 from twisted.internet.testing import MemoryReactorClock, StringTransport
 from twisted.python.failure import Failure
-from twisted.trial.unittest import SynchronousTestCase
+from twisted.internet import reactor
+from twisted.internet.defer import inlineCallbacks
+from twisted.trial.unittest import SynchronousTestCase, TestCase
+from twisted.web.client import readBody
+from twisted.web.server import Site
+from twisted.web.resource import Resource
 from twisted.web.client import (ResponseDone, ResponseFailed, ResponseNeverReceived,
                                 RequestTransmissionFailed)
 from twisted.web.http import PotentialDataLoss
@@ -472,3 +479,44 @@ class TLSTests(ClientCase):
         hello = Wire(self.reactor, 0).sent()
         self.assertEqual(hello[:2], b"\x16\x03", "a TLS handshake, not plaintext HTTP")
         self.assertNotIn(b"GET /v1/models", hello)
+
+
+class Ok(Resource):
+    isLeaf = True
+
+    def render_GET(self, request) -> bytes:
+        return b"ok"
+
+
+class KeepAliveTests(TestCase):
+    """Real sockets, since the socket options are the point."""
+
+    @inlineCallbacks
+    def connection_options(self, keepalive: float) -> dict:
+        site = Site(Ok(), timeout=None)  # no idle timer left behind by the server side
+        port = reactor.listenTCP(0, site, interface="127.0.0.1")
+        self.addCleanup(port.stopListening)
+        pool = ConnectionPool(reactor)
+        self.addCleanup(pool.closeCachedConnections)
+        client = Client(reactor, pool, keepalive=keepalive)
+        number = port.getHost().port
+        response = yield client.request(b"GET", b"http://127.0.0.1:%d/" % number)
+        self.assertEqual((yield readBody(response)), b"ok")
+        connection = pool.take((b"http", b"127.0.0.1", number))
+        pool.give(connection)
+        handle = connection.transport.getHandle()
+        return {name: handle.getsockopt(level, getattr(socket, name)) for level, name in (
+            (socket.SOL_SOCKET, "SO_KEEPALIVE"), (socket.IPPROTO_TCP, "TCP_KEEPIDLE"),
+            (socket.IPPROTO_TCP, "TCP_KEEPINTVL"), (socket.IPPROTO_TCP, "TCP_KEEPCNT"),
+            (socket.IPPROTO_TCP, "TCP_USER_TIMEOUT"))}
+
+    @inlineCallbacks
+    def test_upstream_connections_probe_an_idle_peer(self):
+        options = yield self.connection_options(7.5)
+        self.assertEqual(options, {"SO_KEEPALIVE": 1, "TCP_KEEPIDLE": 8, "TCP_KEEPINTVL": 8,
+                                   "TCP_KEEPCNT": 4, "TCP_USER_TIMEOUT": 40_000})
+
+    @inlineCallbacks
+    def test_zero_leaves_the_kernels_defaults(self):
+        options = yield self.connection_options(0)
+        self.assertEqual((options["SO_KEEPALIVE"], options["TCP_USER_TIMEOUT"]), (0, 0))

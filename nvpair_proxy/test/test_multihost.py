@@ -163,11 +163,11 @@ class MultiHostTests(SynchronousTestCase):
         self.assertNoWorkloads("b", "c")
 
     def test_the_link_cut_after_commit_gives_the_client_a_truncated_body_and_completed(self):
-        """Cutting B's link silences the stream: nothing in the proxy ends a silent upstream
-        after commit (spec 5.2, known gap), so the client keeps waiting. The kernel's own
-        verdict on the dead path (what a TCP keepalive or user timeout would deliver) is
-        ``ss -K`` on A's sockets to B; from there the client must see a truncated body and
-        the workload must be ``completed`` (spec 1.1, 5.4)."""
+        """Cutting B's link silences the stream: until the upstream keepalive's verdict (75 s
+        by default; the next test shortens it) nothing ends a silent upstream after commit
+        (spec 5.2, known gap), so the client keeps waiting. The kernel's verdict on the dead
+        path is given here at once with ``ss -K`` on A's sockets to B; from there the client
+        must see a truncated body and the workload must be ``completed`` (spec 1.1, 5.4)."""
         self.needs_ss()
         t = self.topo = self.topology(tokens=60, token_delay=0.05)
         t.set_priority("a", ["b", "c", "a"])
@@ -185,6 +185,30 @@ class MultiHostTests(SynchronousTestCase):
         self.assertLess(len(lines), 60)
         _report(f"multihost: link cut after commit: client got {len(lines)} of 60 lines, "
                 f"truncated, after {result['elapsed']:.2f}s")
+        (events,) = t.hosts["a"].broker.terminal(1).values()
+        self.assertWorkload(events, ["b"], final="completed")
+        self.assertNoWorkloads("b", "c")
+
+    def test_the_link_cut_after_commit_is_noticed_by_the_proxys_keepalive(self):
+        """The same cut with no one to give the kernel's verdict: the upstream connection's
+        TCP keepalive (``--upstream-keepalive 1``: a probe after 1 s of silence, then every
+        second, four unanswered) ends it by itself, and the client gets its truncated body
+        and the workload is ``completed``, within seconds rather than never."""
+        t = self.topo = self.topology(tokens=60, token_delay=0.05, keepalive="1")
+        t.set_priority("a", ["b", "c", "a"])
+        client = t.chat("a")
+        client.wait_body()
+        time.sleep(0.3)
+        t.cut("b")
+        cut_at = time.monotonic()
+        result = client.result(timeout=30)[0]
+        noticed = time.monotonic() - cut_at
+        lines = self.assertStream(result, "gpu-b", tokens=60, complete=False)
+        self.assertGreater(len(lines), 0)
+        self.assertLess(len(lines), 60)
+        self.assertLess(noticed, 15, "noticed by the keepalive (1 s + 4 probes), not later")
+        _report(f"multihost: link cut after commit, keepalive 1s: client got {len(lines)} of "
+                f"60 lines, truncated {noticed:.1f}s after the cut")
         (events,) = t.hosts["a"].broker.terminal(1).values()
         self.assertWorkload(events, ["b"], final="completed")
         self.assertNoWorkloads("b", "c")

@@ -109,6 +109,21 @@ class DefaultsTests(OptionsCase):
                          "nvpair-proxy: --stream-idle-timeout: not a duration: 'later' "
                          "(use seconds or e.g. 90s, 30m, 1h30m)")
 
+    def test_upstream_keepalive_defaults_to_15s_and_0_turns_it_off(self) -> None:
+        self.assertEqual(self.parse()["upstream-keepalive"], 15.0)
+        self.assertEqual(self.parse("--upstream-keepalive", "0")["upstream-keepalive"], 0.0)
+        self.environ["NVPAIR_PROXY_UPSTREAM_KEEPALIVE"] = "1m"
+        self.assertEqual(self.parse()["upstream-keepalive"], 60.0)
+        self.assertEqual(self.parse("--upstream-keepalive", "5")["upstream-keepalive"], 5.0)
+
+    def test_bad_upstream_keepalive(self) -> None:
+        self.assertEqual(self.refused("--upstream-keepalive", "2h"),
+                         "nvpair-proxy: --upstream-keepalive: at most 1h (got '2h')")
+        self.environ["NVPAIR_PROXY_UPSTREAM_KEEPALIVE"] = "often"
+        self.assertEqual(self.refused(),
+                         "nvpair-proxy: NVPAIR_PROXY_UPSTREAM_KEEPALIVE: not a duration: 'often' "
+                         "(use seconds or e.g. 90s, 30m, 1h30m)")
+
     def test_ipc_and_cluster_dir(self) -> None:
         cluster = self.mktemp()
         os.mkdir(cluster)
