@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import socket
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from twisted.internet import error as ierror
 from twisted.internet.defer import CancelledError, Deferred
 from twisted.internet.protocol import Protocol
@@ -520,3 +522,44 @@ class KeepAliveTests(TestCase):
     def test_zero_leaves_the_kernels_defaults(self):
         options = yield self.connection_options(0)
         self.assertEqual((options["SO_KEEPALIVE"], options["TCP_USER_TIMEOUT"]), (0, 0))
+
+
+class HostileEngineProperties(SynchronousTestCase):
+    """Whatever an engine or peer sends, split however: nothing escapes the protocol, the
+    request's Deferred fires once, and a delivered body ends exactly once when the connection
+    goes: the attempt above always learns how its dispatch ended."""
+
+    @settings(max_examples=settings.default.max_examples, deadline=None)
+    @given(data=st.one_of(st.binary(max_size=600), st.builds(
+               lambda head, body: head + body,
+               st.sampled_from([b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n",
+                                b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\n",
+                                b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 204 No\r\n\r\n",
+                                b"HTTP/1.0 200 OK\n\n"]),
+               st.binary(max_size=300))),
+           cuts=st.lists(st.integers(0, 1000), max_size=12), method=st.sampled_from([b"GET", b"HEAD"]))
+    def test_any_reply_ends_the_request_once(self, data, cuts, method):
+        reactor = MemoryReactorClock()
+        client = Client(reactor, ConnectionPool(reactor))
+        d = client.request(method, URL)
+        wire = Wire(reactor)
+        outcomes: list = []
+        bodies: list[Collect] = []
+
+        def got(response):
+            body = Collect()
+            bodies.append(body)
+            response.deliverBody(body)
+            outcomes.append("response")
+
+        d.addCallbacks(got, lambda failure: outcomes.append(failure.type))
+        points = sorted({c % (len(data) + 1) for c in cuts})
+        for a, b in zip([0] + points, points + [len(data)]):
+            if data[a:b] and not wire.transport.disconnected:
+                wire.reply(data[a:b])
+        wire.close()
+        self.assertEqual(len(outcomes), 1, outcomes)
+        if outcomes[0] == "response":
+            self.assertIsNotNone(bodies[0].reason, "the body never ended")
+        else:
+            self.assertIn(outcomes[0], (ResponseFailed, ResponseNeverReceived))

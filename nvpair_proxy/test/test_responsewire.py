@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from twisted.trial.unittest import SynchronousTestCase
 
 from nvpair_proxy.responsewire import (CHUNKED, LENGTH, UNTIL_CLOSE, ChunkedBody, WireError,
-                                       body_framing, parse_head, persistent)
+                                       body_framing, find_head_end, parse_head, persistent)
 
 
 def head(*lines: bytes, status: bytes = b"HTTP/1.1 200 OK"):
@@ -88,3 +90,75 @@ class ChunkedTests(SynchronousTestCase):
         for wire in (b"zz\r\n", b"5\r\nhelloXY", b"-1\r\n", b"\r\n", b"1" * 17 + b"\r\n",
                      b"5" * 5000):
             self.assertRaises(WireError, ChunkedBody(lambda data: None).feed, wire)
+
+
+# -- hostile and random input: an engine or peer is a surface a stranger can write to ------
+
+FUZZ = settings.default.max_examples
+
+
+def splits(data: bytes, cuts: list[int]) -> list[bytes]:
+    """``data`` in non-empty pieces, cut where ``cuts`` say."""
+    points = sorted({c % (len(data) + 1) for c in cuts})
+    pieces = [data[a:b] for a, b in zip([0] + points, points + [len(data)])]
+    return [piece for piece in pieces if piece]
+
+
+class ChunkedProperties(SynchronousTestCase):
+    @settings(max_examples=FUZZ, deadline=None)
+    @given(body=st.binary(max_size=2000), sizes=st.lists(st.integers(1, 300), max_size=40),
+           extension=st.sampled_from([b"", b";x=1", b" ;name=\"v\""]),
+           trailers=st.sampled_from([b"", b"X-T: 1\r\n", b"A: b\r\nC: d\r\n"]),
+           upper=st.booleans(), cuts=st.lists(st.integers(0, 10_000), max_size=30))
+    def test_any_chunking_split_anywhere_decodes_to_the_body(self, body, sizes, extension,
+                                                             trailers, upper, cuts):
+        wire, position = b"", 0
+        for size in sizes + [len(body)]:
+            piece = body[position:position + size]
+            if not piece:
+                break
+            digits = b"%x" % len(piece)
+            wire += (digits.upper() if upper else digits) + extension + b"\r\n" + piece + b"\r\n"
+            position += len(piece)
+        wire += b"0" + extension + b"\r\n" + trailers + b"\r\n"
+        out: list[bytes] = []
+        decoder = ChunkedBody(out.append)
+        rests = [decoder.feed(piece) for piece in splits(wire, cuts)]
+        self.assertEqual(b"".join(out), body)
+        self.assertEqual([r for r in rests if r is not None], [b""])
+        self.assertIsNotNone(rests[-1])
+
+    @settings(max_examples=FUZZ, deadline=None)
+    @given(data=st.binary(max_size=3000), cuts=st.lists(st.integers(0, 10_000), max_size=20))
+    def test_arbitrary_bytes_are_decoded_or_refused_never_anything_else(self, data, cuts):
+        decoder = ChunkedBody(lambda piece: None)
+        try:
+            for piece in splits(data, cuts):
+                if decoder.feed(piece) is not None:
+                    break
+        except WireError:
+            pass
+
+
+class HeadProperties(SynchronousTestCase):
+    @settings(max_examples=FUZZ, deadline=None)
+    @given(data=st.binary(max_size=2000), method=st.sampled_from([b"GET", b"HEAD", b"POST"]))
+    def test_arbitrary_heads_parse_or_are_refused_never_anything_else(self, data, method):
+        try:
+            head = parse_head(data)
+            framing, length = body_framing(head, method)
+            persistent(head, framing)
+        except WireError:
+            return
+        self.assertIn(framing, (LENGTH, CHUNKED, UNTIL_CLOSE))
+        self.assertTrue(length == -1 or length >= 0)
+
+    @settings(max_examples=FUZZ, deadline=None)
+    @given(data=st.binary(max_size=500))
+    def test_the_end_of_a_head_is_found_in_any_bytes_or_not_at_all(self, data):
+        found = find_head_end(data)
+        if found is not None:
+            end, after = found
+            self.assertLessEqual(end, after)
+            self.assertLessEqual(after, len(data))
+            self.assertIn(data[end:after], (b"\r\n\r\n", b"\n\n", b"\n\r\n"))
