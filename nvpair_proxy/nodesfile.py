@@ -122,6 +122,10 @@ def load_nodes_file(path: str, engines: Mapping[str, Engine]) -> Fleet:
 class NodesFileWatcher(TimerService):
     """Checks the file every 2 s and applies a changed, valid file (design decision 15).
 
+    The TLS files the fleet names (``ca_file``, ``cert_file``, ``key_file``) are watched with
+    it: a rotated CA or client certificate reloads the fleet, and the changed material is a
+    new TLS configuration, so no connection made with the old one is reused.
+
     A TimerService, so the watch runs exactly while the standalone tree does.
     """
 
@@ -131,11 +135,13 @@ class NodesFileWatcher(TimerService):
         super().__init__(interval, self.check)
         self.path, self.engines, self.clock, self.apply = path, engines, clock, apply
         self._stamp = None
+        self._tls_files: tuple[str, ...] = ()
 
     def load(self) -> Fleet:
         """The first load: errors propagate, because a bad file must stop start-up."""
-        self._stamp = self._current_stamp()
         fleet = load_nodes_file(self.path, self.engines)
+        self._tls_files = tls_files(fleet)
+        self._stamp = self._current_stamp()
         self.apply(fleet)
         return fleet
 
@@ -150,7 +156,22 @@ class NodesFileWatcher(TimerService):
             log.warn("nodes file not reloaded, keeping the last good one: {why}", why=str(exc))
             return
         log.info("nodes file reloaded: {path}", path=self.path)
+        files = tls_files(fleet)
+        if files != self._tls_files:
+            self._tls_files = files
+            self._stamp = self._current_stamp()
         self.apply(fleet)
 
     def _current_stamp(self):
-        return stamp(self.path)
+        return stamp(self.path), tuple(stamp(path) for path in self._tls_files)
+
+
+def tls_files(fleet: Fleet) -> tuple[str, ...]:
+    """Every TLS file the fleet's nodes name, once each, in a stable order."""
+    paths = set()
+    for nodes in fleet.nodes.values():
+        for node in nodes:
+            tls = node.access.tls if node.access is not None else None
+            if tls is not None:
+                paths.update(p for p in (tls.ca_file, tls.cert_file, tls.key_file) if p)
+    return tuple(sorted(paths))

@@ -296,6 +296,26 @@ class WatcherTests(SynchronousTestCase):
         self.assertEqual(self.applied[1].probed, frozenset({("ollama", "gpu-b")}))
         self.assertEqual(self.messages(LogLevel.info), [f"nodes file reloaded: {self.path}"])
 
+    def test_a_rotated_ca_file_reloads_the_fleet_with_the_new_material(self) -> None:
+        from nvpair_proxy.test.certs import TestCA
+        ca_path = os.path.join(os.path.dirname(self.path), "engines-ca.pem")
+        write(ca_path, TestCA("old").pem, self.stamp)
+        self.rewrite('[[node]]\nid = "gpu-a"\naddress = "10.0.0.1"\n'
+                     '[node.engines.ollama]\nscheme = "https"\nca_file = "engines-ca.pem"\n'
+                     'models = ["llama3:latest"]\n')
+        first = self.watcher.load().nodes["ollama"][0].access.tls
+        self.watcher.startService()
+        self.clock.advance(2)
+        self.assertEqual(len(self.applied), 1, "nothing changed, nothing reloaded")
+        write(ca_path, TestCA("new").pem, self.stamp + 10**9)  # the nodes file untouched
+        self.clock.advance(2)
+        self.assertEqual(len(self.applied), 2)
+        second = self.applied[1].nodes["ollama"][0].access.tls
+        self.assertEqual(second.ca_file, ca_path)
+        self.assertNotEqual(second, first, "a new TLS configuration: a fresh pool")
+        self.clock.advance(2)
+        self.assertEqual(len(self.applied), 2)
+
     def test_unchanged_file_is_not_reapplied(self) -> None:
         self.watcher.load()
         self.watcher.startService()
