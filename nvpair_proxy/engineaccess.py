@@ -229,6 +229,14 @@ class EngineAgents:
             entry = self._agents[tls] = (agent, pool)
         return entry[0]
 
+    def retain(self, configs) -> None:
+        """Forget the clients of TLS configurations no node uses any more (a node removed, a
+        CA rotated): their idle connections close now; requests still on one finish, and
+        its connections then close with its pool's idle timer."""
+        for tls in [tls for tls in self._agents if tls not in configs]:
+            _, pool = self._agents.pop(tls)
+            pool.closeCachedConnections()
+
     def tls_failed(self, node_id: str, problem: str) -> None:
         """Once per node per change of the reason: an engine whose certificate stays bad
         does not fill the log, and a new problem is still seen."""

@@ -204,9 +204,10 @@ class Standalone(MultiService):
 
     name = "standalone"
 
-    def __init__(self, options: Options, reactor, facades: Facades) -> None:
+    def __init__(self, options: Options, reactor, facades: Facades,
+                 engine_agents: EngineAgents | None = None) -> None:
         super().__init__()
-        self.options, self.facades = options, facades
+        self.options, self.facades, self.engine_agents = options, facades, engine_agents
         self.probed: frozenset = frozenset()
         self.watcher: NodesFileWatcher | None = None
         if options["nodes"]:
@@ -248,6 +249,14 @@ class Standalone(MultiService):
                     node = attrs.evolve(node, models=old.models, advertised=old.advertised)
                 nodes.append(node)
             facade.router.replace_discovered(nodes)
+        if self.engine_agents is not None:
+            self.engine_agents.retain(tls_configs(fleet))
+
+
+def tls_configs(fleet: Fleet) -> set:
+    """The TLS configurations the fleet's nodes use."""
+    return {node.access.tls for nodes in fleet.nodes.values() for node in nodes
+            if node.access is not None and node.access.tls is not None}
 
 
 def stop_once(reactor) -> None:
@@ -376,7 +385,7 @@ def standalone_tree(options: Options, reactor) -> ProcessService:
     add_admin(root, options, reactor, "standalone")
     facades = Facades(make_facade=runtime.facade, listen=listen_on(reactor),
                       make_prober=runtime.prober, clock=reactor, lan=lan_gate(options, reactor))
-    Standalone(options, reactor, facades).setServiceParent(root)
+    Standalone(options, reactor, facades, runtime.engine_agents).setServiceParent(root)
     facades.setServiceParent(root)
     root.runtime, root.facades = runtime, facades
     return root

@@ -304,3 +304,35 @@ class NodesFileAccessTests(SynchronousTestCase):
         [node] = self.load(f'api_key = "{ENGINE_KEY}"\n').nodes["ollama"]
         self.assertNotIn(ENGINE_KEY, repr(node))
         self.assertEqual(node.access.api_key, ENGINE_KEY)
+
+
+class RetainTests(SynchronousTestCase):
+    """A TLS configuration no node uses any more gives up its client and idle connections."""
+
+    def test_clients_of_configurations_no_node_uses_are_dropped(self):
+        from twisted.internet.defer import succeed
+        from twisted.internet.testing import MemoryReactorClock
+        from nvpair_proxy.discovery import Node
+        from nvpair_proxy.engineaccess import EngineAccess, load_tls
+        folder = tempfile.mkdtemp()
+        self.addCleanup(shutil.rmtree, folder, True)
+        configs = [load_tls(write(folder, f"ca{i}.pem", TestCA(f"ca{i}").pem), None, None)
+                   for i in range(2)]
+        nodes = [Node(id=f"n{i}", name=f"n{i}", port=443, addresses=("10.0.0.1",),
+                      scheme="https", access=EngineAccess(tls)) for i, tls in enumerate(configs)]
+        agents = EngineAgents(MemoryReactorClock(), Client(MemoryReactorClock()), 5.0, 90.0)
+        kept, dropped = (agents.for_node(node).agent for node in nodes)
+        closed = []
+
+        class Idle:
+            key, idle_since = (b"https", b"10.0.0.1", 443), 0.0
+
+            def close_idle(self):
+                closed.append(self)
+                return succeed(None)
+
+        dropped.pool.give(Idle())
+        agents.retain({configs[0]})
+        self.assertEqual((len(closed), dropped.pool.idle_count()), (1, 0))
+        self.assertIs(agents.for_node(nodes[0]).agent, kept)
+        self.assertIsNot(agents.for_node(nodes[1]).agent, dropped, "a fresh client if it returns")
