@@ -28,20 +28,37 @@ class Admission:
     clock: object
     local_backend: LocalBackend
     checked_at: float = float("-inf")
+    # The node as admitted, per discovered node and what decided it (the backend, or that a
+    # pin exists): the decision is made at every call, the admitted copy made once
+    # (issue 10: a copy per request re-parsed its addresses).
+    _made: dict = attrs.field(factory=dict, init=False, repr=False)
 
     def __call__(self, node: Node) -> Node | None:
         if node.local:
             backend = self.local_backend()
             if backend is None:
                 return None
-            host, port = backend
-            return attrs.evolve(node, addresses=(host,), port=port, scheme="http")
+            return self._copy(node, backend)
         if self.directory is None or not node.cluster_uuid:
             return None
         self._recheck()
         if self.directory.pin(node.cluster_uuid):
-            return attrs.evolve(node, scheme="https")
+            return self._copy(node, "https")
         return None
+
+    def _copy(self, node: Node, decided) -> Node:
+        made = self._made.get(node.id)
+        if made is not None and made[0] is node and made[1] == decided:
+            return made[2]
+        if decided == "https":
+            admitted = attrs.evolve(node, scheme="https")
+        else:
+            host, port = decided
+            admitted = attrs.evolve(node, addresses=(host,), port=port, scheme="http")
+        if len(self._made) > 4096:
+            self._made.clear()
+        self._made[node.id] = (node, decided, admitted)
+        return admitted
 
     def _recheck(self) -> None:
         """A pin that appeared or vanished counts at once, not only on the 2 s watch (spec 7);

@@ -61,9 +61,15 @@ def _int_or_infinity(text: str) -> int | float:
     return value
 
 
+# Made once: json.dumps with any option builds a new encoder per call, and a cluster sends
+# five or more notifications per request (issue 10).
+_STRICT = json.JSONEncoder(separators=(",", ":"), allow_nan=False)
+_LENIENT = json.JSONEncoder(separators=(",", ":"), allow_nan=True)
+
+
 def _encode(value: Any, strict: bool = True) -> bytes:
     """Compact JSON; ``strict`` refuses what is not JSON (NaN, Infinity) rather than write it."""
-    return json.dumps(value, separators=(",", ":"), allow_nan=not strict).encode()
+    return (_STRICT if strict else _LENIENT).encode(value).encode()
 
 
 class LineFramer(Protocol):

@@ -382,3 +382,38 @@ class RobustDirectoryTests(SynchronousTestCase):
         write_pin(self.folder, "node-b", make_certificate("node-b")[0])
         self.directory.refresh()
         self.assertIsNot(agents.for_node(node), first)
+
+
+class AdmissionCopiesTests(SynchronousTestCase):
+    """Admission decides at every call and makes each admitted copy once (issue 10)."""
+
+    def test_the_decision_is_per_call_the_copy_is_made_once(self):
+        from twisted.internet.task import Clock
+        from nvpair_proxy.admission import Admission
+        from nvpair_proxy.discovery import Node
+
+        class Directory:
+            pins = {"peer-cluster": "pin"}
+
+            def pin(self, uuid):
+                return self.pins.get(uuid)
+
+            def check(self):
+                pass
+
+        backend = [("127.0.0.1", 11434)]
+        admission = Admission(Directory(), Clock(), lambda: backend[0])
+        me = Node(id="me", name="me", port=11435, addresses=("10.0.0.1",), local=True)
+        peer = Node(id="peer", name="peer", port=11435, addresses=("10.0.0.2",),
+                    cluster_uuid="peer-cluster")
+        first = admission(me)
+        self.assertEqual((first.addresses, first.port, first.scheme), (("127.0.0.1",), 11434, "http"))
+        self.assertIs(admission(me), first)
+        backend[0] = ("127.0.0.1", 11500)
+        self.assertEqual(admission(me).port, 11500)
+        backend[0] = None
+        self.assertIsNone(admission(me))
+        self.assertEqual(admission(peer).scheme, "https")
+        self.assertIs(admission(peer), admission(peer))
+        Directory.pins = {}
+        self.assertIsNone(admission(peer))
