@@ -7,10 +7,13 @@ tenth: the URI parsed through ``urllib``, a fresh endpoint per request with the 
 IDNA-encoded, a chain of Deferreds, a timer per idle connection, and a head read line by line
 through a state dispatcher. This client does the same job for what engines and peers speak:
 
-- an endpoint per origin, made once (TLS through the same ``IPolicyForHTTPS`` Agent takes);
-- the request head and an in-memory body written in one call;
+- an endpoint per origin, made once (TLS through the same ``IPolicyForHTTPS`` Agent takes,
+  asked at every new connection; TCP keepalive on every connection, ``KeepAliveEndpoint``);
+- the request head and an in-memory body written in one call (any other producer's body is
+  read whole first, so a connection never carries a request half written);
 - the response head parsed in one pass (``responsewire``) and the body handed straight on;
-- one timer per pool for idle connections, not one per connection.
+- one timer per pool for idle connections, not one per connection; idle connections are
+  aborted, never closed gracefully (over TLS that waits on the peer).
 
 What the attempt relies on is kept exactly: ``IAgent`` and ``IResponse``; connect errors as
 the endpoint raises them; ``ResponseNeverReceived`` before any response byte,
