@@ -12,8 +12,8 @@ through a state dispatcher. This client does the same job for what engines and p
 - the request head and an in-memory body written in one call (any other producer's body is
   read whole first, so a connection never carries a request half written);
 - the response head parsed in one pass (``responsewire``) and the body handed straight on;
-- one timer per pool for idle connections, not one per connection; idle connections are
-  aborted, never closed gracefully (over TLS that waits on the peer).
+- one timer per pool for idle connections, not one per connection (``pool.py``); idle
+  connections are aborted, never closed gracefully (over TLS that waits on the peer).
 
 What the attempt relies on is kept exactly: ``IAgent`` and ``IResponse``; connect errors as
 the endpoint raises them; ``ResponseNeverReceived`` before any response byte,
@@ -27,11 +27,11 @@ import math
 import socket
 
 from twisted.internet.abstract import isIPAddress, isIPv6Address
-from twisted.internet.defer import Deferred, DeferredList
+from twisted.internet.defer import Deferred
 from twisted.internet.endpoints import (HostnameEndpoint, TCP4ClientEndpoint, TCP6ClientEndpoint,
                                         wrapClientTLS)
-from twisted.internet.interfaces import (IConsumer, IDelayedCall, IPushProducer,
-                                         IStreamClientEndpoint, ITCPTransport)
+from twisted.internet.interfaces import (IConsumer, IPushProducer, IStreamClientEndpoint,
+                                         ITCPTransport)
 from twisted.internet.protocol import Factory, Protocol
 from twisted.python.failure import Failure
 from twisted.web.client import (BrowserLikePolicyForHTTPS, RequestTransmissionFailed,
@@ -43,6 +43,7 @@ from twisted.web.iweb import (UNKNOWN_LENGTH, IAgent, IBodyProducer, IClientRequ
 from zope.interface import implementer
 
 from . import constants
+from .pool import ConnectionPool
 from .requestbody import BytesProducer
 from .responsewire import (CHUNKED, LENGTH, MAX_HEAD, UNTIL_CLOSE, ChunkedBody, WireError,
                            body_framing, find_head_end, parse_head, persistent)
@@ -616,65 +617,3 @@ class ClientResponse:
 
 def _ignore(data: bytes) -> None:
     pass
-
-
-class ConnectionPool:
-    """Idle connections by origin, newest first; one timer closes those idle too long."""
-
-    def __init__(self, clock, *, max_idle_per_host: int = 256,
-                 idle_timeout: float = constants.POOL_IDLE_TIMEOUT) -> None:
-        self.clock, self.max_idle_per_host, self.idle_timeout = clock, max_idle_per_host, idle_timeout
-        self._idle: dict[tuple, list[_Connection]] = {}
-        self._sweep: IDelayedCall | None = None
-
-    def take(self, key: tuple) -> _Connection | None:
-        idle = self._idle.get(key)
-        return idle.pop() if idle else None
-
-    def give(self, connection: _Connection) -> None:
-        idle = self._idle.get(connection.key)
-        if idle is None:
-            idle = self._idle[connection.key] = []
-        if len(idle) >= self.max_idle_per_host:
-            connection.close_idle()
-            return
-        connection.idle_since = self.clock.seconds()
-        idle.append(connection)
-        if self._sweep is None:
-            self._sweep = self.clock.callLater(self.idle_timeout, self._expire)
-
-    def forget(self, connection: _Connection) -> None:
-        idle = self._idle.get(connection.key)
-        if idle and connection in idle:
-            idle.remove(connection)
-
-    def idle_count(self) -> int:
-        return sum(len(idle) for idle in self._idle.values())
-
-    def _expire(self) -> None:
-        self._sweep = None
-        now = self.clock.seconds()
-        oldest_kept = None
-        for key, idle in list(self._idle.items()):
-            stale = [c for c in idle if now - c.idle_since >= self.idle_timeout]
-            if stale:
-                idle[:] = [c for c in idle if now - c.idle_since < self.idle_timeout]
-                for connection in stale:
-                    connection.close_idle()
-            if not idle:
-                del self._idle[key]
-            elif oldest_kept is None or idle[0].idle_since < oldest_kept:
-                oldest_kept = idle[0].idle_since
-        if oldest_kept is not None:
-            self._sweep = self.clock.callLater(
-                max(0.0, oldest_kept + self.idle_timeout - now), self._expire)
-
-    def closeCachedConnections(self) -> Deferred:
-        """Close every idle connection (the name is ``HTTPConnectionPool``'s, whose place
-        this takes); fires when they are all gone."""
-        if self._sweep is not None and self._sweep.active():
-            self._sweep.cancel()
-        self._sweep = None
-        idle = [c for connections in self._idle.values() for c in connections]
-        self._idle.clear()
-        return DeferredList([connection.close_idle() for connection in idle])

@@ -31,7 +31,8 @@ from twisted.web.http_headers import Headers
 from twisted.web.iweb import IAgent, IPolicyForHTTPS
 from zope.interface import implementer
 
-from .client import Client, ConnectionPool
+from .client import Client
+from .pool import ConnectionPool
 from .files import read_regular_file
 from .logs import logger
 

@@ -31,7 +31,8 @@ from twisted.python.failure import Failure
 from . import constants
 from .discovery import make_node
 from .dispatch import Bounds
-from .client import Client, ConnectionPool
+from .client import Client
+from .pool import ConnectionPool
 from .engineaccess import EngineAgents
 from .events import ActivityThrottle, LogEmitter, new_run_id
 from .facade import Facade, make_facade

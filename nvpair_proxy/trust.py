@@ -24,7 +24,8 @@ from twisted.internet.interfaces import (IOpenSSLClientConnectionCreator,
 from twisted.web.iweb import IPolicyForHTTPS
 from zope.interface import implementer
 
-from .client import Client, ConnectionPool
+from .client import Client
+from .pool import ConnectionPool
 from .files import read_regular_file, stamp
 from .logs import logger
 

@@ -26,7 +26,8 @@ from twisted.web.http_headers import Headers
 from twisted.web.iweb import UNKNOWN_LENGTH, IBodyProducer, IPolicyForHTTPS
 from zope.interface import implementer
 
-from nvpair_proxy.client import Client, ConnectionPool
+from nvpair_proxy.client import Client
+from nvpair_proxy.pool import ConnectionPool
 from nvpair_proxy.relay import clean_end
 from nvpair_proxy.requestbody import BytesProducer
 from nvpair_proxy.responsewire import WireError

@@ -18,7 +18,8 @@ from twisted.web.http_headers import Headers
 from twisted.web.resource import Resource
 from twisted.web.server import Site
 
-from nvpair_proxy.client import Client, ConnectionPool
+from nvpair_proxy.client import Client
+from nvpair_proxy.pool import ConnectionPool
 from nvpair_proxy.dispatch import Bounds
 from nvpair_proxy.engineaccess import EngineAgents
 from nvpair_proxy.engines import load_engines

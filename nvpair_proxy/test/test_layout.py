@@ -22,7 +22,7 @@ ORDER = (
     # Foundations: no knowledge of engines, nodes or requests.
     "constants", "interfaces", "logs", "logformat", "files", "validate", "hopbyhop", "requestbody",
     "relay", "frames", "tokens", "stats", "reservations", "twisted_workarounds", "sdnotify",
-    "responsewire", "client",
+    "responsewire", "pool", "client",
     # The model: engines, nodes, the link's framing, events, trust.
     "engines", "discovery", "selection", "slots", "ports", "rpc", "aliases", "answers",
     "events", "trust", "admission", "apikeys", "engineaccess",

@@ -11,7 +11,7 @@ from twisted.logger import globalLogPublisher
 from twisted.trial.unittest import SynchronousTestCase
 
 from nvpair_proxy import vitals
-from nvpair_proxy.client import ConnectionPool
+from nvpair_proxy.pool import ConnectionPool
 from nvpair_proxy.reservations import ReservationMap
 
 
