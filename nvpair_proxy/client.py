@@ -212,9 +212,9 @@ class KeepAliveEndpoint:
     """A TCP endpoint whose connections probe an idle peer (under TLS, if any).
 
     Without it a peer whose host died or whose link was cut after commit holds the request
-    until the client gives up: nothing arrives, and the kernel's default keepalive starts
-    after two hours. ``TCP_USER_TIMEOUT`` bounds unacknowledged data the same way (a request
-    sent into a dead link). A live engine that is merely silent still answers the probes;
+    until the client gives up: nothing arrives, and a socket without keepalive never asks.
+    ``TCP_USER_TIMEOUT`` bounds unacknowledged data the same way (a request sent into a dead
+    link, or a body an engine leaves unread that long). A live engine that is merely silent still answers the probes;
     ``--stream-idle-timeout`` is for that.
     """
 
@@ -399,8 +399,13 @@ class _Connection(Protocol):
             # A length beside a coding is not this body's (RFC 9112 6.3): never relayed.
             head.fields.pop(b"content-length", None)
         self.framing, self.remaining = framing, length
-        response = self.response = ClientResponse(self, head, length if framing == LENGTH
-                                                  else UNKNOWN_LENGTH, self.sent)
+        try:
+            response = ClientResponse(self, head, length if framing == LENGTH
+                                      else UNKNOWN_LENGTH, self.sent)
+        except ValueError:  # a header Twisted's Headers refuses: as unframeable as the rest
+            self._unframeable(Failure())
+            return
+        self.response = response
         self.chunked = ChunkedBody(response.data) if framing == CHUNKED else None
         self.state = BODY
         result, self.result = self.result, None

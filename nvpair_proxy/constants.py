@@ -10,7 +10,7 @@ DIAL_TIMEOUT = 10.0
 # TCP keepalive on upstream connections (--upstream-keepalive): probes after this many idle
 # seconds, then one every as many seconds; UPSTREAM_KEEPALIVE_PROBES unanswered ones (or
 # unacknowledged data for as long) end the connection. A dead link or host is then noticed in
-# at most 15 + 4 x 15 = 75 s, where the kernel's defaults take over two hours.
+# at most 15 + 4 x 15 = 75 s; a socket without keepalive never notices a silent dead peer.
 UPSTREAM_KEEPALIVE = 15.0
 UPSTREAM_KEEPALIVE_PROBES = 4
 DEFAULT_RESPONSE_TIMEOUT = 30 * 60.0

@@ -211,6 +211,7 @@ class EngineAgents:
         self.connect_timeout, self.idle_timeout = connect_timeout, idle_timeout
         self.max_idle_per_host = max_idle_per_host
         self._agents: dict[EngineTLS, tuple] = {}
+        self._retired: list = []
         self._problems: dict[str, str] = {}
 
     def for_node(self, node) -> IAgent:
@@ -237,6 +238,7 @@ class EngineAgents:
         for tls in [tls for tls in self._agents if tls not in configs]:
             _, pool = self._agents.pop(tls)
             pool.closeCachedConnections()
+            self._retired.append(pool)  # closed again at shutdown: what finished meanwhile
 
     def tls_failed(self, node_id: str, problem: str) -> None:
         """Once per node per change of the reason: an engine whose certificate stays bad
@@ -250,4 +252,5 @@ class EngineAgents:
             log.info("TLS to node {node} works again", node=node_id)
 
     def close(self) -> Deferred:
-        return DeferredList([pool.closeCachedConnections() for _, pool in self._agents.values()])
+        pools = [pool for _, pool in self._agents.values()] + self._retired
+        return DeferredList([pool.closeCachedConnections() for pool in pools])

@@ -33,15 +33,18 @@ from .twisted_workarounds import channel_paused
 log = logger()
 
 
+# First bytes after which json.loads(bytes) would look for a byte-order mark.
+_SNIFFED = (b"\xef", b"\xfe", b"\xff")
+
+
 def requested_model(body: bytes) -> str | None:
     """The ``model`` a body names, or None (design decision 7): not JSON, not a string, empty."""
     try:
-        try:
-            # JSON between systems is UTF-8 (RFC 8259 8.1): decoding first skips json's
-            # encoding sniffing; any other encoding still gets it.
-            data = json.loads(body.decode("utf-8"))
-        except UnicodeDecodeError:
-            data = json.loads(body)
+        if body[:1] in _SNIFFED or b"\x00" in body[:4]:
+            data = json.loads(body)  # a BOM, or UTF-16/32: json's own encoding detection
+        else:
+            # What json.loads(bytes) does for UTF-8 (RFC 8259 8.1), without its sniffing.
+            data = json.loads(body.decode("utf-8", "surrogatepass"))
     except (ValueError, UnicodeDecodeError, RecursionError):
         return None
     model = data.get("model") if isinstance(data, dict) else None

@@ -139,31 +139,65 @@ class NodesFileWatcher(TimerService):
 
     def load(self) -> Fleet:
         """The first load: errors propagate, because a bad file must stop start-up."""
-        fleet = load_nodes_file(self.path, self.engines)
-        self._tls_files = tls_files(fleet)
-        self._stamp = self._current_stamp()
+        fleet = self._read()
         self.apply(fleet)
         return fleet
 
     def check(self) -> None:
-        stamp = self._current_stamp()
-        if stamp == self._stamp:
+        if self._current_stamp() == self._stamp:
             return
-        self._stamp = stamp
         try:
-            fleet = load_nodes_file(self.path, self.engines)
+            fleet = self._read()
         except (NodesFileError, ValueError, TypeError) as exc:
             log.warn("nodes file not reloaded, keeping the last good one: {why}", why=str(exc))
             return
         log.info("nodes file reloaded: {path}", path=self.path)
-        files = tls_files(fleet)
-        if files != self._tls_files:
-            self._tls_files = files
-            self._stamp = self._current_stamp()
         self.apply(fleet)
+
+    def _read(self) -> Fleet:
+        """Load the file and remember what it was read from.
+
+        The stamps are taken before the files are read, so an edit saved while they are
+        read is seen by the next check (the file named for the first time is stamped after:
+        its first reading happens inside the load). When the load fails, the TLS files the
+        file names are watched all the same: a nodes file that names a CA file not yet in
+        place is loaded once that file arrives, without another edit.
+        """
+        before = {path: stamp(path) for path in (self.path, *self._tls_files)}
+        try:
+            fleet = load_nodes_file(self.path, self.engines)
+        except (NodesFileError, ValueError, TypeError):
+            self._watch(named_tls_files(self.path), before)
+            raise
+        self._watch(tls_files(fleet), before)
+        return fleet
+
+    def _watch(self, files: tuple[str, ...], before: dict) -> None:
+        self._tls_files = files
+        self._stamp = (before[self.path],
+                       tuple(before[path] if path in before else stamp(path) for path in files))
 
     def _current_stamp(self):
         return stamp(self.path), tuple(stamp(path) for path in self._tls_files)
+
+
+def named_tls_files(path: str) -> tuple[str, ...]:
+    """The TLS files a nodes file names, read leniently (for a file that does not load)."""
+    try:
+        data = tomllib.loads(read_regular_file(path).decode("utf-8"))
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
+        return ()
+    base = os.path.dirname(path)  # as the loader resolves them (parse_nodes)
+    paths = set()
+    nodes = data.get("node") if isinstance(data.get("node"), list) else []
+    for node in nodes:
+        engines = node.get("engines") if isinstance(node, dict) else None
+        for spec in engines.values() if isinstance(engines, dict) else ():
+            for field in ("ca_file", "cert_file", "key_file"):
+                value = spec.get(field) if isinstance(spec, dict) else None
+                if isinstance(value, str) and value:
+                    paths.add(os.path.join(base, os.path.expanduser(value)))
+    return tuple(sorted(paths))
 
 
 def tls_files(fleet: Fleet) -> tuple[str, ...]:

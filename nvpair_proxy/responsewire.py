@@ -21,6 +21,8 @@ MAX_TRAILERS = 64 * 1024
 # Body framings.
 LENGTH, CHUNKED, UNTIL_CLOSE = "length", "chunked", "until-close"
 
+# A header name: an RFC 9110 token.
+_TOKEN = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 # A chunk-size line: hex digits, optional extensions (ignored), CRLF.
 _CHUNK_SIZE = re.compile(rb"([0-9a-fA-F]{1,16})[ \t]*(?:;[^\r\n]*)?\r\n")
 
@@ -70,8 +72,9 @@ def parse_head(block: bytes) -> Head:
     fields: dict[bytes, list[bytes]] = {}
     for line in lines[1:]:
         name, colon, value = line.partition(b":")
-        if not colon or not name or name != name.strip() or b" " in name or b"\t" in name:
-            # Obsolete folding (a line starting with whitespace) lands here too (RFC 9112 5.2).
+        if not colon or _TOKEN.fullmatch(name) is None:
+            # Obsolete folding (a line starting with whitespace) lands here too (RFC 9112 5.2),
+            # as does a name Twisted's Headers would refuse.
             raise WireError("malformed header line")
         lower = name.lower()
         value = value.strip(b" \t")

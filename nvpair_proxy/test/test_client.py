@@ -31,6 +31,7 @@ from nvpair_proxy.pool import ConnectionPool
 from nvpair_proxy.relay import clean_end
 from nvpair_proxy.requestbody import BytesProducer
 from nvpair_proxy.responsewire import WireError
+from nvpair_proxy.test.test_responsewire import HEADS
 
 URL = b"http://10.0.0.1:11434/api/chat"
 OK = b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhello"
@@ -540,6 +541,16 @@ class HostileEngineProperties(SynchronousTestCase):
                st.binary(max_size=300))),
            cuts=st.lists(st.integers(0, 1000), max_size=12), method=st.sampled_from([b"GET", b"HEAD"]))
     def test_any_reply_ends_the_request_once(self, data, cuts, method):
+        self.check_reply(data, cuts, method)
+
+    @settings(max_examples=settings.default.max_examples, deadline=None)
+    @given(head=HEADS, body=st.binary(max_size=100),
+           cuts=st.lists(st.integers(0, 1000), max_size=12), method=st.sampled_from([b"GET", b"HEAD"]))
+    def test_any_head_ends_the_request_once(self, head, body, cuts, method):
+        """Heads with well-formed and hostile header lines (test_responsewire.HEADS)."""
+        self.check_reply(head + b"\r\n\r\n" + body, cuts, method)
+
+    def check_reply(self, data, cuts, method):
         reactor = MemoryReactorClock()
         client = Client(reactor, ConnectionPool(reactor))
         d = client.request(method, URL)

@@ -337,3 +337,9 @@ class RetainTests(SynchronousTestCase):
         self.assertEqual((len(closed), dropped.pool.idle_count()), (1, 0))
         self.assertIs(agents.for_node(nodes[0]).agent, kept)
         self.assertIsNot(agents.for_node(nodes[1]).agent, dropped, "a fresh client if it returns")
+        # A request that was still on the dropped client finishes into its pool later; the
+        # shutdown closes that pool too.
+        late = Idle()
+        dropped.pool.give(late)
+        self.successResultOf(agents.close())
+        self.assertEqual((closed[-1], dropped.pool.idle_count()), (late, 0))

@@ -316,6 +316,39 @@ class WatcherTests(SynchronousTestCase):
         self.clock.advance(2)
         self.assertEqual(len(self.applied), 2)
 
+    def test_a_ca_file_named_before_it_exists_is_loaded_when_it_arrives(self) -> None:
+        from nvpair_proxy.test.certs import TestCA
+        self.watcher.load()
+        self.watcher.startService()
+        ca_path = os.path.join(os.path.dirname(self.path), "later-ca.pem")
+        self.rewrite('[[node]]\nid = "gpu-a"\naddress = "10.0.0.1"\n'
+                     '[node.engines.ollama]\nscheme = "https"\nca_file = "later-ca.pem"\n'
+                     'models = ["llama3:latest"]\n')
+        self.clock.advance(2)
+        self.assertEqual(len(self.applied), 1, "the CA file is not there yet")
+        self.assertEqual(len(self.messages(LogLevel.warn)), 1)
+        write(ca_path, TestCA().pem, self.stamp)  # the nodes file untouched
+        self.clock.advance(2)
+        self.assertEqual(len(self.applied), 2)
+        self.assertEqual(self.applied[1].nodes["ollama"][0].access.tls.ca_file, ca_path)
+
+    def test_an_edit_saved_while_the_file_is_read_is_seen_by_the_next_check(self) -> None:
+        from nvpair_proxy import nodesfile
+        original = nodesfile.load_nodes_file
+
+        def load_then_edit(path, engines):
+            fleet = original(path, engines)
+            if not self.applied:  # the first load: an edit lands right after the read
+                self.rewrite(TWO_NODES)
+            return fleet
+
+        self.patch(nodesfile, "load_nodes_file", load_then_edit)
+        self.watcher.load()
+        self.watcher.startService()
+        self.clock.advance(2)
+        self.assertEqual([self.ollama_ids(f) for f in self.applied],
+                         [["gpu-a"], ["gpu-a", "gpu-b"]])
+
     def test_unchanged_file_is_not_reapplied(self) -> None:
         self.watcher.load()
         self.watcher.startService()

@@ -260,6 +260,17 @@ class RequestedModelTests(SynchronousTestCase):
         self.assertIsNotNone(model)
         self.assertEqual(OLLAMA.normalize_model(model), "llama3:latest")
 
+    def test_any_json_encoding_json_reads_names_the_model(self) -> None:
+        """The UTF-8 fast path (issue 10) answers as ``json.loads(bytes)`` does: a BOM,
+        UTF-16 and UTF-32 (with or without a BOM) and lone surrogates in UTF-8 included."""
+        document = '{"model":"llama3","note":"\u00e9\U0001F600"}'
+        bodies = [document.encode(), b"\xef\xbb\xbf" + document.encode(),
+                  *(document.encode(codec) for codec in ("utf-16", "utf-16-le", "utf-16-be",
+                                                         "utf-32", "utf-32-le", "utf-32-be"))]
+        for body in bodies:
+            self.assertEqual(requested_model(body), "llama3", body[:8])
+        self.assertEqual(requested_model(b'{"model":"m\xed\xa0\x80"}'), "m\ud800")
+
     def test_bodies_that_name_no_model(self) -> None:
         for body in [b"", b"not json", b"\xff\xfe", b'{"model":', b"[1, 2]",
                      b'["model", "llama3"]', b'"llama3"', b"null", b"42",

@@ -242,6 +242,21 @@ class TreeTests(SynchronousTestCase):
         self.assertEqual([(t[0], t[3]) for t in reactor.tcpServers], [(1300, "::"), (1301, "::")])
         self.assertEqual([list(s) for s in facades], [[s.prober] for s in facades])
 
+    def test_the_keepalive_flag_reaches_every_upstream_client(self):
+        reactor = MemoryReactorClock()
+        root = standalone_tree(parsed("--engine", "ollama:1300", "--upstream-keepalive", "7"),
+                               reactor)
+        self.assertEqual((root.runtime.agent.keepalive, root.runtime.engine_agents.keepalive),
+                         (7.0, 7.0))
+
+    def test_a_fleet_applied_tells_the_engine_clients_which_tls_configurations_remain(self):
+        reactor = MemoryReactorClock()
+        root = standalone_tree(parsed("--engine", "ollama:1300"), reactor)
+        kept = []
+        self.patch(root.runtime.engine_agents, "retain", kept.append)
+        root.privilegedStartService()
+        self.assertEqual(kept, [set()], "the local engine over plain http: no TLS configuration")
+
     def test_ready_once_the_reactor_runs_then_the_watchdog(self):
         previous = os.environ.get("WATCHDOG_USEC")
         os.environ["WATCHDOG_USEC"] = "4000000"
