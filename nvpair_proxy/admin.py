@@ -17,7 +17,7 @@ from twisted.web.resource import Resource
 from twisted.web.server import Request
 
 from . import constants
-from .discovery import is_loopback
+from .validate import is_loopback
 from .logs import logger
 from .server import BoundedSite
 

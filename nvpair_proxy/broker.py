@@ -30,11 +30,6 @@ from .validate import is_int, is_loopback, is_port
 
 log = logger()
 
-FACADE_METHODS = ("set-port", "discovery:nodes", "node/select", "node/selected", "nodes/list",
-                  "node/add-manual", "node/remove-manual", "node/set-local-backend",
-                  "node/model-owners")
-
-
 @attrs.define(eq=False)
 class Running:
     """An enabled facade and what the broker has told it: its running service, the local
@@ -189,7 +184,7 @@ class Broker:
 
     def set_priority(self, params: dict) -> dict:
         generation = params.get("generation")
-        if not isinstance(generation, int) or isinstance(generation, bool) or generation <= 0:
+        if not is_int(generation) or generation <= 0:
             raise RpcError(INVALID_PARAMS, "generation is required and must be greater than 0")
         nodes = params.get("nodes") or []
         ranks = params.get("ranks") or []

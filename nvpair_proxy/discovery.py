@@ -15,8 +15,6 @@ import attrs
 from .engines import Engine
 from .validate import is_loopback, is_port
 
-__all__ = ["is_loopback"]  # the listener's gate asks here, as it always has
-
 
 def host_port(host: str, port: int) -> str:
     """``host:port`` with IPv6 literals bracketed, as in a URL."""

@@ -38,7 +38,8 @@ from .logs import logger
 
 log = logger()
 
-ACCESS_FIELDS = ("scheme", "ca_file", "cert_file", "key_file", "api_key")
+TLS_FILE_FIELDS = ("ca_file", "cert_file", "key_file")
+ACCESS_FIELDS = ("scheme", *TLS_FILE_FIELDS, "api_key")
 # What a header value may carry without breaking the header (no spaces, no controls).
 _API_KEY = re.compile(r"[\x21-\x7e]{1,4096}")
 
@@ -114,6 +115,11 @@ def load_tls(ca_file: str | None, cert_file: str | None, key_file: str | None) -
     return EngineTLS(ca_file, cert_file, key_file, digest.digest(), trust, client)
 
 
+def resolve_path(base: str, value: str) -> str:
+    """A file named in a nodes file: ``~`` expanded, relative to the file's folder ``base``."""
+    return os.path.join(base, os.path.expanduser(value))
+
+
 def access_from(spec: dict, base: str) -> tuple[str, EngineAccess | None]:
     """(scheme, access) of a nodes-file engine entry; relative paths are relative to the
     nodes file's folder ``base``. Raises AccessError naming the field."""
@@ -121,7 +127,7 @@ def access_from(spec: dict, base: str) -> tuple[str, EngineAccess | None]:
     if scheme not in ("http", "https"):
         raise AccessError("field 'scheme' must be \"http\" or \"https\"")
     paths = {}
-    for field in ("ca_file", "cert_file", "key_file"):
+    for field in TLS_FILE_FIELDS:
         value = spec.get(field)
         if value is None:
             continue
@@ -129,7 +135,7 @@ def access_from(spec: dict, base: str) -> tuple[str, EngineAccess | None]:
             raise AccessError(f"field {field!r} must be a non-empty string")
         if scheme != "https":
             raise AccessError(f"field {field!r} needs scheme = \"https\"")
-        paths[field] = os.path.join(base, os.path.expanduser(value))
+        paths[field] = resolve_path(base, value)
     if ("cert_file" in paths) != ("key_file" in paths):
         raise AccessError("fields 'cert_file' and 'key_file' go together")
     api_key = spec.get("api_key")

@@ -90,6 +90,7 @@ class IngressResource(Resource):
                  backend: Callable[[], tuple[str, int] | None]) -> None:
         super().__init__()
         self.facade, self.directory, self.backend = facade, directory, backend
+        self._node: Node | None = None  # the backend as a node, made again only when it moves
 
     def render(self, request: Request):
         if answered_identity_probe(self.facade, request) or answered_stopping(self.facade,
@@ -108,7 +109,10 @@ class IngressResource(Resource):
             send_error(request, 503, text, code="no-local-backend")
             return NOT_DONE_YET
         host, port = backend
-        node = Node(id="local-backend", name="local-backend", port=port, addresses=(host,))
+        node = self._node
+        if node is None or (node.port, node.addresses) != (port, (host,)):
+            node = self._node = Node(id="local-backend", name="local-backend", port=port,
+                                     addresses=(host,))
         exchange = IngressExchange(self.facade, request, node)
         try:
             exchange.start()

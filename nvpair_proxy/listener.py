@@ -22,7 +22,7 @@ from twisted.web.server import NOT_DONE_YET, Request
 from .answers import send_error
 from .apikeys import LanGate, Verdict, answer_for
 from .constants import SERVER_HEADER_READ_TIMEOUT
-from .discovery import is_loopback
+from .validate import is_loopback
 from .logs import logger
 from .server import BoundedSite, Rejected
 

@@ -19,7 +19,7 @@ from twisted.internet.interfaces import IReactorTime
 
 from . import constants
 from .discovery import Node, make_node
-from .engineaccess import ACCESS_FIELDS, AccessError, access_from
+from .engineaccess import ACCESS_FIELDS, TLS_FILE_FIELDS, AccessError, access_from, resolve_path
 from .engines import Engine
 from .files import read_regular_file, stamp
 from .logs import logger
@@ -144,17 +144,18 @@ class NodesFileWatcher(TimerService):
         return fleet
 
     def check(self) -> None:
-        if self._current_stamp() == self._stamp:
+        before = self._stamps()
+        if self._stamp_of(before) == self._stamp:
             return
         try:
-            fleet = self._read()
+            fleet = self._read(before)
         except (NodesFileError, ValueError, TypeError) as exc:
             log.warn("nodes file not reloaded, keeping the last good one: {why}", why=str(exc))
             return
         log.info("nodes file reloaded: {path}", path=self.path)
         self.apply(fleet)
 
-    def _read(self) -> Fleet:
+    def _read(self, before: dict | None = None) -> Fleet:
         """Load the file and remember what it was read from.
 
         The stamps are taken before the files are read, so an edit saved while they are
@@ -163,7 +164,7 @@ class NodesFileWatcher(TimerService):
         file names are watched all the same: a nodes file that names a CA file not yet in
         place is loaded once that file arrives, without another edit.
         """
-        before = {path: stamp(path) for path in (self.path, *self._tls_files)}
+        before = before if before is not None else self._stamps()
         try:
             fleet = load_nodes_file(self.path, self.engines)
         except (NodesFileError, ValueError, TypeError):
@@ -174,11 +175,13 @@ class NodesFileWatcher(TimerService):
 
     def _watch(self, files: tuple[str, ...], before: dict) -> None:
         self._tls_files = files
-        self._stamp = (before[self.path],
-                       tuple(before[path] if path in before else stamp(path) for path in files))
+        self._stamp = self._stamp_of({**{path: stamp(path) for path in files}, **before})
 
-    def _current_stamp(self):
-        return stamp(self.path), tuple(stamp(path) for path in self._tls_files)
+    def _stamps(self) -> dict:
+        return {path: stamp(path) for path in (self.path, *self._tls_files)}
+
+    def _stamp_of(self, stamps: dict):
+        return stamps[self.path], tuple(stamps[path] for path in self._tls_files)
 
 
 def named_tls_files(path: str) -> tuple[str, ...]:
@@ -193,19 +196,20 @@ def named_tls_files(path: str) -> tuple[str, ...]:
     for node in nodes:
         engines = node.get("engines") if isinstance(node, dict) else None
         for spec in engines.values() if isinstance(engines, dict) else ():
-            for field in ("ca_file", "cert_file", "key_file"):
+            for field in TLS_FILE_FIELDS:
                 value = spec.get(field) if isinstance(spec, dict) else None
                 if isinstance(value, str) and value:
-                    paths.add(os.path.join(base, os.path.expanduser(value)))
+                    paths.add(resolve_path(base, value))
     return tuple(sorted(paths))
+
+
+def tls_configs(fleet: Fleet) -> set:
+    """The TLS configurations the fleet's nodes use."""
+    return {node.access.tls for nodes in fleet.nodes.values() for node in nodes
+            if node.access is not None and node.access.tls is not None}
 
 
 def tls_files(fleet: Fleet) -> tuple[str, ...]:
     """Every TLS file the fleet's nodes name, once each, in a stable order."""
-    paths = set()
-    for nodes in fleet.nodes.values():
-        for node in nodes:
-            tls = node.access.tls if node.access is not None else None
-            if tls is not None:
-                paths.update(p for p in (tls.ca_file, tls.cert_file, tls.key_file) if p)
-    return tuple(sorted(paths))
+    return tuple(sorted({path for tls in tls_configs(fleet)
+                         for path in (tls.ca_file, tls.cert_file, tls.key_file) if path}))

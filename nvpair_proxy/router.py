@@ -89,9 +89,6 @@ class Router:
         self.nodes.admit = admit
         self.nodes.changed()
 
-    def set_models(self, node_id: str, models: Iterable[str]) -> None:
-        self.nodes.set_models(node_id, self.engine, models)
-
     # The pin.
 
     @property

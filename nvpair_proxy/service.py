@@ -39,7 +39,7 @@ from .facade import Facade, make_facade
 from .facades import Facades, listen_on
 from .inventory import Prober
 from .logs import logger, set_access_log, set_level
-from .nodesfile import Fleet, NodesFileError, NodesFileWatcher
+from .nodesfile import Fleet, NodesFileError, NodesFileWatcher, tls_configs
 from .options import Options
 from .reservations import ReservationMap
 
@@ -83,9 +83,11 @@ class Runtime:
                    bounds=Bounds(response_timeout=options["response-timeout"],
                                  stream_idle=options["stream-idle"]), pool=pool,
                    agent=agent, activity=ActivityThrottle(emitter, reactor.seconds),
+                   # Only a nodes file names engine TLS or keys: standalone mode only.
                    engine_agents=EngineAgents(reactor, agent, constants.DIAL_TIMEOUT,
                                               constants.POOL_IDLE_TIMEOUT,
-                                              keepalive=options["upstream-keepalive"]))
+                                              keepalive=options["upstream-keepalive"])
+                   if options.standalone else None)
 
     def facade(self, engine) -> Facade:
         facade = make_facade(engine, clock=self.reactor, agent=self.agent, emitter=self.emitter,
@@ -252,12 +254,6 @@ class Standalone(MultiService):
             facade.router.replace_discovered(nodes)
         if self.engine_agents is not None:
             self.engine_agents.retain(tls_configs(fleet))
-
-
-def tls_configs(fleet: Fleet) -> set:
-    """The TLS configurations the fleet's nodes use."""
-    return {node.access.tls for nodes in fleet.nodes.values() for node in nodes
-            if node.access is not None and node.access.tls is not None}
 
 
 def stop_once(reactor) -> None:

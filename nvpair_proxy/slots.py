@@ -17,6 +17,7 @@ from typing import Any
 import attrs
 
 from .engines import Engine
+from .validate import is_int
 
 
 @attrs.frozen
@@ -32,10 +33,6 @@ class Slots:
         return {"default": self.default, "models": dict(sorted(self.models.items()))}
 
 
-def _count(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def parse_slots(engine: Engine, value: Any) -> Slots | None:
     """The slots of ``value``; None when absent or when no count of 1 or more remains.
 
@@ -46,14 +43,14 @@ def parse_slots(engine: Engine, value: Any) -> Slots | None:
     if not isinstance(value, dict):
         raise ValueError("slots must be an object")
     default = value.get("default")
-    if default is not None and not _count(default):
+    if default is not None and not is_int(default):
         raise ValueError("slots.default must be an integer")
     models = value.get("models")
     if models is None:
         models = {}
     if not isinstance(models, dict):
         raise ValueError("slots.models must be an object")
-    if not all(_count(count) for count in models.values()):
+    if not all(is_int(count) for count in models.values()):
         raise ValueError("slots.models counts must be integers")
     kept: dict[str, int] = {}
     for name, count in models.items():

@@ -95,14 +95,15 @@ class ClusterDirectory:
         candidates = list(self.pins.values()) + [self.identity.der]
         return any(hmac.compare_digest(der, pinned) for pinned in candidates)
 
-    def refresh(self) -> None:
-        stamp = self._stamp()
+    def refresh(self, seen=None) -> None:
+        """Read every file again; ``seen`` is their stamp when the caller just took it."""
+        seen = self._stamp() if seen is None else seen
         for read in (self._read_identity, self._read_admission, self._read_pins):
             try:
                 read()
             except Exception:
                 log.failure("could not read the cluster directory {path}", path=self.path)
-        self._seen = stamp
+        self._seen = seen
 
     def _warn_once(self, name: str, problem: str | None) -> None:
         """One line when a file goes bad (or bad in another way), none on every re-read of
@@ -218,9 +219,9 @@ class ClusterDirectory:
 
         A handful of stat calls; the files are read again only when one of them changed.
         """
-        stamp = self._stamp()
-        if stamp != self._seen:
-            self.refresh()
+        current = self._stamp()
+        if current != self._seen:
+            self.refresh(current)
 
     def _stamp(self):
         entries = []
