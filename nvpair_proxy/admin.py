@@ -17,9 +17,12 @@ from twisted.web.resource import Resource
 from twisted.web.server import Request
 
 from . import constants
+from .discovery import host_port
 from .validate import is_loopback
 from .logs import logger
+from .metrics import CONTENT_TYPE_LATEST, registry, scrape
 from .server import BoundedSite
+from .status import ProcessView, status
 
 log = logger()
 
@@ -63,11 +66,9 @@ class AdminResource(Resource):
             return self._plain(request, 405, "read-only")
         path = request.path
         if path == b"/metrics":
-            from .metrics import CONTENT_TYPE_LATEST, scrape
             request.setHeader(b"content-type", CONTENT_TYPE_LATEST.encode())
             return scrape(self.registry)
         if path == b"/status":
-            from .status import status
             request.setHeader(b"content-type", b"application/json")
             return json.dumps(status(self.view), sort_keys=True).encode() + b"\n"
         if path == b"/healthz":
@@ -108,8 +109,6 @@ class AdminService(Service):
         self.view = None
 
     def privilegedStartService(self) -> None:
-        from .metrics import registry
-        from .status import ProcessView
         self.view = ProcessView(root=self.root, recorder=self.root.runtime.recorder,
                                 mode=self.mode, clock=self.reactor.seconds,
                                 started=self.reactor.seconds())
@@ -127,8 +126,7 @@ class AdminService(Service):
     @property
     def url(self) -> str:
         host = self.listening.getHost()
-        name = f"[{host.host}]" if ":" in host.host else host.host
-        return f"http://{name}:{host.port}/"
+        return f"http://{host_port(host.host, host.port)}/"
 
     def stopService(self):
         super().stopService()

@@ -50,7 +50,7 @@ class LogEmitter:
                   engine=engine)
 
 
-def _ms(seconds: float | None) -> int | None:
+def ms(seconds: float | None) -> int | None:
     return None if seconds is None else int(round(seconds * 1000))
 
 
@@ -114,8 +114,8 @@ class Workload:
                 "state": self.state, "originatedFrom": ""}
         if self.scheduled_on:
             info["scheduledOn"] = self.scheduled_on
-        info.update({"createdAt": _ms(self.created_at), "startedAt": _ms(self.started_at),
-                     "completedAt": _ms(completed_at), "error": error, "requesterId": None,
+        info.update({"createdAt": ms(self.created_at), "startedAt": ms(self.started_at),
+                     "completedAt": ms(completed_at), "error": error, "requesterId": None,
                      "seq": self.seq})
         if stats:
             info["stats"] = stats
@@ -137,9 +137,9 @@ def request_finished(id: str, method: str, path: str, target: str, status: int,
                      error: str | None = None) -> dict:
     """``proxy/request`` params (protocol 4); ``duration`` and ``ttfb`` in seconds."""
     params = request_started(id, method, path, target, node_id)
-    params.update({"status": status, "duration_ms": _ms(duration)})
+    params.update({"status": status, "duration_ms": ms(duration)})
     if ttfb is not None:
-        params["ttfb_ms"] = _ms(ttfb)
+        params["ttfb_ms"] = ms(ttfb)
     if error:
         params["error"] = error
     return params

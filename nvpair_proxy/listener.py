@@ -112,12 +112,12 @@ class DemuxFactory(ServerFactory):
 
     noisy = False
 
-    def __init__(self, site: BoundedSite, gate: BoundedSite | None = None,
+    def __init__(self, site: BoundedSite,
                  tls: Callable[[], WrappingFactory | None] = lambda: None,
                  lan: LanGate | None = None) -> None:
         self.site = site
         self.clock = site.reactor
-        self.gate = gate or _gate_site(site, lan)
+        self.gate = _gate_site(site, lan)
         self.tls = tls
 
     def buildProtocol(self, addr: IAddress) -> Protocol:

@@ -22,24 +22,25 @@ from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from . import __version__
-from .status import ProcessView, in_flight, serving_node, waiting_for_owner
+from .status import ProcessView, in_flight_per_node, waiting_for_owner
 
 PREFIX = "nvpair_proxy_"
 __all__ = ["CONTENT_TYPE_LATEST", "ProxyCollector", "registry", "scrape"]
 
 
-def _counter(name: str, documentation: str, labels: list[str], counts) -> CounterMetricFamily:
-    family = CounterMetricFamily(PREFIX + name, documentation, labels=labels)
-    for key, value in sorted(counts.items()):
-        family.add_metric(list(key) if isinstance(key, tuple) else [key], value)
-    return family
-
-
-def _gauge(name: str, documentation: str, labels: list[str], values) -> GaugeMetricFamily:
-    family = GaugeMetricFamily(PREFIX + name, documentation, labels=labels)
+def _family(kind, name: str, documentation: str, labels: list[str], values):
+    family = kind(PREFIX + name, documentation, labels=labels)
     for key, value in sorted(values.items()):
         family.add_metric(list(key) if isinstance(key, tuple) else [key], value)
     return family
+
+
+def _counter(name: str, documentation: str, labels: list[str], counts) -> CounterMetricFamily:
+    return _family(CounterMetricFamily, name, documentation, labels, counts)
+
+
+def _gauge(name: str, documentation: str, labels: list[str], values) -> GaugeMetricFamily:
+    return _family(GaugeMetricFamily, name, documentation, labels, values)
 
 
 def _histogram(name: str, documentation: str, labels: list[str], table) -> HistogramMetricFamily:
@@ -96,11 +97,8 @@ class ProxyCollector(Collector):
                      {f.engine.id: len(f.router.held()) for f in facades})
         yield _gauge("nodes_cooling", "Nodes cooling after a first-content stall (issue 8).",
                      ["engine"], {f.engine.id: len(f.router.cooling()) for f in facades})
-        per_node: dict[tuple[str, str], int] = {}
-        for engine, exchange in in_flight(view):
-            node = serving_node(exchange)
-            if node in fleet:
-                per_node[engine, node] = per_node.get((engine, node), 0) + 1
+        per_node = {key: count for key, count in in_flight_per_node(view).items()
+                    if key[1] in fleet}
         yield _gauge("node_requests_in_flight", "Requests in flight on a node.",
                      ["engine", "node"], per_node)
         yield _gauge("reservations", "Reservations counted against a node (spec 6).", ["node"],

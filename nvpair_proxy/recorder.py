@@ -79,16 +79,12 @@ class Histogram:
         self.counts[bisect_left(self.bounds, value)] += 1
         self.total += value
 
-    @property
-    def count(self) -> int:
-        return sum(self.counts)
-
     def cumulative(self) -> list[tuple[str, int]]:
         """``(le, count)`` pairs as Prometheus wants them, ``+Inf`` last."""
         out, running = [], 0
-        for bound, count in zip(list(self.bounds) + [float("inf")], self.counts):
+        for label, count in zip([repr(b) for b in self.bounds] + ["+Inf"], self.counts):
             running += count
-            out.append(("+Inf" if bound == float("inf") else repr(bound), running))
+            out.append((label, running))
         return out
 
 

@@ -8,11 +8,14 @@ times, and for recent requests the engine, model, node, outcome and timings, nev
 
 from __future__ import annotations
 
+from collections import Counter
+
 from typing import Callable, Iterator
 
 import attrs
 
 from . import __version__
+from .events import ms
 from .recorder import Recorder
 
 STATUS_SCHEMA = 1
@@ -91,10 +94,6 @@ def waiting_for_owner(facade) -> int:
                if exchange.dispatch is not None and exchange.dispatch.waiting_for_owner)
 
 
-def _ms(seconds: float | None) -> int | None:
-    return None if seconds is None else int(round(seconds * 1000))
-
-
 def _by(counter, engine: str, position: int) -> dict[str, int]:
     out: dict[str, int] = {}
     for key, value in counter.items():
@@ -121,13 +120,17 @@ def engine_status(view: ProcessView, service) -> dict:
     }
 
 
+def in_flight_per_node(view: ProcessView) -> Counter:
+    """Requests in flight per (engine, node serving them)."""
+    return Counter((engine, node) for engine, exchange in in_flight(view)
+                   if (node := serving_node(exchange)) is not None)
+
+
 def nodes_status(view: ProcessView) -> list[dict]:
     reservations, seen = view.reservations(), view.last_activity()
     busy: dict[str, int] = {}
-    for _, exchange in in_flight(view):
-        node = serving_node(exchange)
-        if node is not None:
-            busy[node] = busy.get(node, 0) + 1
+    for (_, node), count in in_flight_per_node(view).items():
+        busy[node] = busy.get(node, 0) + count
     nodes: dict[str, dict] = {}
     for facade in view.facades():
         router = facade.router
@@ -159,8 +162,8 @@ def recent_status(view: ProcessView) -> list[dict]:
         stats = ended.stats or {}
         out.append({"time": ended.at, "engine": ended.engine, "route": ended.route,
                     "model": ended.model, "node": ended.node, "outcome": ended.outcome,
-                    "status": ended.status, "ttfb_ms": _ms(ended.ttfb),
-                    "duration_ms": _ms(ended.duration), "dispatches": ended.dispatches,
+                    "status": ended.status, "ttfb_ms": ms(ended.ttfb),
+                    "duration_ms": ms(ended.duration), "dispatches": ended.dispatches,
                     "prompt_tokens": stats.get("promptTokens"),
                     "completion_tokens": stats.get("completionTokens")})
     return out
