@@ -110,7 +110,7 @@ class Client:
         connecting = dial.connecting = origin.endpoint().connect(origin.factory)
         connecting.addCallbacks(dial.connected, dial.failed,
                                 callbackArgs=(method, uri, path, origin.host_header, headers,
-                                              bodyProducer, result, self.pool),
+                                              bodyProducer, result),
                                 errbackArgs=(result,))
         return result
 
@@ -257,10 +257,10 @@ class _Dial:
             self.connecting.cancel()
 
     def connected(self, connection: "_Connection", method, uri, path, host_header, headers,
-                  producer, result: Deferred, pool: "ConnectionPool") -> None:
+                  producer, result: Deferred) -> None:
         self.connecting = None
         if result.called:
-            pool.give(connection)
+            connection.pool.give(connection)
             return
         self.connection = connection
         connection.send(method, uri, path, host_header, headers, producer, result)
@@ -306,7 +306,6 @@ class _Connection(Protocol):
         self.state = CONNECTING
         self.result: Deferred | None = None
         self.response: ClientResponse | None = None
-        self.method = b""
         self.sent: tuple = ()
         self.head = b""
         self.scanned = 0  # how far into ``head`` the end of the head was already looked for
@@ -327,7 +326,7 @@ class _Connection(Protocol):
 
     def send(self, method: bytes, uri: bytes, path: bytes, host_header: bytes,
              headers: Headers | None, producer: BytesProducer | None, result: Deferred) -> None:
-        self.state, self.result, self.method = WAITING, result, method
+        self.state, self.result = WAITING, result
         self.sent, self.answered = (method, uri, headers), False
         head = [method, b" ", path, b" HTTP/1.1\r\n"]
         if headers is None or not headers.hasHeader(b"host"):
@@ -382,7 +381,7 @@ class _Connection(Protocol):
                 if end - position > MAX_HEAD:
                     raise WireError("response head too large")
                 head = parse_head(buffer[position:end])
-                framing, length = body_framing(head, self.method)
+                framing, length = body_framing(head, self.sent[0])
                 if head.code == 101 or head.code < 100:
                     raise WireError(f"unexpected status {head.code}")
             except WireError:
@@ -399,13 +398,9 @@ class _Connection(Protocol):
             # A length beside a coding is not this body's (RFC 9112 6.3): never relayed.
             head.fields.pop(b"content-length", None)
         self.framing, self.remaining = framing, length
-        try:
-            response = ClientResponse(self, head, length if framing == LENGTH
-                                      else UNKNOWN_LENGTH, self.sent)
-        except ValueError:  # a header Twisted's Headers refuses: as unframeable as the rest
-            self._unframeable(Failure())
-            return
-        self.response = response
+        # parse_head admits only token names, so Headers takes every field it returns.
+        response = self.response = ClientResponse(self, head, length if framing == LENGTH
+                                                  else UNKNOWN_LENGTH, self.sent)
         self.chunked = ChunkedBody(response.data) if framing == CHUNKED else None
         self.state = BODY
         result, self.result = self.result, None

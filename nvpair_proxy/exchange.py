@@ -33,18 +33,10 @@ from .twisted_workarounds import channel_paused
 log = logger()
 
 
-# First bytes after which json.loads(bytes) would look for a byte-order mark.
-_SNIFFED = (b"\xef", b"\xfe", b"\xff")
-
-
 def requested_model(body: bytes) -> str | None:
     """The ``model`` a body names, or None (design decision 7): not JSON, not a string, empty."""
     try:
-        if body[:1] in _SNIFFED or b"\x00" in body[:4]:
-            data = json.loads(body)  # a BOM, or UTF-16/32: json's own encoding detection
-        else:
-            # What json.loads(bytes) does for UTF-8 (RFC 8259 8.1), without its sniffing.
-            data = json.loads(body.decode("utf-8", "surrogatepass"))
+        data = json.loads(body)
     except (ValueError, UnicodeDecodeError, RecursionError):
         return None
     model = data.get("model") if isinstance(data, dict) else None
@@ -220,9 +212,9 @@ class Exchange:
         request.defaultContentType = None
         copy_end_to_end(response.headers, request.responseHeaders)
         if response.code < 400:
-            content_type = response.headers.getRawHeaders(b"content-type", [b""])[0]
             self.observer = BodyObserver(self.route.terminal if self.route else None,
-                                         content_type.decode("latin-1"))
+                                         response.headers.getRawHeaders(b"content-type",
+                                                                        [b""])[0])
         self.watch = ClientWatch(committed.relay.transport, self.clock, self._client_stalled,
                                  constants.DEAD_CLIENT_WRITE_DEADLINE)
         request.registerProducer(self.watch, True)
@@ -241,15 +233,16 @@ class Exchange:
         if self.phase is ENDED:
             return
         try:
+            now = self.clock.seconds()
             if self.first_byte_at is None:
-                self.first_byte_at = self.clock.seconds()
+                self.first_byte_at = now
             if self.observer is not None:
                 self.observer.feed(data)
             if self.idle is not None:
-                self.idle.touch()
+                self.idle.touch(now)
             self.bytes_written += len(data)
             self.request.write(data)
-            if self.clock.seconds() >= self.activity_due:
+            if now >= self.activity_due:
                 # The throttle says when this node may next be reported (protocol 4): until
                 # then a chunk costs only this comparison.
                 self.activity_due = self.reporter.activity_on(self.node_id)

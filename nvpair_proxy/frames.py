@@ -176,7 +176,7 @@ def _ndjson_done_in(buf: bytes | bytearray, start: int, end: int) -> bool:
         eol = buf.find(b"\n", match.end(), end)
         if eol == -1:
             eol = end
-        if _top_level_done(bytes(buf[match.start():eol]).decode("utf-8", "replace")):
+        if _top_level_done(buf[match.start():eol].decode("utf-8", "replace")):
             return True
     return False
 

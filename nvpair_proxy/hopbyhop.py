@@ -25,7 +25,8 @@ def _canonical(names) -> frozenset[bytes]:
     return frozenset(name for name, _ in probe.getAllRawHeaders())
 
 
-_SKIP: dict[tuple[bytes, ...], frozenset[bytes]] = {}
+# Skip sets by ``drop`` and Connection value (``keep-alive`` on most requests).
+_SKIP: dict[tuple, frozenset[bytes]] = {}
 
 
 def end_to_end(headers: Headers, drop: tuple[bytes, ...] = ()) -> Headers:
@@ -35,13 +36,15 @@ def end_to_end(headers: Headers, drop: tuple[bytes, ...] = ()) -> Headers:
 
 def copy_end_to_end(headers: Headers, into: Headers, drop: tuple[bytes, ...] = ()) -> Headers:
     """Add ``headers``' end-to-end headers to ``into`` (one pass, no copy in between)."""
-    skip = _SKIP.get(drop)
-    if skip is None:
-        skip = _SKIP[drop] = _canonical(HOP_BY_HOP | set(drop))
     connection = headers.getRawHeaders(b"connection")
-    if connection:
-        skip = skip | _canonical(token.strip() for value in connection
-                                 for token in value.split(b",") if token.strip())
+    key = (drop, tuple(connection)) if connection else drop
+    skip = _SKIP.get(key)
+    if skip is None:
+        named = (token.strip() for value in connection or ()
+                 for token in value.split(b",") if token.strip())
+        skip = _canonical([*HOP_BY_HOP, *drop, *named])
+        if len(_SKIP) < 1024:  # a Connection value is the client's: keep only so many
+            _SKIP[key] = skip
     for name, values in headers.getAllRawHeaders():
         if name not in skip:
             into.setRawHeaders(name, values)

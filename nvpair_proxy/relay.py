@@ -135,8 +135,9 @@ class StreamIdle:
         self.last = clock.seconds()
         self.timer: IDelayedCall | None = clock.callLater(limit, self._check)
 
-    def touch(self) -> None:
-        self.last = self.clock.seconds()
+    def touch(self, now: float) -> None:
+        """A chunk arrived at ``now`` (the caller's clock read, shared with its other uses)."""
+        self.last = now
 
     def _check(self) -> None:
         now = self.clock.seconds()

@@ -21,18 +21,9 @@ from __future__ import annotations
 from typing import Any
 
 from . import tokens
-from .frames import (LINE_LIMIT, TAIL_LIMIT, TERMINAL_NDJSON_DONE, TERMINAL_SSE_DONE,
-                     TERMINAL_SSE_MESSAGE_STOP, TERMINAL_SSE_RESPONSE_COMPLETED, FrameReader)
+from .frames import LINE_LIMIT, TAIL_LIMIT, FrameReader
 
-__all__ = [
-    "BodyObserver",
-    "LINE_LIMIT",
-    "TAIL_LIMIT",
-    "TERMINAL_NDJSON_DONE",
-    "TERMINAL_SSE_DONE",
-    "TERMINAL_SSE_MESSAGE_STOP",
-    "TERMINAL_SSE_RESPONSE_COMPLETED",
-]
+__all__ = ["BodyObserver", "LINE_LIMIT", "TAIL_LIMIT"]
 
 
 class BodyObserver:
@@ -49,7 +40,6 @@ class BodyObserver:
     def __init__(self, terminal: str | None, content_type: str | bytes | None = None) -> None:
         self._frames = FrameReader(terminal, content_type)
         self.terminal = terminal
-        self.content_type = content_type
         self.feed = self._frames.feed
 
     def __repr__(self) -> str:

@@ -139,7 +139,7 @@ _TIMINGS_KEYS = ("prompt_n", "predicted_n", "predicted_per_second")
 
 def read_figures(tail: bytes | bytearray) -> Figures:
     """The figures the engine reported in ``tail``, the last one of each winning."""
-    text = bytes(tail).decode("utf-8", "replace")
+    text = tail.decode("utf-8", "replace")
 
     usage: dict[str, int] = {}
     for at, obj in _objects('"usage"', _USAGE, text):
