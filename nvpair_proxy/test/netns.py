@@ -592,12 +592,6 @@ class Topology:
     def served(self, key: str) -> int:
         return self.engine_admin(key, "/_sim/state")["served_count"]
 
-    def key_of(self, node_id: str) -> str:
-        for key, host in self.hosts.items():
-            if node_id in (host.uuid, host.engine_id):
-                return key
-        raise KeyError(node_id)
-
     def tail(self, key: str, name: str, lines: int = 30) -> str:
         try:
             with open(self.hosts[key].file(name), errors="replace") as handle:

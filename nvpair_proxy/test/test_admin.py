@@ -206,7 +206,9 @@ class ScenarioTests(WorldTestCase):
         w, recorder = self.scenario()
         view = view_of(w, recorder)
         for path in ("/status", "/metrics", "/"):
-            self.assertNotIn(MARKER.encode(), admin_get(view, path).body)
+            response = admin_get(view, path)
+            self.assertEqual(response.status, 200, path)  # an error page would prove nothing
+            self.assertNotIn(MARKER.encode(), response.body)
 
     def test_in_flight_waiting_held_and_reservations_read_from_the_tree(self):
         recorder = Recorder()
@@ -272,10 +274,12 @@ class StatusTests(WorldTestCase):
         recorder = Recorder()
         w = self.world(recorder=recorder)
         for index in range(105):
+            w.clock.advance(1)
             w.send("POST", "/api/chat", {"model": f"m{index}"})
         recent = status(view_of(w, recorder))["recent"]
         self.assertEqual(len(recent), 100)
         self.assertEqual((recent[0]["model"], recent[-1]["model"]), (None, None))
+        self.assertEqual((recent[0]["time"], recent[-1]["time"]), (105.0, 6.0))
         self.assertEqual(recent[0]["outcome"], "failed")
 
     def test_the_page_is_self_contained_and_polls_status(self):

@@ -31,7 +31,7 @@ from nvpair_proxy.pool import ConnectionPool
 from nvpair_proxy.relay import clean_end
 from nvpair_proxy.requestbody import BytesProducer
 from nvpair_proxy.responsewire import WireError
-from nvpair_proxy.test.test_responsewire import HEADS
+from nvpair_proxy.test.test_responsewire import HEADS, splits
 
 URL = b"http://10.0.0.1:11434/api/chat"
 OK = b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhello"
@@ -565,10 +565,9 @@ class HostileEngineProperties(SynchronousTestCase):
             outcomes.append("response")
 
         d.addCallbacks(got, lambda failure: outcomes.append(failure.type))
-        points = sorted({c % (len(data) + 1) for c in cuts})
-        for a, b in zip([0] + points, points + [len(data)]):
-            if data[a:b] and not wire.transport.disconnected:
-                wire.reply(data[a:b])
+        for piece in splits(data, cuts):
+            if not wire.transport.disconnected:
+                wire.reply(piece)
         wire.close()
         self.assertEqual(len(outcomes), 1, outcomes)
         if outcomes[0] == "response":

@@ -11,7 +11,6 @@ order, a clean end versus a broken one, the request as sent) must hold for all t
 from __future__ import annotations
 
 from twisted.internet.interfaces import IReactorTime
-from twisted.internet.protocol import Protocol
 from twisted.internet.task import Clock
 from twisted.internet.testing import MemoryReactorClock
 from twisted.trial.unittest import SynchronousTestCase
@@ -25,6 +24,7 @@ from treq.testing import RequestTraversalAgent
 from zope.interface.verify import verifyObject
 
 from nvpair_proxy.client import Client
+from nvpair_proxy.test.test_client import Collect, Wire
 from nvpair_proxy.relay import clean_end
 from nvpair_proxy.discovery import Node
 from nvpair_proxy.events import LogEmitter
@@ -37,18 +37,6 @@ from nvpair_proxy.test.world import ENGINES
 from nvpair_proxy.testing import FakeAgent, FakeResponse
 
 URL = b"http://10.0.0.1:11434/api/chat"
-
-
-class Collect(Protocol):
-    def __init__(self) -> None:
-        self.chunks: list[bytes] = []
-        self.reason = None
-
-    def dataReceived(self, data: bytes) -> None:
-        self.chunks.append(data)
-
-    def connectionLost(self, reason) -> None:
-        self.reason = reason
 
 
 class Interfaces(SynchronousTestCase):
@@ -69,12 +57,9 @@ class Interfaces(SynchronousTestCase):
         self.assertTrue(verifyObject(IResponse, agent.last.respond(200)))
 
     def test_a_client_response_provides_iresponse(self):
-        from twisted.internet.testing import StringTransport
         reactor = MemoryReactorClock()
         d = Client(reactor).request(b"GET", URL)
-        protocol = reactor.tcpClients[0][2].buildProtocol(None)
-        protocol.makeConnection(StringTransport())
-        protocol.dataReceived(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
+        Wire(reactor).reply(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
         self.assertTrue(verifyObject(IResponse, self.successResultOf(d)))
 
 

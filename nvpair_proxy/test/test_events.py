@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import json
 
-from twisted.logger import formatEvent, globalLogPublisher
+from twisted.logger import formatEvent
 
 from nvpair_proxy import logs
 from nvpair_proxy.test.test_stats import (LLAMACPP_ANTHROPIC_SSE, LLAMACPP_ANTHROPIC_SSE_STATS,
                                           LLAMACPP_RESPONSES_SSE, LLAMACPP_RESPONSES_SSE_STATS,
                                           RESPONSES_SSE, RESPONSES_SSE_STATS)
 from nvpair_proxy.test.world import World, WorldTestCase
+from nvpair_proxy.test.test_apikeys import LogCapture
 
 NDJSON = {"Content-Type": "application/x-ndjson"}
 
@@ -145,10 +146,7 @@ class ActivityTests(WorldTestCase):
 class PrivacyTests(WorldTestCase):
     def test_a_prompt_marker_never_reaches_the_log_at_debug(self):
         marker = "MARKER-7f3a9c-secret-prompt"
-        seen = []
-        observer = seen.append
-        globalLogPublisher.addObserver(observer)
-        self.addCleanup(globalLogPublisher.removeObserver, observer)
+        seen = LogCapture(self).events
         logs.set_level("debug")
         self.addCleanup(logs.set_level, "info")
         from nvpair_proxy.events import LogEmitter

@@ -9,8 +9,7 @@ import urllib.request
 
 from twisted.application.service import Application
 from twisted.internet.testing import StringTransport
-from twisted.logger import (FileLogObserver, ILogObserver, Logger, LogPublisher,
-                            globalLogPublisher)
+from twisted.logger import FileLogObserver, ILogObserver, Logger, LogPublisher
 from twisted.python import log as legacy
 from twisted.trial.unittest import SynchronousTestCase
 from twisted.web.resource import Resource
@@ -21,6 +20,7 @@ from nvpair_proxy.server import BoundedSite
 from nvpair_proxy.testing import loopback
 from nvpair_proxy.test.processes import free_port, start_standalone, stop
 from nvpair_proxy.test.world import request_bytes
+from nvpair_proxy.test.test_apikeys import LogCapture
 
 
 class Captured:
@@ -129,9 +129,7 @@ class OfferTests(SynchronousTestCase):
 
 class AccessLogTests(SynchronousTestCase):
     def setUp(self):
-        self.events: list[dict] = []
-        globalLogPublisher.addObserver(self.events.append)
-        self.addCleanup(globalLogPublisher.removeObserver, self.events.append)
+        self.events = LogCapture(self).events
         self.addCleanup(logs.set_access_log, False)
         self.addCleanup(logs.set_level, logs.level_name())
         logs.set_level("info")

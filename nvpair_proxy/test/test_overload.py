@@ -16,7 +16,7 @@ def serve(request) -> None:
     upstream.finish()
 
 
-def serve_all(w, *clients) -> None:
+def serve_all(test, w, *clients) -> None:
     """Serve every dispatch, pending or to come, until each client has its 200."""
     for _ in range(10):
         for request in list(w.agent.requests):
@@ -24,7 +24,7 @@ def serve_all(w, *clients) -> None:
                 serve(request)
         w.clock.advance(8)
     for client in clients:
-        assert client.response().status == 200, client.raw()
+        test.assertEqual(client.response().status, 200, client.raw())
 
 
 class BusyHoldTests(WorldTestCase):
@@ -38,10 +38,6 @@ class BusyHoldTests(WorldTestCase):
             w.agent.requests[index].respond(status, body=b"busy", length=4, finish=True)
         self.assertEqual(len(w.agent.requests), len(node_ids))
         return w, first
-
-    def finish_first(self, w, first) -> None:
-        """Let the first request's next round commit, so nothing is left open."""
-        serve_all(w, first)
 
     def test_all_owners_held_answers_503_at_once_with_nothing_dispatched(self):
         w, first = self.held_world("a", "b")
@@ -57,12 +53,12 @@ class BusyHoldTests(WorldTestCase):
         self.assertEqual(w.emitter.sent[sent:], [("ollama:proxy/request", {
             "id": "2", "method": "POST", "path": "/api/chat", "target": "", "status": 503,
             "duration_ms": 0, "error": BUSY_TEXT})])
-        self.finish_first(w, first)
+        serve_all(self, w, first)  # nothing left open
 
     def test_503_holds_like_429(self):
         w, first = self.held_world("a", status=503)
         self.assertEqual(w.chat().response().status, 503)
-        self.finish_first(w, first)
+        serve_all(self, w, first)  # nothing left open
 
     def test_retry_after_is_the_longest_remaining_hold_rounded_up(self):
         w = self.world()
@@ -77,7 +73,7 @@ class BusyHoldTests(WorldTestCase):
         w.clock.advance(0.2)
         response = w.chat().response()
         self.assertEqual((response.status, response.header("retry-after")), (503, "3"))
-        serve_all(w, first, second)
+        serve_all(self, w, first, second)
 
     def test_one_free_owner_turns_the_gate_off_and_held_nodes_go_last(self):
         w = self.world()
@@ -115,7 +111,7 @@ class BusyHoldTests(WorldTestCase):
         second = w.chat()
         serve(w.agent.requests[-1])
         self.assertEqual(second.response().status, 200)
-        self.finish_first(w, first)
+        serve_all(self, w, first)  # nothing left open
 
     def test_a_commit_from_the_node_clears_its_hold(self):
         w = self.world()
@@ -148,7 +144,7 @@ class BusyHoldTests(WorldTestCase):
         response = w.chat(model="mistral").response()
         self.assertEqual((response.status, response.json()),
                          (502, {"error": "no available node advertises the requested model"}))
-        self.finish_first(w, first)
+        serve_all(self, w, first)  # nothing left open
 
     def test_non_inference_and_model_less_requests_are_never_gated(self):
         w, first = self.held_world("a")
@@ -161,7 +157,7 @@ class BusyHoldTests(WorldTestCase):
         self.assertEqual(w.agent.last.uri, b"http://10.0.0.1:11434/api/chat")
         serve(w.agent.last)
         self.assertEqual(unnamed.response().status, 200)
-        self.finish_first(w, first)
+        serve_all(self, w, first)  # nothing left open
 
     def test_the_hold_is_per_facade(self):
         ollama, first = self.held_world("a")
@@ -171,7 +167,7 @@ class BusyHoldTests(WorldTestCase):
         self.assertEqual(lmstudio.agent.hosts(), ["10.0.0.1:1234"])
         serve(lmstudio.agent.last)
         self.assertEqual(client.response().status, 200)
-        self.finish_first(ollama, first)
+        serve_all(self, ollama, first)  # nothing left open
 
 
 class StallCooldownTests(WorldTestCase):

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from twisted.logger import globalLogPublisher
 
 from nvpair_proxy.dispatch import Bounds
 from nvpair_proxy.test.world import WorldTestCase
+from nvpair_proxy.test.test_apikeys import LogCapture
 
 IDLE_NOTE = "upstream sent nothing for 5s after commit"
 
@@ -18,9 +18,7 @@ class StreamIdleTests(WorldTestCase):
         return w, client, upstream
 
     def test_a_silent_committed_upstream_is_closed_and_the_job_stays_completed(self):
-        logged = []
-        globalLogPublisher.addObserver(logged.append)
-        self.addCleanup(globalLogPublisher.removeObserver, logged.append)
+        logged = LogCapture(self).events
         w, client, upstream = self.committed()
         w.clock.advance(4.9)
         upstream.write(b'{"message":{"content":"b"},"done":false}\n')  # refreshes the wait

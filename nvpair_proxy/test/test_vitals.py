@@ -7,12 +7,12 @@ import os
 import signal
 
 from twisted.internet.testing import MemoryReactorClock
-from twisted.logger import globalLogPublisher
 from twisted.trial.unittest import SynchronousTestCase
 
 from nvpair_proxy import vitals
 from nvpair_proxy.pool import ConnectionPool
 from nvpair_proxy.reservations import ReservationMap
+from nvpair_proxy.test.test_apikeys import LogCapture
 
 
 class Idle:
@@ -54,10 +54,7 @@ class VitalsTests(SynchronousTestCase):
         reactor = MemoryReactorClock()
         calls = []
         reactor.callFromThread = lambda f, *a: calls.append((f, a))
-        lines = []
-        observer = lines.append
-        globalLogPublisher.addObserver(observer)
-        self.addCleanup(globalLogPublisher.removeObserver, observer)
+        lines = LogCapture(self).events
         vitals.report_on_sigusr1(reactor, lambda: {"pooled": 4, "in_flight": 0})
         os.kill(os.getpid(), signal.SIGUSR1)
         # The handler only queued the work; nothing was logged inside the signal handler.

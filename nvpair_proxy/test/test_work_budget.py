@@ -12,10 +12,11 @@ from __future__ import annotations
 from twisted.internet import defer
 from twisted.logger import globalLogPublisher
 
-from twisted.internet.testing import MemoryReactorClock, StringTransport
+from twisted.internet.testing import MemoryReactorClock
 
 from nvpair_proxy import logs
 from nvpair_proxy.client import Client
+from nvpair_proxy.test.test_client import Wire
 from nvpair_proxy.events import LogEmitter
 from nvpair_proxy.test.world import WorldTestCase
 
@@ -87,10 +88,8 @@ class WorkBudgetTests(WorldTestCase):
         def proxied():
             client = w.chat()
             if len(reactor.tcpClients) > len(wires):
-                protocol = reactor.tcpClients[-1][2].buildProtocol(None)
-                protocol.makeConnection(StringTransport())
-                wires.append(protocol)
-            wires[-1].dataReceived(
+                wires.append(Wire(reactor))
+            wires[-1].reply(
                 b"HTTP/1.1 200 OK\r\nContent-Type: application/x-ndjson\r\n"
                 b"Transfer-Encoding: chunked\r\n\r\n"
                 b"2a\r\n{\"message\":{\"content\":\"hi\"},\"done\":false}\n\r\n"
