@@ -26,6 +26,7 @@ from nvpair_proxy.test.processes import free_port, start_fleet, start_standalone
 from nvpair_proxy.test.world import World, WorldTestCase
 from nvpair_proxy.testing import lan
 from nvpair_proxy.trust import ClusterDirectory, tls_ingress
+from nvpair_proxy.test.test_process import nodes_toml
 
 GOOD = b"POST /api/chat HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}"
 CHAT = json.dumps({"model": "llama3", "messages": [{"role": "user", "content": "hi"}]}).encode()
@@ -218,23 +219,6 @@ class InMemoryTests(WorldTestCase):
             self.assertEqual(w.agent.requests, [], name)
 
 
-NODES = """
-[[node]]
-id = "gpu-a"
-address = "127.0.0.1"
-[node.engines.ollama]
-port = {small}
-models = ["llama3:latest"]
-
-[[node]]
-id = "gpu-big"
-address = "127.0.0.1"
-[node.engines.ollama]
-port = {big}
-models = ["big:latest"]
-"""
-
-
 class AgainstTheProcessTests(SynchronousTestCase):
     """One fleet and one proxy per test; every wait is bounded."""
 
@@ -245,7 +229,8 @@ class AgainstTheProcessTests(SynchronousTestCase):
                                   'models = ["big:latest"]\ntokens = 4000\nchunk_size = 4096\n')
         nodes = os.path.abspath(self.mktemp())
         with open(nodes, "w") as handle:
-            handle.write(NODES.format(**fleet))
+            handle.write(nodes_toml([("gpu-a", "ollama", fleet["small"], ["llama3:latest"]),
+                                     ("gpu-big", "ollama", fleet["big"], ["big:latest"])]))
         self.port = free_port()
         self.proc = start_standalone(self, ["--engine", f"ollama:{self.port}",
                                             "--nodes", nodes])
