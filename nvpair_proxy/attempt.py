@@ -79,6 +79,9 @@ class Failed:
     kind: str
     reason: str
     status: int | None = None
+    #: The attempt ran out its header or first-content cap: the node took a whole budget
+    #: and gave nothing for it (issue 8's stall cooldown).
+    spent: bool = False
 
 
 class AddressMemory:
@@ -257,10 +260,12 @@ class Attempt:
     def _timed_out(self) -> None:
         self._timer = None
         if self.state == DIALING:
-            self._end(Failed(self.node, TRANSPORT, "timeout awaiting response headers"), FAILED)
+            self._end(Failed(self.node, TRANSPORT, "timeout awaiting response headers",
+                             spent=True), FAILED)
         elif self.state == PEEKING:
             self._end(Failed(self.node, NO_CONTENT,
-                             "upstream sent no response body within the first-byte budget"), FAILED)
+                             "upstream sent no response body within the first-byte budget",
+                             spent=True), FAILED)
 
     def _end(self, outcome: Failed, state: State) -> None:
         self._enter(state)

@@ -20,6 +20,7 @@ from . import constants
 from .attempt import NO_CONTENT, STATUS, AddressMemory, Attempt, Committed, Failed
 from .discovery import Node
 from .interfaces import IRouter
+from .router import BUSY_STATUSES
 
 NO_OWNER = "no available node advertises the requested model"
 NO_CANDIDATE = "no active node selected or available"
@@ -258,15 +259,22 @@ class Dispatch:
             self._dispatch_next()
 
     def _tell_router(self, outcome: Committed | Failed) -> None:
-        """What the node's answer says about it: busy (429/503), stalled, or serving."""
+        """What the node's answer says about it: busy (429/503), stalled, or serving.
+
+        Any commit but a busy one (the last attempt's 429 or 503, passed through) is a first
+        byte: the node answered, so it is neither full nor stalled. A node that ran out a
+        whole cap, for its headers or for its first byte, cools: either way it took a budget
+        and gave nothing for it.
+        """
         node_id = outcome.node.id
         if isinstance(outcome, Committed):
-            self.router.answered(node_id, outcome.response.code)
-            if 200 <= outcome.response.code < 300:
+            if outcome.response.code in BUSY_STATUSES:
+                self.router.answered(node_id, outcome.response.code)
+            else:
                 self.router.first_byte(node_id)
         elif outcome.kind == STATUS:
             self.router.answered(node_id, outcome.status)
-        elif outcome.kind == NO_CONTENT:
+        elif outcome.spent:
             self.router.stalled(node_id)
 
     def _back_off(self) -> None:

@@ -128,6 +128,36 @@ class BusyHoldTests(WorldTestCase):
         serve(w.agent.requests[2])
         self.assertEqual(second.response().status, 200)
 
+    def test_any_commit_clears_the_hold_not_only_a_2xx(self):
+        # A committed 400 is the engine answering, not the engine being full.
+        w = self.world()
+        w.facade.router.busy_hold = 60.0
+        w.add("a")
+        first = w.chat()
+        w.agent.requests[0].respond(429, body=b"busy", length=4, finish=True)
+        self.assertEqual(w.chat().response().status, 503)
+        w.clock.advance(1.0)
+        w.agent.requests[1].respond(400, {"Content-Type": "application/json"}, b'{"error":"x"}',
+                                    length=13, finish=True)
+        self.assertEqual(first.response().status, 400)
+        second = w.chat()
+        self.assertEqual(len(w.agent.requests), 3)
+        serve(w.agent.requests[2])
+        self.assertEqual(second.response().status, 200)
+
+    def test_a_held_pin_goes_after_a_free_node(self):
+        w = self.world()
+        w.add("a"), w.add("b", addresses=("10.0.0.2",))
+        router = w.facade.router
+        router.set_pin("a")
+        self.assertEqual(router.model_owners("llama3:latest"), ["a", "b"])
+        router.answered("a", 429)
+        self.assertEqual(router.model_owners("llama3:latest"), ["b", "a"])
+        client = w.chat()
+        self.assertEqual(w.agent.hosts(), ["10.0.0.2:11434"])
+        serve(w.agent.last)
+        self.assertEqual(client.response().status, 200)
+
     def test_a_busy_final_answer_also_holds(self):
         w = self.world()
         w.add("a")
@@ -199,6 +229,45 @@ class StallCooldownTests(WorldTestCase):
         self.assertEqual(w.agent.hosts()[3], "10.0.0.1:11434")
         serve(w.agent.last)
         self.assertEqual(client.response().status, 200)
+
+    def test_the_cooldown_ends_after_30_seconds_not_before(self):
+        w = self.stalled_world("a", "b")
+        self.stall_then_serve(w)  # a cooling from t=60
+        w.clock.advance(29.9)
+        self.assertEqual(w.facade.router.model_owners("llama3:latest"), ["b", "a"])
+        w.clock.advance(0.1)
+        self.assertEqual(w.facade.router.model_owners("llama3:latest"), ["a", "b"])
+
+    def test_headers_withheld_for_the_whole_cap_also_cool_the_node(self):
+        w = self.stalled_world("a", "b")
+        client = w.chat()
+        w.clock.advance(60)  # a never sends headers: the header cap ends the attempt
+        self.assertEqual(w.agent.hosts(), ["10.0.0.1:11434", "10.0.0.2:11434"])
+        serve(w.agent.last)
+        self.assertEqual(client.response().status, 200)
+        self.assertEqual(list(w.facade.router.cooling()), ["a"])
+        client = w.chat()
+        self.assertEqual(w.agent.hosts()[2], "10.0.0.2:11434")
+        serve(w.agent.last)
+        self.assertEqual(client.response().status, 200)
+
+    def test_a_refused_dial_does_not_cool_the_node(self):
+        w = self.stalled_world("a", "b")
+        client = w.chat()
+        w.agent.last.refuse()
+        serve(w.agent.last)
+        self.assertEqual(client.response().status, 200)
+        self.assertEqual(w.facade.router.cooling(), {})
+
+    def test_any_first_byte_ends_the_cooldown(self):
+        w = self.stalled_world("a", "b")
+        self.stall_then_serve(w)  # a cooling
+        client = w.chat()  # b first, refuses; a answers 400, committed
+        w.agent.last.respond(500, body=b"oops", length=4, finish=True)
+        w.agent.last.respond(400, {"Content-Type": "application/json"}, b'{"error":"x"}',
+                             length=13, finish=True)
+        self.assertEqual(client.response().status, 400)
+        self.assertEqual(w.facade.router.cooling(), {})
 
     def test_the_cooldown_demotes_a_pin(self):
         w = self.stalled_world("a", "b")
