@@ -259,13 +259,16 @@ class Host:
         self.key = key
         self.engine_id, legs = LAYOUT[key]
         self.name = self.engine_id
-        self.uuid = str(uuid.uuid4())
+        self.uuid = str(uuid.uuid4())  # hostUuid: the routing id
+        # clusterUuid: the principal that names the certificate and selects the pin. A
+        # different value from the routing id, so pins keyed by the wrong one fail the tests.
+        self.principal = str(uuid.uuid4())
         self.namespace = namespace
         self.legs = legs
         self.addresses = [address for _, address in legs]
         self.cluster_dir = os.path.join(workdir, f"cluster-{key}")
         self.workdir = workdir
-        self.cert, self.key_pem = make_certificate(self.uuid)
+        self.cert, self.key_pem = make_certificate(self.principal)
         self.port = FACADE_PORT  # what the others are told (the relay's port when delayed)
         self.broker: ScriptedBroker | None = None
         self.engine = None
@@ -280,7 +283,7 @@ class Host:
         return list(reversed(self.addresses)) if self.key == "c" else list(self.addresses)
 
     def pin_path(self, peer: "Host") -> str:
-        return os.path.join(self.cluster_dir, "trusted", f"{peer.uuid}.json")
+        return os.path.join(self.cluster_dir, "trusted", f"{peer.principal}.json")
 
     def file(self, name: str) -> str:
         return os.path.join(self.workdir, f"{self.key}-{name}")
@@ -405,13 +408,18 @@ class Topology:
         self.ip(self.switch, "link", "set", self.veth(self.hosts[key], bridge), "up")
 
     def _delay(self, host: Host) -> None:
-        """netem on both ends of the host's br0 leg, else a user-space relay (issue 14)."""
+        """netem on both ends of every leg of the host (a multi-homed host is reached on
+        either), else a user-space relay (issue 14)."""
         ms = f"{int(self.delay * 1000)}ms"
         netem = _run("tc", "-n", host.namespace, "qdisc", "add", "dev", "eth0", "root",
                      "netem", "delay", ms, check=False) if shutil.which("tc") else None
         if netem is not None and netem.returncode == 0:
-            _run("tc", "-n", self.switch, "qdisc", "add", "dev", self.veth(host), "root",
-                 "netem", "delay", ms)
+            for index, (bridge, _) in enumerate(host.legs):
+                if index:
+                    _run("tc", "-n", host.namespace, "qdisc", "add", "dev", f"eth{index}",
+                         "root", "netem", "delay", ms)
+                _run("tc", "-n", self.switch, "qdisc", "add", "dev", self.veth(host, bridge),
+                     "root", "netem", "delay", ms)
             self.delay_mode = "netem"
         else:
             self.delay_mode = "relay"  # started with the processes, published on RELAY_PORT
@@ -437,7 +445,7 @@ class Topology:
             write_admission(host.cluster_dir, cluster_id=self.run_id)
             for peer in self.hosts.values():
                 if peer is not host:
-                    write_pin(host.cluster_dir, peer.uuid, peer.cert)
+                    write_pin(host.cluster_dir, peer.principal, peer.cert)
 
     def unpin(self, holder: str, peer: str) -> None:
         os.unlink(self.hosts[holder].pin_path(self.hosts[peer]))
@@ -495,7 +503,7 @@ class Topology:
         port = FACADE_PORT if host is viewer else host.port
         ips = host.published_ips()
         return {"hostUuid": host.uuid, "name": host.name, "ip": ips[0], "ips": ips,
-                "clusterUuid": host.uuid, "trusted": True,
+                "clusterUuid": host.principal, "trusted": True,
                 "services": {"ol": {"port": port}},
                 "models": [MODEL], "modelsByEngine": {"ollama": [MODEL]},
                 "lastSeen": int(time.time())}

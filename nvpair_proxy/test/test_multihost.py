@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import sys
 import time
 
@@ -37,6 +38,12 @@ def _report(line: str) -> None:
     sys.__stderr__.flush()
 
 
+def _interrupted(signum, frame):
+    """SIGTERM to the test runner unwinds like Ctrl-C, so the cleanups that delete the
+    namespaces and kill the hosts' processes still run."""
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def token_lines(node: str, count: int) -> list[str]:
     """The content of each streamed Ollama chat line the simulated ``node`` writes."""
     return [f"{node} says hello {index} " for index in range(count)]
@@ -51,6 +58,8 @@ class MultiHostTests(SynchronousTestCase):
             raise SkipTest(f"multi-host tests need network namespaces: {reason}")
         self.started = time.monotonic()
         self.addCleanup(self._timed)
+        self.addCleanup(signal.signal, signal.SIGTERM,
+                        signal.signal(signal.SIGTERM, _interrupted))
 
     def _timed(self):
         took = time.monotonic() - self.started
@@ -144,7 +153,9 @@ class MultiHostTests(SynchronousTestCase):
     def test_the_chosen_peers_link_cut_before_headers_fails_over_to_another_peer(self):
         t = self.topo = self.topology()
         t.set_priority("a", ["b", "c", "a"])
-        t.fault("b", hang_before_headers=True)
+        # B is healthy but answers only after 1 s, inside A's 2 s header cap: had its link
+        # stayed up, B would have served the request. The cut is what makes A fail over.
+        t.fault("b", headers_delay=1.0)
         client = t.chat("a")
         deadline = time.monotonic() + 10
         while t.served("b") == 0:
@@ -234,7 +245,7 @@ class MultiHostTests(SynchronousTestCase):
     def test_an_impostor_with_a_well_formed_unpinned_certificate_is_refused_both_ways(self):
         t = self.topo = self.topology()
         a, b = t.hosts["a"], t.hosts["b"]
-        cert, key = make_certificate(b.uuid)  # B's name, not B's certificate
+        cert, key = make_certificate(b.principal)  # B's name, not B's certificate
         # Inbound: the impostor (in B's namespace, at B's address) calls A's ingress.
         refused = t.chat("b", host=a.ip, tls=t.tls_as("b", peer="a", cert_pem=cert,
                                                        key_pem=key)).result()[0]

@@ -210,6 +210,30 @@ class TimingAndFaultTests(SynchronousTestCase):
         self.assertEqual(wire.transport.value(), b"")
         self.assertEqual(node.served, [("POST", "/api/generate")])
 
+    def test_headers_delay_answers_only_after_the_delay(self):
+        node = SimNode("gpu-a", "ollama", models=["llama3"], tokens=1, headers_delay=2.0)
+        wire = _Wire(node, self.clock)
+        wire.send("POST", "/api/chat", {"model": "llama3", "stream": False, **CHAT})
+        self.clock.advance(1.999)
+        self.assertEqual(wire.transport.value(), b"")
+        self.clock.advance(0.001)
+        status, headers, chunks, complete = wire.response()
+        self.assertEqual((status, headers["x-sim-node"], complete), (200, "gpu-a", True))
+        self.assertEqual(node.served, [("POST", "/api/chat")])
+
+    def test_headers_delay_keeps_faults_and_forgets_a_client_that_left(self):
+        node = SimNode("gpu-a", "ollama", models=["llama3"], headers_delay=1.0, status=503)
+        wire = _Wire(node, self.clock)
+        wire.send("POST", "/api/chat", {"model": "llama3", **CHAT})
+        self.clock.advance(1.0)
+        self.assertEqual(wire.response()[0], 503)
+        gone = _Wire(node, self.clock)
+        gone.send("POST", "/api/chat", {"model": "llama3", **CHAT})
+        gone.channel.connectionLost(Failure(ConnectionDone()))
+        self.clock.advance(1.0)
+        self.assertEqual(gone.transport.value(), b"")
+        self.assertEqual(self.clock.getDelayedCalls(), [])
+
     def test_paused_client_holds_the_stream_until_it_resumes(self):
         node = SimNode("gpu-a", "ollama", models=["llama3"], tokens=3, token_delay=1.0)
         wire = _Wire(node, self.clock)

@@ -37,7 +37,7 @@ DIALECTS = ("ollama", "lmstudio", "llamacpp")
 
 # The fields POST /_sim/fault may change; identity (id, dialect, port) and records may not.
 FAULT_FIELDS = ("models", "loaded", "tokens", "token_delay", "chunk_size", "status",
-                "hang_before_headers", "hang_after_headers", "die_after_tokens")
+                "hang_before_headers", "headers_delay", "hang_after_headers", "die_after_tokens")
 
 _FILLER = "abcdefghijklmnopqrstuvwxyz0123456789"
 
@@ -139,6 +139,10 @@ class SimNode:
     chunk_size: int = attrs.field(default=0, validator=_int_in(0))
     status: int | None = attrs.field(default=None, validator=_optional(_int_in(400, 599)))
     hang_before_headers: bool = attrs.field(default=False, validator=_flag)
+    # Seconds an inference request waits before it is answered at all (a busy engine's
+    # queue): a link cut inside this wait is what stops the answer, not the node.
+    headers_delay: float = attrs.field(default=0.0, converter=_seconds,
+                                       validator=_non_negative_seconds)
     hang_after_headers: bool = attrs.field(default=False, validator=_flag)
     die_after_tokens: int | None = attrs.field(default=None, validator=_optional(_int_in(0)))
     # Every inference request that reached this node, whatever it was answered.
@@ -725,6 +729,25 @@ class SimNodeResource(Resource):
             return self._error(request, style, 400, "the request body must be a JSON object")
         if node.hang_before_headers:
             return NOT_DONE_YET
+        if node.headers_delay:
+            gone: list[Failure] = []
+            request.notifyFinish().addErrback(gone.append)
+            self._clock.callLater(node.headers_delay, self._answer_later, request, kind, body,
+                                  gone)
+            return NOT_DONE_YET
+        return self._answer(request, kind, body)
+
+    def _answer_later(self, request: Request, kind: str, body: dict, gone: list) -> None:
+        if gone:
+            return  # the client left while the answer waited
+        result = self._answer(request, kind, body)
+        if result is not NOT_DONE_YET:
+            request.write(result)
+            request.finish()
+
+    def _answer(self, request: Request, kind: str, body: dict):
+        node = self.node
+        style = _error_style(node.dialect, kind)
         if node.status is not None:
             return self._error(request, style, node.status,
                                f"simulated fault on {node.node_id}: HTTP {node.status}")
@@ -808,7 +831,7 @@ class FleetFileError(ValueError):
 _FILE_KEYS = {"id": "node_id", "dialect": "dialect", "port": "port", "models": "models",
               "loaded": "loaded", "tokens": "tokens", "token_delay": "token_delay",
               "chunk_size": "chunk_size", "status": "status",
-              "hang_before_headers": "hang_before_headers",
+              "hang_before_headers": "hang_before_headers", "headers_delay": "headers_delay",
               "hang_after_headers": "hang_after_headers", "die_after_tokens": "die_after_tokens"}
 
 
@@ -826,6 +849,7 @@ def parse_fleet(data: Mapping[str, Any], source: str) -> list[SimNode]:
         chunk_size = 0          # pad each token to about this many bytes
         status = 503            # fault: answer inference with this error status
         hang_before_headers = false
+        headers_delay = 0.5     # fault: answer inference only after this many seconds
         hang_after_headers = false
         die_after_tokens = 3    # fault: drop the connection after this many tokens
 
