@@ -8,17 +8,22 @@ from collections import Counter
 from types import SimpleNamespace
 
 from prometheus_client.parser import text_string_to_metric_families
+from twisted.internet.address import IPv4Address
+from twisted.internet.task import Clock
 from twisted.internet.testing import StringTransport
 from twisted.trial.unittest import SynchronousTestCase
 
+from nvpair_proxy import answers, dispatch, events
 from nvpair_proxy.admin import AdminResource, loopback_host, status_page
+from nvpair_proxy.constants import MAX_REQUEST_BODY
 from nvpair_proxy.options import admin_address
 from nvpair_proxy.metrics import registry, scrape
 from nvpair_proxy.options import Options
-from nvpair_proxy.recorder import Recorder
+from nvpair_proxy.recorder import REASONS, Recorder, reason
 from nvpair_proxy.server import BoundedSite
 from nvpair_proxy.status import ProcessView, status
-from nvpair_proxy.testing import loopback
+from nvpair_proxy.testing import lan, loopback
+from nvpair_proxy.test.test_apikeys import gate
 from nvpair_proxy.test.world import Response, WorldTestCase, request_bytes
 
 NDJSON = {"Content-Type": "application/x-ndjson"}
@@ -235,6 +240,102 @@ class ScenarioTests(WorldTestCase):
         samples = scraped(view)
         self.assertEqual(total(samples, "nvpair_proxy_requests_in_flight"), 0)
         self.assertEqual(total(samples, "nvpair_proxy_reservations"), 0)
+
+
+def by_label(samples: dict, name: str, label: str) -> dict[str, float]:
+    """One family's samples summed by one label."""
+    out: Counter = Counter()
+    for (sample, key), value in samples.items():
+        if sample == name:
+            out[dict(key)[label]] += value
+    return dict(out)
+
+
+class ReasonTests(WorldTestCase):
+    """Why a request did not complete: the answer's code first, then the proxy's text, then
+    the status, and ``other`` last; every reason of the vocabulary can occur."""
+
+    def test_answers_before_routing_each_count_under_their_own_reason(self):
+        """Through the real listener and facade: the LAN gate's 401 and 403s, the 413, the
+        identity probe's 409 and the 503 of a stopping facade."""
+        recorder = Recorder()
+        keyed = self.world(lan=gate(Clock(), cidrs="192.168.1.0/24"), recorder=recorder)
+        keyed.add("a")
+        keyless = self.world(recorder=recorder)  # no keys: a LAN peer is loopback-only
+        body = {"model": "llama3", "messages": [{"role": "user", "content": MARKER}]}
+        outside = IPv4Address("TCP", "10.9.9.9", 40000)
+        statuses = [
+            keyed.send("POST", "/api/chat", body, peer=lan()).response().status,
+            keyed.send("POST", "/api/chat", body, peer=outside).response().status,
+            keyless.send("POST", "/api/chat", body, peer=lan()).response().status,
+            keyed.send("GET", "/api/tags", headers={"X-NVPAIR-Engine-Identity-Probe": "1"})
+            .response().status,
+        ]
+        too_large = keyed.connect()
+        too_large.protocol.dataReceived(b"POST /api/chat HTTP/1.1\r\nHost: x\r\n"
+                                        b"Content-Length: %d\r\n\r\n" % (MAX_REQUEST_BODY + 1))
+        statuses.append(too_large.response().status)
+        keyed.facade.shutdown()
+        statuses.append(keyed.send("POST", "/api/chat", body).response().status)
+        self.assertEqual(statuses, [401, 403, 403, 409, 413, 503])
+        self.assertEqual(keyed.agent.requests, [])
+
+        view = view_of(keyed, recorder)
+        expected = {"unauthorized": 1, "source_not_allowed": 1, "loopback_only": 1,
+                    "identity_probe": 1, "body_too_large": 1, "shutting_down": 1}
+        samples = scraped(view)
+        self.assertEqual(by_label(samples, "nvpair_proxy_request_errors_total", "reason"),
+                         expected)
+        self.assertEqual(by_label(samples, "nvpair_proxy_requests_total", "outcome"),
+                         {"rejected": 6})
+        engine, = json.loads(admin_get(view, "/status").body)["engines"]
+        self.assertEqual((engine["reasons"], engine["requests"]), (expected, {"rejected": 6}))
+
+    def test_every_reason_of_the_vocabulary_can_occur(self):
+        cases = [
+            # Answers before routing: the code report_rejection passes, or the proxy's text.
+            ("rejected", 401, answers.UNAUTHORIZED[0], "unauthorized"),
+            ("rejected", 403, answers.LOOPBACK_ONLY[0], "loopback_only"),
+            ("rejected", 403, answers.SOURCE_NOT_ALLOWED[0], "source_not_allowed"),
+            ("rejected", 403, answers.CLUSTER_AUTH[0], "cluster_auth"),
+            ("rejected", 503, answers.NO_LOCAL_BACKEND, "no_local_backend"),
+            ("rejected", 503, answers.SHUTTING_DOWN, "shutting_down"),
+            ("rejected", 413, answers.BODY_TOO_LARGE, "body_too_large"),
+            ("rejected", 409, answers.FACADE_FOR + "lmstudio", "identity_probe"),
+            # The fleet's own answers (model list, preflight).
+            ("failed", 503, answers.INVENTORY_UNAVAILABLE, "inventory_unavailable"),
+            ("failed", 403, answers.ORIGIN_DENIED, "origin_denied"),
+            ("failed", 502, answers.NO_PREFLIGHT_ANSWER, "no_preflight_answer"),
+            ("failed", 500, "internal error", "internal"),
+            ("cancelled", 499, None, "client_gone"),
+            # The request path.
+            ("failed", 502, dispatch.NO_OWNER, "no_owner"),
+            ("failed", 502, dispatch.NO_CANDIDATE, "no_candidate"),
+            ("failed", 503, dispatch.ALL_OWNERS_BUSY, "busy"),
+            ("failed", 502, dispatch.DEADLINE_PASSED, "deadline"),
+            ("failed", 502, dispatch.NO_OWNER_RETURNED, "owner_never_returned"),
+            ("failed", 502, dispatch.EVERY_ATTEMPT_FAILED, "attempts_exhausted"),
+            ("failed", 502, dispatch.NO_CONTENT_TEXT, "no_content"),
+            ("failed", 502, "upstream error: Connection refused", "transport"),
+            ("failed", 500, "upstream returned HTTP 500", "upstream_status"),
+            ("cancelled", 499, events.CLIENT_GONE, "client_gone"),
+            ("cancelled", 499, events.SHUTDOWN, "shutdown"),
+            ("failed", 500, events.BACKSTOP, "internal"),
+            # An error no table knows: the status, else other.
+            ("rejected", 401, "a future code", "unauthorized"),
+            ("rejected", 418, "a future code", "other"),
+            ("completed", 200, None, None),
+        ]
+        seen = set()
+        for outcome, status_code, error, expected in cases:
+            ended = events.RequestEnded(engine="ollama", at=0.0, route="inference",
+                                        outcome=outcome, status=status_code, duration=0.0,
+                                        error=error)
+            self.assertEqual(reason(ended), expected, error)
+            seen.add(expected)
+        self.assertEqual(seen - {None}, REASONS)
+        self.assertIsInstance(REASONS, frozenset)
+        self.assertEqual(len(REASONS), 24)
 
 
 class StatusTests(WorldTestCase):
