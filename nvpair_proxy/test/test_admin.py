@@ -24,6 +24,7 @@ from nvpair_proxy.server import BoundedSite
 from nvpair_proxy.status import ProcessView, status
 from nvpair_proxy.testing import lan, loopback
 from nvpair_proxy.test.test_apikeys import gate
+from nvpair_proxy.test.test_overload import serve_all
 from nvpair_proxy.test.world import Response, WorldTestCase, request_bytes
 
 NDJSON = {"Content-Type": "application/x-ndjson"}
@@ -379,9 +380,30 @@ class StatusTests(WorldTestCase):
             w.send("POST", "/api/chat", {"model": f"m{index}"})
         recent = status(view_of(w, recorder))["recent"]
         self.assertEqual(len(recent), 100)
-        self.assertEqual((recent[0]["model"], recent[-1]["model"]), (None, None))
+        # No node advertises them: answered 502 before a workload existed, model still shown.
+        self.assertEqual((recent[0]["model"], recent[-1]["model"]), ("m104", "m5"))
         self.assertEqual((recent[0]["time"], recent[-1]["time"]), (105.0, 6.0))
         self.assertEqual(recent[0]["outcome"], "failed")
+
+    def test_a_busy_503_and_a_no_owner_502_show_the_requested_model(self):
+        """Both are answered before a workload exists; the row names the model as the client
+        spelled it, and the scrape still never does."""
+        recorder = Recorder()
+        w = self.world(recorder=recorder)
+        w.add("a")
+        first = w.chat()
+        w.agent.last.respond(503, length=0, finish=True)  # a says it is full: held
+        busy = w.chat(model="llama3")
+        nobody = w.chat(model="Nope-Model")
+        self.assertEqual((busy.response().status, nobody.response().status), (503, 502))
+        view = view_of(w, recorder)
+        self.assertEqual([(r["model"], r["status"], r["node"], r["dispatches"])
+                          for r in status(view)["recent"]],
+                         [("Nope-Model", 502, None, 0), ("llama3", 503, None, 0)])
+        text = scrape(registry(view)).decode()
+        self.assertNotIn("llama3", text)
+        self.assertNotIn("Nope-Model", text)
+        serve_all(self, w, first)
 
     def test_the_page_is_self_contained_and_polls_status(self):
         recorder = Recorder()
