@@ -40,6 +40,39 @@ def tree(world, running: bool = True):
     return SimpleNamespace(facades=[service], runtime=runtime, running=running)
 
 
+# The scenario's nodes by address, and what its events say without the recorder.
+NODES = {b"10.0.0.1": "a", b"10.0.0.2": "b", b"10.0.0.3": "c"}
+EARLY = (dispatch.NO_OWNER, dispatch.NO_CANDIDATE, dispatch.ALL_OWNERS_BUSY)
+ERROR_TEXTS = ((events.CLIENT_GONE, "client_gone"), (dispatch.NO_OWNER, "no_owner"),
+               ("upstream error: ", "transport"), (answers.FACADE_FOR, "identity_probe"))
+
+
+def route_of(world, params: dict) -> str:
+    route = world.engine.classify(params["method"].encode(), params["path"].encode())
+    return events.route_class(route)
+
+
+def outcome_of(params: dict) -> str:
+    """A finished request's outcome from its proxy/request: 499 is a cancel; an error with no
+    target, other than the dispatch loop's own answers, is an answer before routing."""
+    if params["status"] == 499:
+        return "cancelled"
+    if params["target"] == "" and params.get("error") not in EARLY:
+        return "rejected"
+    return "completed" if params["status"] < 400 else "failed"
+
+
+def dispatch_result(record) -> str:
+    """How the fake engine ended one upstream request of the request path."""
+    if record.cancelled:
+        return "cancelled"
+    if record.response is None:
+        return "transport"
+    if record.response.code >= 500:
+        return "refused_status"
+    return "no_content" if record.response.transport.stopped else "committed"
+
+
 def view_of(world, recorder: Recorder) -> ProcessView:
     return ProcessView(root=tree(world), recorder=recorder, mode="standalone",
                        clock=world.clock.seconds, started=world.clock.seconds())
@@ -59,6 +92,16 @@ def total(samples: dict, name: str, **labels) -> float:
                if sample == name and all((k, v) in key for k, v in labels.items()))
 
 
+def by_labels(samples: dict, name: str, *labels: str) -> Counter:
+    """One family's samples summed by some of its labels (one label: its value as the key)."""
+    out: Counter = Counter()
+    for (sample, key), value in samples.items():
+        if sample == name:
+            values = tuple(dict(key)[label] for label in labels)
+            out[values if len(values) > 1 else values[0]] += value
+    return out
+
+
 def admin_get(view: ProcessView, path: str, host: str = "127.0.0.1:9464",
               method: str = "GET") -> Response:
     site = BoundedSite(AdminResource(view, registry(view), status_page()), reactor=None,
@@ -71,12 +114,12 @@ def admin_get(view: ProcessView, path: str, host: str = "127.0.0.1:9464",
 
 
 class ScenarioTests(WorldTestCase):
-    """A scripted scenario: failovers, a cancel, 502s, a model list and a rejection; the scrape
-    then equals what the link was told, exactly."""
+    """A scripted scenario: failovers, a cancel, 502s, a stall, a model list and a rejection;
+    the scrape then equals what the link was told, exactly."""
 
     def scenario(self):
         recorder = Recorder()
-        w = self.world(recorder=recorder)
+        w = self.world(recorder=recorder, response_timeout=60)
         w.add("a", addresses=("10.0.0.1",))
         w.add("b", addresses=("10.0.0.2",))
         w.add("c", addresses=("10.0.0.3",))
@@ -117,7 +160,18 @@ class ScenarioTests(WorldTestCase):
             w.clock.advance(8)
         self.assertEqual(fifth.response().status, 502)
 
-        # 6. The fleet's model list, and 7. a rejected identity probe.
+        # 6. A stall: the first node sends headers, then nothing for the whole first-content
+        #    budget (the response cap, 60 s here); the request fails over to the next node,
+        #    and the stalled one cools for 30 s.
+        sixth = w.send("POST", "/api/chat", body)
+        stalled = w.agent.last
+        stalled.respond(200, NDJSON)
+        w.clock.advance(60)
+        self.assertIsNot(w.agent.last, stalled)
+        w.agent.last.respond(200, NDJSON, body=b'{"done":true,"eval_count":1}\n', finish=True)
+        self.assertEqual(sixth.response().status, 200)
+
+        # 7. The fleet's model list, and 8. a rejected identity probe.
         tags = w.send("GET", "/api/tags")
         for record in w.agent.requests[-3:]:
             record.respond(200, {"Content-Type": "application/json"},
@@ -129,58 +183,74 @@ class ScenarioTests(WorldTestCase):
 
     def test_scraped_counters_equal_the_reported_events(self):
         w, recorder = self.scenario()
-        samples = scraped(view_of(w, recorder))
+        view = view_of(w, recorder)
+        samples = scraped(view)
         requests = [params for method, params in w.emitter.sent if method == "ollama:proxy/request"]
         workloads = [info for method, info in w.emitter.workload()
                      if method in ("workload:completed", "workload:errored")]
-        dispatched = [r for r in w.agent.requests if b"/api/tags" not in r.uri]
-        started = [info for method, info in w.emitter.workload() if method == "workload:started"]
-
-        self.assertEqual(total(samples, "nvpair_proxy_requests_total"), len(requests))
-        self.assertEqual(
-            {(dict(k)["route"], dict(k)["outcome"]): v for (n, k), v in samples.items()
-             if n == "nvpair_proxy_requests_total"},
-            {("inference", "completed"): 2, ("inference", "cancelled"): 1,
-             ("inference", "failed"): 2, ("models", "completed"): 1, ("other", "rejected"): 1})
         states = Counter(info["state"] for info in workloads)
-        for state in ("completed", "cancelled"):
-            self.assertEqual(total(samples, "nvpair_proxy_requests_total", route="inference",
-                                   outcome=state), states[state])
-        self.assertEqual(
-            {dict(k)["reason"]: v for (n, k), v in samples.items()
-             if n == "nvpair_proxy_request_errors_total"},
-            {"client_gone": 1, "no_owner": 1, "transport": 1, "identity_probe": 1})
+        early = [p for p in requests if p["target"] == "" and p.get("error") in EARLY]
 
-        # Every dispatch is one upstream request here (one address per node).
-        self.assertEqual(total(samples, "nvpair_proxy_dispatches_total"), len(dispatched))
-        hosts = Counter(r.uri.split(b"/")[2].split(b":")[0].decode() for r in dispatched)
-        for node, address in (("a", "10.0.0.1"), ("b", "10.0.0.2"), ("c", "10.0.0.3")):
-            self.assertEqual(total(samples, "nvpair_proxy_dispatches_total", node=node),
-                             hosts[address])
+        # Requests by route and outcome, each read from its proxy/request alone.
+        ends = Counter((route_of(w, p), outcome_of(p)) for p in requests)
+        self.assertEqual(by_labels(samples, "nvpair_proxy_requests_total", "route", "outcome"),
+                         ends)
+        # Inference outcomes against the workload events: a failed request is a
+        # workload:errored one, or one answered before any workload existed (no owner).
+        self.assertEqual(ends["inference", "completed"], states["completed"])
+        self.assertEqual(ends["inference", "cancelled"], states["cancelled"])
+        self.assertEqual(ends["inference", "failed"], states["failed"] + len(early))
+        self.assertEqual(ends, {("inference", "completed"): 3, ("inference", "cancelled"): 1,
+                                ("inference", "failed"): 2, ("models", "completed"): 1,
+                                ("other", "rejected"): 1})
+
+        # Reasons: each request that did not complete, by the proxy's text it ended with.
+        reasons = Counter()
+        for p in requests:
+            if outcome_of(p) != "completed":
+                reasons[next(name for text, name in ERROR_TEXTS
+                             if p["error"].startswith(text))] += 1
+        self.assertEqual(by_labels(samples, "nvpair_proxy_request_errors_total", "reason"),
+                         reasons)
+        self.assertEqual(set(reasons), {"client_gone", "no_owner", "transport",
+                                        "identity_probe"})
+
+        # Dispatches: every upstream request of the request path (the model list's are the
+        # fleet's, not dispatches), by node and by how the fake engine answered it.
+        dispatched = [r for r in w.agent.requests if b"/api/tags" not in r.uri]
+        results = Counter((NODES[r.uri.split(b"/")[2].split(b":")[0]], dispatch_result(r))
+                          for r in dispatched)
+        self.assertEqual(by_labels(samples, "nvpair_proxy_dispatches_total", "node", "result"),
+                         results)
+        self.assertEqual({result for _, result in results}, {
+            "committed", "refused_status", "transport", "no_content", "cancelled"})
+        started = [info for method, info in w.emitter.workload() if method == "workload:started"]
         self.assertEqual(total(samples, "nvpair_proxy_dispatches_total", result="committed"),
                          len(started))
-        self.assertEqual(
-            Counter({dict(k)["result"]: v for (n, k), v in samples.items()
-                     if n == "nvpair_proxy_dispatches_total"}.keys()),
-            Counter(["committed", "refused_status", "transport", "cancelled"]))
-        self.assertEqual(total(samples, "nvpair_proxy_dispatches_total", result="refused_status"), 2)
-        self.assertEqual(total(samples, "nvpair_proxy_dispatches_total", result="transport"), 6)
-        self.assertEqual(total(samples, "nvpair_proxy_dispatches_total", result="cancelled"), 1)
-        # A failover is every dispatch after a request's first: 2 + 1 + 0 + 4.
-        self.assertEqual(total(samples, "nvpair_proxy_failovers_total"), 7)
+        # A failover is every dispatch after a request's first.
+        placed = {info["id"] for _, info in w.emitter.workload() if info.get("scheduledOn")}
+        self.assertEqual(total(samples, "nvpair_proxy_failovers_total"),
+                         len(dispatched) - len(placed))
+
+        # The stalled node cools (30 s, and no time passed since).
+        stalled, = [node for node, result in results if result == "no_content"]
+        self.assertEqual(total(samples, "nvpair_proxy_nodes_cooling", engine="ollama"), 1)
+        document = status(view)
+        self.assertEqual(document["engines"][0]["cooling"], [stalled])
+        self.assertEqual([n["id"] for n in document["nodes"] if n["cooling"]], [stalled])
 
         for node in ("a", "b", "c"):
             done = [i for i in workloads if i.get("scheduledOn") == node and "stats" in i]
             self.assertEqual(total(samples, "nvpair_proxy_generated_tokens_total", node=node),
                              sum(i["stats"]["completionTokens"] for i in done))
             self.assertEqual(total(samples, "nvpair_proxy_prompt_tokens_total", node=node),
-                             sum(i["stats"]["promptTokens"] for i in done))
+                             sum(i["stats"].get("promptTokens", 0) for i in done))
             with_ttfb = [p for p in requests if p.get("node_id") == node and "ttfb_ms" in p]
             self.assertEqual(total(samples, "nvpair_proxy_ttfb_seconds_count", node=node),
                              len(with_ttfb))
             self.assertAlmostEqual(total(samples, "nvpair_proxy_ttfb_seconds_sum", node=node),
                                    sum(p["ttfb_ms"] for p in with_ttfb) / 1000, places=2)
-        self.assertEqual(total(samples, "nvpair_proxy_generated_tokens_total"), 10)
+        self.assertEqual(total(samples, "nvpair_proxy_generated_tokens_total"), 11)
         self.assertEqual(total(samples, "nvpair_proxy_prompt_tokens_total"), 16)
         self.assertEqual(total(samples, "nvpair_proxy_request_duration_seconds_count"),
                          len(requests))
@@ -243,15 +313,6 @@ class ScenarioTests(WorldTestCase):
         self.assertEqual(total(samples, "nvpair_proxy_reservations"), 0)
 
 
-def by_label(samples: dict, name: str, label: str) -> dict[str, float]:
-    """One family's samples summed by one label."""
-    out: Counter = Counter()
-    for (sample, key), value in samples.items():
-        if sample == name:
-            out[dict(key)[label]] += value
-    return dict(out)
-
-
 class ReasonTests(WorldTestCase):
     """Why a request did not complete: the answer's code first, then the proxy's text, then
     the status, and ``other`` last; every reason of the vocabulary can occur."""
@@ -285,9 +346,9 @@ class ReasonTests(WorldTestCase):
         expected = {"unauthorized": 1, "source_not_allowed": 1, "loopback_only": 1,
                     "identity_probe": 1, "body_too_large": 1, "shutting_down": 1}
         samples = scraped(view)
-        self.assertEqual(by_label(samples, "nvpair_proxy_request_errors_total", "reason"),
+        self.assertEqual(by_labels(samples, "nvpair_proxy_request_errors_total", "reason"),
                          expected)
-        self.assertEqual(by_label(samples, "nvpair_proxy_requests_total", "outcome"),
+        self.assertEqual(by_labels(samples, "nvpair_proxy_requests_total", "outcome"),
                          {"rejected": 6})
         engine, = json.loads(admin_get(view, "/status").body)["engines"]
         self.assertEqual((engine["reasons"], engine["requests"]), (expected, {"rejected": 6}))
