@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections import Counter
 from types import SimpleNamespace
@@ -570,21 +571,65 @@ class TreeTests(SynchronousTestCase):
         self.assertIsNone(root.runtime.recorder)
         self.assertIsNone(root.facades["ollama"].facade.reporter.recorder)
 
-    def test_broker_tree_has_the_admin_listener_and_reports_the_link(self):
+    def broker_tree(self, *arguments: str):
+        """A broker tree with the admin listener bound on a MemoryReactorClock."""
         from twisted.internet.testing import MemoryReactorClock
         from nvpair_proxy import service
         self.patch(service, "claim_stdout", lambda: 99)
         options = Options()
-        options.parseOptions(["--admin", "[::1]:9464"])
+        options.parseOptions(["--admin", "[::1]:9464", *arguments])
         reactor = MemoryReactorClock()
         root = service.broker_tree(options, reactor)
-        self.assertEqual([s.name for s in root], ["runtime", "admin", "link", "facades"])
         admin = root.getServiceNamed("admin")
         admin.privilegedStartService()
+        return root, admin, reactor
+
+    def test_broker_tree_has_the_admin_listener_and_reports_the_link(self):
+        root, admin, reactor = self.broker_tree()
+        self.assertEqual([s.name for s in root], ["runtime", "admin", "link", "facades"])
         self.assertEqual([(t[0], t[3]) for t in reactor.tcpServers], [(9464, "::1")])
         document = status(admin.view)
-        self.assertEqual((document["mode"], document["broker_link_up"], document["engines"]),
-                         ("broker", False, []))
-        self.assertIn('nvpair_proxy_broker_link_up 0.0', scrape(registry(admin.view)).decode())
+        self.assertEqual((document["mode"], document["broker_link_up"], document["engines"],
+                          document["cluster_pins"]), ("broker", False, [], None))
+        text = scrape(registry(admin.view)).decode()
+        self.assertIn('nvpair_proxy_broker_link_up 0.0', text)
+        self.assertNotIn("nvpair_proxy_cluster_pins", text)
 
+    def test_broker_healthz_follows_the_link(self):
+        root, admin, _ = self.broker_tree()
+        root.running = True  # the process serves: only the link is in question
+        link = root.getServiceNamed("link")
+        answer = admin_get(admin.view, "/healthz")
+        self.assertEqual((answer.status, answer.body), (503, b"broker link down\n"))
+        link.link.framer.makeConnection(StringTransport())
+        link.running = True
+        answer = admin_get(admin.view, "/healthz")
+        self.assertEqual((answer.status, answer.body), (200, b"ok\n"))
+        self.assertEqual(total(scraped(admin.view), "nvpair_proxy_broker_link_up"), 1)
+        self.assertIs(status(admin.view)["broker_link_up"], True)
+        link.link.framer.transport.disconnected = True  # as a transport is once its peer left
+        self.assertEqual(admin_get(admin.view, "/healthz").status, 503)
+        self.assertEqual(total(scraped(admin.view), "nvpair_proxy_broker_link_up"), 0)
+        root.running = False
+        answer = admin_get(admin.view, "/healthz")
+        self.assertEqual((answer.status, answer.body), (503, b"stopping\n"))
 
+    def test_cluster_pins_count_the_live_pins_of_a_member(self):
+        from nvpair_proxy.test.certs import make_certificate, write_identity, write_pin
+        folder = self.mktemp()
+        os.makedirs(folder)
+        root, admin, _ = self.broker_tree("--cluster-dir", folder)
+        directory = root.facades.directory
+        for peer in ("node-b", "node-c"):
+            write_pin(folder, peer, make_certificate(peer)[0])
+        directory.refresh()
+        # Pins without our own identity: not a member, so no pin is live.
+        self.assertEqual(status(admin.view)["cluster_pins"], 0)
+        self.assertEqual(total(scraped(admin.view), "nvpair_proxy_cluster_pins"), 0)
+        write_identity(folder, *make_certificate("node-a"))
+        directory.refresh()
+        self.assertEqual(status(admin.view)["cluster_pins"], 2)
+        self.assertEqual(total(scraped(admin.view), "nvpair_proxy_cluster_pins"), 2)
+        os.unlink(os.path.join(folder, "trusted", "node-c.json"))
+        directory.refresh()
+        self.assertEqual(total(scraped(admin.view), "nvpair_proxy_cluster_pins"), 1)
