@@ -34,7 +34,7 @@ MARKER = "PROMPT-MARKER-4e1d9b"
 
 def tree(world, running: bool = True):
     """The parts of the service tree the admin listener reads, around one World facade."""
-    service = SimpleNamespace(facade=world.facade,
+    service = SimpleNamespace(facade=world.facade, slots=None,
                               listening=SimpleNamespace(getHost=lambda: SimpleNamespace(port=11435)))
     runtime = SimpleNamespace(reservations=world.reservations,
                               activity=world.facade.reporter.activity)
@@ -418,10 +418,10 @@ class StatusTests(WorldTestCase):
         self.assertEqual(set(engine), {
             "engine", "port", "pin", "nodes", "in_flight", "waiting_for_owner", "held",
             "cooling", "requests", "reasons", "dispatches", "failovers", "prompt_tokens",
-            "completion_tokens"})
+            "completion_tokens", "slots"})
         self.assertEqual((engine["engine"], engine["port"], engine["requests"],
-                          engine["dispatches"]),
-                         ("ollama", 11435, {"completed": 1}, {"committed": 1}))
+                          engine["dispatches"], engine["slots"]),
+                         ("ollama", 11435, {"completed": 1}, {"committed": 1}, None))
         node, = document["nodes"]
         self.assertEqual(node, {"id": "a", "name": "a", "addresses": ["10.0.0.1", "10.0.1.1"],
                                 "engines": [{"engine": "ollama", "port": 11434,
@@ -487,6 +487,7 @@ class StatusTests(WorldTestCase):
             "time", "engine", "route", "model", "node", "outcome", "status", "TTFB", "duration",
             "tokens in / out"])
         self.assertIn('id="engines"', page)
+        self.assertIn('facts.push(["local slots", slotsText(e.slots)])', page)
 
     def test_endpoints_and_their_answers(self):
         recorder = Recorder()
@@ -633,3 +634,27 @@ class TreeTests(SynchronousTestCase):
         os.unlink(os.path.join(folder, "trusted", "node-c.json"))
         directory.refresh()
         self.assertEqual(total(scraped(admin.view), "nvpair_proxy_cluster_pins"), 1)
+
+    def test_the_local_engines_slots_show_on_status(self):
+        """Issue 8: node/set-local-backend's slots, kept where /status can show them."""
+        root, admin, _ = self.broker_tree()
+        framer = root.getServiceNamed("link").link.framer
+        framer.makeConnection(StringTransport())
+
+        def call(method: str, params: dict) -> dict:
+            framer.transport.clear()
+            framer.dataReceived(json.dumps({"jsonrpc": "2.0", "id": 1, "method": method,
+                                            "params": params}).encode() + b"\n")
+            return json.loads(framer.transport.value().splitlines()[-1])
+
+        self.assertIn("result", call("facade/enable", {"engine": "ollama", "port": 11435}))
+        self.assertEqual(status(admin.view)["engines"][0]["slots"], None)
+        backend = {"engine": "ollama", "port": 11434,
+                   "slots": {"default": 4, "models": {"llama3": 2, "mistral:7b": 0}}}
+        self.assertEqual(call("ollama:node/set-local-backend", backend)["result"], {"ok": True})
+        engine, = status(admin.view)["engines"]
+        self.assertEqual((engine["engine"], engine["slots"]),
+                         ("ollama", {"default": 4, "models": {"llama3:latest": 2}}))
+        # A backend named without slots clears them, as nodes/list shows.
+        call("ollama:node/set-local-backend", {"engine": "ollama", "port": 11434})
+        self.assertIsNone(status(admin.view)["engines"][0]["slots"])
