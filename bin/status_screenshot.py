@@ -95,13 +95,14 @@ def check(dom: str, requests: int) -> list[str]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=os.path.join(demo.ROOT, "docs", "status-page.png"))
+    parser.add_argument("--out", default=os.path.join(demo.ROOT, "docs", "status-page.png"),
+                        help="where to save the PNG (default: docs/status-page.png)")
     args = parser.parse_args()
     binary = browser()
     workdir = tempfile.mkdtemp(prefix="nvpair-screenshot-")
-    fleet_path, _ = demo.write_files(workdir)
     fleet = proc = None
     try:
+        fleet_path, _ = demo.write_files(workdir)
         fleet, fleet_ports = demo.start_fleet(fleet_path)
         facades = {"ollama": demo.free_port(), "lmstudio": demo.free_port(),
                    "llamacpp": demo.free_port()}
@@ -123,6 +124,8 @@ def main() -> int:
         return 0
     finally:
         demo.stop(proc, fleet)
+        # The fleet file, the nodes file and the proxy's state: nothing is kept.
+        shutil.rmtree(workdir, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,12 @@ SOURCE_NOT_ALLOWED = ("source-not-allowed", "this source address is not allowed 
                       "this proxy")
 UNAUTHORIZED = ("unauthorized", "a valid API key is required for non-loopback requests; "
                 "send it as Authorization: Bearer <key> or X-Api-Key: <key>")
+# The mutual-TLS ingress's refusals (their codes are what the admin listener counts by).
+CLUSTER_AUTH = ("cluster-auth", "client certificate is not a pinned member of this node's "
+                "cluster")
+NO_LOCAL_BACKEND = "no-local-backend"
+# The identity probe's 409 (protocol 5): this text, then the engine's id.
+FACADE_FOR = "this port is the nvpair-proxy facade for "
 
 _REASONS = {401: b"Unauthorized", 403: b"Forbidden", 409: b"Conflict", 413: b"Request Entity Too Large",
             500: b"Internal Server Error", 502: b"Bad Gateway", 503: b"Service Unavailable",

@@ -25,7 +25,7 @@ from .ports import read_port, write_port
 from .reservations import Rank
 from .rpc import (BIND_FAILED, INVALID_PARAMS, NO_FACADE, SERVER_ERROR, MethodNotFound,
                   NoAnswer, RpcError)
-from .slots import Slots, parse_slots
+from .slots import parse_slots
 from .validate import is_int, is_loopback, is_port
 
 log = logger()
@@ -33,11 +33,11 @@ log = logger()
 @attrs.define(eq=False)
 class Running:
     """An enabled facade and what the broker has told it: its running service, the local
-    backend and its slots, nodes reported unreachable, and manual nodes to probe."""
+    backend, nodes reported unreachable, and manual nodes to probe. The backend's slots are
+    kept on the service, where the admin listener's ``/status`` reads them too."""
 
     service: FacadeService | None = None
     local_backend: tuple[str, int] | None = None
-    slots: Slots | None = None
     unreachable: set = attrs.Factory(set)
     probed: set = attrs.Factory(set)
 
@@ -287,8 +287,8 @@ class Broker:
         nodes = []
         for node in running.facade.router.nodes.all():
             shown = node.describe()
-            if node.local and running.slots is not None:
-                shown["slots"] = running.slots.describe()
+            if node.local and running.service.slots is not None:
+                shown["slots"] = running.service.slots.describe()
             nodes.append(shown)
         return {"nodes": nodes}
 
@@ -357,7 +357,7 @@ class Broker:
             raise RpcError(INVALID_PARAMS, str(exc)) from None
         running.local_backend = (host.strip("[]"), port) if port and healthy is not False else None
         # Slots describe the backend just named: none sent, or no backend, means none known.
-        running.slots = slots if running.local_backend is not None else None
+        running.service.slots = slots if running.local_backend is not None else None
         running.facade.router.nodes.changed()
         return {"ok": True}
 

@@ -89,6 +89,9 @@ class Exchange:
         self.route = (engine.classify(request.method, request.path) if route is UNCLASSIFIED
                       else route)
         self.inference = self.route is not None and self.route.is_inference
+        # The model the body named, as the client spelled it: for the admin listener's recent
+        # requests, including those answered before a workload existed (no owner, busy).
+        self.model: str | None = None
         self.workload: Workload | None = None
         self.dispatch: Dispatch | None = None
         self.committed: Committed | None = None
@@ -107,7 +110,7 @@ class Exchange:
 
     def start(self) -> None:
         body = self.request.content.read()
-        model = requested_model(body) if self.inference else None
+        model = self.model = requested_model(body) if self.inference else None
         wanted = None if model is None else self.engine.normalize_model(model)
         no_candidate = NO_CANDIDATE if model is None else NO_OWNER
         candidates = self.router.candidates(wanted)
@@ -384,6 +387,6 @@ class Exchange:
         if self.reporter.recorder is not None:
             self.reporter.request_ended(
                 route=route_class(self.route), outcome=state, status=status, duration=duration,
-                node=self.node_id, model=self.workload.model if self.workload else None,
+                node=self.node_id, model=self.model,
                 error=error, ttfb=ttfb, stats=stats,
                 dispatches=self.dispatch.dispatches if self.dispatch else 0)

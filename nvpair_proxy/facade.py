@@ -19,7 +19,7 @@ from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Request
 
 from . import constants, cors
-from .answers import SHUTTING_DOWN, send_error
+from .answers import FACADE_FOR, SHUTTING_DOWN, send_error
 from .dispatch import Bounds, Upstreams
 from .engines import Engine
 from .events import REJECTED, ActivityThrottle, Recorder, Reporter, route_class
@@ -113,7 +113,7 @@ def answered_identity_probe(facade: Facade, request: Request) -> bool:
     every ingress, so nothing mistakes the proxy for the engine itself (protocol 5)."""
     if request.getHeader(IDENTITY_PROBE) != b"1":
         return False
-    text = f"this port is the nvpair-proxy facade for {facade.engine.id}"
+    text = FACADE_FOR + facade.engine.id
     report_rejection(facade, request.method, request.path, 409, text)
     send_error(request, 409, text, code="proxy-facade")
     return True

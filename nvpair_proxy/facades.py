@@ -26,6 +26,7 @@ from .inventory import Prober
 from .listener import DemuxFactory, listen_everywhere
 from .logs import logger
 from .server import BoundedSite
+from .slots import Slots
 from .trust import ClusterDirectory, PeerAgents, tls_ingress
 
 log = logger()
@@ -71,6 +72,9 @@ class FacadeService(MultiService):
         prober.setServiceParent(self)
         self.aliases: list = []
         self.alias_port: int | None = None
+        # The local engine's parallel slots as the broker last relayed them (protocol 3),
+        # for nodes/list and the admin listener's /status; None when none are known.
+        self.slots: Slots | None = None
 
     @property
     def ports(self) -> list:

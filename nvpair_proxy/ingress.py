@@ -15,15 +15,13 @@ from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Request
 from zope.interface import implementer
 
-from .answers import send_error
+from .answers import CLUSTER_AUTH, NO_LOCAL_BACKEND, send_error
 from .discovery import Node
 from .dispatch import Answer
 from .exchange import Exchange
 from .facade import Facade, answered_identity_probe, answered_stopping, report_rejection
 from .interfaces import IRouter
 from .trust import ClusterDirectory, der_of
-
-CLUSTER_AUTH = "client certificate is not a pinned member of this node's cluster"
 
 
 @implementer(IRouter)
@@ -99,14 +97,15 @@ class IngressResource(Resource):
         self.directory.check()
         certificate = request.channel.transport.getPeerCertificate()
         if certificate is None or not self.directory.trusts(der_of(certificate)):
-            report_rejection(self.facade, request.method, request.path, 403, "cluster-auth")
-            send_error(request, 403, CLUSTER_AUTH, code="cluster-auth")
+            code, text = CLUSTER_AUTH
+            report_rejection(self.facade, request.method, request.path, 403, code)
+            send_error(request, 403, text, code=code)
             return NOT_DONE_YET
         backend = self.backend()
         if backend is None:
             text = f"no local {self.facade.engine.id} backend is available on this node"
-            report_rejection(self.facade, request.method, request.path, 503, "no-local-backend")
-            send_error(request, 503, text, code="no-local-backend")
+            report_rejection(self.facade, request.method, request.path, 503, NO_LOCAL_BACKEND)
+            send_error(request, 503, text, code=NO_LOCAL_BACKEND)
             return NOT_DONE_YET
         host, port = backend
         node = self._node

@@ -18,6 +18,9 @@ from typing import Iterable
 
 import attrs
 
+from .answers import (BODY_TOO_LARGE, CLUSTER_AUTH, FACADE_FOR, INVENTORY_UNAVAILABLE,
+                      LOOPBACK_ONLY, NO_LOCAL_BACKEND, NO_PREFLIGHT_ANSWER, ORIGIN_DENIED,
+                      SHUTTING_DOWN, SOURCE_NOT_ALLOWED, UNAUTHORIZED)
 from .attempt import ATTEMPT_CANCELLED, NO_CONTENT, STATUS, TRANSPORT, Committed
 from .dispatch import (ALL_OWNERS_BUSY, DEADLINE_PASSED, EVERY_ATTEMPT_FAILED, NO_CANDIDATE,
                        NO_CONTENT_TEXT, NO_OWNER, NO_OWNER_RETURNED)
@@ -31,17 +34,30 @@ COMMITTED = "committed"
 DISPATCH_RESULTS = {STATUS: "refused_status", TRANSPORT: "transport", NO_CONTENT: "no_content",
                     ATTEMPT_CANCELLED: "cancelled"}
 
-# Why a request did not complete: the proxy's own texts (dispatch.py, events.py), by prefix.
-REASONS = (
+# Why a request did not complete, from a fixed vocabulary (metric labels stay bounded). The
+# error a request ended with is looked up first: the code of an answer given before routing
+# (what report_rejection passes) or one of the proxy's fixed texts; then the proxy's texts
+# by prefix (they carry details after it); then the status; ``other`` last.
+OTHER = "other"
+CODES = {
+    UNAUTHORIZED[0]: "unauthorized", LOOPBACK_ONLY[0]: "loopback_only",
+    SOURCE_NOT_ALLOWED[0]: "source_not_allowed", CLUSTER_AUTH[0]: "cluster_auth",
+    NO_LOCAL_BACKEND: "no_local_backend", SHUTTING_DOWN: "shutting_down",
+    BODY_TOO_LARGE: "body_too_large", INVENTORY_UNAVAILABLE: "inventory_unavailable",
+    ORIGIN_DENIED: "origin_denied", NO_PREFLIGHT_ANSWER: "no_preflight_answer",
+}
+PREFIXES = (
     (NO_OWNER, "no_owner"), (NO_CANDIDATE, "no_candidate"), (ALL_OWNERS_BUSY, "busy"),
     (DEADLINE_PASSED, "deadline"), (NO_OWNER_RETURNED, "owner_never_returned"),
     (EVERY_ATTEMPT_FAILED, "attempts_exhausted"), (NO_CONTENT_TEXT, "no_content"),
     ("upstream error:", "transport"), ("upstream returned HTTP", "upstream_status"),
     (CLIENT_GONE, "client_gone"), (SHUTDOWN, "shutdown"), (BACKSTOP, "internal"),
-    ("internal error", "internal"),
+    ("internal error", "internal"), (FACADE_FOR, "identity_probe"),
 )
-REJECTION_REASONS = {400: "bad_request", 403: "forbidden", 409: "identity_probe",
-                     413: "body_too_large"}
+STATUSES = {401: "unauthorized", 409: "identity_probe", 413: "body_too_large",
+            499: "client_gone"}
+REASONS = frozenset({*CODES.values(), *(name for _, name in PREFIXES), *STATUSES.values(),
+                     OTHER})
 
 # Seconds. First body byte: from a local engine's first token to a cold model load.
 TTFB_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
@@ -51,16 +67,17 @@ DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0
 
 
 def reason(ended: RequestEnded) -> str | None:
-    """The fixed-vocabulary reason a request did not complete, None if it did."""
+    """The reason (one of REASONS) a request did not complete, None if it did."""
     if ended.outcome == "completed":
         return None
-    if ended.outcome == "rejected":
-        return REJECTION_REASONS.get(ended.status, "other")
     text = ended.error or ""
-    for prefix, name in REASONS:
+    found = CODES.get(text)
+    if found is not None:
+        return found
+    for prefix, name in PREFIXES:
         if text.startswith(prefix):
             return name
-    return "other"
+    return STATUSES.get(ended.status, OTHER)
 
 
 @attrs.define

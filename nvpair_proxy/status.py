@@ -117,6 +117,8 @@ def engine_status(view: ProcessView, service) -> dict:
         "failovers": recorder.failovers.get(engine, 0),
         "prompt_tokens": sum(_by(recorder.prompt_tokens, engine, 1).values()),
         "completion_tokens": sum(_by(recorder.completion_tokens, engine, 1).values()),
+        # Broker mode: the local engine's parallel slots from node/set-local-backend.
+        "slots": service.slots.describe() if service.slots is not None else None,
     }
 
 

@@ -3,22 +3,29 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections import Counter
 from types import SimpleNamespace
 
 from prometheus_client.parser import text_string_to_metric_families
+from twisted.internet.address import IPv4Address
+from twisted.internet.task import Clock
 from twisted.internet.testing import StringTransport
 from twisted.trial.unittest import SynchronousTestCase
 
+from nvpair_proxy import answers, dispatch, events
 from nvpair_proxy.admin import AdminResource, loopback_host, status_page
+from nvpair_proxy.constants import MAX_REQUEST_BODY
 from nvpair_proxy.options import admin_address
 from nvpair_proxy.metrics import registry, scrape
 from nvpair_proxy.options import Options
-from nvpair_proxy.recorder import Recorder
+from nvpair_proxy.recorder import REASONS, Recorder, reason
 from nvpair_proxy.server import BoundedSite
 from nvpair_proxy.status import ProcessView, status
-from nvpair_proxy.testing import loopback
+from nvpair_proxy.testing import lan, loopback
+from nvpair_proxy.test.test_apikeys import gate
+from nvpair_proxy.test.test_overload import serve_all
 from nvpair_proxy.test.world import Response, WorldTestCase, request_bytes
 
 NDJSON = {"Content-Type": "application/x-ndjson"}
@@ -27,11 +34,44 @@ MARKER = "PROMPT-MARKER-4e1d9b"
 
 def tree(world, running: bool = True):
     """The parts of the service tree the admin listener reads, around one World facade."""
-    service = SimpleNamespace(facade=world.facade,
+    service = SimpleNamespace(facade=world.facade, slots=None,
                               listening=SimpleNamespace(getHost=lambda: SimpleNamespace(port=11435)))
     runtime = SimpleNamespace(reservations=world.reservations,
                               activity=world.facade.reporter.activity)
     return SimpleNamespace(facades=[service], runtime=runtime, running=running)
+
+
+# The scenario's nodes by address, and what its events say without the recorder.
+NODES = {b"10.0.0.1": "a", b"10.0.0.2": "b", b"10.0.0.3": "c"}
+EARLY = (dispatch.NO_OWNER, dispatch.NO_CANDIDATE, dispatch.ALL_OWNERS_BUSY)
+ERROR_TEXTS = ((events.CLIENT_GONE, "client_gone"), (dispatch.NO_OWNER, "no_owner"),
+               ("upstream error: ", "transport"), (answers.FACADE_FOR, "identity_probe"))
+
+
+def route_of(world, params: dict) -> str:
+    route = world.engine.classify(params["method"].encode(), params["path"].encode())
+    return events.route_class(route)
+
+
+def outcome_of(params: dict) -> str:
+    """A finished request's outcome from its proxy/request: 499 is a cancel; an error with no
+    target, other than the dispatch loop's own answers, is an answer before routing."""
+    if params["status"] == 499:
+        return "cancelled"
+    if params["target"] == "" and params.get("error") not in EARLY:
+        return "rejected"
+    return "completed" if params["status"] < 400 else "failed"
+
+
+def dispatch_result(record) -> str:
+    """How the fake engine ended one upstream request of the request path."""
+    if record.cancelled:
+        return "cancelled"
+    if record.response is None:
+        return "transport"
+    if record.response.code >= 500:
+        return "refused_status"
+    return "no_content" if record.response.transport.stopped else "committed"
 
 
 def view_of(world, recorder: Recorder) -> ProcessView:
@@ -53,6 +93,16 @@ def total(samples: dict, name: str, **labels) -> float:
                if sample == name and all((k, v) in key for k, v in labels.items()))
 
 
+def by_labels(samples: dict, name: str, *labels: str) -> Counter:
+    """One family's samples summed by some of its labels (one label: its value as the key)."""
+    out: Counter = Counter()
+    for (sample, key), value in samples.items():
+        if sample == name:
+            values = tuple(dict(key)[label] for label in labels)
+            out[values if len(values) > 1 else values[0]] += value
+    return out
+
+
 def admin_get(view: ProcessView, path: str, host: str = "127.0.0.1:9464",
               method: str = "GET") -> Response:
     site = BoundedSite(AdminResource(view, registry(view), status_page()), reactor=None,
@@ -65,12 +115,12 @@ def admin_get(view: ProcessView, path: str, host: str = "127.0.0.1:9464",
 
 
 class ScenarioTests(WorldTestCase):
-    """A scripted scenario: failovers, a cancel, 502s, a model list and a rejection; the scrape
-    then equals what the link was told, exactly."""
+    """A scripted scenario: failovers, a cancel, 502s, a stall, a model list and a rejection;
+    the scrape then equals what the link was told, exactly."""
 
     def scenario(self):
         recorder = Recorder()
-        w = self.world(recorder=recorder)
+        w = self.world(recorder=recorder, response_timeout=60)
         w.add("a", addresses=("10.0.0.1",))
         w.add("b", addresses=("10.0.0.2",))
         w.add("c", addresses=("10.0.0.3",))
@@ -111,7 +161,18 @@ class ScenarioTests(WorldTestCase):
             w.clock.advance(8)
         self.assertEqual(fifth.response().status, 502)
 
-        # 6. The fleet's model list, and 7. a rejected identity probe.
+        # 6. A stall: the first node sends headers, then nothing for the whole first-content
+        #    budget (the response cap, 60 s here); the request fails over to the next node,
+        #    and the stalled one cools for 30 s.
+        sixth = w.send("POST", "/api/chat", body)
+        stalled = w.agent.last
+        stalled.respond(200, NDJSON)
+        w.clock.advance(60)
+        self.assertIsNot(w.agent.last, stalled)
+        w.agent.last.respond(200, NDJSON, body=b'{"done":true,"eval_count":1}\n', finish=True)
+        self.assertEqual(sixth.response().status, 200)
+
+        # 7. The fleet's model list, and 8. a rejected identity probe.
         tags = w.send("GET", "/api/tags")
         for record in w.agent.requests[-3:]:
             record.respond(200, {"Content-Type": "application/json"},
@@ -123,58 +184,74 @@ class ScenarioTests(WorldTestCase):
 
     def test_scraped_counters_equal_the_reported_events(self):
         w, recorder = self.scenario()
-        samples = scraped(view_of(w, recorder))
+        view = view_of(w, recorder)
+        samples = scraped(view)
         requests = [params for method, params in w.emitter.sent if method == "ollama:proxy/request"]
         workloads = [info for method, info in w.emitter.workload()
                      if method in ("workload:completed", "workload:errored")]
-        dispatched = [r for r in w.agent.requests if b"/api/tags" not in r.uri]
-        started = [info for method, info in w.emitter.workload() if method == "workload:started"]
-
-        self.assertEqual(total(samples, "nvpair_proxy_requests_total"), len(requests))
-        self.assertEqual(
-            {(dict(k)["route"], dict(k)["outcome"]): v for (n, k), v in samples.items()
-             if n == "nvpair_proxy_requests_total"},
-            {("inference", "completed"): 2, ("inference", "cancelled"): 1,
-             ("inference", "failed"): 2, ("models", "completed"): 1, ("other", "rejected"): 1})
         states = Counter(info["state"] for info in workloads)
-        for state in ("completed", "cancelled"):
-            self.assertEqual(total(samples, "nvpair_proxy_requests_total", route="inference",
-                                   outcome=state), states[state])
-        self.assertEqual(
-            {dict(k)["reason"]: v for (n, k), v in samples.items()
-             if n == "nvpair_proxy_request_errors_total"},
-            {"client_gone": 1, "no_owner": 1, "transport": 1, "identity_probe": 1})
+        early = [p for p in requests if p["target"] == "" and p.get("error") in EARLY]
 
-        # Every dispatch is one upstream request here (one address per node).
-        self.assertEqual(total(samples, "nvpair_proxy_dispatches_total"), len(dispatched))
-        hosts = Counter(r.uri.split(b"/")[2].split(b":")[0].decode() for r in dispatched)
-        for node, address in (("a", "10.0.0.1"), ("b", "10.0.0.2"), ("c", "10.0.0.3")):
-            self.assertEqual(total(samples, "nvpair_proxy_dispatches_total", node=node),
-                             hosts[address])
+        # Requests by route and outcome, each read from its proxy/request alone.
+        ends = Counter((route_of(w, p), outcome_of(p)) for p in requests)
+        self.assertEqual(by_labels(samples, "nvpair_proxy_requests_total", "route", "outcome"),
+                         ends)
+        # Inference outcomes against the workload events: a failed request is a
+        # workload:errored one, or one answered before any workload existed (no owner).
+        self.assertEqual(ends["inference", "completed"], states["completed"])
+        self.assertEqual(ends["inference", "cancelled"], states["cancelled"])
+        self.assertEqual(ends["inference", "failed"], states["failed"] + len(early))
+        self.assertEqual(ends, {("inference", "completed"): 3, ("inference", "cancelled"): 1,
+                                ("inference", "failed"): 2, ("models", "completed"): 1,
+                                ("other", "rejected"): 1})
+
+        # Reasons: each request that did not complete, by the proxy's text it ended with.
+        reasons = Counter()
+        for p in requests:
+            if outcome_of(p) != "completed":
+                reasons[next(name for text, name in ERROR_TEXTS
+                             if p["error"].startswith(text))] += 1
+        self.assertEqual(by_labels(samples, "nvpair_proxy_request_errors_total", "reason"),
+                         reasons)
+        self.assertEqual(set(reasons), {"client_gone", "no_owner", "transport",
+                                        "identity_probe"})
+
+        # Dispatches: every upstream request of the request path (the model list's are the
+        # fleet's, not dispatches), by node and by how the fake engine answered it.
+        dispatched = [r for r in w.agent.requests if b"/api/tags" not in r.uri]
+        results = Counter((NODES[r.uri.split(b"/")[2].split(b":")[0]], dispatch_result(r))
+                          for r in dispatched)
+        self.assertEqual(by_labels(samples, "nvpair_proxy_dispatches_total", "node", "result"),
+                         results)
+        self.assertEqual({result for _, result in results}, {
+            "committed", "refused_status", "transport", "no_content", "cancelled"})
+        started = [info for method, info in w.emitter.workload() if method == "workload:started"]
         self.assertEqual(total(samples, "nvpair_proxy_dispatches_total", result="committed"),
                          len(started))
-        self.assertEqual(
-            Counter({dict(k)["result"]: v for (n, k), v in samples.items()
-                     if n == "nvpair_proxy_dispatches_total"}.keys()),
-            Counter(["committed", "refused_status", "transport", "cancelled"]))
-        self.assertEqual(total(samples, "nvpair_proxy_dispatches_total", result="refused_status"), 2)
-        self.assertEqual(total(samples, "nvpair_proxy_dispatches_total", result="transport"), 6)
-        self.assertEqual(total(samples, "nvpair_proxy_dispatches_total", result="cancelled"), 1)
-        # A failover is every dispatch after a request's first: 2 + 1 + 0 + 4.
-        self.assertEqual(total(samples, "nvpair_proxy_failovers_total"), 7)
+        # A failover is every dispatch after a request's first.
+        placed = {info["id"] for _, info in w.emitter.workload() if info.get("scheduledOn")}
+        self.assertEqual(total(samples, "nvpair_proxy_failovers_total"),
+                         len(dispatched) - len(placed))
+
+        # The stalled node cools (30 s, and no time passed since).
+        stalled, = [node for node, result in results if result == "no_content"]
+        self.assertEqual(total(samples, "nvpair_proxy_nodes_cooling", engine="ollama"), 1)
+        document = status(view)
+        self.assertEqual(document["engines"][0]["cooling"], [stalled])
+        self.assertEqual([n["id"] for n in document["nodes"] if n["cooling"]], [stalled])
 
         for node in ("a", "b", "c"):
             done = [i for i in workloads if i.get("scheduledOn") == node and "stats" in i]
             self.assertEqual(total(samples, "nvpair_proxy_generated_tokens_total", node=node),
                              sum(i["stats"]["completionTokens"] for i in done))
             self.assertEqual(total(samples, "nvpair_proxy_prompt_tokens_total", node=node),
-                             sum(i["stats"]["promptTokens"] for i in done))
+                             sum(i["stats"].get("promptTokens", 0) for i in done))
             with_ttfb = [p for p in requests if p.get("node_id") == node and "ttfb_ms" in p]
             self.assertEqual(total(samples, "nvpair_proxy_ttfb_seconds_count", node=node),
                              len(with_ttfb))
             self.assertAlmostEqual(total(samples, "nvpair_proxy_ttfb_seconds_sum", node=node),
                                    sum(p["ttfb_ms"] for p in with_ttfb) / 1000, places=2)
-        self.assertEqual(total(samples, "nvpair_proxy_generated_tokens_total"), 10)
+        self.assertEqual(total(samples, "nvpair_proxy_generated_tokens_total"), 11)
         self.assertEqual(total(samples, "nvpair_proxy_prompt_tokens_total"), 16)
         self.assertEqual(total(samples, "nvpair_proxy_request_duration_seconds_count"),
                          len(requests))
@@ -237,6 +314,93 @@ class ScenarioTests(WorldTestCase):
         self.assertEqual(total(samples, "nvpair_proxy_reservations"), 0)
 
 
+class ReasonTests(WorldTestCase):
+    """Why a request did not complete: the answer's code first, then the proxy's text, then
+    the status, and ``other`` last; every reason of the vocabulary can occur."""
+
+    def test_answers_before_routing_each_count_under_their_own_reason(self):
+        """Through the real listener and facade: the LAN gate's 401 and 403s, the 413, the
+        identity probe's 409 and the 503 of a stopping facade."""
+        recorder = Recorder()
+        keyed = self.world(lan=gate(Clock(), cidrs="192.168.1.0/24"), recorder=recorder)
+        keyed.add("a")
+        keyless = self.world(recorder=recorder)  # no keys: a LAN peer is loopback-only
+        body = {"model": "llama3", "messages": [{"role": "user", "content": MARKER}]}
+        outside = IPv4Address("TCP", "10.9.9.9", 40000)
+        statuses = [
+            keyed.send("POST", "/api/chat", body, peer=lan()).response().status,
+            keyed.send("POST", "/api/chat", body, peer=outside).response().status,
+            keyless.send("POST", "/api/chat", body, peer=lan()).response().status,
+            keyed.send("GET", "/api/tags", headers={"X-NVPAIR-Engine-Identity-Probe": "1"})
+            .response().status,
+        ]
+        too_large = keyed.connect()
+        too_large.protocol.dataReceived(b"POST /api/chat HTTP/1.1\r\nHost: x\r\n"
+                                        b"Content-Length: %d\r\n\r\n" % (MAX_REQUEST_BODY + 1))
+        statuses.append(too_large.response().status)
+        keyed.facade.shutdown()
+        statuses.append(keyed.send("POST", "/api/chat", body).response().status)
+        self.assertEqual(statuses, [401, 403, 403, 409, 413, 503])
+        self.assertEqual(keyed.agent.requests, [])
+
+        view = view_of(keyed, recorder)
+        expected = {"unauthorized": 1, "source_not_allowed": 1, "loopback_only": 1,
+                    "identity_probe": 1, "body_too_large": 1, "shutting_down": 1}
+        samples = scraped(view)
+        self.assertEqual(by_labels(samples, "nvpair_proxy_request_errors_total", "reason"),
+                         expected)
+        self.assertEqual(by_labels(samples, "nvpair_proxy_requests_total", "outcome"),
+                         {"rejected": 6})
+        engine, = json.loads(admin_get(view, "/status").body)["engines"]
+        self.assertEqual((engine["reasons"], engine["requests"]), (expected, {"rejected": 6}))
+
+    def test_every_reason_of_the_vocabulary_can_occur(self):
+        cases = [
+            # Answers before routing: the code report_rejection passes, or the proxy's text.
+            ("rejected", 401, answers.UNAUTHORIZED[0], "unauthorized"),
+            ("rejected", 403, answers.LOOPBACK_ONLY[0], "loopback_only"),
+            ("rejected", 403, answers.SOURCE_NOT_ALLOWED[0], "source_not_allowed"),
+            ("rejected", 403, answers.CLUSTER_AUTH[0], "cluster_auth"),
+            ("rejected", 503, answers.NO_LOCAL_BACKEND, "no_local_backend"),
+            ("rejected", 503, answers.SHUTTING_DOWN, "shutting_down"),
+            ("rejected", 413, answers.BODY_TOO_LARGE, "body_too_large"),
+            ("rejected", 409, answers.FACADE_FOR + "lmstudio", "identity_probe"),
+            # The fleet's own answers (model list, preflight).
+            ("failed", 503, answers.INVENTORY_UNAVAILABLE, "inventory_unavailable"),
+            ("failed", 403, answers.ORIGIN_DENIED, "origin_denied"),
+            ("failed", 502, answers.NO_PREFLIGHT_ANSWER, "no_preflight_answer"),
+            ("failed", 500, "internal error", "internal"),
+            ("cancelled", 499, None, "client_gone"),
+            # The request path.
+            ("failed", 502, dispatch.NO_OWNER, "no_owner"),
+            ("failed", 502, dispatch.NO_CANDIDATE, "no_candidate"),
+            ("failed", 503, dispatch.ALL_OWNERS_BUSY, "busy"),
+            ("failed", 502, dispatch.DEADLINE_PASSED, "deadline"),
+            ("failed", 502, dispatch.NO_OWNER_RETURNED, "owner_never_returned"),
+            ("failed", 502, dispatch.EVERY_ATTEMPT_FAILED, "attempts_exhausted"),
+            ("failed", 502, dispatch.NO_CONTENT_TEXT, "no_content"),
+            ("failed", 502, "upstream error: Connection refused", "transport"),
+            ("failed", 500, "upstream returned HTTP 500", "upstream_status"),
+            ("cancelled", 499, events.CLIENT_GONE, "client_gone"),
+            ("cancelled", 499, events.SHUTDOWN, "shutdown"),
+            ("failed", 500, events.BACKSTOP, "internal"),
+            # An error no table knows: the status, else other.
+            ("rejected", 401, "a future code", "unauthorized"),
+            ("rejected", 418, "a future code", "other"),
+            ("completed", 200, None, None),
+        ]
+        seen = set()
+        for outcome, status_code, error, expected in cases:
+            ended = events.RequestEnded(engine="ollama", at=0.0, route="inference",
+                                        outcome=outcome, status=status_code, duration=0.0,
+                                        error=error)
+            self.assertEqual(reason(ended), expected, error)
+            seen.add(expected)
+        self.assertEqual(seen - {None}, REASONS)
+        self.assertIsInstance(REASONS, frozenset)
+        self.assertEqual(len(REASONS), 24)
+
+
 class StatusTests(WorldTestCase):
     def test_status_schema(self):
         recorder = Recorder()
@@ -254,10 +418,10 @@ class StatusTests(WorldTestCase):
         self.assertEqual(set(engine), {
             "engine", "port", "pin", "nodes", "in_flight", "waiting_for_owner", "held",
             "cooling", "requests", "reasons", "dispatches", "failovers", "prompt_tokens",
-            "completion_tokens"})
+            "completion_tokens", "slots"})
         self.assertEqual((engine["engine"], engine["port"], engine["requests"],
-                          engine["dispatches"]),
-                         ("ollama", 11435, {"completed": 1}, {"committed": 1}))
+                          engine["dispatches"], engine["slots"]),
+                         ("ollama", 11435, {"completed": 1}, {"committed": 1}, None))
         node, = document["nodes"]
         self.assertEqual(node, {"id": "a", "name": "a", "addresses": ["10.0.0.1", "10.0.1.1"],
                                 "engines": [{"engine": "ollama", "port": 11434,
@@ -278,9 +442,30 @@ class StatusTests(WorldTestCase):
             w.send("POST", "/api/chat", {"model": f"m{index}"})
         recent = status(view_of(w, recorder))["recent"]
         self.assertEqual(len(recent), 100)
-        self.assertEqual((recent[0]["model"], recent[-1]["model"]), (None, None))
+        # No node advertises them: answered 502 before a workload existed, model still shown.
+        self.assertEqual((recent[0]["model"], recent[-1]["model"]), ("m104", "m5"))
         self.assertEqual((recent[0]["time"], recent[-1]["time"]), (105.0, 6.0))
         self.assertEqual(recent[0]["outcome"], "failed")
+
+    def test_a_busy_503_and_a_no_owner_502_show_the_requested_model(self):
+        """Both are answered before a workload exists; the row names the model as the client
+        spelled it, and the scrape still never does."""
+        recorder = Recorder()
+        w = self.world(recorder=recorder)
+        w.add("a")
+        first = w.chat()
+        w.agent.last.respond(503, length=0, finish=True)  # a says it is full: held
+        busy = w.chat(model="llama3")
+        nobody = w.chat(model="Nope-Model")
+        self.assertEqual((busy.response().status, nobody.response().status), (503, 502))
+        view = view_of(w, recorder)
+        self.assertEqual([(r["model"], r["status"], r["node"], r["dispatches"])
+                          for r in status(view)["recent"]],
+                         [("Nope-Model", 502, None, 0), ("llama3", 503, None, 0)])
+        text = scrape(registry(view)).decode()
+        self.assertNotIn("llama3", text)
+        self.assertNotIn("Nope-Model", text)
+        serve_all(self, w, first)
 
     def test_the_page_is_self_contained_and_polls_status(self):
         recorder = Recorder()
@@ -302,6 +487,7 @@ class StatusTests(WorldTestCase):
             "time", "engine", "route", "model", "node", "outcome", "status", "TTFB", "duration",
             "tokens in / out"])
         self.assertIn('id="engines"', page)
+        self.assertIn('facts.push(["local slots", slotsText(e.slots)])', page)
 
     def test_endpoints_and_their_answers(self):
         recorder = Recorder()
@@ -386,21 +572,89 @@ class TreeTests(SynchronousTestCase):
         self.assertIsNone(root.runtime.recorder)
         self.assertIsNone(root.facades["ollama"].facade.reporter.recorder)
 
-    def test_broker_tree_has_the_admin_listener_and_reports_the_link(self):
+    def broker_tree(self, *arguments: str):
+        """A broker tree with the admin listener bound on a MemoryReactorClock."""
         from twisted.internet.testing import MemoryReactorClock
         from nvpair_proxy import service
         self.patch(service, "claim_stdout", lambda: 99)
         options = Options()
-        options.parseOptions(["--admin", "[::1]:9464"])
+        options.parseOptions(["--admin", "[::1]:9464", *arguments])
         reactor = MemoryReactorClock()
         root = service.broker_tree(options, reactor)
-        self.assertEqual([s.name for s in root], ["runtime", "admin", "link", "facades"])
         admin = root.getServiceNamed("admin")
         admin.privilegedStartService()
+        return root, admin, reactor
+
+    def test_broker_tree_has_the_admin_listener_and_reports_the_link(self):
+        root, admin, reactor = self.broker_tree()
+        self.assertEqual([s.name for s in root], ["runtime", "admin", "link", "facades"])
         self.assertEqual([(t[0], t[3]) for t in reactor.tcpServers], [(9464, "::1")])
         document = status(admin.view)
-        self.assertEqual((document["mode"], document["broker_link_up"], document["engines"]),
-                         ("broker", False, []))
-        self.assertIn('nvpair_proxy_broker_link_up 0.0', scrape(registry(admin.view)).decode())
+        self.assertEqual((document["mode"], document["broker_link_up"], document["engines"],
+                          document["cluster_pins"]), ("broker", False, [], None))
+        text = scrape(registry(admin.view)).decode()
+        self.assertIn('nvpair_proxy_broker_link_up 0.0', text)
+        self.assertNotIn("nvpair_proxy_cluster_pins", text)
 
+    def test_broker_healthz_follows_the_link(self):
+        root, admin, _ = self.broker_tree()
+        root.running = True  # the process serves: only the link is in question
+        link = root.getServiceNamed("link")
+        answer = admin_get(admin.view, "/healthz")
+        self.assertEqual((answer.status, answer.body), (503, b"broker link down\n"))
+        link.link.framer.makeConnection(StringTransport())
+        link.running = True
+        answer = admin_get(admin.view, "/healthz")
+        self.assertEqual((answer.status, answer.body), (200, b"ok\n"))
+        self.assertEqual(total(scraped(admin.view), "nvpair_proxy_broker_link_up"), 1)
+        self.assertIs(status(admin.view)["broker_link_up"], True)
+        link.link.framer.transport.disconnected = True  # as a transport is once its peer left
+        self.assertEqual(admin_get(admin.view, "/healthz").status, 503)
+        self.assertEqual(total(scraped(admin.view), "nvpair_proxy_broker_link_up"), 0)
+        root.running = False
+        answer = admin_get(admin.view, "/healthz")
+        self.assertEqual((answer.status, answer.body), (503, b"stopping\n"))
 
+    def test_cluster_pins_count_the_live_pins_of_a_member(self):
+        from nvpair_proxy.test.certs import make_certificate, write_identity, write_pin
+        folder = self.mktemp()
+        os.makedirs(folder)
+        root, admin, _ = self.broker_tree("--cluster-dir", folder)
+        directory = root.facades.directory
+        for peer in ("node-b", "node-c"):
+            write_pin(folder, peer, make_certificate(peer)[0])
+        directory.refresh()
+        # Pins without our own identity: not a member, so no pin is live.
+        self.assertEqual(status(admin.view)["cluster_pins"], 0)
+        self.assertEqual(total(scraped(admin.view), "nvpair_proxy_cluster_pins"), 0)
+        write_identity(folder, *make_certificate("node-a"))
+        directory.refresh()
+        self.assertEqual(status(admin.view)["cluster_pins"], 2)
+        self.assertEqual(total(scraped(admin.view), "nvpair_proxy_cluster_pins"), 2)
+        os.unlink(os.path.join(folder, "trusted", "node-c.json"))
+        directory.refresh()
+        self.assertEqual(total(scraped(admin.view), "nvpair_proxy_cluster_pins"), 1)
+
+    def test_the_local_engines_slots_show_on_status(self):
+        """Issue 8: node/set-local-backend's slots, kept where /status can show them."""
+        root, admin, _ = self.broker_tree()
+        framer = root.getServiceNamed("link").link.framer
+        framer.makeConnection(StringTransport())
+
+        def call(method: str, params: dict) -> dict:
+            framer.transport.clear()
+            framer.dataReceived(json.dumps({"jsonrpc": "2.0", "id": 1, "method": method,
+                                            "params": params}).encode() + b"\n")
+            return json.loads(framer.transport.value().splitlines()[-1])
+
+        self.assertIn("result", call("facade/enable", {"engine": "ollama", "port": 11435}))
+        self.assertEqual(status(admin.view)["engines"][0]["slots"], None)
+        backend = {"engine": "ollama", "port": 11434,
+                   "slots": {"default": 4, "models": {"llama3": 2, "mistral:7b": 0}}}
+        self.assertEqual(call("ollama:node/set-local-backend", backend)["result"], {"ok": True})
+        engine, = status(admin.view)["engines"]
+        self.assertEqual((engine["engine"], engine["slots"]),
+                         ("ollama", {"default": 4, "models": {"llama3:latest": 2}}))
+        # A backend named without slots clears them, as nodes/list shows.
+        call("ollama:node/set-local-backend", {"engine": "ollama", "port": 11434})
+        self.assertIsNone(status(admin.view)["engines"][0]["slots"])

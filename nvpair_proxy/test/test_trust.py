@@ -24,6 +24,7 @@ from nvpair_proxy.ingress import IngressResource
 from nvpair_proxy.listener import DemuxFactory
 from nvpair_proxy.requestbody import BytesProducer
 from nvpair_proxy.server import BoundedSite
+from nvpair_proxy.recorder import Recorder
 from nvpair_proxy.reservations import ReservationMap
 from nvpair_proxy.testing.simfleet import SimNode, SimNodeResource
 from nvpair_proxy.test.certs import make_certificate, write_admission, write_identity, write_pin
@@ -130,10 +131,12 @@ class PinnedTLSTests(TestCase):
         self.addCleanup(engine_port.stopListening)
         self.backend = ("127.0.0.1", engine_port.getHost().port)
         self.emitter = RecordingEmitter()
+        self.recorder = Recorder()  # the admin listener's: refusals counted by reason
         self.b = self.directory(self.b_dir)
         facade = make_facade(OLLAMA, clock=reactor, agent=Agent(reactor, pool=self.pool()),
                         emitter=self.emitter, run_id="0" * 16, random=random.random,
-                        bounds=Bounds(), reservations=ReservationMap())
+                        bounds=Bounds(), reservations=ReservationMap(),
+                        recorder=self.recorder)
         site = facade_site(facade, reactor)
         ingress = BoundedSite(IngressResource(facade, self.b, lambda: self.backend),
                               reactor=reactor, timeout=site.timeOut, on_rejected=site.on_rejected)
@@ -181,6 +184,7 @@ class PinnedTLSTests(TestCase):
         self.assertEqual(body["error"], "client certificate is not a pinned member of this "
                                         "node's cluster")
         self.assertEqual(self.engine.served, [])
+        self.assertEqual(dict(self.recorder.reasons), {("ollama", "cluster_auth"): 1})
 
     @inlineCallbacks
     def test_a_server_whose_certificate_is_not_the_pin_is_refused(self):
@@ -224,6 +228,7 @@ class PinnedTLSTests(TestCase):
         response = yield self.post(self.agent(self.a_dir))
         body = json.loads((yield readBody(response)))
         self.assertEqual((response.code, body["code"]), (503, "no-local-backend"))
+        self.assertEqual(dict(self.recorder.reasons), {("ollama", "no_local_backend"): 1})
 
     @inlineCallbacks
     def test_while_not_a_member_the_handshake_fails(self):
