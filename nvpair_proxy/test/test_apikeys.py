@@ -81,6 +81,12 @@ class KeyStoreTests(SynchronousTestCase):
         store = KeyStore(Clock(), env=f"{KEY},{'x' * 39}!", path=None)
         self.assertIsNone(store.digests())
 
+    def test_a_key_under_32_characters_disables_the_gate(self):
+        self.assertIsNone(KeyStore(Clock(), env="a" * 31).digests())
+        self.assertIsNotNone(KeyStore(Clock(), env="a" * 32).digests())
+        self.assertIsNone(KeyStore(Clock(), path=keys_file(self, "b" * 31 + "\n")).digests())
+        self.assertIsNotNone(KeyStore(Clock(), path=keys_file(self, "b" * 32 + "\n")).digests())
+
     def test_a_key_over_512_characters_disables_the_gate(self):
         self.assertIsNone(KeyStore(Clock(), env="a" * 513).digests())
         self.assertIsNotNone(KeyStore(Clock(), env="a" * 512).digests())
