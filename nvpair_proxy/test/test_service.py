@@ -296,8 +296,8 @@ IDENTITY_PROBE = {"X-Nvpair-Engine-Identity-Probe": "1"}
 class WiredTreeTests(SynchronousTestCase):
     """The trees as the plugin builds them, options from the command line and the environment:
     every facade asks the LAN keys the environment configures, and in standalone mode its
-    requests and its prober reach an engine through the runtime's engine clients (issue 11).
-    On a MemoryReactorClock:
+    requests and its prober reach an engine through the runtime's engine clients (issue 11);
+    the stream-idle bound reaches the request path (issue 13). On a MemoryReactorClock:
     requests enter the facade's own listener factory over a StringTransport, and an upstream
     connection is the one the facade asked the reactor for."""
 
@@ -375,6 +375,21 @@ class WiredTreeTests(SynchronousTestCase):
         self.assertEqual(transport.value(), b"GET /api/tags HTTP/1.1\r\nHost: 127.0.0.1:11434\r\n"
                                             b"Authorization: Bearer " + ENGINE_KEY.encode()
                                             + b"\r\n\r\n")
+
+    def test_the_stream_idle_timeout_reaches_the_request_path(self):
+        ollama = self.standalone("--stream-idle-timeout", "7").facades["ollama"]
+        client = self.send(ollama, loopback(), request_bytes(
+            "POST", "/api/chat", {"model": "llama3", "stream": True}))
+        protocol, transport = self.upstream()
+        protocol.dataReceived(b"HTTP/1.1 200 OK\r\nContent-Type: application/x-ndjson\r\n"
+                              b"Transfer-Encoding: chunked\r\n\r\nf\r\n{\"done\":false}\n\r\n")
+        self.assertEqual(client.response().body, b'{"done":false}\n')
+        self.reactor.advance(6.9)
+        self.assertFalse(transport.disconnecting)
+        self.reactor.advance(0.1)
+        self.assertTrue(transport.disconnecting)
+        self.assertTrue(client.transport.disconnecting)
+        self.assertFalse(client.response().complete)
 
 
 class StopOnceTests(SynchronousTestCase):
