@@ -42,7 +42,7 @@ KEY_SYNTAX = re.compile(r"[A-Za-z0-9\-._~+/=]{32,512}")
 # Failed attempts from one source within this window make a burst once there are this many.
 BURST_WINDOW = 60.0
 BURST_SIZE = 5
-# Sources remembered at most; past it, those whose window ended are forgotten.
+# Sources remembered at most; past it, the one whose window began first is forgotten.
 MAX_SOURCES = 4096
 
 CHALLENGE = b'Bearer realm="nvpair-proxy"'
@@ -254,8 +254,9 @@ class LanGate:
         now = self.keys.clock.seconds()
         entry = self._failures.get(host)
         if entry is None or now - entry[0] >= BURST_WINDOW:
-            if len(self._failures) >= MAX_SOURCES:
-                self._forget_before(now - BURST_WINDOW)
+            # Re-inserted last, so the map stays in the order the windows began.
+            self._failures.pop(host, None)
+            self._make_room()
             entry = self._failures[host] = [now, 0, False]
         entry[1] += 1
         if entry[1] >= BURST_SIZE and not entry[2]:
@@ -263,9 +264,11 @@ class LanGate:
             log.warn("{n} refused LAN requests from {address} within a minute (last: {why})",
                      n=entry[1], address=host, why=why)
 
-    def _forget_before(self, cutoff: float) -> None:
-        for host in [h for h, entry in self._failures.items() if entry[0] < cutoff]:
-            del self._failures[host]
+    def _make_room(self) -> None:
+        """At MAX_SOURCES, the source whose window began first is forgotten (one whose window
+        ended, if any has): many sources at once cannot grow the map past the bound."""
+        while len(self._failures) >= MAX_SOURCES:
+            del self._failures[next(iter(self._failures))]
 
     def failures(self, host: str) -> int:
         """Failed attempts from ``host`` in its current window."""

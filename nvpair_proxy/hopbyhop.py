@@ -25,8 +25,13 @@ def _canonical(names) -> frozenset[bytes]:
     return frozenset(name for name, _ in probe.getAllRawHeaders())
 
 
-# Skip sets by ``drop`` and Connection value (``keep-alive`` on most requests).
+# Skip sets by ``drop`` and Connection value (``keep-alive`` on most requests). A Connection
+# value is the client's: at most MAX_CACHED are kept, and only values of at most
+# MAX_CACHED_VALUE bytes, so hostile values cannot pin much memory; a longer value is worked
+# out for its own request only.
 _SKIP: dict[tuple, frozenset[bytes]] = {}
+MAX_CACHED = 1024
+MAX_CACHED_VALUE = 256
 
 
 def end_to_end(headers: Headers, drop: tuple[bytes, ...] = ()) -> Headers:
@@ -43,7 +48,7 @@ def copy_end_to_end(headers: Headers, into: Headers, drop: tuple[bytes, ...] = (
         named = (token.strip() for value in connection or ()
                  for token in value.split(b",") if token.strip())
         skip = _canonical([*HOP_BY_HOP, *drop, *named])
-        if len(_SKIP) < 1024:  # a Connection value is the client's: keep only so many
+        if len(_SKIP) < MAX_CACHED and sum(map(len, connection or ())) <= MAX_CACHED_VALUE:
             _SKIP[key] = skip
     for name, values in headers.getAllRawHeaders():
         if name not in skip:

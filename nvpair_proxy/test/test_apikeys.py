@@ -11,6 +11,7 @@ from twisted.logger import globalLogPublisher
 from twisted.trial.unittest import SynchronousTestCase
 from twisted.web.http_headers import Headers
 
+from nvpair_proxy import apikeys
 from nvpair_proxy.apikeys import KeyStore, LanGate, Verdict, parse_cidrs
 from nvpair_proxy.test.world import World, WorldTestCase
 from nvpair_proxy.testing import lan, loopback
@@ -79,6 +80,12 @@ class KeyStoreTests(SynchronousTestCase):
     def test_a_key_with_a_character_outside_the_alphabet_disables_the_gate(self):
         store = KeyStore(Clock(), env=f"{KEY},{'x' * 39}!", path=None)
         self.assertIsNone(store.digests())
+
+    def test_a_key_under_32_characters_disables_the_gate(self):
+        self.assertIsNone(KeyStore(Clock(), env="a" * 31).digests())
+        self.assertIsNotNone(KeyStore(Clock(), env="a" * 32).digests())
+        self.assertIsNone(KeyStore(Clock(), path=keys_file(self, "b" * 31 + "\n")).digests())
+        self.assertIsNotNone(KeyStore(Clock(), path=keys_file(self, "b" * 32 + "\n")).digests())
 
     def test_a_key_over_512_characters_disables_the_gate(self):
         self.assertIsNone(KeyStore(Clock(), env="a" * 513).digests())
@@ -165,6 +172,30 @@ class GateDecisionTests(SynchronousTestCase):
             g.decide("192.168.1.20", Headers({b"X-Api-Key": [OTHER.encode()]}))
         self.assertEqual(len(logs.at("warn")), 2)
         self.assertNotIn(OTHER, repr(logs.events))
+
+
+    def test_many_sources_inside_their_window_do_not_grow_the_failure_map(self):
+        self.patch(apikeys, "MAX_SOURCES", 4)
+        clock = Clock()
+        g = gate(clock)
+        sources = [f"192.0.2.{n}" for n in range(10)]
+        for source in sources:
+            g.decide(source, Headers())
+            clock.advance(1)  # every window still open when the last source fails
+        self.assertEqual([g.failures(s) for s in sources], [0] * 6 + [1] * 4)
+
+    def test_the_source_forgotten_is_the_one_whose_window_began_first(self):
+        self.patch(apikeys, "MAX_SOURCES", 3)
+        clock = Clock()
+        g = gate(clock)
+        g.decide("192.0.2.1", Headers())
+        clock.advance(30)
+        g.decide("192.0.2.2", Headers())
+        clock.advance(31)  # the window of .1 has ended; that of .2 has not
+        g.decide("192.0.2.1", Headers())  # a new window for .1, begun after that of .2
+        g.decide("192.0.2.3", Headers())
+        g.decide("192.0.2.4", Headers())  # the map is full: .2 goes
+        self.assertEqual([g.failures(f"192.0.2.{n}") for n in (1, 2, 3, 4)], [1, 0, 1, 1])
 
 
 class GateAnswerTests(WorldTestCase):

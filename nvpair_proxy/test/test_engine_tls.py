@@ -343,3 +343,26 @@ class RetainTests(SynchronousTestCase):
         dropped.pool.give(late)
         self.successResultOf(agents.close())
         self.assertEqual((closed[-1], dropped.pool.idle_count()), (late, 0))
+
+
+class TLSWarningTests(SynchronousTestCase):
+    """A certificate failure is warned once per node per change of its reason (issue 11)."""
+
+    def test_a_new_reason_warns_a_repeat_does_not_and_a_recovery_resets(self):
+        logs = LogCapture(self)
+        agents = EngineAgents(None, None, 5.0, 5.0)
+
+        def warned() -> list[tuple[str, str]]:
+            return [(e["node"], e["why"]) for e in logs.at("warn")]
+
+        agents.tls_failed("a", "x")
+        agents.tls_failed("a", "y")
+        self.assertEqual(warned(), [("a", "x"), ("a", "y")])
+        agents.tls_failed("a", "y")
+        agents.tls_failed("b", "y")  # another node's problem is its own
+        self.assertEqual(warned(), [("a", "x"), ("a", "y"), ("b", "y")])
+        agents.tls_worked("a")
+        self.assertEqual([e["node"] for e in logs.at("info")], ["a"])
+        agents.tls_failed("a", "y")
+        agents.tls_failed("b", "y")
+        self.assertEqual(warned(), [("a", "x"), ("a", "y"), ("b", "y"), ("a", "y")])

@@ -86,20 +86,25 @@ def exchange(port: int, data: bytes, timeout: float = 10.0) -> tuple[bytes, bool
             sock.sendall(data)
         except (BrokenPipeError, ConnectionResetError):
             return b"", True
-        received = b""
-        end = time.monotonic() + timeout
-        while time.monotonic() < end:
-            sock.settimeout(max(0.01, end - time.monotonic()))
-            try:
-                chunk = sock.recv(65536)
-            except ConnectionResetError:
-                return received, True
-            except socket.timeout:
-                break
-            if not chunk:
-                return received, True
-            received += chunk
-        return received, False
+        return drain(sock, timeout)
+
+
+def drain(sock: socket.socket, timeout: float = 10.0) -> tuple[bytes, bool]:
+    """Read until the server closes or ``timeout``; (bytes read, closed)."""
+    received = b""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        sock.settimeout(max(0.01, end - time.monotonic()))
+        try:
+            chunk = sock.recv(65536)
+        except ConnectionResetError:
+            return received, True
+        except socket.timeout:
+            break
+        if not chunk:
+            return received, True
+        received += chunk
+    return received, False
 
 
 def status_of(received: bytes) -> int | None:
@@ -234,6 +239,19 @@ class AgainstTheProcessTests(SynchronousTestCase):
         self.port = free_port()
         self.proc = start_standalone(self, ["--engine", f"ollama:{self.port}",
                                             "--nodes", nodes])
+        self.fleet = fleet
+
+    def served(self) -> dict[str, int]:
+        """How many requests each simulated engine has served."""
+        counts = {}
+        for node_id, port in self.fleet.items():
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+            try:
+                conn.request("GET", "/_sim/state")
+                counts[node_id] = json.loads(conn.getresponse().read())["served_count"]
+            finally:
+                conn.close()
+        return counts
 
     def assert_serving(self) -> None:
         """The process is up and a normal client gets its whole answer."""
@@ -260,6 +278,25 @@ class AgainstTheProcessTests(SynchronousTestCase):
             self.assertTrue(closed, name)
             self.assertIn(status_of(received), (None, 400), (name, received[:200]))
             self.assert_serving()
+
+    def test_a_chunk_size_past_64_bits_meets_the_body_limit(self) -> None:
+        # 24 hex digits fit the 1 KiB chunk-size line but no 64-bit integer: the body limit,
+        # counted as the bytes arrive, is what ends it (413, or closed), not the size.
+        served = self.served()
+        with socket.create_connection(("127.0.0.1", self.port), timeout=10) as sock:
+            sock.sendall(post(b"Transfer-Encoding: chunked\r\n", b"f" * 24 + b"\r\n"))
+            piece = b"x" * (1 << 20)
+            for _ in range(MAX_REQUEST_BODY // len(piece)):
+                sock.sendall(piece)  # the whole limit is taken in: nothing refused early
+            try:
+                sock.sendall(b"x")
+            except (BrokenPipeError, ConnectionResetError):
+                pass
+            received, closed = drain(sock)
+        self.assertTrue(closed)
+        self.assertIn(status_of(received), (413, None), received[:200])
+        self.assertEqual(self.served(), served)
+        self.assert_serving()
 
     def test_folded_header_is_served_as_one_header(self) -> None:
         received, _ = exchange(self.port, b"POST /api/chat HTTP/1.1\r\nHost: x\r\nX-A: one\r\n"

@@ -118,6 +118,29 @@ class HeaderTests(WorldTestCase):
         self.assertIsNone(response.header("keep-alive"))
         self.assertEqual(response.header("x-engine"), "kept")
 
+    def test_a_long_connection_value_is_honoured_but_not_cached(self):
+        from nvpair_proxy import hopbyhop
+        self.patch(hopbyhop, "_SKIP", {})
+
+        def cached(value: str) -> bool:
+            return any(value.encode() in part for key in hopbyhop._SKIP for part in key
+                       if isinstance(part, tuple))
+
+        w = self.world()
+        w.add("a")
+        short = "keep-alive, X-Short-Hop"
+        long = "keep-alive, " + ", ".join(f"X-Hop-{i:03}" for i in range(30))
+        self.assertGreater(len(long), hopbyhop.MAX_CACHED_VALUE)
+        for value, hop in ((short, "X-Short-Hop"), (long, "X-Hop-029"), (long, "X-Hop-000")):
+            w.send("POST", "/api/chat", {"model": "llama3"}, headers={
+                "Connection": value, hop: "1", "X-Custom": "kept"})
+            sent = w.agent.last.headers
+            self.assertFalse(sent.hasHeader(hop.encode()), hop)
+            self.assertFalse(sent.hasHeader(b"connection"))
+            self.assertEqual(sent.getRawHeaders(b"x-custom"), [b"kept"])
+            w.agent.last.respond(200, length=0, finish=True)
+        self.assertEqual((cached(short), cached(long)), (True, False))
+
     def test_repeated_headers_are_kept(self):
         w = self.world()
         w.add("a")

@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import json
 import os
+from contextlib import contextmanager
 
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
+from twisted.logger import LogLevel, globalLogPublisher
 from twisted.trial.unittest import SynchronousTestCase
 
 from nvpair_proxy import constants, logs
@@ -29,6 +31,17 @@ DOCUMENTED = {-32601, -32602, -32000, -32002, -32010}
 PROBE = b'{"jsonrpc":"2.0","id":"probe","method":"node/set-priority","params":{"generation":1}}\n'
 PROBE_ANSWER = b'{"jsonrpc":"2.0","id":"probe","result":{"count":%d}}\n'
 FUZZ = settings.default.max_examples
+# What the link logs for a line it skips (rpc.py): fixed text, at most a size; never the line.
+LINK_WARNINGS = {
+    "skipped a JSON-RPC line that is not JSON",
+    "skipped a JSON-RPC line that is not a 2.0 object",
+    "skipped a JSON-RPC message without a method",
+    "skipped a JSON-RPC request whose id cannot be echoed",
+    "discarding an over-long JSON-RPC line (over {limit} bytes)",
+    "discarded an over-long JSON-RPC line ({size} bytes)",
+}
+# What twisted.logger's bridge to the legacy log adds to every event.
+LEGACY_KEYS = {"format", "isError", "message", "system", "time"}
 
 
 def _strict(constant: str):
@@ -145,6 +158,35 @@ class LinkUnderHostileInput(SynchronousTestCase):
         proxy.enable(port=11434)
         return proxy
 
+    @contextmanager
+    def logged(self):
+        """The log events made inside the block, at the info level (an example before may
+        have set another through log/set-level)."""
+        events: list[dict] = []
+        logs.set_level("info")
+        globalLogPublisher.addObserver(events.append)
+        try:
+            yield events
+        finally:
+            globalLogPublisher.removeObserver(events.append)
+
+    def assertLinkWarnings(self, events: list[dict], count: int) -> None:
+        """``count`` warnings from the link, one per skipped line, each of them one of its
+        fixed texts with at most a size: nothing of a line reaches the log."""
+        warnings = [e for e in events if e.get("log_level") == LogLevel.warn]
+        self.assertEqual(len(warnings), count, [e.get("log_format") for e in events])
+        for event in warnings:
+            self.assertIn(event["log_format"], LINK_WARNINGS)
+            fields = {k: v for k, v in event.items()
+                      if not k.startswith("log_") and k not in LEGACY_KEYS}
+            self.assertLessEqual(set(fields), {"limit", "size"}, sorted(fields))
+            self.assertTrue(all(type(value) is int for value in fields.values()), fields)
+
+    def assertSkipped(self, events: list[dict], lines: int = 1) -> None:
+        """``lines`` lines skipped: their warnings are all that was logged."""
+        self.assertLinkWarnings(events, lines)
+        self.assertEqual(len(events), lines, [e.get("log_format") for e in events])
+
     def survives(self, proxy: Proxy, count: int = 0) -> None:
         """The link is open, nothing crashed, and the next valid call is answered."""
         self.assertFalse(proxy.transport.disconnecting)
@@ -157,9 +199,12 @@ class LinkUnderHostileInput(SynchronousTestCase):
         proxy = self.fresh()
         stream = data + b"\n"
         out = b""
-        for start in range(0, len(stream), chunk):
-            out += proxy.raw(stream[start:start + chunk])
+        with self.logged() as events:
+            for start in range(0, len(stream), chunk):
+                out += proxy.raw(stream[start:start + chunk])
         written(out)
+        if not out:  # every line that is not blank was skipped
+            self.assertSkipped(events, sum(1 for line in stream.split(b"\n") if line.strip()))
         self.survives(proxy, proxy.reservations.count)
 
     @given(st.binary(min_size=1, max_size=8).filter(lambda b: not _utf8(b) and b"\n" not in b),
@@ -169,20 +214,39 @@ class LinkUnderHostileInput(SynchronousTestCase):
         line = b'{"jsonrpc":"2.0","id":1,"method":"log/set-level","params":{"level":"info"}}'
         where = min(where, len(line) - 2)
         bad = line[:where] + junk + line[where:]
-        self.assertEqual(proxy.raw(bad + b"\n"), b"")
+        with self.logged() as events:
+            self.assertEqual(proxy.raw(bad + b"\n"), b"")
+        self.assertSkipped(events)
         self.survives(proxy)
 
     @given(json_values | st.lists(calls(), max_size=3))
     def test_anything_that_is_not_a_request_object_is_skipped(self, value) -> None:
         assume(not isinstance(value, dict))
         proxy = self.fresh()
-        self.assertEqual(proxy.raw(json.dumps(value).encode() + b"\n"), b"")
+        with self.logged() as events:
+            self.assertEqual(proxy.raw(json.dumps(value).encode() + b"\n"), b"")
+        self.assertSkipped(events)
+        self.survives(proxy)
+
+    @given(st.dictionaries(st.text(max_size=8), json_values, max_size=4), st.booleans(),
+           json_values.filter(lambda value: not isinstance(value, str)))
+    def test_a_2_0_object_without_a_method_name_is_skipped(self, extra: dict, named: bool,
+                                                           method) -> None:
+        message = {k: v for k, v in extra.items() if k not in ("method", "result", "error")}
+        message["jsonrpc"] = "2.0"
+        if named:
+            message["method"] = method
+        proxy = self.fresh()
+        with self.logged() as events:
+            self.assertEqual(proxy.raw(json.dumps(message).encode() + b"\n"), b"")
+        self.assertSkipped(events)
         self.survives(proxy)
 
     @given(calls())
     def test_every_method_with_broken_params(self, message: dict) -> None:
         proxy = self.fresh()
-        out = written(proxy.raw(json.dumps(message).encode() + b"\n"))
+        with self.logged() as events:
+            out = written(proxy.raw(json.dumps(message).encode() + b"\n"))
         answers = [line for line in out if "id" in line]
         # Only addressed to a known engine (or bare) is it discovery:nodes (protocol 2);
         # "nobody:discovery:nodes" is just an unknown method.
@@ -191,6 +255,7 @@ class LinkUnderHostileInput(SynchronousTestCase):
         if _has_non_finite(message):
             # Infinity or NaN written out is not JSON: the whole line is skipped.
             self.assertEqual(out, [])
+            self.assertSkipped(events)
         elif "id" not in message or never_answered or not _echoable(message["id"]):
             self.assertEqual(answers, [])
         else:
@@ -215,7 +280,10 @@ class LinkUnderHostileInput(SynchronousTestCase):
                 "params": b'{"jsonrpc":"2.0","id":7,"method":"log/set-level",'
                           b'"params":{"level":%s}}' % value,
                 "top": value}[where]
-        out = written(proxy.raw(line + b"\n"))
+        with self.logged() as events:
+            out = written(proxy.raw(line + b"\n"))
+        if not out:
+            self.assertSkipped(events)
         if where == "params":
             # Parsed: a level that is not a string; too deep to parse: skipped.
             self.assertIn(out, ([], [{"jsonrpc": "2.0", "id": 7, "error": {
@@ -245,7 +313,10 @@ class LinkUnderHostileInput(SynchronousTestCase):
                     b'{"generation":5,"ranks":[{"id":"a","rank":%s}]}}',
             "port": b'{"jsonrpc":"2.0","id":1,"method":"ollama:set-port","params":{"port":%s}}',
         }[where] % number
-        out = written(proxy.raw(line + b"\n"))
+        with self.logged() as events:
+            out = written(proxy.raw(line + b"\n"))
+        if not out:
+            self.assertSkipped(events)
         if number in (b"NaN", b"-Infinity", b"Infinity", b"1" + b"0" * 5000):
             self.assertEqual(out, [], "not JSON (or past the parser's digit limit): skipped")
         elif where == "id":
@@ -286,7 +357,9 @@ class LinkUnderHostileInput(SynchronousTestCase):
         self.assertEqual(len(line), size)
         stream = line + b"\n" + PROBE
         cuts = sorted({0, len(stream), *(min(cut, len(stream)) for cut in splits)})
-        out = b"".join(proxy.raw(stream[a:b]) for a, b in zip(cuts, cuts[1:]))
+        with self.logged() as events:
+            out = b"".join(proxy.raw(stream[a:b]) for a, b in zip(cuts, cuts[1:]))
+        self.assertLinkWarnings(events, 0 if size <= constants.MAX_RPC_LINE else 1)
         want = PROBE_ANSWER % 0
         if size <= constants.MAX_RPC_LINE:
             want = b'{"jsonrpc":"2.0","id":3,"result":{"level":"info"}}\n' + want

@@ -7,8 +7,9 @@ import os
 from twisted.application.internet import TimerService
 from twisted.application.service import Service
 from twisted.internet.defer import Deferred, succeed
+from twisted.internet.address import IPv4Address
 from twisted.internet.task import Clock
-from twisted.internet.testing import MemoryReactorClock
+from twisted.internet.testing import MemoryReactorClock, StringTransport
 from twisted.trial.unittest import SynchronousTestCase
 
 from nvpair_proxy import constants, logs
@@ -18,6 +19,8 @@ from nvpair_proxy.inventory import Prober
 from nvpair_proxy.options import Options
 from nvpair_proxy.service import (ProcessService, Runtime, RuntimeService, broker_tree,
                                   local_fleet, make_pool, standalone_tree)
+from nvpair_proxy.test.world import Client, request_bytes
+from nvpair_proxy.testing import lan, loopback
 
 ENGINES = load_engines()
 
@@ -283,6 +286,110 @@ class TreeTests(SynchronousTestCase):
         root = broker_tree(parsed("--cluster-dir", cluster), MemoryReactorClock())
         self.assertEqual([s.name for s in root], ["runtime", "link", "trust watch", "facades"])
         self.assertEqual(list(root.getServiceNamed("facades")), [])
+
+
+ENV_KEY = "env-key-" + "Q" * 32
+ENGINE_KEY = "engine-secret-0123456789abcdefXYZ"
+IDENTITY_PROBE = {"X-Nvpair-Engine-Identity-Probe": "1"}
+
+
+class WiredTreeTests(SynchronousTestCase):
+    """The trees as the plugin builds them, options from the command line and the environment:
+    every facade asks the LAN keys the environment configures, and in standalone mode its
+    requests and its prober reach an engine through the runtime's engine clients (issue 11);
+    the stream-idle bound reaches the request path (issue 13). On a MemoryReactorClock:
+    requests enter the facade's own listener factory over a StringTransport, and an upstream
+    connection is the one the facade asked the reactor for."""
+
+    def setUp(self):
+        self.addCleanup(logs.set_level, logs.level_name())
+        environ = {k: v for k, v in os.environ.items() if not k.startswith("NVPAIR_")}
+        environ["NVPAIR_PROXY_API_KEYS"] = ENV_KEY
+        self.patch(os, "environ", environ)
+        self.folder = os.path.abspath(self.mktemp())
+        os.makedirs(self.folder)
+
+    def standalone(self, *args: str):
+        nodes = os.path.join(self.folder, "nodes.toml")
+        with open(nodes, "w") as handle:
+            handle.write('[[node]]\nid = "a"\naddress = "127.0.0.1"\n'
+                         '[node.engines.ollama]\nport = 11434\nmodels = ["llama3:latest"]\n'
+                         f'api_key = "{ENGINE_KEY}"\n')
+        self.reactor = MemoryReactorClock()
+        root = standalone_tree(parsed("--engine", "ollama:1300", "--engine", "lmstudio:1301",
+                                      "--nodes", nodes, "--state-dir", self.folder, *args),
+                               self.reactor)
+        root.privilegedStartService()
+        return root
+
+    def send(self, service: FacadeService, peer, data: bytes) -> Client:
+        protocol = service.factory.buildProtocol(peer)
+        transport = StringTransport(peerAddress=peer)
+        protocol.makeConnection(transport)
+        protocol.dataReceived(data)
+        return Client(transport, protocol)
+
+    def upstream(self):
+        """The connection the proxy dialled last, made: (its protocol, its transport)."""
+        host, port, factory = self.reactor.tcpClients[-1][:3]
+        protocol = factory.buildProtocol(IPv4Address("TCP", host, port))
+        transport = StringTransport()
+        protocol.makeConnection(transport)
+        return protocol, transport
+
+    def assertAsksTheEnvironmentsKeys(self, service: FacadeService) -> None:
+        refused = self.send(service, lan(), request_bytes("GET", "/api/tags")).response()
+        self.assertEqual((refused.status, refused.json()["code"]), (401, "unauthorized"),
+                         service.name)
+        served = self.send(service, lan(), request_bytes(
+            "GET", "/", headers={"X-Api-Key": ENV_KEY, **IDENTITY_PROBE})).response()
+        self.assertEqual((served.status, served.json()["code"]), (409, "proxy-facade"),
+                         service.name)
+
+    def test_standalone_facades_ask_the_lan_keys_of_the_environment(self):
+        facades = self.standalone().facades
+        self.assertEqual([s.name for s in facades], ["ollama", "lmstudio"])
+        for service in facades:
+            self.assertAsksTheEnvironmentsKeys(service)
+
+    def test_broker_facades_ask_the_lan_keys_of_the_environment(self):
+        from nvpair_proxy import service
+        self.patch(service, "claim_stdout", lambda: 99)
+        root = broker_tree(parsed("--state-dir", self.folder), MemoryReactorClock())
+        for engine_id, port in (("ollama", 1300), ("llamacpp", 1301)):
+            opened = root.facades.open(ENGINES[engine_id], port, should_probe=lambda node: False)
+            self.assertAsksTheEnvironmentsKeys(opened)
+
+    def test_standalone_requests_and_probes_carry_a_keyed_engines_key(self):
+        ollama = self.standalone().facades["ollama"]
+        self.send(ollama, loopback(), request_bytes(
+            "POST", "/api/chat", {"model": "llama3"}, {"Authorization": "Bearer caller-key"}))
+        _, transport = self.upstream()
+        head = transport.value().split(b"\r\n\r\n")[0].split(b"\r\n")
+        self.assertEqual(head[0], b"POST /api/chat HTTP/1.1")
+        self.assertEqual([line for line in head if line.lower().startswith(b"authorization")],
+                         [b"Authorization: Bearer " + ENGINE_KEY.encode()])
+        [node] = ollama.facade.router.routable()
+        ollama.prober.probe(node)
+        _, transport = self.upstream()
+        self.assertEqual(transport.value(), b"GET /api/tags HTTP/1.1\r\nHost: 127.0.0.1:11434\r\n"
+                                            b"Authorization: Bearer " + ENGINE_KEY.encode()
+                                            + b"\r\n\r\n")
+
+    def test_the_stream_idle_timeout_reaches_the_request_path(self):
+        ollama = self.standalone("--stream-idle-timeout", "7").facades["ollama"]
+        client = self.send(ollama, loopback(), request_bytes(
+            "POST", "/api/chat", {"model": "llama3", "stream": True}))
+        protocol, transport = self.upstream()
+        protocol.dataReceived(b"HTTP/1.1 200 OK\r\nContent-Type: application/x-ndjson\r\n"
+                              b"Transfer-Encoding: chunked\r\n\r\nf\r\n{\"done\":false}\n\r\n")
+        self.assertEqual(client.response().body, b'{"done":false}\n')
+        self.reactor.advance(6.9)
+        self.assertFalse(transport.disconnecting)
+        self.reactor.advance(0.1)
+        self.assertTrue(transport.disconnecting)
+        self.assertTrue(client.transport.disconnecting)
+        self.assertFalse(client.response().complete)
 
 
 class StopOnceTests(SynchronousTestCase):

@@ -42,12 +42,24 @@ class StreamIdleTests(WorldTestCase):
         self.assertEqual(warns[0]["node"], "a")
 
     def test_chunks_do_not_add_timers(self):
+        # Not one timer per chunk, and not one re-made per chunk either: no callLater while
+        # chunks flow, and the same pending calls, due when they were, after 100 of them.
         w, client, upstream = self.committed()
-        before = len(w.clock.getDelayedCalls())
+        scheduled = []
+        call_later = w.clock.callLater
+        self.patch(w.clock, "callLater",
+                   lambda *args, **kwargs: scheduled.append(args) or call_later(*args, **kwargs))
+        before = [(call, call.getTime()) for call in w.clock.getDelayedCalls()]
+        self.assertIn(5.0, [due for _, due in before], "the idle timer, due 5 s after commit")
         for index in range(100):
             upstream.write(b'{"done":false}\n')
             w.clock.advance(0.01)
-        self.assertEqual(len(w.clock.getDelayedCalls()), before)
+        self.assertEqual(scheduled, [])
+        after = w.clock.getDelayedCalls()
+        self.assertEqual(len(after), len(before))
+        for call, (kept, due) in zip(after, before):
+            self.assertIs(call, kept)
+            self.assertEqual(call.getTime(), due)
         upstream.write(b'{"done":true}\n')
         upstream.finish()
         self.assertEqual(w.workload_events()[-1][0], "workload:completed")

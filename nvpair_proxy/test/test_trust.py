@@ -137,10 +137,15 @@ class PinnedTLSTests(TestCase):
                         emitter=self.emitter, run_id="0" * 16, random=random.random,
                         bounds=Bounds(), reservations=ReservationMap(),
                         recorder=self.recorder)
-        site = facade_site(facade, reactor)
-        ingress = BoundedSite(IngressResource(facade, self.b, lambda: self.backend),
+        self.facade = facade
+        self.serve()
+
+    def serve(self, lan=None) -> None:
+        """B's facade port: the loopback site, the mTLS ingress, and ``lan`` keys if given."""
+        site = facade_site(self.facade, reactor)
+        ingress = BoundedSite(IngressResource(self.facade, self.b, lambda: self.backend),
                               reactor=reactor, timeout=site.timeOut, on_rejected=site.on_rejected)
-        factory = DemuxFactory(site, tls=tls_ingress(self.b, ingress, reactor))
+        factory = DemuxFactory(site, tls=tls_ingress(self.b, ingress, reactor), lan=lan)
         port = reactor.listenTCP(0, factory, interface="127.0.0.1")
         self.addCleanup(port.stopListening)
         self.url = b"https://127.0.0.1:%d/api/chat" % port.getHost().port
@@ -172,6 +177,23 @@ class PinnedTLSTests(TestCase):
         self.assertTrue(json.loads(body.splitlines()[-1])["done"])
         self.assertEqual(self.emitter.workload(), [])
         self.assertEqual(self.engine.served, [("POST", "/api/chat")])
+
+    @inlineCallbacks
+    def test_lan_keys_leave_mtls_peers_alone(self):
+        from nvpair_proxy.apikeys import KeyStore, LanGate
+        gate = LanGate(KeyStore(Clock(), env="lan-key-" + "K" * 32))
+        self.serve(lan=gate)
+        response = yield self.post(self.agent(self.a_dir))  # no key: a pinned peer needs none
+        yield readBody(response)
+        self.assertEqual(response.code, 200)
+        self.assertEqual(self.engine.served, [("POST", "/api/chat")])
+        stranger = self.mktemp()
+        write_identity(stranger, *make_certificate("node-z"))
+        write_pin(stranger, "node-b", self.b_cert[0])
+        response = yield self.post(self.agent(stranger))
+        body = json.loads((yield readBody(response)))
+        self.assertEqual((response.code, body["code"]), (403, "cluster-auth"))
+        self.assertEqual(gate.failures("127.0.0.1"), 0)
 
     @inlineCallbacks
     def test_an_unpinned_client_certificate_gets_403_cluster_auth(self):
