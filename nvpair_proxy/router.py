@@ -89,6 +89,16 @@ class Router:
         self.nodes.admit = admit
         self.nodes.changed()
 
+    def admission_changed(self) -> None:
+        """Something admission reads changed (the local backend): the routable set is asked
+        again, since it is otherwise kept between node-set changes."""
+        self.nodes.changed()
+
+    def set_models(self, node_id: str, models: Iterable[str]) -> None:
+        """A probe's answer replaces the node's inventory (design 4): an empty list takes it
+        out of every model's owners until the next success."""
+        self.nodes.set_models(node_id, self.engine, models)
+
     # The pin.
 
     @property

@@ -99,7 +99,7 @@ class Runtime:
         return facade
 
     def prober(self, facade: Facade, should_probe) -> Prober:
-        return Prober(facade.engine, facade.router.nodes, self.agent, self.reactor, should_probe,
+        return Prober(facade.engine, facade.router, self.agent, self.reactor, should_probe,
                       agent_for=facade.upstreams.agent_for)
 
 

@@ -203,7 +203,7 @@ class Proxy:
                       reservations=self.reservations)
 
     def make_prober(self, facade, should_probe):
-        return Prober(facade.engine, facade.router.nodes, self.agent, self.reactor, should_probe)
+        return Prober(facade.engine, facade.router, self.agent, self.reactor, should_probe)
 
     # Talking to it.
 

@@ -244,7 +244,7 @@ class KeyedEngineTests(TestCase):
                               extra=f'api_key = "{ENGINE_KEY}"\n')
         fleet.start()
         facade = fleet.facade
-        prober = Prober(facade.engine, facade.router.nodes, fleet.agents.agent, reactor,
+        prober = Prober(facade.engine, facade.router, fleet.agents.agent, reactor,
                         lambda node: True, agent_for=facade.upstreams.agent_for)
         [node] = facade.router.nodes.routable()
         yield prober.probe(node)

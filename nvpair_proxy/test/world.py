@@ -127,14 +127,14 @@ class World:
         node = make_node(self.engine, id=node_id, port=port, addresses=list(addresses),
                          models=models, source="manual" if manual else "discovered")
         if manual:
-            self.facade.router.nodes.put_manual(node)
+            self.facade.router.put_manual(node)
         else:
-            self.facade.router.nodes.replace_discovered(
+            self.facade.router.replace_discovered(
                 list(self.facade.router.nodes.discovered.values()) + [node])
         return node
 
     def remove(self, node_id: str) -> None:
-        self.facade.router.nodes.remove_manual(node_id)
+        self.facade.router.remove_manual(node_id)
 
     def connect(self, peer=None) -> Client:
         """A client connection through the listener, with nothing sent yet."""
