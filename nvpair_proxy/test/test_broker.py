@@ -171,8 +171,7 @@ class Proxy:
     """A Broker wired as ``broker_tree`` wires it, on fakes."""
 
     def __init__(self, test: SynchronousTestCase, *, is_local=None, state_dir: str | None = None,
-                 make_facade=None, on_shutdown=None, directory=None,
-                 peer_agents=None) -> None:
+                 make_facade=None, on_shutdown=None, directory=None) -> None:
         self.reactor = MemoryReactorClock()
         self.agent = FakeAgent()
         self.reservations = ReservationMap()
@@ -187,7 +186,7 @@ class Proxy:
         self.link.framer.makeConnection(self.transport)
         self.facades = Facades(make_facade=make_facade or self.make_facade, listen=self.listen,
                                make_prober=self.make_prober, clock=self.reactor,
-                               admission=True, directory=directory, peer_agents=peer_agents)
+                               admission=True, directory=directory)
         self.facades.startService()
         test.addCleanup(self.facades.stopService)
         self.broker = Broker(
@@ -199,8 +198,8 @@ class Proxy:
 
     def make_facade(self, engine):
         return make_facade(engine, clock=self.reactor, agent=self.agent, emitter=self.link,
-                      run_id="0123456789abcdef", random=lambda: 0.5,
-                      reservations=self.reservations)
+                           run_id="0123456789abcdef", random=lambda: 0.5,
+                           reservations=self.reservations)
 
     def make_prober(self, facade, should_probe):
         return Prober(facade.engine, facade.router, self.agent, self.reactor, should_probe)

@@ -117,8 +117,8 @@ class TLSFleet:
         self.facade = make_facade(ENGINES["ollama"], clock=reactor, agent=self.agents.agent,
                                   emitter=emitter or RecordingEmitter(),
                                   run_id="0123456789abcdef",
-                                  random=lambda: 0.5, bounds=bounds)
-        self.facade.upstreams.agent_for_node = self.agents.for_node
+                                  random=lambda: 0.5, bounds=bounds,
+                                  agent_for_node=self.agents.for_node)
         self.facade.router.replace_discovered(list(fleet.nodes["ollama"]))
         listening = reactor.listenTCP(0, DemuxFactory(facade_site(self.facade, reactor), lan=lan),
                                       interface=interface)
