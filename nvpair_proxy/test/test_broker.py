@@ -816,6 +816,8 @@ class AliasTests(SynchronousTestCase):
             (["[::1]:2000", "127.0.0.1:2000"], [(2000, "::1"), (2000, "127.0.0.1")]),
             (["127.0.0.5:11434"], [(11434, "127.0.0.5")]),
             (["[0:0:0:0:0:0:0:1]:11434"], [(11434, "::1")]),
+            # A mapped loopback is the IPv4 address inside it (validate), and bound so.
+            (["[::ffff:127.0.0.1]:11434", "[::1]:11434"], [(11434, "127.0.0.1"), (11434, "::1")]),
         ]
         for aliases, binds in table:
             proxy = Proxy(self)
@@ -845,6 +847,8 @@ class AliasTests(SynchronousTestCase):
                         ["localhost:11434", "127.0.0.1:11434"],
                         ["localhost:11434", "[::1]:11434"],
                         ["127.0.0.1:11434", "127.0.0.1:11434"],
+                        ["127.0.0.1:11434", "[::ffff:127.0.0.1]:11434"],
+                        ["[::ffff:127.0.0.1%lo]:11434"],
                         ["127.0.0.1:11434", "[::1]:11434", "localhost:11434"]):
             lines = self.enable(aliases)
             self.assertEqual([line.get("error", {}).get("code") for line in lines], [-32000],
