@@ -33,6 +33,7 @@ from .interfaces import IRouter, IWatchedAttempt
 from .logs import logger
 from .reservations import Reservation, ReservationMap
 from .selection import order, owners
+from .timers import cancel_pending
 
 log = logger()
 
@@ -212,9 +213,8 @@ class Router:
 
     def unwatch(self, attempt: IWatchedAttempt) -> None:
         self._watched.discard(attempt)
-        if not self._watched and self._sweep is not None:
-            if self._sweep.active():
-                self._sweep.cancel()
+        if not self._watched:
+            cancel_pending(self._sweep)
             self._sweep = None
 
     def _check_targets(self) -> None:

@@ -20,8 +20,8 @@ PACKAGE = os.path.dirname(nvpair_proxy.__file__)
 
 ORDER = (
     # Foundations: no knowledge of engines, nodes or requests.
-    "constants", "interfaces", "logs", "logformat", "files", "validate", "hopbyhop", "requestbody",
-    "relay", "frames", "tokens", "stats", "reservations", "twisted_workarounds", "sdnotify",
+    "constants", "interfaces", "timers", "logs", "logformat", "files", "validate", "hopbyhop",
+    "requestbody", "relay", "frames", "tokens", "stats", "reservations", "twisted_workarounds", "sdnotify",
     "responsewire", "pool", "client",
     # The model: engines, nodes, the link's framing, events, trust.
     "engines", "discovery", "selection", "slots", "ports", "rpc", "aliases", "answers",
