@@ -26,7 +26,7 @@ from nvpair_proxy.facades import Facades
 from nvpair_proxy.inventory import Prober
 from nvpair_proxy.reservations import ReservationMap
 from nvpair_proxy.rpc import RpcLink
-from nvpair_proxy.test.world import Response, request_bytes
+from nvpair_proxy.test.world import Response, assert_answered, request_bytes
 from nvpair_proxy.testing import FakeAgent, loopback
 
 ENGINES = load_engines()
@@ -207,12 +207,7 @@ class Proxy:
     def assert_quiet(self, test: SynchronousTestCase) -> None:
         """As World's check: no upstream request unanswered and no response left open when
         the test ends; then the facades stop as the tree stops them, and no timer remains."""
-        for record in self.agent.requests:
-            if record.pending:
-                test.fail(f"upstream request {record.uri!r} still pending")
-            response = record.response
-            if response is not None and response._ended is None and not response.transport.stopped:
-                test.fail(f"upstream response of {record.uri!r} left open")
+        assert_answered(test, self.agent)
         if self.facades.running:
             test.successResultOf(self.facades.stopService())
         test.assertEqual(self.reactor.getDelayedCalls(), [])

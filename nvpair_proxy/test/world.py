@@ -159,12 +159,18 @@ class World:
     def assert_quiet(self, test) -> None:
         """No timer left on the dispatch clock and no upstream request left open."""
         test.assertEqual(self.clock.getDelayedCalls(), [])
-        for record in getattr(self.agent, "requests", ()):  # a FakeAgent's record
-            if record.pending:
-                test.fail(f"upstream request {record.uri!r} still pending")
-            response = record.response
-            if response is not None and response._ended is None and not response.transport.stopped:
-                test.fail(f"upstream response of {record.uri!r} left open")
+        assert_answered(test, self.agent)
+
+
+def assert_answered(test, agent) -> None:
+    """Every request a FakeAgent recorded was answered or given up, and no response body is
+    left streaming: work a test started and never finished fails it."""
+    for record in getattr(agent, "requests", ()):
+        if record.pending:
+            test.fail(f"upstream request {record.uri!r} still pending")
+        response = record.response
+        if response is not None and response._ended is None and not response.transport.stopped:
+            test.fail(f"upstream response of {record.uri!r} left open")
 
 
 class WorldTestCase(SynchronousTestCase):
