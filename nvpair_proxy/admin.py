@@ -18,7 +18,7 @@ from twisted.web.server import Request
 
 from . import constants
 from .discovery import host_port
-from .validate import is_loopback
+from .validate import is_loopback, split_host_port
 from .logs import logger
 from .metrics import CONTENT_TYPE_LATEST, registry, scrape
 from .server import BoundedSite
@@ -35,11 +35,11 @@ def loopback_host(header: bytes | None) -> bool:
     """A Host header naming this machine: a loopback literal or localhost, any port."""
     if not header:
         return False
-    host = header.decode("latin-1").strip()
-    if host.startswith("["):
-        host = host[1:].split("]", 1)[0]
-    elif host.count(":") == 1:
-        host = host.split(":", 1)[0]
+    try:
+        host, _ = split_host_port(header.decode("latin-1").strip(), zero=True,
+                                  port_required=False)
+    except ValueError:
+        return False
     return host.lower() == "localhost" or is_loopback(host)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Callable
 
 import attrs
+from twisted.web.iweb import IAgent
 
 from .discovery import Node
 from .trust import ClusterDirectory, PeerAgents
@@ -69,12 +70,13 @@ class Admission:
             self.directory.check()
 
 
-def admit_into(facade, directory: ClusterDirectory | None, peer_agents: PeerAgents | None,
-               local_backend: LocalBackend) -> None:
-    """Install broker-mode admission on a facade: its node set asks ``Admission``, and a
-    peer admitted over https is dialled on that peer's pinned pool."""
+def admit_into(facade, directory: ClusterDirectory | None, local_backend: LocalBackend) -> None:
+    """Install broker-mode admission on a facade: its node set asks ``Admission``."""
     facade.router.set_admission(Admission(directory, facade.clock, local_backend))
-    if peer_agents is not None:
-        upstreams = facade.upstreams
-        upstreams.agent_for_node = lambda node: (
-            peer_agents.for_node(node) if node.scheme == "https" else upstreams.agent)
+
+
+def peer_dialler(peer_agents: PeerAgents, agent: IAgent) -> Callable[[Node], IAgent]:
+    """The agent per node in broker mode: a peer admitted over https is dialled on that peer's
+    pinned pool, so no connection verified against another pin is reused; the rest share
+    ``agent``."""
+    return lambda node: peer_agents.for_node(node) if node.scheme == "https" else agent

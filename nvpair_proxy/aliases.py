@@ -7,10 +7,8 @@ a convenience for local clients and must never widen who can reach the proxy.
 
 from __future__ import annotations
 
-import ipaddress
-
 from .rpc import SERVER_ERROR, RpcError
-from .validate import is_port
+from .validate import ip_of, is_loopback, split_host_port
 
 
 def parse_aliases(values, primary_port: int) -> tuple[list[str], int] | None:
@@ -39,27 +37,17 @@ def parse_aliases(values, primary_port: int) -> tuple[list[str], int] | None:
 
 
 def _split(value: str) -> tuple[str, int]:
-    host, sep, port_text = value.rpartition(":")
-    # ASCII digits only: str.isdigit() also takes other scripts' digits (int() reads them)
-    # and superscripts (int() raises on them).
-    if not sep or not port_text or not all("0" <= c <= "9" for c in port_text):
-        raise RpcError(SERVER_ERROR, f"invalid alias address {value!r}: want host:port")
-    port = int(port_text)
-    if not is_port(port):
-        raise RpcError(SERVER_ERROR, f"invalid alias address {value!r}: port out of range")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-        if ":" not in host:
-            raise RpcError(SERVER_ERROR, f"invalid alias address {value!r}: brackets are for IPv6")
-    elif ":" in host or "[" in host or "]" in host:
-        # An IPv6 host needs brackets (``[::1]:11434``); ``::1:11434`` is ambiguous.
-        raise RpcError(SERVER_ERROR, f"invalid alias address {value!r}: want host:port")
+    """A loopback literal and its port; a mapped ``::ffff:127.x`` is bound as the IPv4 inside
+    it, so it counts in the IPv4 family (validate's rule)."""
+    try:
+        host, port = split_host_port(value)
+    except ValueError as exc:
+        raise RpcError(SERVER_ERROR, f"invalid alias address {value!r}: {exc}") from None
     if host == "localhost":
         return host, port
-    try:
-        address = ipaddress.ip_address(host)
-    except ValueError:
-        raise RpcError(SERVER_ERROR, f"invalid alias address {value!r}: not a literal address") from None
-    if not address.is_loopback or getattr(address, "scope_id", None):
+    address = ip_of(host)
+    if address is None:
+        raise RpcError(SERVER_ERROR, f"invalid alias address {value!r}: not a literal address")
+    if not is_loopback(host, scoped=False):
         raise RpcError(SERVER_ERROR, f"invalid alias address {value!r}: not loopback")
     return str(address), port

@@ -25,6 +25,7 @@ from .discovery import Node, host_port
 from .engineaccess import tls_problem
 from .relay import BodyRelay, clean_end
 from .requestbody import BytesProducer
+from .timers import cancel_pending
 
 class State(enum.Enum):
     DIALING = "dialing"
@@ -119,8 +120,7 @@ class _Drain(Protocol):
 
     def connectionLost(self, reason: Failure) -> None:
         self.done = True
-        if self.timer is not None and self.timer.active():
-            self.timer.cancel()
+        cancel_pending(self.timer)
         self.timer = None
 
 
@@ -283,8 +283,7 @@ class Attempt:
         self.state = state
 
     def _cancel_timer(self) -> None:
-        if self._timer is not None and self._timer.active():
-            self._timer.cancel()
+        cancel_pending(self._timer)
         self._timer = None
 
 

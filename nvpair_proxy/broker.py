@@ -358,7 +358,7 @@ class Broker:
         running.local_backend = (host.strip("[]"), port) if port and healthy is not False else None
         # Slots describe the backend just named: none sent, or no backend, means none known.
         running.service.slots = slots if running.local_backend is not None else None
-        running.facade.router.nodes.changed()
+        running.facade.router.admission_changed()
         return {"ok": True}
 
     def model_owners(self, running: Running, params: dict) -> dict:

@@ -21,6 +21,7 @@ from .attempt import NO_CONTENT, STATUS, AddressMemory, Attempt, Committed, Fail
 from .discovery import Node
 from .interfaces import IRouter
 from .router import BUSY_STATUSES
+from .timers import cancel_pending
 
 NO_OWNER = "no available node advertises the requested model"
 NO_CANDIDATE = "no active node selected or available"
@@ -308,8 +309,7 @@ class Dispatch:
         self._on_done(result)
 
     def _cleanup(self, keep_reservation: bool = False) -> None:
-        if self._timer is not None and self._timer.active():
-            self._timer.cancel()
+        cancel_pending(self._timer)
         self._timer = None
         if self.attempt is not None:
             attempt, self.attempt = self.attempt, None

@@ -20,6 +20,7 @@ from twisted.web.server import NOT_DONE_YET, Request
 
 from . import constants, cors
 from .answers import FACADE_FOR, SHUTTING_DOWN, send_error
+from .discovery import Node
 from .dispatch import Bounds, Upstreams
 from .engines import Engine
 from .events import REJECTED, ActivityThrottle, Recorder, Reporter, route_class
@@ -77,15 +78,21 @@ def make_facade(engine: Engine, *, clock: IReactorTime, agent: IAgent, emitter: 
                 run_id: str, random: Callable[[], float], bounds: Bounds = Bounds(),
                 reservations: ReservationMap | None = None,
                 activity: ActivityThrottle | None = None,
-                recorder: Recorder | None = None) -> Facade:
-    """A facade from the parts every facade of a process shares (spec 3.1)."""
+                recorder: Recorder | None = None,
+                agent_for_node: Callable[[Node], IAgent] | None = None) -> Facade:
+    """A facade from the parts every facade of a process shares (spec 3.1).
+
+    ``agent_for_node`` dials nodes that need their own agent (nodes-file TLS or keys, pinned
+    peers); without it every node shares ``agent``.
+    """
     if activity is None:
         activity = ActivityThrottle(emitter, clock.seconds)
     return Facade(engine=engine,
                   router=Router(engine=engine, clock=clock, reservations=reservations),
                   reporter=Reporter(engine=engine.id, emitter=emitter, clock=clock.seconds,
                                     run_id=run_id, activity=activity, recorder=recorder),
-                  upstreams=Upstreams(clock=clock, agent=agent, random=random, bounds=bounds))
+                  upstreams=Upstreams(clock=clock, agent=agent, random=random, bounds=bounds,
+                                      agent_for_node=agent_for_node))
 
 
 def report_rejection(facade: Facade, method: bytes, path: bytes, status: int, error: str) -> None:

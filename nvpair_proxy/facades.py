@@ -27,7 +27,7 @@ from .listener import DemuxFactory, listen_everywhere
 from .logs import logger
 from .server import BoundedSite
 from .slots import Slots
-from .trust import ClusterDirectory, PeerAgents, tls_ingress
+from .trust import ClusterDirectory, tls_ingress
 
 log = logger()
 
@@ -129,12 +129,12 @@ class Facades(MultiService):
     def __init__(self, *, make_facade: Callable[[Engine], Facade], listen: Callable,
                  make_prober: Callable[[Facade, Callable[[Node], bool]], Prober], clock,
                  admission: bool = False, directory: ClusterDirectory | None = None,
-                 peer_agents: PeerAgents | None = None, lan: LanGate | None = None) -> None:
+                 lan: LanGate | None = None) -> None:
         super().__init__()
         self.setName("facades")
         self.make_facade, self.listen, self.make_prober = make_facade, listen, make_prober
         self.clock, self.admission = clock, admission
-        self.directory, self.peer_agents, self.lan = directory, peer_agents, lan
+        self.directory, self.lan = directory, lan
 
     def open(self, engine: Engine, port: int, should_probe: Callable[[Node], bool],
              local_backend: LocalBackend = lambda: None) -> FacadeService:
@@ -146,7 +146,7 @@ class Facades(MultiService):
         service = FacadeService(facade, factory, self.listen,
                                 self.make_prober(facade, should_probe), self.clock, port)
         if self.admission:
-            admit_into(facade, self.directory, self.peer_agents, local_backend)
+            admit_into(facade, self.directory, local_backend)
         return service
 
     def add(self, service: FacadeService) -> None:

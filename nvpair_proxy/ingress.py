@@ -32,6 +32,12 @@ class LocalBackendRoute:
     backend: Node
     pin = ""
 
+    def routable(self) -> list[Node]:
+        return [self.backend]
+
+    def set_models(self, node_id: str, models) -> None:
+        """Nothing probes the backend: every model is sent to it."""
+
     def candidates(self, model: str | None) -> list[Node]:
         return [self.backend]
 

@@ -19,9 +19,19 @@ class IEmitter(Interface):
 
 
 class IRouter(Interface):
-    """One facade's routing state: the only way routing changes (issue 9)."""
+    """One facade's routing state: the only way routing changes (issue 9).
+
+    What the request path and the prober are handed. The node set's owners (the broker and
+    standalone mode) hold the concrete Router and also replace, add and admit nodes.
+    """
 
     pin = Attribute("The node/select pin, or \"\".")
+
+    def routable() -> list:
+        """The nodes a request may go to now, in id order."""
+
+    def set_models(node_id: str, models) -> None:
+        """Replace a node's model inventory with a probe's answer (design 4)."""
 
     def candidates(model: str | None) -> list:
         """Owners of a normalized model (None: every routable node) in round order."""

@@ -22,8 +22,9 @@ from twisted.web.iweb import IAgent
 
 from . import constants
 from .attempt import clean_end
-from .discovery import Node, NodeSet, host_port
+from .discovery import Node, host_port
 from .engines import Engine
+from .interfaces import IRouter
 from .logs import logger
 
 log = logger()
@@ -196,12 +197,13 @@ class Prober(TimerService):
     is not one we should route to. A TimerService, so it runs exactly while its facade does.
     """
 
-    def __init__(self, engine: Engine, nodes: NodeSet, agent: IAgent, clock: IReactorTime,
+    def __init__(self, engine: Engine, router: IRouter, agent: IAgent, clock: IReactorTime,
                  should_probe: Callable[[Node], bool],
                  interval: float = constants.INVENTORY_PROBE_INTERVAL,
                  agent_for: Callable[[Node], IAgent] | None = None) -> None:
         super().__init__(interval, self.probe_all)
-        self.engine, self.nodes, self.agent, self.clock = engine, nodes, agent, clock
+        # The router, not its node set: what a probe learns is a routing change (issue 9).
+        self.engine, self.router, self.agent, self.clock = engine, router, agent, clock
         # The agent per node, as requests use it (TLS and key settings of the nodes file).
         self.agent_for = agent_for or (lambda node: agent)
         self.should_probe = should_probe
@@ -215,7 +217,7 @@ class Prober(TimerService):
         return super().stopService()
 
     def probe_all(self) -> Deferred:
-        probes = [self.probe(node) for node in self.nodes.routable()
+        probes = [self.probe(node) for node in self.router.routable()
                   if self.should_probe(node) and node.id not in self._busy]
         return DeferredList(probes, consumeErrors=True) if probes else succeed(None)
 
@@ -237,7 +239,7 @@ class Prober(TimerService):
                 log.debug("inventory probe of {node} failed: {why}", node=node.id,
                           why=models.getErrorMessage(), engine=self.engine.id)
                 models = []
-            self.nodes.set_models(node.id, self.engine, models)
+            self.router.set_models(node.id, models)
 
         return d.addCallback(ok).addBoth(done)
 

@@ -25,6 +25,7 @@ from .constants import SERVER_HEADER_READ_TIMEOUT
 from .validate import is_loopback
 from .logs import logger
 from .server import BoundedSite, Rejected
+from .timers import cancel_pending
 
 TLS_HANDSHAKE = 0x16
 
@@ -77,8 +78,7 @@ class _Demux(Protocol):
                                                   self.transport.abortConnection)
 
     def _stop_timer(self) -> None:
-        if self.timer is not None and self.timer.active():
-            self.timer.cancel()
+        cancel_pending(self.timer)
         self.timer = None
 
     def dataReceived(self, data: bytes) -> None:

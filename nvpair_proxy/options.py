@@ -14,7 +14,7 @@ from twisted.python import usage
 from . import __version__, constants
 from .engines import EngineFileError, load_engines
 from .logs import LEVELS, LOG_FORMATS
-from .validate import ip_of, is_loopback
+from .validate import ip_of, is_loopback, parse_port, split_host_port
 
 DEFAULT_STATE_DIR = os.path.join("~", ".config", "Nvidia Corporation", "Personal AI Router")
 
@@ -47,16 +47,16 @@ def parse_duration(text: str) -> float:
 def admin_address(text: str) -> tuple[str, int]:
     """``HOST:PORT`` (``[::1]:PORT`` for IPv6, ``localhost`` for 127.0.0.1); raises ValueError
     with the one line start-up stops with."""
-    host, colon, port = text.rpartition(":")
-    if not colon or not host or not (port.isascii() and port.isdigit()) or int(port) > 65535:
-        raise ValueError(f"--admin: want HOST:PORT, e.g. 127.0.0.1:9464 (got {text!r})")
-    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    try:
+        host, port = split_host_port(text, zero=True)
+    except ValueError:
+        raise ValueError(f"--admin: want HOST:PORT, e.g. 127.0.0.1:9464 (got {text!r})") from None
     if host == "localhost":
         host = "127.0.0.1"
     if not is_loopback(host):
         raise ValueError(f"--admin: {host} is not a loopback address; the admin listener "
                          f"serves this machine only (use 127.0.0.1 or ::1)")
-    return str(ip_of(host)), int(port)
+    return str(ip_of(host)), port
 
 
 def parse_keepalive(text: str) -> float:
@@ -198,9 +198,10 @@ class Options(usage.Options):
                                  f"{', '.join(sorted(self.engines))}")
             port = engine.ports.standalone
             if colon:
-                if not (port_text.isascii() and port_text.isdigit()) or int(port_text) > 65535:
-                    raise ValueError(f"--engine {spec}: port must be between 1 and 65535")
-                port = int(port_text) or engine.ports.standalone
+                try:
+                    port = parse_port(port_text, zero=True) or engine.ports.standalone
+                except ValueError:
+                    raise ValueError(f"--engine {spec}: port must be between 1 and 65535") from None
             if any(engine_id == seen for seen, _ in facades):
                 raise ValueError(f"--engine: {engine_id} is given twice")
             facades.append((engine_id, port))

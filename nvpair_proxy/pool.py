@@ -15,6 +15,7 @@ from twisted.internet.defer import Deferred, DeferredList
 from twisted.internet.interfaces import IDelayedCall
 
 from . import constants
+from .timers import cancel_pending
 
 
 class Idle(Protocol):
@@ -80,8 +81,7 @@ class ConnectionPool:
     def closeCachedConnections(self) -> Deferred:
         """Close every idle connection (the name is ``HTTPConnectionPool``'s, whose place
         this takes); fires when they are all gone."""
-        if self._sweep is not None and self._sweep.active():
-            self._sweep.cancel()
+        cancel_pending(self._sweep)
         self._sweep = None
         idle = [c for connections in self._idle.values() for c in connections]
         self._idle.clear()

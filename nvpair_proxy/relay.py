@@ -17,6 +17,8 @@ from twisted.web.client import ResponseDone
 from twisted.web.http import PotentialDataLoss
 from zope.interface import implementer
 
+from .timers import cancel_pending
+
 
 class BodyRelay(Protocol):
     """Receives the upstream body; holds it until a sink attaches, then streams it through.
@@ -110,8 +112,7 @@ class ClientWatch:
         self.upstream.stopProducing()
 
     def stop_timer(self) -> None:
-        if self.timer is not None and self.timer.active():
-            self.timer.cancel()
+        cancel_pending(self.timer)
         self.timer = None
 
     def _expired(self) -> None:
@@ -151,6 +152,5 @@ class StreamIdle:
         self.on_idle()
 
     def stop(self) -> None:
-        if self.timer is not None and self.timer.active():
-            self.timer.cancel()
+        cancel_pending(self.timer)
         self.timer = None

@@ -33,6 +33,7 @@ from .interfaces import IRouter, IWatchedAttempt
 from .logs import logger
 from .reservations import Reservation, ReservationMap
 from .selection import order, owners
+from .timers import cancel_pending
 
 log = logger()
 
@@ -88,6 +89,16 @@ class Router:
         the local backend, peers over pinned mTLS only)."""
         self.nodes.admit = admit
         self.nodes.changed()
+
+    def admission_changed(self) -> None:
+        """Something admission reads changed (the local backend): the routable set is asked
+        again, since it is otherwise kept between node-set changes."""
+        self.nodes.changed()
+
+    def set_models(self, node_id: str, models: Iterable[str]) -> None:
+        """A probe's answer replaces the node's inventory (design 4): an empty list takes it
+        out of every model's owners until the next success."""
+        self.nodes.set_models(node_id, self.engine, models)
 
     # The pin.
 
@@ -202,9 +213,8 @@ class Router:
 
     def unwatch(self, attempt: IWatchedAttempt) -> None:
         self._watched.discard(attempt)
-        if not self._watched and self._sweep is not None:
-            if self._sweep.active():
-                self._sweep.cancel()
+        if not self._watched:
+            cancel_pending(self._sweep)
             self._sweep = None
 
     def _check_targets(self) -> None:

@@ -28,6 +28,7 @@ from twisted.web.server import Request, Site
 from . import constants
 from .answers import BODY_TOO_LARGE, raw_error
 from .logs import log_access
+from .timers import cancel_pending
 
 # method, request target (query included), status, error text
 Rejected = Callable[[bytes, bytes, int, str], None]
@@ -83,8 +84,7 @@ class BoundedChannel(HTTPChannel):
         self.transport.abortConnection()
 
     def _stop_header_timer(self) -> None:
-        if self._header_timer is not None and self._header_timer.active():
-            self._header_timer.cancel()
+        cancel_pending(self._header_timer)
         self._header_timer = None
 
     def allHeadersReceived(self) -> None:

@@ -20,6 +20,7 @@ the one before it has finished):
 from __future__ import annotations
 
 import random
+from typing import Callable
 
 import attrs
 
@@ -34,6 +35,7 @@ from .dispatch import Bounds
 from .client import Client
 from .pool import ConnectionPool
 from .engineaccess import EngineAgents
+from .admission import peer_dialler
 from .events import ActivityThrottle, LogEmitter, new_run_id
 from .facade import Facade, make_facade
 from .facades import Facades, listen_on
@@ -67,9 +69,13 @@ class Runtime:
     activity: ActivityThrottle | None = None
     engine_agents: EngineAgents | None = None
     recorder: object | None = None
+    # Broker mode with --cluster-dir: one pinned pool per peer, closed with the shared one.
+    peer_agents: object | None = None
+    # The agent per node, given to every facade when it is made (None: all share ``agent``).
+    agent_for_node: Callable | None = None
 
     @classmethod
-    def build(cls, options: Options, reactor, emitter) -> "Runtime":
+    def build(cls, options: Options, reactor, emitter, peer_agents=None) -> "Runtime":
         set_level(options["log-level"])
         set_access_log(options["access-log"])
         pool = make_pool(reactor)
@@ -79,27 +85,30 @@ class Runtime:
         if options["admin"] is not None:
             from .recorder import Recorder
             recorder = Recorder()
+        # Only a nodes file names engine TLS or keys: standalone mode only.
+        engine_agents = agent_for_node = None
+        if options.standalone:
+            engine_agents = EngineAgents(reactor, agent, constants.DIAL_TIMEOUT,
+                                         constants.POOL_IDLE_TIMEOUT,
+                                         keepalive=options["upstream-keepalive"])
+            agent_for_node = engine_agents.for_node
+        elif peer_agents is not None:
+            agent_for_node = peer_dialler(peer_agents, agent)
         return cls(reactor=reactor, emitter=emitter, recorder=recorder,
                    bounds=Bounds(response_timeout=options["response-timeout"],
                                  stream_idle=options["stream-idle"]), pool=pool,
                    agent=agent, activity=ActivityThrottle(emitter, reactor.seconds),
-                   # Only a nodes file names engine TLS or keys: standalone mode only.
-                   engine_agents=EngineAgents(reactor, agent, constants.DIAL_TIMEOUT,
-                                              constants.POOL_IDLE_TIMEOUT,
-                                              keepalive=options["upstream-keepalive"])
-                   if options.standalone else None)
+                   engine_agents=engine_agents, peer_agents=peer_agents,
+                   agent_for_node=agent_for_node)
 
     def facade(self, engine) -> Facade:
-        facade = make_facade(engine, clock=self.reactor, agent=self.agent, emitter=self.emitter,
-                             run_id=self.run_id, random=self.rng.random, bounds=self.bounds,
-                             reservations=self.reservations, activity=self.activity,
-                             recorder=self.recorder)
-        if self.engine_agents is not None:
-            facade.upstreams.agent_for_node = self.engine_agents.for_node
-        return facade
+        return make_facade(engine, clock=self.reactor, agent=self.agent, emitter=self.emitter,
+                           run_id=self.run_id, random=self.rng.random, bounds=self.bounds,
+                           reservations=self.reservations, activity=self.activity,
+                           recorder=self.recorder, agent_for_node=self.agent_for_node)
 
     def prober(self, facade: Facade, should_probe) -> Prober:
-        return Prober(facade.engine, facade.router.nodes, self.agent, self.reactor, should_probe,
+        return Prober(facade.engine, facade.router, self.agent, self.reactor, should_probe,
                       agent_for=facade.upstreams.agent_for)
 
 
@@ -109,16 +118,16 @@ class RuntimeService(Service):
 
     name = "runtime"
 
-    def __init__(self, runtime: Runtime, peer_agents=None) -> None:
-        self.runtime, self.peer_agents = runtime, peer_agents
+    def __init__(self, runtime: Runtime) -> None:
+        self.runtime = runtime
 
     def stopService(self) -> Deferred:
         super().stopService()
         closing = [maybeDeferred(self.runtime.pool.closeCachedConnections)]
         if self.runtime.engine_agents is not None:
             closing.append(maybeDeferred(self.runtime.engine_agents.close))
-        if self.peer_agents is not None:
-            closing.append(maybeDeferred(self.peer_agents.close))
+        if self.runtime.peer_agents is not None:
+            closing.append(maybeDeferred(self.runtime.peer_agents.close))
         return DeferredList(closing, consumeErrors=True).addCallback(lambda _: None)
 
 
@@ -393,7 +402,6 @@ def broker_tree(options: Options, reactor) -> ProcessService:
     from .broker import Broker
     root = ProcessService(reactor)
     link = LinkService(reactor, options["ipc"], lambda method, params: broker.dispatch(method, params))
-    runtime = Runtime.build(options, reactor, link.link)
     directory = peer_agents = None
     if options["cluster-dir"]:
         from .trust import ClusterDirectory, PeerAgents
@@ -401,7 +409,8 @@ def broker_tree(options: Options, reactor) -> ProcessService:
         peer_agents = PeerAgents(reactor, directory, constants.DIAL_TIMEOUT,
                                  constants.POOL_IDLE_TIMEOUT,
                                  keepalive=options["upstream-keepalive"])
-    RuntimeService(runtime, peer_agents).setServiceParent(root)
+    runtime = Runtime.build(options, reactor, link.link, peer_agents)
+    RuntimeService(runtime).setServiceParent(root)
     add_admin(root, options, reactor, "broker")
     link.setServiceParent(root)
     if directory is not None:
@@ -409,8 +418,7 @@ def broker_tree(options: Options, reactor) -> ProcessService:
         trust_watch(directory, reactor).setServiceParent(root)
     facades = Facades(make_facade=runtime.facade, listen=listen_on(reactor),
                       make_prober=runtime.prober, clock=reactor, admission=True,
-                      directory=directory, peer_agents=peer_agents,
-                      lan=lan_gate(options, reactor))
+                      directory=directory, lan=lan_gate(options, reactor))
     facades.setServiceParent(root)
     broker = Broker(engines=options.engines, emitter=link.link,
                     reservations=runtime.reservations, state_dir=options["state-dir"],

@@ -38,6 +38,10 @@ class _Unreadable(Exception):
     """A pin file that cannot be read whole; its previous value stands."""
 
 
+# What ``_read_or_keep`` answers for a file that is there but cannot be read now.
+_KEEP = object()
+
+
 URN_PREFIX = "urn:nvpair:node:"
 
 
@@ -114,18 +118,31 @@ class ClusterDirectory:
             self._problems[name] = problem
             log.warn("cluster directory {path}: {problem}", path=self.path, problem=problem)
 
-    def _read_identity(self) -> None:
+    def _read_or_keep(self, name: str, read: Callable, unreadable: Callable[[OSError], str]):
+        """``read()``; None when the file is absent, which is a state (no identity, no
+        admission, no pins) and no problem; ``_KEEP`` when it is there but cannot be read now,
+        warned once: a file mid-rotation or a permission slip must not drop what was trusted."""
         try:
-            cert_pem = read_regular_file(os.path.join(self.path, "node.crt"))
-            key_pem = read_regular_file(os.path.join(self.path, "node.key"))
+            return read()
         except FileNotFoundError:
-            self.identity = None
-            self._warn_once("identity", None)
-            return
+            self._warn_once(name, None)
+            return None
         except OSError as exc:
-            self._warn_once("identity", f"cannot read {os.path.basename(exc.filename or '')}: "
-                                        f"{exc.strerror}; keeping the previous identity")
+            self._warn_once(name, unreadable(exc))
+            return _KEEP
+
+    def _read_identity(self) -> None:
+        pems = self._read_or_keep(
+            "identity", lambda: (read_regular_file(os.path.join(self.path, "node.crt")),
+                                 read_regular_file(os.path.join(self.path, "node.key"))),
+            lambda exc: f"cannot read {os.path.basename(exc.filename or '')}: {exc.strerror}; "
+                        "keeping the previous identity")
+        if pems is _KEEP:
             return
+        if pems is None:
+            self.identity = None
+            return
+        cert_pem, key_pem = pems
         try:
             cert = crypto.load_certificate(crypto.FILETYPE_PEM, cert_pem)
             key = crypto.load_privatekey(crypto.FILETYPE_PEM, key_pem)
@@ -144,17 +161,14 @@ class ClusterDirectory:
             self.identity = Identity(cert, key, der)
 
     def _read_admission(self) -> None:
+        raw = self._read_or_keep(
+            "admission.json", lambda: read_regular_file(os.path.join(self.path, "admission.json")),
+            lambda exc: f"cannot read admission.json: {exc.strerror}; keeping the previous "
+                        "admission")
+        if raw is _KEEP:
+            return
         try:
-            data = json.loads(read_regular_file(os.path.join(self.path, "admission.json"))
-                              .decode("utf-8"))
-        except FileNotFoundError:
-            self.admission = {}
-            self._warn_once("admission.json", None)
-            return
-        except OSError as exc:
-            self._warn_once("admission.json", f"cannot read admission.json: {exc.strerror}; "
-                                              "keeping the previous admission")
-            return
+            data = {} if raw is None else json.loads(raw.decode("utf-8"))
         except ValueError as exc:
             self._warn_once("admission.json", f"admission.json is not JSON ({exc}); keeping "
                                               "the previous admission")
@@ -164,17 +178,13 @@ class ClusterDirectory:
 
     def _read_pins(self) -> None:
         folder = os.path.join(self.path, "trusted")
-        try:
-            names = os.listdir(folder)
-        except FileNotFoundError:
-            self.pins = {}
-            self._warn_once("trusted", None)
+        # A file (or a loop) where the folder belongs is not "no pins": the previous ones stay.
+        names = self._read_or_keep(
+            "trusted", lambda: os.listdir(folder),
+            lambda exc: f"cannot list trusted: {exc.strerror}; keeping the previous pins")
+        if names is _KEEP:
             return
-        except OSError as exc:
-            # A file (or a loop) where the folder belongs is not "no pins".
-            self._warn_once("trusted", f"cannot list trusted: {exc.strerror}; keeping the "
-                                       "previous pins")
-            return
+        names = names or []
         self._warn_once("trusted", None)
         pins: dict[str, bytes] = {}
         for name in names:

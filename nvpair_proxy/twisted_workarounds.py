@@ -1,15 +1,18 @@
 """The one place the proxy touches a private Twisted attribute, and why (issue 9).
 
-``HTTPChannel.registerProducer`` (Twisted 26.10) stores a push producer without pausing it when
-the client's transport has already paused the channel (its send buffer is full and
-``pauseProducing`` came before the producer existed). The transport asks only once: it will
-not pause the channel again until it has resumed it, so the new producer would stream into a
-client that reads nothing, and the upstream body would pile up in memory instead of stalling
-the upstream socket. The channel records that state only in ``_waitingForTransport``.
+The upstream behaviour worked around, in ``twisted.web.http.HTTPChannel`` (Twisted 26.10):
+``pauseProducing`` sets ``_waitingForTransport`` and pauses only the producer registered at that
+moment; ``registerProducer`` stores a new push producer without looking at that flag. So a
+producer registered while the client's send buffer is full (``pauseProducing`` came first) is
+never paused: the transport asks only once and will not ask again until it has resumed the
+channel, the producer streams into a client that reads nothing, and the upstream body piles up
+in memory instead of stalling the upstream socket. The paused state is readable only as
+``_waitingForTransport``.
 
-No upstream ticket was found for this (the installed Twisted source and tests name none;
-HTTPChannel's own docstrings cite #8868 and #8488, which are about other problems). Delete this
-module when HTTPChannel.registerProducer pauses a producer registered while paused.
+No upstream ticket found: the installed Twisted source and tests name none, and the tickets
+HTTPChannel's docstrings cite are about other problems (#8868 is why the channel pauses its
+transport at all; #8488 is about which reactor TimeoutMixin uses). Delete this module when
+``HTTPChannel.registerProducer`` pauses a push producer registered while the channel is paused.
 """
 
 from __future__ import annotations

@@ -510,9 +510,11 @@ class StatusTests(WorldTestCase):
         w = self.world(recorder=recorder)
         view = view_of(w, recorder)
         self.assertEqual(admin_get(view, "/status", host="evil.example:9464").status, 403)
-        for host in ("localhost:9464", "127.0.0.1", "[::1]:9464", "LOCALHOST"):
+        for host in ("localhost:9464", "127.0.0.1", "[::1]:9464", "LOCALHOST", "[::1]",
+                     "[::ffff:127.0.0.1]:9464"):
             self.assertTrue(loopback_host(host.encode()), host)
-        for host in (b"", b"10.0.0.1:9464", b"example.com", b"127.0.0.1.nip.io"):
+        for host in (b"", b"10.0.0.1:9464", b"example.com", b"127.0.0.1.nip.io",
+                     b"[::ffff:10.0.0.1]:9464", b"localhost.evil:9464", b"[127.0.0.1]:9464"):
             self.assertFalse(loopback_host(host), host)
 
 
@@ -522,6 +524,8 @@ class AdminAddressTests(SynchronousTestCase):
         self.assertEqual(admin_address("localhost:9464"), ("127.0.0.1", 9464))
         self.assertEqual(admin_address("[::1]:0"), ("::1", 0))
         self.assertEqual(admin_address("127.0.0.2:9464"), ("127.0.0.2", 9464))
+        # A mapped loopback is bound as the IPv4 address inside it, as an alias is.
+        self.assertEqual(admin_address("[::ffff:127.0.0.1]:9464"), ("127.0.0.1", 9464))
 
     def test_a_non_loopback_admin_address_stops_start_up_with_one_line(self):
         for value, shown in (("0.0.0.0:9464", "0.0.0.0"), ("192.168.1.5:9464", "192.168.1.5"),
@@ -533,7 +537,8 @@ class AdminAddressTests(SynchronousTestCase):
                              f"admin listener serves this machine only (use 127.0.0.1 or ::1)")
 
     def test_a_malformed_admin_address_names_the_flag(self):
-        for value in ("9464", "127.0.0.1", "127.0.0.1:x", "127.0.0.1:70000", ":9464"):
+        for value in ("9464", "127.0.0.1", "127.0.0.1:x", "127.0.0.1:70000", ":9464",
+                      "::1:9464", "[127.0.0.1]:9464", "127.0.0.1:\u00b2"):
             with self.assertRaises(SystemExit) as caught:
                 Options().parseOptions(["--admin", value])
             self.assertEqual(caught.exception.code,

@@ -13,8 +13,9 @@ import errno
 import json
 import os
 
-from twisted.internet.error import CannotListenError
+from twisted.internet.error import CannotListenError, ConnectionDone
 from twisted.internet.testing import MemoryReactorClock, StringTransport
+from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase
 
 from nvpair_proxy import __version__, constants, logs
@@ -25,7 +26,7 @@ from nvpair_proxy.facades import Facades
 from nvpair_proxy.inventory import Prober
 from nvpair_proxy.reservations import ReservationMap
 from nvpair_proxy.rpc import RpcLink
-from nvpair_proxy.test.world import Response, request_bytes
+from nvpair_proxy.test.world import Response, assert_answered, request_bytes
 from nvpair_proxy.testing import FakeAgent, loopback
 
 ENGINES = load_engines()
@@ -155,6 +156,7 @@ def identity(listening: Listening) -> str | None:
     protocol.dataReceived(request_bytes("GET", "/", headers={
         "X-NVPAIR-Engine-Identity-Probe": "1"}))
     response = Response(transport.value())
+    protocol.connectionLost(Failure(ConnectionDone()))  # its idle timer goes with it
     if response.status != 409:
         return None
     engine = response.json()["error"].rpartition(" ")[2]
@@ -171,8 +173,7 @@ class Proxy:
     """A Broker wired as ``broker_tree`` wires it, on fakes."""
 
     def __init__(self, test: SynchronousTestCase, *, is_local=None, state_dir: str | None = None,
-                 make_facade=None, on_shutdown=None, directory=None,
-                 peer_agents=None) -> None:
+                 make_facade=None, on_shutdown=None, directory=None) -> None:
         self.reactor = MemoryReactorClock()
         self.agent = FakeAgent()
         self.reservations = ReservationMap()
@@ -182,14 +183,15 @@ class Proxy:
         self.state_dir = state_dir
         self.listen = FakeListen(self.reactor)
         self.shutdowns: list[bytes] = []
+        self.clients: list = []  # the chats' client connections
         self.link = RpcLink(lambda method, params: self.broker.dispatch(method, params))
         self.transport = StringTransport()
         self.link.framer.makeConnection(self.transport)
         self.facades = Facades(make_facade=make_facade or self.make_facade, listen=self.listen,
                                make_prober=self.make_prober, clock=self.reactor,
-                               admission=True, directory=directory, peer_agents=peer_agents)
+                               admission=True, directory=directory)
         self.facades.startService()
-        test.addCleanup(self.facades.stopService)
+        test.addCleanup(self.assert_quiet, test)
         self.broker = Broker(
             engines=ENGINES, emitter=self.link, reservations=self.reservations,
             state_dir=state_dir, facades=self.facades,
@@ -199,11 +201,19 @@ class Proxy:
 
     def make_facade(self, engine):
         return make_facade(engine, clock=self.reactor, agent=self.agent, emitter=self.link,
-                      run_id="0123456789abcdef", random=lambda: 0.5,
-                      reservations=self.reservations)
+                           run_id="0123456789abcdef", random=lambda: 0.5,
+                           reservations=self.reservations)
+
+    def assert_quiet(self, test: SynchronousTestCase) -> None:
+        """As World's check: no upstream request unanswered and no response left open when
+        the test ends; then the facades stop as the tree stops them, and no timer remains."""
+        assert_answered(test, self.agent)
+        if self.facades.running:
+            test.successResultOf(self.facades.stopService())
+        test.assertEqual(self.reactor.getDelayedCalls(), [])
 
     def make_prober(self, facade, should_probe):
-        return Prober(facade.engine, facade.router.nodes, self.agent, self.reactor, should_probe)
+        return Prober(facade.engine, facade.router, self.agent, self.reactor, should_probe)
 
     # Talking to it.
 
@@ -265,8 +275,20 @@ class Proxy:
         peer = loopback()
         protocol = listening.factory.buildProtocol(peer)
         protocol.makeConnection(StringTransport(peerAddress=peer))
+        self.clients.append(protocol)
         protocol.dataReceived(request_bytes("POST", "/api/chat", {"model": model, "stream": True}))
         return self.feed(b"")
+
+    def end_chats(self) -> None:
+        """The chats end as their nodes and clients would end them: every upstream chat still
+        waiting is answered whole, then every client connection closes."""
+        for record in self.agent.requests:
+            if record.pending and record.uri.endswith(b"/api/chat"):
+                record.respond(200, {"Content-Type": "application/x-ndjson"},
+                               body=b'{"done":true}\n', finish=True)
+        for protocol in self.clients:
+            protocol.connectionLost(Failure(ConnectionDone()))
+        self.clients.clear()
 
     def persisted(self, name: str = "proxy-port.json") -> bytes:
         with open(os.path.join(self.state_dir, name), "rb") as handle:
@@ -817,6 +839,8 @@ class AliasTests(SynchronousTestCase):
             (["[::1]:2000", "127.0.0.1:2000"], [(2000, "::1"), (2000, "127.0.0.1")]),
             (["127.0.0.5:11434"], [(11434, "127.0.0.5")]),
             (["[0:0:0:0:0:0:0:1]:11434"], [(11434, "::1")]),
+            # A mapped loopback is the IPv4 address inside it (validate), and bound so.
+            (["[::ffff:127.0.0.1]:11434", "[::1]:11434"], [(11434, "127.0.0.1"), (11434, "::1")]),
         ]
         for aliases, binds in table:
             proxy = Proxy(self)
@@ -846,6 +870,8 @@ class AliasTests(SynchronousTestCase):
                         ["localhost:11434", "127.0.0.1:11434"],
                         ["localhost:11434", "[::1]:11434"],
                         ["127.0.0.1:11434", "127.0.0.1:11434"],
+                        ["127.0.0.1:11434", "[::ffff:127.0.0.1]:11434"],
+                        ["[::ffff:127.0.0.1%lo]:11434"],
                         ["127.0.0.1:11434", "[::1]:11434", "localhost:11434"]):
             lines = self.enable(aliases)
             self.assertEqual([line.get("error", {}).get("code") for line in lines], [-32000],
@@ -1273,6 +1299,7 @@ class DiscoveryTests(SynchronousTestCase):
         proxy.result("ollama:node/set-local-backend", {"engine": "ollama", "port": 0,
                                                        "healthy": True})
         self.assertEqual(proxy.owners(), [])
+        proxy.end_chats()
 
 
 # protocol 3: node/set-local-backend's slots.
@@ -1351,6 +1378,7 @@ class LocalBackendSlotsTests(SynchronousTestCase):
                 self.assertEqual(self.proxy.listed(), before, slots)
                 self.proxy.chat(11435)
                 self.assertEqual(self.proxy.agent.last.uri, b"http://127.0.0.1:11434/api/chat")
+        self.proxy.end_chats()
 
     def test_a_backend_sent_without_slots_clears_them(self) -> None:
         slots = {"default": 2}
@@ -1513,6 +1541,8 @@ class NodeMethodTests(SynchronousTestCase):
             {"id": "p", "host": "p", "port": 11434, "addresses": ["10.0.0.8"], "txt": None,
              "ip": "10.0.0.8"},
         ]})])
+        # p came without models, so it is being probed; the probe gets its answer.
+        self.proxy.agent.last.respond(200, body=b'{"models":[]}', finish=True)
 
     def test_add_manual(self) -> None:
         params = {"id": "m", "host": "box", "port": 11434, "addresses": ["10.0.0.9"],
@@ -1546,6 +1576,8 @@ class NodeMethodTests(SynchronousTestCase):
         self.proxy.result("ollama:node/add-manual", {"id": "m", "port": 11434, "txt": None,
                                                      "addresses": ["10.0.0.9"]})
         self.assertIsNone(self.proxy.listed()[0]["txt"])
+        # Sent without models this time, so it is being probed; the probe gets its answer.
+        self.proxy.agent.last.respond(200, body=b'{"models":[]}', finish=True)
 
     def test_add_manual_txt_that_is_not_a_list_of_strings_is_refused(self) -> None:
         text = 'txt must be a list of "key=value" strings'
@@ -1595,6 +1627,7 @@ class NodeMethodTests(SynchronousTestCase):
         self.proxy.reactor.advance(constants.INVENTORY_PROBE_INTERVAL)
         self.assertEqual([r.uri for r in self.proxy.agent.requests[before:]],
                          [b"http://10.0.0.8:11434/api/tags"])
+        self.proxy.agent.last.respond(200, body=b'{"models":[]}', finish=True)
 
     def test_remove_manual(self) -> None:
         self.assertEqual(self.proxy.call("ollama:node/remove-manual", {"id": "m"}, 1),
@@ -1656,6 +1689,7 @@ class NodeMethodTests(SynchronousTestCase):
         proxy.call("ollama:node/set-local-backend", {"engine": "ollama",
                                                      "host": "192.168.1.50", "port": 9})
         self.assertEqual(proxy.owners(), ["me"])
+        proxy.end_chats()
 
     def test_model_owners(self) -> None:
         self.assertEqual(self.proxy.call("ollama:node/model-owners", {"model": "llama3"}, 1),
@@ -1691,6 +1725,7 @@ class NodeMethodTests(SynchronousTestCase):
         # Refused on b, the request fails over to the next candidate the answer named.
         self.proxy.agent.last.respond(503, body=b"busy", finish=True)
         self.assertEqual(self.proxy.agent.last.uri, b"http://10.0.0.3:11434/api/chat")
+        self.proxy.end_chats()
 
     def test_log_set_level(self) -> None:
         for level in ("debug", "info", "warn", "error"):

@@ -5,16 +5,20 @@ upstream agent, the seam the whole request path stands on, runs one contract mix
 Twisted's real ``Agent`` (serving an in-memory resource through ``treq.testing``), the proxy's
 own ``Client`` (client.py, against twisted.web's server over in-memory transports) and the
 ``FakeAgent`` the dispatch tests use: what the attempt relies on (status, headers, the body in
-order, a clean end versus a broken one, the request as sent) must hold for all three.
+order, a clean end versus a broken one, the request as sent, a refused dial, a cancel) must
+hold for all three.
 """
 
 from __future__ import annotations
 
+from twisted.internet.defer import CancelledError
+from twisted.internet.error import ConnectError, ConnectionRefusedError
 from twisted.internet.interfaces import IReactorTime
 from twisted.internet.task import Clock
 from twisted.internet.testing import MemoryReactorClock
 from twisted.trial.unittest import SynchronousTestCase
-from twisted.web.client import Agent
+from twisted.python.failure import Failure
+from twisted.web.client import Agent, ResponseNeverReceived
 from twisted.web.http_headers import Headers
 from twisted.web.iweb import IAgent, IResponse
 from twisted.web.resource import Resource
@@ -37,6 +41,23 @@ from nvpair_proxy.test.world import ENGINES
 from nvpair_proxy.testing import FakeAgent, FakeResponse
 
 URL = b"http://10.0.0.1:11434/api/chat"
+
+
+def cancelled(failure: Failure) -> bool:
+    """A CancelledError as the caller sees it: itself (the proxy's Client, the fake), or as
+    the one reason of Agent's ResponseNeverReceived once the request was on the wire."""
+    if failure.check(ResponseNeverReceived):
+        return [r.type for r in failure.value.reasons] == [CancelledError]
+    return failure.check(CancelledError) is not None
+
+
+def refuse_dial(reactor: MemoryReactorClock) -> None:
+    """The last connection attempt on ``reactor`` is refused, as a closed port refuses it.
+    Agent's HostnameEndpoint reports only once its 0.3 s attempt loop has looked again."""
+    factory = reactor.tcpClients[-1][2]
+    factory.clientConnectionFailed(reactor.connectors[-1],
+                                   Failure(ConnectionRefusedError("Connection refused")))
+    reactor.advance(1)
 
 
 class Interfaces(SynchronousTestCase):
@@ -65,8 +86,10 @@ class Interfaces(SynchronousTestCase):
 
 class AgentContract:
     """What the attempt relies on from any IAgent. Subclasses say how the far end answers:
-    ``answer(status, headers, chunks, clean)`` sets up the reply, ``pump()`` lets it happen,
-    and ``received()`` is the request as the far end saw it (method, path, body)."""
+    ``answer(status, headers, chunks, clean)`` sets up the reply (``status`` None: it takes
+    the request and never answers), ``pump()`` lets it happen, and ``received()`` is the
+    request as the far end saw it (method, path, body); ``refusing()`` gives an agent whose
+    dial ``refuse()`` refuses."""
 
     def test_status_headers_and_body_arrive_in_order_then_a_clean_end(self):
         agent = self.answer(201, {b"X-Engine": b"one"}, [b"hel", b"lo"], clean=True)
@@ -94,6 +117,24 @@ class AgentContract:
         self.assertIsNotNone(body.reason)
         self.assertFalse(clean_end(body.reason))
 
+    def test_a_refused_dial_fails_the_request_with_a_connect_error(self):
+        d = self.refusing().request(b"GET", URL)
+        self.assertNoResult(d)
+        self.refuse()
+        failure = self.failureResultOf(d, ConnectionRefusedError)
+        self.assertIsInstance(failure.value, ConnectError)  # the attempt's dial errors
+
+    def test_a_cancel_before_the_response_fails_with_cancelled_error(self):
+        agent = self.answer(None, {}, [], clean=False)
+        d = agent.request(b"POST", URL, None, BytesProducer(b'{"model":"m"}'))
+        self.pump()
+        self.assertEqual(self.received(), (b"POST", b"/api/chat", b'{"model":"m"}'))
+        self.assertNoResult(d)
+        d.cancel()
+        self.pump()
+        failure = self.failureResultOf(d)
+        self.assertTrue(cancelled(failure), failure)
+
 
 def engine_resource(test, status, headers, chunks, clean) -> Resource:
     """A twisted.web resource answering as the contract's ``answer`` says."""
@@ -103,6 +144,8 @@ def engine_resource(test, status, headers, chunks, clean) -> Resource:
 
         def render(self, request):
             test.seen = (request.method, request.path, request.content.read())
+            if status is None:
+                return NOT_DONE_YET
             request.setResponseCode(status)
             for name, value in headers.items():
                 request.responseHeaders.setRawHeaders(name, [value])
@@ -128,6 +171,14 @@ class RealAgentContract(AgentContract, SynchronousTestCase):
     def received(self):
         return self.seen
 
+    def refusing(self):
+        # The in-memory agent always connects: a refused dial needs Agent's own endpoint.
+        self.reactor = MemoryReactorClock()
+        return Agent(self.reactor)
+
+    def refuse(self):
+        refuse_dial(self.reactor)
+
 
 class ClientContract(AgentContract, SynchronousTestCase):
     """The proxy's own client (client.py) against twisted.web's server, over in-memory
@@ -152,6 +203,13 @@ class ClientContract(AgentContract, SynchronousTestCase):
     def received(self):
         return self.seen
 
+    def refusing(self):
+        self.reactor = MemoryReactorClock()
+        return Client(self.reactor)
+
+    def refuse(self):
+        refuse_dial(self.reactor)
+
 
 class FakeAgentContract(AgentContract, SynchronousTestCase):
     def answer(self, status, headers, chunks, clean):
@@ -163,6 +221,8 @@ class FakeAgentContract(AgentContract, SynchronousTestCase):
     def pump(self):
         record = self.agent.last
         status, headers, chunks, clean = self.reply
+        if status is None:
+            return
         if self.response is None:
             self.response = record.respond(status, Headers({k: [v] for k, v in headers.items()}))
         elif self.response.protocol is not None and self.response._ended is None:
@@ -173,3 +233,10 @@ class FakeAgentContract(AgentContract, SynchronousTestCase):
     def received(self):
         record = self.agent.last
         return record.method, record.uri.split(b"11434", 1)[1], record.body
+
+    def refusing(self):
+        self.agent = FakeAgent()
+        return self.agent
+
+    def refuse(self):
+        self.agent.last.refuse()

@@ -297,7 +297,7 @@ class BoundsTests(WorldTestCase):
         w.remove("a")
         w.clock.advance(1)
         w.clock.advance(1)
-        w.facade.router.nodes.put_manual(node)
+        w.facade.router.put_manual(node)
         w.clock.advance(1)
         self.assertEqual(len(w.agent.requests), 2)
         for index in range(1, 5):

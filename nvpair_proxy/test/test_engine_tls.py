@@ -117,8 +117,8 @@ class TLSFleet:
         self.facade = make_facade(ENGINES["ollama"], clock=reactor, agent=self.agents.agent,
                                   emitter=emitter or RecordingEmitter(),
                                   run_id="0123456789abcdef",
-                                  random=lambda: 0.5, bounds=bounds)
-        self.facade.upstreams.agent_for_node = self.agents.for_node
+                                  random=lambda: 0.5, bounds=bounds,
+                                  agent_for_node=self.agents.for_node)
         self.facade.router.replace_discovered(list(fleet.nodes["ollama"]))
         listening = reactor.listenTCP(0, DemuxFactory(facade_site(self.facade, reactor), lan=lan),
                                       interface=interface)
@@ -244,7 +244,7 @@ class KeyedEngineTests(TestCase):
                               extra=f'api_key = "{ENGINE_KEY}"\n')
         fleet.start()
         facade = fleet.facade
-        prober = Prober(facade.engine, facade.router.nodes, fleet.agents.agent, reactor,
+        prober = Prober(facade.engine, facade.router, fleet.agents.agent, reactor,
                         lambda node: True, agent_for=facade.upstreams.agent_for)
         [node] = facade.router.nodes.routable()
         yield prober.probe(node)

@@ -178,7 +178,7 @@ class PlacementTests(WorldTestCase):
         w.agent.last.respond(503, length=0, finish=True)
         w.remove("a")
         w.clock.pump([1] * 5)
-        w.facade.router.nodes.put_manual(node)
+        w.facade.router.put_manual(node)
         w.clock.advance(1)
         w.agent.last.respond(200, length=0, finish=True)
         self.assertEqual(w.workload_events(), BACKED_OFF_ONCE_THEN_SERVED_BY_A)

@@ -20,8 +20,8 @@ PACKAGE = os.path.dirname(nvpair_proxy.__file__)
 
 ORDER = (
     # Foundations: no knowledge of engines, nodes or requests.
-    "constants", "interfaces", "logs", "logformat", "files", "validate", "hopbyhop", "requestbody",
-    "relay", "frames", "tokens", "stats", "reservations", "twisted_workarounds", "sdnotify",
+    "constants", "interfaces", "timers", "logs", "logformat", "files", "validate", "hopbyhop",
+    "requestbody", "relay", "frames", "tokens", "stats", "reservations", "twisted_workarounds", "sdnotify",
     "responsewire", "pool", "client",
     # The model: engines, nodes, the link's framing, events, trust.
     "engines", "discovery", "selection", "slots", "ports", "rpc", "aliases", "answers",
@@ -48,22 +48,56 @@ def product_modules() -> list[str]:
 def imports_of(module: str) -> tuple[set[str], set[str]]:
     """(sibling modules, top-level packages) a module imports, wherever in the file."""
     with open(os.path.join(PACKAGE, module + ".py"), encoding="utf-8") as handle:
-        tree = ast.parse(handle.read())
+        return imports_in(handle.read())
+
+
+def imports_in(source: str) -> tuple[set[str], set[str]]:
+    """Every spelling counts: ``from . import x``, ``from .x import y``,
+    ``from nvpair_proxy import x``, ``from nvpair_proxy.x import y`` and ``import
+    nvpair_proxy.x``; a name that is not a module (``__version__``) is no sibling."""
     siblings, packages = set(), set()
-    for node in ast.walk(tree):
+
+    def package_names(names) -> set[str]:
+        return {a.name for a in names if a.name != "__version__"}
+
+    for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.ImportFrom) and node.level == 1:
             if node.module:
                 siblings.add(node.module.split(".")[0])
             else:
-                siblings.update(a.name for a in node.names if a.name != "__version__")
+                siblings.update(package_names(node.names))
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             parts = node.module.split(".")
-            if parts[0] == "nvpair_proxy" and len(parts) > 1:
-                siblings.add(parts[1])
+            if parts[0] == "nvpair_proxy":
+                siblings.update(parts[1:2] or package_names(node.names))
             packages.add(parts[0])
         elif isinstance(node, ast.Import):
-            packages.update(a.name.split(".")[0] for a in node.names)
+            for alias in node.names:
+                parts = alias.name.split(".")
+                if parts[0] == "nvpair_proxy" and len(parts) > 1:
+                    siblings.add(parts[1])
+                packages.add(parts[0])
     return siblings, packages
+
+
+class ImportsOfTests(SynchronousTestCase):
+    def test_every_spelling_of_a_sibling_import_counts(self):
+        source = """
+from nvpair_proxy import broker, __version__
+import nvpair_proxy.service
+import nvpair_proxy
+from nvpair_proxy.facade import Facade
+from . import router
+from .engines import Engine
+import json, twisted.web.server
+from zope.interface import implementer
+
+def late():
+    from nvpair_proxy import tap as t
+"""
+        self.assertEqual(imports_in(source),
+                         ({"broker", "service", "facade", "router", "engines", "tap"},
+                          {"nvpair_proxy", "json", "twisted", "zope"}))
 
 
 class LayoutTests(SynchronousTestCase):

@@ -200,8 +200,9 @@ class RefusalTests(OptionsCase):
                          "nvpair-proxy: --engine ollama:70000: port must be between 1 and 65535")
 
     def test_port_that_is_not_a_number(self) -> None:
-        self.assertEqual(self.refused("--engine", "ollama:-1"),
-                         "nvpair-proxy: --engine ollama:-1: port must be between 1 and 65535")
+        for spec in ("ollama:-1", "ollama:", "ollama:\u0661", "ollama:" + "9" * 5000):
+            self.assertEqual(self.refused("--engine", spec),
+                             f"nvpair-proxy: --engine {spec}: port must be between 1 and 65535")
 
     def test_engine_given_twice(self) -> None:
         self.assertEqual(self.refused("--engine", "ollama", "--engine", "ollama:11500"),

@@ -6,11 +6,13 @@ Behaviours "Discovery, selection, priority"; design decisions 4, 7 and 8.
 from __future__ import annotations
 
 import attrs
+from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 
 from nvpair_proxy.discovery import Diff, Node, NodeSet, diff, host_port, is_loopback, make_node
 from nvpair_proxy.engines import load_engines
 from nvpair_proxy.exchange import requested_model
+from nvpair_proxy.router import Router
 from nvpair_proxy.selection import order, owners
 
 ENGINES = load_engines()
@@ -247,6 +249,30 @@ class NodeSetTests(SynchronousTestCase):
         nodes.remove_manual("m1")
         nodes.remove_manual("absent")
         self.assertEqual(calls, [1, 2, 1])
+
+
+class RouterNodeChangeTests(SynchronousTestCase):
+    """Probes and the local backend change routing through the router's methods (issue 9)."""
+
+    def test_a_probe_result_changes_the_owners_a_request_gets(self) -> None:
+        router = Router(engine=OLLAMA, clock=Clock())
+        router.put_manual(make_node(OLLAMA, id="m1", port=11434, addresses=["10.0.0.1"]))
+        self.assertEqual(ids(router.candidates("llama3:latest")), [])
+        router.set_models("m1", ["llama3"])
+        self.assertEqual(ids(router.candidates("llama3:latest")), ["m1"])
+        router.set_models("m1", [])
+        self.assertEqual(ids(router.candidates("llama3:latest")), [])
+
+    def test_an_admission_change_is_announced_with_the_new_routable_set(self) -> None:
+        backend: list = []
+        router = Router(engine=OLLAMA, clock=Clock())
+        router.set_admission(lambda n: n if backend else None)
+        router.replace_discovered([node("self", "llama3")])
+        heard = []
+        router.nodes.observe(lambda: heard.append(ids(router.routable())))
+        backend.append(("127.0.0.1", 11434))
+        router.admission_changed()
+        self.assertEqual(heard, [["self"]])
 
 
 class RequestedModelTests(SynchronousTestCase):

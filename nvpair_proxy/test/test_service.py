@@ -13,6 +13,7 @@ from twisted.internet.testing import MemoryReactorClock, StringTransport
 from twisted.trial.unittest import SynchronousTestCase
 
 from nvpair_proxy import constants, logs
+from nvpair_proxy.discovery import make_node
 from nvpair_proxy.engines import load_engines
 from nvpair_proxy.facades import Facades, FacadeService
 from nvpair_proxy.inventory import Prober
@@ -286,6 +287,20 @@ class TreeTests(SynchronousTestCase):
         root = broker_tree(parsed("--cluster-dir", cluster), MemoryReactorClock())
         self.assertEqual([s.name for s in root], ["runtime", "link", "trust watch", "facades"])
         self.assertEqual(list(root.getServiceNamed("facades")), [])
+
+    def test_a_broker_facade_dials_pinned_peers_on_their_pool_and_the_rest_on_the_shared(self):
+        from nvpair_proxy import service
+        self.patch(service, "claim_stdout", lambda: 99)
+        cluster = self.mktemp()
+        os.makedirs(cluster)
+        root = broker_tree(parsed("--cluster-dir", cluster), MemoryReactorClock())
+        facade = root.runtime.facade(ENGINES["ollama"])
+        peer = make_node(ENGINES["ollama"], id="node-b", port=11434, addresses=["10.0.0.2"],
+                         scheme="https", cluster_uuid="node-b")
+        plain = make_node(ENGINES["ollama"], id="m1", port=11434, addresses=["10.0.0.3"])
+        self.assertIs(facade.upstreams.agent_for(plain), root.runtime.agent)
+        self.assertIs(facade.upstreams.agent_for(peer), root.runtime.peer_agents.for_node(peer))
+        self.assertIsNot(facade.upstreams.agent_for(peer), root.runtime.agent)
 
 
 ENV_KEY = "env-key-" + "Q" * 32

@@ -27,6 +27,16 @@ def attempt(agent: FakeAgent, clock: Clock) -> Attempt:
                    retryable=lambda status: status >= 500)
 
 
+def peeking():
+    """An attempt whose NDJSON headers arrived and no body byte yet: (attempt, clock, its
+    outcomes, the upstream response)."""
+    agent, clock = FakeAgent(), Clock()
+    a = attempt(agent, clock)
+    outcomes: list = []
+    a.start(outcomes.append)
+    return a, clock, outcomes, agent.last.respond(200, NDJSON)
+
+
 class AttemptStateTests(SynchronousTestCase):
     def test_the_table_allows_exactly_these_moves(self):
         self.assertEqual({s: set(t) for s, t in TRANSITIONS.items()}, {
@@ -44,12 +54,16 @@ class AttemptStateTests(SynchronousTestCase):
                 a._enter(target)
             self.assertIs(a.state, start)
 
+    def test_every_move_in_the_table_is_made(self):
+        for start, targets in TRANSITIONS.items():
+            for target in targets:
+                a = attempt(FakeAgent(), Clock())
+                a.state = start
+                a._enter(target)
+                self.assertIs(a.state, target, (start, target))
+
     def test_a_first_byte_wins_and_a_later_cancel_is_a_no_op(self):
-        agent, clock = FakeAgent(), Clock()
-        a = attempt(agent, clock)
-        outcomes = []
-        a.start(outcomes.append)
-        upstream = agent.last.respond(200, NDJSON)
+        a, clock, outcomes, upstream = peeking()
         self.assertIs(a.state, PEEKING)
         upstream.write(b"{")
         self.assertIs(a.state, COMMITTED)
@@ -60,11 +74,7 @@ class AttemptStateTests(SynchronousTestCase):
         upstream.finish()
 
     def test_a_cancel_wins_and_stops_the_upstream(self):
-        agent, clock = FakeAgent(), Clock()
-        a = attempt(agent, clock)
-        outcomes = []
-        a.start(outcomes.append)
-        upstream = agent.last.respond(200, NDJSON)
+        a, clock, outcomes, upstream = peeking()
         self.assertTrue(a.cancel("target left discovery"))
         self.assertIs(a.state, CANCELLED)
         self.assertTrue(upstream.transport.stopped)
@@ -92,6 +102,30 @@ class ExchangePhaseTests(WorldTestCase):
         with self.assertRaises(InvalidPhase):
             exchange._enter(Phase.STREAMING)
         self.assertIs(exchange.phase, Phase.ENDED)
+
+    def test_every_move_outside_the_table_raises_and_changes_nothing(self):
+        w, client, upstream = self.streaming()
+        (exchange,) = w.facade.in_flight
+        for start, target in itertools.product(Phase, Phase):
+            if target in PHASES[start]:
+                continue
+            exchange.phase = start
+            with self.assertRaises(InvalidPhase):
+                exchange._enter(target)
+            self.assertIs(exchange.phase, start)
+        exchange.phase = Phase.DISPATCHING  # as it was, so the request can end
+        upstream.finish()
+
+    def test_every_move_in_the_table_is_made(self):
+        w, client, upstream = self.streaming()
+        (exchange,) = w.facade.in_flight
+        for start, targets in PHASES.items():
+            for target in targets:
+                exchange.phase = start
+                exchange._enter(target)
+                self.assertIs(exchange.phase, target, (start, target))
+        exchange.phase = Phase.DISPATCHING  # as it was, so the request can end
+        upstream.finish()
 
     def test_a_commit_that_arrives_after_the_end_is_aborted_not_streamed(self):
         w, client, upstream = self.streaming()

@@ -54,8 +54,8 @@ class EndToEndTests(TestCase):
                         emitter=self.emitter, run_id="0" * 16, random=random.random,
                         bounds=Bounds(), reservations=ReservationMap())
         for sim in nodes:
-            facade.router.nodes.put_manual(make_node(engine, id=sim.node_id, port=sim.port,
-                                              addresses=["127.0.0.1"], models=sim.models))
+            facade.router.put_manual(make_node(engine, id=sim.node_id, port=sim.port,
+                                               addresses=["127.0.0.1"], models=sim.models))
         port = reactor.listenTCP(0, DemuxFactory(facade_site(facade, reactor)), interface="127.0.0.1")
         self.addCleanup(port.stopListening)
         self.facade = facade

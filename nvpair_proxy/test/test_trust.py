@@ -15,6 +15,7 @@ from twisted.web.client import Agent, HTTPConnectionPool, readBody
 from twisted.web.http_headers import Headers
 from twisted.web.server import Site
 
+from nvpair_proxy.admission import peer_dialler
 from nvpair_proxy.discovery import make_node
 from nvpair_proxy.dispatch import Bounds
 from nvpair_proxy.engines import load_engines
@@ -280,10 +281,10 @@ class PinnedTLSTests(TestCase):
         peers = PeerAgents(reactor, self.directory(self.a_dir), 10, 90)
         self.addCleanup(peers.close)
         emitter = RecordingEmitter()
-        a = make_facade(OLLAMA, clock=reactor, agent=Agent(reactor, pool=self.pool()),
-                   emitter=emitter, run_id="1" * 16, random=random.random, bounds=Bounds(),
-                   reservations=ReservationMap())
-        a.upstreams.agent_for_node = peers.for_node
+        agent = Agent(reactor, pool=self.pool())
+        a = make_facade(OLLAMA, clock=reactor, agent=agent, emitter=emitter, run_id="1" * 16,
+                        random=random.random, bounds=Bounds(), reservations=ReservationMap(),
+                        agent_for_node=peer_dialler(peers, agent))
         b_port = int(self.url.split(b":")[2].split(b"/")[0])
         a.router.set_admission(lambda node: _attrs.evolve(node, scheme="https"))
         a.router.replace_discovered([make_node(OLLAMA, id="node-b", port=b_port,

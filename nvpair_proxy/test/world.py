@@ -127,14 +127,14 @@ class World:
         node = make_node(self.engine, id=node_id, port=port, addresses=list(addresses),
                          models=models, source="manual" if manual else "discovered")
         if manual:
-            self.facade.router.nodes.put_manual(node)
+            self.facade.router.put_manual(node)
         else:
-            self.facade.router.nodes.replace_discovered(
+            self.facade.router.replace_discovered(
                 list(self.facade.router.nodes.discovered.values()) + [node])
         return node
 
     def remove(self, node_id: str) -> None:
-        self.facade.router.nodes.remove_manual(node_id)
+        self.facade.router.remove_manual(node_id)
 
     def connect(self, peer=None) -> Client:
         """A client connection through the listener, with nothing sent yet."""
@@ -159,12 +159,18 @@ class World:
     def assert_quiet(self, test) -> None:
         """No timer left on the dispatch clock and no upstream request left open."""
         test.assertEqual(self.clock.getDelayedCalls(), [])
-        for record in getattr(self.agent, "requests", ()):  # a FakeAgent's record
-            if record.pending:
-                test.fail(f"upstream request {record.uri!r} still pending")
-            response = record.response
-            if response is not None and response._ended is None and not response.transport.stopped:
-                test.fail(f"upstream response of {record.uri!r} left open")
+        assert_answered(test, self.agent)
+
+
+def assert_answered(test, agent) -> None:
+    """Every request a FakeAgent recorded was answered or given up, and no response body is
+    left streaming: work a test started and never finished fails it."""
+    for record in getattr(agent, "requests", ()):
+        if record.pending:
+            test.fail(f"upstream request {record.uri!r} still pending")
+        response = record.response
+        if response is not None and response._ended is None and not response.transport.stopped:
+            test.fail(f"upstream response of {record.uri!r} left open")
 
 
 class WorldTestCase(SynchronousTestCase):

@@ -142,8 +142,9 @@ class FakeAgent:
             body = sink.value()
 
         def cancel(d: Deferred) -> None:
+            # The request was sent (it is recorded), so a cancel fails it with CancelledError
+            # as the proxy's Client does, not ConnectingCancelledError (test_contracts).
             record.cancelled = True
-            d.errback(ierror.ConnectingCancelledError(None))
 
         d = Deferred(cancel)
         record = FakeRequest(method, uri, headers or Headers(), body, d)
