@@ -113,7 +113,8 @@ class BusyHoldTests(WorldTestCase):
         self.assertEqual(second.response().status, 200)
         serve_all(self, w, first)  # nothing left open
 
-    def test_a_commit_from_the_node_clears_its_hold(self):
+    def assertCommitClearsTheHold(self, commit) -> None:
+        """A held node's commit (``commit`` answers its request) lets the next request in."""
         w = self.world()
         w.facade.router.busy_hold = 60.0
         w.add("a")
@@ -121,29 +122,22 @@ class BusyHoldTests(WorldTestCase):
         w.agent.requests[0].respond(429, body=b"busy", length=4, finish=True)
         self.assertEqual(w.chat().response().status, 503)
         w.clock.advance(1.0)  # the admitted request keeps its budget: dispatched to a again
-        serve(w.agent.requests[1])
-        self.assertEqual(first.response().status, 200)
+        commit(w.agent.requests[1])
         second = w.chat()
         self.assertEqual(len(w.agent.requests), 3)
         serve(w.agent.requests[2])
         self.assertEqual(second.response().status, 200)
+        return first.response().status
+
+    def test_a_commit_from_the_node_clears_its_hold(self):
+        self.assertEqual(self.assertCommitClearsTheHold(serve), 200)
 
     def test_any_commit_clears_the_hold_not_only_a_2xx(self):
         # A committed 400 is the engine answering, not the engine being full.
-        w = self.world()
-        w.facade.router.busy_hold = 60.0
-        w.add("a")
-        first = w.chat()
-        w.agent.requests[0].respond(429, body=b"busy", length=4, finish=True)
-        self.assertEqual(w.chat().response().status, 503)
-        w.clock.advance(1.0)
-        w.agent.requests[1].respond(400, {"Content-Type": "application/json"}, b'{"error":"x"}',
-                                    length=13, finish=True)
-        self.assertEqual(first.response().status, 400)
-        second = w.chat()
-        self.assertEqual(len(w.agent.requests), 3)
-        serve(w.agent.requests[2])
-        self.assertEqual(second.response().status, 200)
+        status = self.assertCommitClearsTheHold(lambda request: request.respond(
+            400, {"Content-Type": "application/json"}, b'{"error":"x"}', length=13,
+            finish=True))
+        self.assertEqual(status, 400)
 
     def test_a_held_pin_goes_after_a_free_node(self):
         w = self.world()

@@ -188,21 +188,22 @@ class PinnedTLSTests(TestCase):
         yield readBody(response)
         self.assertEqual(response.code, 200)
         self.assertEqual(self.engine.served, [("POST", "/api/chat")])
-        stranger = self.mktemp()
-        write_identity(stranger, *make_certificate("node-z"))
-        write_pin(stranger, "node-b", self.b_cert[0])
-        response = yield self.post(self.agent(stranger))
-        body = json.loads((yield readBody(response)))
+        response, body = yield self.post_as_stranger()
         self.assertEqual((response.code, body["code"]), (403, "cluster-auth"))
         self.assertEqual(gate.failures("127.0.0.1"), 0)
 
     @inlineCallbacks
-    def test_an_unpinned_client_certificate_gets_403_cluster_auth(self):
+    def post_as_stranger(self):
+        """A chat from a node that pins B but that B does not pin: (response, JSON body)."""
         stranger = self.mktemp()
         write_identity(stranger, *make_certificate("node-z"))
         write_pin(stranger, "node-b", self.b_cert[0])
         response = yield self.post(self.agent(stranger))
-        body = json.loads((yield readBody(response)))
+        return response, json.loads((yield readBody(response)))
+
+    @inlineCallbacks
+    def test_an_unpinned_client_certificate_gets_403_cluster_auth(self):
+        response, body = yield self.post_as_stranger()
         self.assertEqual((response.code, body["code"]), (403, "cluster-auth"))
         self.assertEqual(body["error"], "client certificate is not a pinned member of this "
                                         "node's cluster")
