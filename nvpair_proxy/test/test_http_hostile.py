@@ -22,7 +22,8 @@ from twisted.trial.unittest import SynchronousTestCase
 from nvpair_proxy.constants import MAX_REQUEST_BODY
 from nvpair_proxy.listener import DemuxFactory
 from nvpair_proxy.test.certs import make_certificate, write_admission, write_identity
-from nvpair_proxy.test.processes import free_port, start_fleet, start_standalone
+from nvpair_proxy.test.processes import (BrokerChannel, free_port, start_fleet,
+                                         start_standalone)
 from nvpair_proxy.test.world import World, WorldTestCase
 from nvpair_proxy.testing import lan
 from nvpair_proxy.trust import ClusterDirectory, tls_ingress
@@ -356,4 +357,57 @@ class AgainstTheProcessTests(SynchronousTestCase):
         self.assertLess(grown, 40 * 1024, f"RSS grew {grown} KiB with 3 clients not reading")
         for sock in stuck:
             sock.close()
+        self.assert_serving()
+
+
+class AgainstTheClusterProcessTests(SynchronousTestCase):
+    """A broker-mode process with a cluster directory, so its facade port speaks TLS too: the
+    TLS side of the first-byte demux, against the real listener."""
+
+    def setUp(self) -> None:
+        fleet = start_fleet(self, '[[node]]\nid = "local"\ndialect = "ollama"\n'
+                                  'models = ["llama3:latest"]\ntokens = 3\n')
+        cluster = os.path.abspath(self.mktemp())
+        os.makedirs(cluster)
+        write_identity(cluster, *make_certificate("node-self"))
+        write_admission(cluster)
+        self.link = BrokerChannel(self, ["--cluster-dir", cluster])
+        for _ in range(5):
+            self.port = free_port()
+            answer = self.link.call("facade/enable", {"engine": "ollama", "port": self.port,
+                                                      "ignorePersistedPort": True})
+            if "result" in answer:
+                break
+        self.assertEqual(answer["result"]["port"], self.port)
+        added = self.link.call("ollama:node/add-manual", {
+            "id": "m-local", "host": "local", "port": fleet["local"],
+            "addresses": ["127.0.0.1"], "models": ["llama3:latest"]})
+        self.assertEqual(added["result"], {"added": True})
+
+    def assert_serving(self) -> None:
+        self.assertIsNone(self.link.proc.poll())
+        received, _ = exchange(self.port, b"POST /api/chat HTTP/1.1\r\nHost: x\r\n"
+                                          b"Connection: close\r\nContent-Length: %d\r\n\r\n%s"
+                                          % (len(CHAT), CHAT))
+        self.assertEqual(status_of(received), 200, received[:300])
+        self.assertIn(b'"done":true', received)
+
+    def test_half_a_client_hello_is_closed_by_the_deadline_and_blocks_no_one(self) -> None:
+        self.assert_serving()
+        with socket.create_connection(("127.0.0.1", self.port), timeout=5) as sock:
+            began = time.monotonic()
+            sock.sendall(CLIENT_HELLO_HALF)
+            self.assert_serving()  # served while the half handshake hangs
+            received, closed = drain(sock, 15.0)
+            after = time.monotonic() - began
+        self.assertTrue(closed)
+        self.assertNotIn(b"HTTP/", received)
+        self.assertGreater(after, 9.0)
+        self.assertLess(after, 15.0)
+        self.assert_serving()
+
+    def test_garbage_after_the_handshake_byte_is_closed_at_once(self) -> None:
+        received, closed = exchange(self.port, b"\x16" + b"\xff" * 64, timeout=5.0)
+        self.assertTrue(closed)
+        self.assertNotIn(b"HTTP/", received)
         self.assert_serving()
