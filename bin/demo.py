@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -236,6 +237,10 @@ def main(argv: list[str]) -> int:
         return 1 if failures else 0
     finally:
         stop(proc, fleet)
+        if failures or sys.exc_info()[0] is not None:
+            print(f"the proxy's log is kept in {workdir}/proxy.log")
+        else:
+            shutil.rmtree(workdir, ignore_errors=True)
 
 
 if __name__ == "__main__":
