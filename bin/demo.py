@@ -237,7 +237,7 @@ def main(argv: list[str]) -> int:
         return 1 if failures else 0
     finally:
         stop(proc, fleet)
-        if failures or sys.exc_info()[0] is not None:
+        if failures or sys.exc_info()[0] not in (None, SystemExit):
             print(f"the proxy's log is kept in {workdir}/proxy.log")
         else:
             shutil.rmtree(workdir, ignore_errors=True)

@@ -176,11 +176,10 @@ class Router:
     # What attempts tell the router.
 
     def answered(self, node_id: str, status: int) -> None:
-        """A busy answer holds the node (each renews the hold); a 2xx commit clears it."""
+        """A busy answer holds the node (each renews the hold); any other status is a
+        refusal, which says nothing about its queue. A commit clears a hold (``first_byte``)."""
         if status in BUSY_STATUSES:
             self._held[node_id] = self.clock.seconds() + self.busy_hold
-        elif 200 <= status < 300:
-            self._held.pop(node_id, None)
 
     def first_byte(self, node_id: str) -> None:
         """The node produced content: it is neither stalled nor busy."""

@@ -8,8 +8,10 @@ import os
 import random
 
 from twisted.internet import reactor
+from twisted.internet.address import IPv4Address
 from twisted.internet.defer import inlineCallbacks
 from twisted.internet.task import Clock
+from twisted.protocols.tls import TLSMemoryBIOProtocol
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 from twisted.web.client import Agent, HTTPConnectionPool, readBody
 from twisted.web.http_headers import Headers
@@ -146,7 +148,8 @@ class PinnedTLSTests(TestCase):
         site = facade_site(self.facade, reactor)
         ingress = BoundedSite(IngressResource(self.facade, self.b, lambda: self.backend),
                               reactor=reactor, timeout=site.timeOut, on_rejected=site.on_rejected)
-        factory = DemuxFactory(site, tls=tls_ingress(self.b, ingress, reactor), lan=lan)
+        factory = self.factory = DemuxFactory(site, tls=tls_ingress(self.b, ingress, reactor),
+                                              lan=lan)
         port = reactor.listenTCP(0, factory, interface="127.0.0.1")
         self.addCleanup(port.stopListening)
         self.url = b"https://127.0.0.1:%d/api/chat" % port.getHost().port
@@ -191,6 +194,15 @@ class PinnedTLSTests(TestCase):
         response, body = yield self.post_as_stranger()
         self.assertEqual((response.code, body["code"]), (403, "cluster-auth"))
         self.assertEqual(gate.failures("127.0.0.1"), 0)
+        # Real peers are not loopback: from a LAN address a handshake still goes to the TLS
+        # ingress (the pin decides), and only plaintext meets the key gate.
+        peer = IPv4Address("TCP", "192.168.1.20", 40000)
+        tls = self.factory.choose(0x16, peer, lambda: None)
+        self.assertIsInstance(tls, TLSMemoryBIOProtocol)
+        self.assertIsInstance(tls.wrappedProtocol.site.resource, IngressResource)
+        plain = self.factory.choose(ord("P"), peer, lambda: None)
+        self.assertNotIsInstance(plain, TLSMemoryBIOProtocol)
+        self.assertIs(plain.site.resource.lan, gate)
 
     @inlineCallbacks
     def post_as_stranger(self):

@@ -730,16 +730,14 @@ class SimNodeResource(Resource):
         if node.hang_before_headers:
             return NOT_DONE_YET
         if node.headers_delay:
-            gone: list[Failure] = []
-            request.notifyFinish().addErrback(gone.append)
-            self._clock.callLater(node.headers_delay, self._answer_later, request, kind, body,
-                                  gone)
+            later = self._clock.callLater(node.headers_delay, self._answer_later, request,
+                                          kind, body)
+            # A client that leaves while the answer waits takes the answer with it.
+            request.notifyFinish().addErrback(lambda _: later.active() and later.cancel())
             return NOT_DONE_YET
         return self._answer(request, kind, body)
 
-    def _answer_later(self, request: Request, kind: str, body: dict, gone: list) -> None:
-        if gone:
-            return  # the client left while the answer waited
+    def _answer_later(self, request: Request, kind: str, body: dict) -> None:
         result = self._answer(request, kind, body)
         if result is not NOT_DONE_YET:
             request.write(result)
