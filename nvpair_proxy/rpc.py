@@ -168,6 +168,9 @@ class RpcLink:
         if not isinstance(method, str):
             if "result" not in message and "error" not in message:
                 log.warn("skipped a JSON-RPC message without a method")
+            else:
+                # This link sends only notifications, so nothing should answer it.
+                log.debug("skipped a JSON-RPC response: this link sends no requests")
             return
         try:
             self._handle(message, method)
@@ -197,6 +200,13 @@ class RpcLink:
         except RpcError as exc:
             if answer_id is not None:
                 self._answer(answer_id, error={"code": exc.code, "message": exc.message})
+            elif exc.code == METHOD_NOT_FOUND:
+                # A newer broker may notify what this version does not know: not a fault.
+                log.debug("skipped a JSON-RPC notification of a method this version does "
+                          "not know")
+            else:
+                # A notification has no answer to carry the error: the log is its only trace.
+                log.warn("refused a JSON-RPC notification (error {code})", code=exc.code)
             return
         except Exception:
             log.failure("internal error handling {method}", method=method)

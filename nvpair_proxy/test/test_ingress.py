@@ -141,6 +141,20 @@ class HeaderTests(WorldTestCase):
             w.agent.last.respond(200, length=0, finish=True)
         self.assertEqual((cached(short), cached(long)), (True, False))
 
+    def test_the_cache_of_connection_values_stops_at_its_bound(self):
+        from twisted.web.http_headers import Headers
+        from nvpair_proxy import hopbyhop
+        self.patch(hopbyhop, "_SKIP", {})
+        self.patch(hopbyhop, "MAX_CACHED", 8)
+        for index in range(20):
+            hop = b"X-Hop-%d" % index
+            headers = Headers({b"Connection": [b"keep-alive, " + hop], hop: [b"1"],
+                               b"X-Custom": [b"kept"]})
+            sent = hopbyhop.end_to_end(headers)
+            self.assertFalse(sent.hasHeader(hop), index)  # honoured whether cached or not
+            self.assertEqual(sent.getRawHeaders(b"x-custom"), [b"kept"])
+        self.assertEqual(len(hopbyhop._SKIP), 8)
+
     def test_repeated_headers_are_kept(self):
         w = self.world()
         w.add("a")

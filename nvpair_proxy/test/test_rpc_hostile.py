@@ -39,6 +39,7 @@ LINK_WARNINGS = {
     "skipped a JSON-RPC request whose id cannot be echoed",
     "discarding an over-long JSON-RPC line (over {limit} bytes)",
     "discarded an over-long JSON-RPC line ({size} bytes)",
+    "refused a JSON-RPC notification (error {code})",
 }
 # What twisted.logger's bridge to the legacy log adds to every event.
 LEGACY_KEYS = {"format", "isError", "message", "system", "time"}
@@ -179,7 +180,7 @@ class LinkUnderHostileInput(SynchronousTestCase):
             self.assertIn(event["log_format"], LINK_WARNINGS)
             fields = {k: v for k, v in event.items()
                       if not k.startswith("log_") and k not in LEGACY_KEYS}
-            self.assertLessEqual(set(fields), {"limit", "size"}, sorted(fields))
+            self.assertLessEqual(set(fields), {"limit", "size", "code"}, sorted(fields))
             self.assertTrue(all(type(value) is int for value in fields.values()), fields)
 
     def assertSkipped(self, events: list[dict], lines: int = 1) -> None:
@@ -240,6 +241,36 @@ class LinkUnderHostileInput(SynchronousTestCase):
         with self.logged() as events:
             self.assertEqual(proxy.raw(json.dumps(message).encode() + b"\n"), b"")
         self.assertSkipped(events)
+        self.survives(proxy)
+
+    def test_a_refused_notification_is_logged_with_its_code_only(self) -> None:
+        proxy = self.fresh()
+        line = b'{"jsonrpc":"2.0","method":"log/set-level","params":{"level":7}}\n'
+        with self.logged() as events:
+            self.assertEqual(proxy.raw(line), b"")
+        self.assertSkipped(events)
+        self.assertEqual(events[0]["code"], -32602)
+        self.survives(proxy)
+
+    def test_unknown_notifications_and_responses_are_skipped_at_debug(self) -> None:
+        proxy = self.fresh()
+        lines = (b'{"jsonrpc":"2.0","method":"ollama:something/new","params":{"x":1}}\n',
+                 b'{"jsonrpc":"2.0","id":3,"result":{"ok":true}}\n',
+                 b'{"jsonrpc":"2.0","id":4,"error":{"code":-1,"message":"no"}}\n')
+        logs.set_level("debug")
+        events: list[dict] = []
+        globalLogPublisher.addObserver(events.append)
+        try:
+            for line in lines:
+                self.assertEqual(proxy.raw(line), b"")
+        finally:
+            globalLogPublisher.removeObserver(events.append)
+            logs.set_level("info")
+        self.assertEqual([(e["log_level"], e["log_format"]) for e in events], [
+            (LogLevel.debug, "skipped a JSON-RPC notification of a method this version does "
+                             "not know"),
+            (LogLevel.debug, "skipped a JSON-RPC response: this link sends no requests"),
+            (LogLevel.debug, "skipped a JSON-RPC response: this link sends no requests")])
         self.survives(proxy)
 
     @given(calls())
