@@ -537,15 +537,19 @@ class Topology:
         return self.hosts[key].broker.call("ollama:node/model-owners", {"model": MODEL})["nodes"]
 
     def wait_owners(self, key: str, expected: set[str], timeout: float = 10.0) -> float:
-        """Poll ``node/model-owners`` until it is ``expected``; the seconds it took."""
+        """Ask ``node/model-owners`` until it is ``expected``; the seconds it took.
+
+        A pin's removal changes the owners without a message (the trust watch reads the
+        folder), so this asks again, each time after reading the link for up to 50 ms."""
         start = time.monotonic()
+        broker = self.hosts[key].broker
         while True:
             got = set(self.owners(key))
             if got == expected:
                 return time.monotonic() - start
             if time.monotonic() - start > timeout:
                 raise AssertionError(f"{key}: owners {got}, want {expected}")
-            time.sleep(0.05)
+            broker.pump(0.05)
 
     def set_priority(self, key: str, order: list[str], generation: int = 1) -> None:
         self.hosts[key].broker.call("node/set-priority", {

@@ -17,6 +17,7 @@ Modes:
 from __future__ import annotations
 
 import asyncio
+import collections
 import hashlib
 import json
 import socket
@@ -171,35 +172,41 @@ def impostor(config: dict) -> int:
 # -- relay --------------------------------------------------------------------------------
 
 async def _pump(reader, writer, delay: float) -> None:
-    """Copy one direction, each chunk released ``delay`` after it arrived, order kept."""
-    queue: asyncio.Queue = asyncio.Queue()
+    """Copy one direction, each chunk released ``delay`` after it arrived, order kept: the
+    chunks wait in a queue and one loop timer, set for the head's due time, releases them."""
     loop = asyncio.get_running_loop()
+    queue: collections.deque = collections.deque()
+    timer: list = []
+    done = loop.create_future()
 
-    async def release():
-        while True:
-            due, data = await queue.get()
-            wait = due - loop.time()
-            if wait > 0:
-                await asyncio.sleep(wait)
+    def release() -> None:
+        timer.clear()
+        while queue and queue[0][0] <= loop.time():
+            _, data = queue.popleft()
             if data is None:
                 try:
                     writer.write_eof()
                 except OSError:
                     writer.close()
+                if not done.done():
+                    done.set_result(None)
                 return
             writer.write(data)
-            await writer.drain()
+        if queue:
+            timer.append(loop.call_at(queue[0][0], release))
 
-    releaser = asyncio.ensure_future(release())
     try:
         while True:
             data = await reader.read(65536)
-            queue.put_nowait((loop.time() + delay, data or None))
+            queue.append((loop.time() + delay, data or None))
+            if not timer:
+                timer.append(loop.call_at(queue[0][0], release))
             if not data:
                 break
-        await releaser
+        await done
     except (OSError, asyncio.CancelledError):
-        releaser.cancel()
+        for handle in timer:
+            handle.cancel()
         writer.close()
 
 

@@ -7,8 +7,10 @@ READY=1 to a socket the test owns, and every read has a deadline.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
+import select
 import selectors
 import shutil
 import socket
@@ -87,18 +89,59 @@ def read_line(stream, timeout: float) -> str:
     return LineReader(stream).read_line(timeout)
 
 
+class FileWatch:
+    """Wakes when a file is written (Linux inotify), so a test waits on the writer rather than
+    on a timer; ``wait`` returns at the next write or at ``timeout``."""
+
+    IN_MODIFY = 0x2
+
+    def __init__(self, path: str) -> None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        self.fd = libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
+        if self.fd < 0 or libc.inotify_add_watch(self.fd, os.fsencode(path), self.IN_MODIFY) < 0:
+            raise OSError(ctypes.get_errno(), f"cannot watch {path}")
+
+    def wait(self, timeout: float) -> None:
+        if select.select([self.fd], [], [], max(0.0, timeout))[0]:
+            try:
+                os.read(self.fd, 65536)  # the events themselves say nothing more
+            except BlockingIOError:
+                pass
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+def wait_until(path: str, ready, timeout: float = DEADLINE):
+    """``ready()`` re-checked each time ``path`` is written, until it returns something true
+    or ``timeout`` passes; returns its last value."""
+    end = time.monotonic() + timeout
+    watch = FileWatch(path)
+    try:
+        while True:
+            value = ready()
+            remaining = end - time.monotonic()
+            if value or remaining <= 0:
+                return value
+            watch.wait(remaining)
+    finally:
+        watch.close()
+
+
 def logged_workloads(path: str, count: int, method: str = "workload:completed") -> list[dict]:
     """The workloadInfo of the first ``count`` ``method`` events in a debug log, waiting (at
     most DEADLINE) for the proxy to write them."""
     marker = f" event {method} "
-    end = time.monotonic() + DEADLINE
-    while True:
+    found: list[dict] = []
+
+    def enough() -> bool:
         with open(path, encoding="utf-8") as handle:
-            found = [json.loads(line.split(marker, 1)[1])["workloadInfo"]
-                     for line in handle if marker in line]
-        if len(found) >= count or time.monotonic() > end:
-            return found[:count]
-        time.sleep(0.05)
+            found[:] = [json.loads(line.split(marker, 1)[1])["workloadInfo"]
+                        for line in handle if marker in line and line.endswith("\n")]
+        return len(found) >= count
+
+    wait_until(path, enough)
+    return found[:count]
 
 
 def start_standalone(test, args: list[str], logfile: str | None = None) -> subprocess.Popen:

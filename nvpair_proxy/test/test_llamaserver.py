@@ -33,7 +33,7 @@ import urllib.request
 from twisted.trial.unittest import SkipTest, SynchronousTestCase
 
 from nvpair_proxy.test.processes import (DEADLINE, free_port, logged_workloads,
-                                         start_standalone, stop)
+                                         start_standalone, stop, wait_until)
 from nvpair_proxy.test.test_process import nodes_toml
 
 MODEL = "nvpair-tiny"
@@ -179,12 +179,12 @@ class RealEngine:
                  "--parallel", "1", "--threads", "1", "--threads-http", "8", "--seed", "7"],
                 stdin=subprocess.DEVNULL, stdout=log, stderr=log)
         self.addCleanup(stop, engine)
-        end = time.monotonic() + DEADLINE
-        while not _healthy(self.engine_port):
-            if engine.poll() is not None or time.monotonic() > end:
-                with open(self.engine_log, "rb") as log:
-                    self.fail(f"llama-server did not come up: {log.read()[-2000:]!r}")
-            time.sleep(0.1)
+        # llama-server logs as it loads; its health is asked again at each line it writes.
+        if not wait_until(self.engine_log,
+                          lambda: engine.poll() is not None or _healthy(self.engine_port)) \
+                or engine.poll() is not None:
+            with open(self.engine_log, "rb") as log:
+                self.fail(f"llama-server did not come up: {log.read()[-2000:]!r}")
 
     def start_proxy(self, dead_first: bool = False) -> None:
         """The llama.cpp facade over the engine (node "llama"); with ``dead_first`` a node
@@ -205,12 +205,15 @@ class RealEngine:
         return _get_json(self.engine_port, "/slots")[0]
 
     def wait_slot(self, processing: bool, timeout: float = DEADLINE) -> float:
-        """Seconds until the slot's ``is_processing`` is ``processing``; fails at the deadline."""
+        """Seconds until the slot's ``is_processing`` is ``processing``; fails at the deadline.
+
+        Asked again whenever the engine logs (it logs a slot's launch and release, and not a
+        ``/slots`` request); ``/slots`` is answered on the loop that changes the slot, after
+        the change it has just logged."""
         start = time.monotonic()
-        while self.slot()["is_processing"] != processing:
-            if time.monotonic() - start > timeout:
-                self.fail(f"slot not {'busy' if processing else 'free'} after {timeout} s")
-            time.sleep(0.01)
+        if not wait_until(self.engine_log,
+                          lambda: self.slot()["is_processing"] == processing, timeout):
+            self.fail(f"slot not {'busy' if processing else 'free'} after {timeout} s")
         return time.monotonic() - start
 
     def events(self) -> list[tuple[str, dict]]:
@@ -218,20 +221,22 @@ class RealEngine:
         found = []
         with open(self.log, encoding="utf-8") as handle:
             for line in handle:
-                if " event workload:" in line:
+                if " event workload:" in line and line.endswith("\n"):
                     method, _, payload = line.split(" event ", 1)[1].partition(" ")
                     found.append((method, json.loads(payload)["workloadInfo"]))
         return found
 
     def wait_events(self, predicate, timeout: float = DEADLINE) -> list[tuple[str, dict]]:
-        end = time.monotonic() + timeout
-        while True:
-            found = self.events()
-            if predicate(found):
-                return found
-            if time.monotonic() > end:
-                self.fail(f"workload events never matched: {found}")
-            time.sleep(0.02)
+        """The events once ``predicate`` holds, read again at each write to the log."""
+        found: list[tuple[str, dict]] = []
+
+        def matched() -> bool:
+            found[:] = self.events()
+            return bool(predicate(found))
+
+        if not wait_until(self.log, matched, timeout):
+            self.fail(f"workload events never matched: {found}")
+        return found
 
     def assert_reported(self, usages: list[tuple[int, int]]) -> None:
         """One completed workload per proxied request, its stats the usage the client got."""
