@@ -40,7 +40,7 @@ def loopback_host(header: bytes | None) -> bool:
                                   port_required=False)
     except ValueError:
         return False
-    return host.lower() == "localhost" or is_loopback(host)
+    return is_loopback(host.lower(), name=True)
 
 
 def status_page() -> bytes:

@@ -8,7 +8,7 @@ a convenience for local clients and must never widen who can reach the proxy.
 from __future__ import annotations
 
 from .rpc import SERVER_ERROR, RpcError
-from .validate import ip_of, is_loopback, split_host_port
+from .validate import ip_of, split_host_port
 
 
 def parse_aliases(values, primary_port: int) -> tuple[list[str], int] | None:
@@ -48,6 +48,6 @@ def _split(value: str) -> tuple[str, int]:
     address = ip_of(host)
     if address is None:
         raise RpcError(SERVER_ERROR, f"invalid alias address {value!r}: not a literal address")
-    if not is_loopback(host, scoped=False):
+    if "%" in host or not address.is_loopback:  # validate.is_loopback(host, scoped=False)
         raise RpcError(SERVER_ERROR, f"invalid alias address {value!r}: not loopback")
     return str(address), port

@@ -216,8 +216,7 @@ class EngineAgents:
         self.reactor, self.agent, self.keepalive = reactor, agent, keepalive
         self.connect_timeout, self.idle_timeout = connect_timeout, idle_timeout
         self.max_idle_per_host = max_idle_per_host
-        self._agents: dict[EngineTLS, tuple] = {}
-        self._retired: list = []
+        self._agents: dict[EngineTLS, Client] = {}
         self._problems: dict[str, str] = {}
 
     def for_node(self, node) -> IAgent:
@@ -228,23 +227,21 @@ class EngineAgents:
         return _NodeAgent(agent, node.id, access.api_key, self)
 
     def _tls_agent(self, tls: EngineTLS) -> IAgent:
-        entry = self._agents.get(tls)
-        if entry is None:
+        agent = self._agents.get(tls)
+        if agent is None:
             pool = ConnectionPool(self.reactor, max_idle_per_host=self.max_idle_per_host,
                                   idle_timeout=self.idle_timeout)
-            agent = Client(self.reactor, pool, connect_timeout=self.connect_timeout,
-                           tls=EnginePolicy(tls), keepalive=self.keepalive)
-            entry = self._agents[tls] = (agent, pool)
-        return entry[0]
+            agent = self._agents[tls] = Client(self.reactor, pool,
+                                               connect_timeout=self.connect_timeout,
+                                               tls=EnginePolicy(tls), keepalive=self.keepalive)
+        return agent
 
     def retain(self, configs) -> None:
         """Forget the clients of TLS configurations no node uses any more (a node removed, a
         CA rotated): their idle connections close now; requests still on one finish, and
-        its connections then close with its pool's idle timer."""
+        their connections close as they come back."""
         for tls in [tls for tls in self._agents if tls not in configs]:
-            _, pool = self._agents.pop(tls)
-            pool.closeCachedConnections()
-            self._retired.append(pool)  # closed again at shutdown: what finished meanwhile
+            self._agents.pop(tls).pool.retire()
 
     def tls_failed(self, node_id: str, problem: str) -> None:
         """Once per node per change of the reason: an engine whose certificate stays bad
@@ -258,5 +255,5 @@ class EngineAgents:
             log.info("TLS to node {node} works again", node=node_id)
 
     def close(self) -> Deferred:
-        pools = [pool for _, pool in self._agents.values()] + self._retired
-        return DeferredList([pool.closeCachedConnections() for pool in pools])
+        return DeferredList([agent.pool.closeCachedConnections()
+                             for agent in self._agents.values()])

@@ -14,7 +14,7 @@ from twisted.python import usage
 from . import __version__, constants
 from .engines import EngineFileError, load_engines
 from .logs import LEVELS, LOG_FORMATS
-from .validate import ip_of, is_loopback, parse_port, split_host_port
+from .validate import ip_of, parse_port, split_host_port
 
 DEFAULT_STATE_DIR = os.path.join("~", ".config", "Nvidia Corporation", "Personal AI Router")
 
@@ -53,10 +53,11 @@ def admin_address(text: str) -> tuple[str, int]:
         raise ValueError(f"--admin: want HOST:PORT, e.g. 127.0.0.1:9464 (got {text!r})") from None
     if host == "localhost":
         host = "127.0.0.1"
-    if not is_loopback(host):
+    address = ip_of(host)
+    if address is None or not address.is_loopback:  # validate.is_loopback, parsed once
         raise ValueError(f"--admin: {host} is not a loopback address; the admin listener "
                          f"serves this machine only (use 127.0.0.1 or ::1)")
-    return str(ip_of(host)), port
+    return str(address), port
 
 
 def parse_keepalive(text: str) -> float:

@@ -52,6 +52,12 @@ class ConnectionPool:
         if self._sweep is None:
             self._sweep = self.clock.callLater(self.idle_timeout, self._expire)
 
+    def retire(self) -> Deferred:
+        """No longer used (a TLS configuration or a pin went away): close the idle
+        connections now, and each one still in use when it comes back."""
+        self.max_idle_per_host = 0
+        return self.closeCachedConnections()
+
     def forget(self, connection: Idle) -> None:
         idle = self._idle.get(connection.key)
         if idle and connection in idle:

@@ -133,6 +133,8 @@ class Router:
     def busy_for(self, model: str) -> float | None:
         """Seconds until the longest hold ends when every owner of ``model`` is held, else
         None: one free owner turns the gate off (issue 8)."""
+        if not self._held:
+            return None  # the usual case: no owner worked out a second time per request
         now = self.clock.seconds()
         remaining = []
         for node in owners(self.routable(), model):

@@ -346,17 +346,18 @@ class PeerAgents:
         connection verified against the old pin is ever reused (protocol 6)."""
         pin = self.directory.pin(node.cluster_uuid)
         entry = self._agents.get(node.cluster_uuid)
-        if entry is not None and entry[2] != pin:
-            entry[1].closeCachedConnections()
+        if entry is not None and entry[1] != pin:
+            entry[0].pool.retire()
             entry = None
         if entry is None:
             pool = ConnectionPool(self.reactor, max_idle_per_host=16, idle_timeout=self.idle_timeout)
             agent = Client(self.reactor, pool, connect_timeout=self.connect_timeout,
                            tls=PinnedPolicy(self.directory, node.cluster_uuid),
                            keepalive=self.keepalive)
-            entry = self._agents[node.cluster_uuid] = (agent, pool, pin)
+            entry = self._agents[node.cluster_uuid] = (agent, pin)
         return entry[0]
 
     def close(self):
         from twisted.internet.defer import DeferredList
-        return DeferredList([pool.closeCachedConnections() for _, pool, _ in self._agents.values()])
+        return DeferredList([agent.pool.closeCachedConnections()
+                             for agent, _ in self._agents.values()])
