@@ -58,10 +58,10 @@ def toml_list(values) -> str:
     return "[" + ", ".join(json.dumps(v) for v in values) + "]"
 
 
-def write_files(workdir: str) -> tuple[str, str]:
-    fleet, nodes = [], []
+def write_files(workdir: str) -> str:
+    """The simulated fleet's file; its path."""
+    fleet = []
     for node_id, engines in FLEET.items():
-        nodes.append(f'[[node]]\nid = "{node_id}"\naddress = "127.0.0.1"\n')
         for engine, spec in engines.items():
             sim_id = f"{node_id}-{engine}"
             lines = ['[[node]]', f'id = "{sim_id}"', f'dialect = "{engine}"', "port = 0",
@@ -74,7 +74,7 @@ def write_files(workdir: str) -> tuple[str, str]:
     fleet_path = os.path.join(workdir, "fleet.toml")
     with open(fleet_path, "w") as handle:
         handle.write("\n".join(fleet))
-    return fleet_path, "".join(nodes)
+    return fleet_path
 
 
 def start_fleet(fleet_path: str) -> tuple[subprocess.Popen, dict[str, int]]:
@@ -157,21 +157,32 @@ def outcome(status: int, body: bytes, stream: bool) -> str:
     return f"{len(body)} bytes"
 
 
+def launch(workdir: str):
+    """The simulated fleet and the proxy in front of it (with the admin listener), files in
+    ``workdir``: (fleet, proxy, fleet ports, facade ports, admin port). bin/demo and
+    bin/status-screenshot both start here; the fleet is stopped again if the proxy fails."""
+    fleet, fleet_ports = start_fleet(write_files(workdir))
+    try:
+        facades = {"ollama": free_port(), "lmstudio": free_port(), "llamacpp": free_port()}
+        admin = free_port()
+        proxy = start_proxy(workdir, write_nodes(workdir, fleet_ports), facades, admin)
+    except BaseException:
+        stop(fleet)
+        raise
+    time.sleep(0.5)  # let the first inventory probe of the llama.cpp facade land
+    return fleet, proxy, fleet_ports, facades, admin
+
+
 def main(argv: list[str]) -> int:
     hold = "--hold" in argv
     workdir = tempfile.mkdtemp(prefix="nvpair-demo-")
-    fleet_path, _ = write_files(workdir)
     fleet, proc = None, None
     failures = 0
     try:
-        fleet, fleet_ports = start_fleet(fleet_path)
-        facades = {"ollama": free_port(), "lmstudio": free_port(), "llamacpp": free_port()}
-        admin = free_port()
-        proc = start_proxy(workdir, write_nodes(workdir, fleet_ports), facades, admin)
+        fleet, proc, fleet_ports, facades, admin = launch(workdir)
         print(f"simulated fleet: {len(fleet_ports)} engine servers on 3 nodes (gpu-a, gpu-b, gpu-c)")
         print("proxy facades: " + ", ".join(f"{e} on :{p}" for e, p in facades.items()))
         print(f"status page: http://127.0.0.1:{admin}/  (metrics: /metrics, JSON: /status)")
-        time.sleep(0.5)  # let the first inventory probe of the llama.cpp facade land
         chat = [{"role": "user", "content": "Say hello"}]
         cases = [
             ("ollama", "POST", "/api/chat", {"model": "llama3", "messages": chat}, True,

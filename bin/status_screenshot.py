@@ -15,7 +15,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import demo  # noqa: E402  (bin/demo.py: the fleet, the proxy, HTTP calls)
@@ -102,13 +101,7 @@ def main() -> int:
     workdir = tempfile.mkdtemp(prefix="nvpair-screenshot-")
     fleet = proc = None
     try:
-        fleet_path, _ = demo.write_files(workdir)
-        fleet, fleet_ports = demo.start_fleet(fleet_path)
-        facades = {"ollama": demo.free_port(), "lmstudio": demo.free_port(),
-                   "llamacpp": demo.free_port()}
-        admin = demo.free_port()
-        proc = demo.start_proxy(workdir, demo.write_nodes(workdir, fleet_ports), facades, admin)
-        time.sleep(0.5)  # the llama.cpp facade's first inventory probe
+        fleet, proc, _, facades, admin = demo.launch(workdir)
         requests = traffic(facades)
         url = f"http://127.0.0.1:{admin}/"
         problems = check(chromium(binary, url, "--dump-dom"), requests)
