@@ -26,8 +26,8 @@ from nvpair_proxy.facades import Facades
 from nvpair_proxy.inventory import Prober
 from nvpair_proxy.reservations import ReservationMap
 from nvpair_proxy.rpc import RpcLink
-from nvpair_proxy.test.world import Response, assert_answered, request_bytes
-from nvpair_proxy.testing import FakeAgent, loopback
+from nvpair_proxy.test.world import assert_answered, connect, request_bytes
+from nvpair_proxy.testing import FakeAgent
 
 ENGINES = load_engines()
 MiB = 1024 * 1024
@@ -149,14 +149,11 @@ class FakeListen:
 
 def identity(listening: Listening) -> str | None:
     """Which facade a listener serves: the engine its identity probe (409) names."""
-    peer = loopback()
-    protocol = listening.factory.buildProtocol(peer)
-    transport = StringTransport(peerAddress=peer)
-    protocol.makeConnection(transport)
-    protocol.dataReceived(request_bytes("GET", "/", headers={
+    client = connect(listening.factory)
+    client.protocol.dataReceived(request_bytes("GET", "/", headers={
         "X-NVPAIR-Engine-Identity-Probe": "1"}))
-    response = Response(transport.value())
-    protocol.connectionLost(Failure(ConnectionDone()))  # its idle timer goes with it
+    response = client.response()
+    client.protocol.connectionLost(Failure(ConnectionDone()))  # its idle timer goes with it
     if response.status != 409:
         return None
     engine = response.json()["error"].rpartition(" ")[2]
@@ -271,10 +268,7 @@ class Proxy:
 
     def chat(self, port: int, model: str = "llama3") -> list[dict]:
         """A client's inference request through the facade's listener; the events it sent."""
-        listening = self.listen.on(port)
-        peer = loopback()
-        protocol = listening.factory.buildProtocol(peer)
-        protocol.makeConnection(StringTransport(peerAddress=peer))
+        protocol = connect(self.listen.on(port).factory).protocol
         self.clients.append(protocol)
         protocol.dataReceived(request_bytes("POST", "/api/chat", {"model": model, "stream": True}))
         return self.feed(b"")

@@ -203,6 +203,14 @@ class StallCooldownTests(WorldTestCase):
             w.add(node_id, addresses=(f"10.0.0.{index + 1}",))
         return w
 
+    def served_by(self, w, index: int, host: str) -> None:
+        """A new chat's first dispatch (the ``index``-th of the world) goes to ``host``,
+        which serves it."""
+        client = w.chat()
+        self.assertEqual(w.agent.hosts()[index], host)
+        serve(w.agent.last)
+        self.assertEqual(client.response().status, 200)
+
     def stall_then_serve(self, w) -> None:
         client = w.chat()
         w.agent.last.respond(200, NDJSON)
@@ -214,15 +222,9 @@ class StallCooldownTests(WorldTestCase):
         w = self.stalled_world("a", "b")
         self.stall_then_serve(w)
         self.assertEqual(w.agent.hosts(), ["10.0.0.1:11434", "10.0.0.2:11434"])
-        client = w.chat()
-        self.assertEqual(w.agent.hosts()[2], "10.0.0.2:11434")
-        serve(w.agent.last)
-        self.assertEqual(client.response().status, 200)
+        self.served_by(w, 2, "10.0.0.2:11434")
         w.clock.advance(30)
-        client = w.chat()
-        self.assertEqual(w.agent.hosts()[3], "10.0.0.1:11434")
-        serve(w.agent.last)
-        self.assertEqual(client.response().status, 200)
+        self.served_by(w, 3, "10.0.0.1:11434")
 
     def test_the_cooldown_ends_after_30_seconds_not_before(self):
         w = self.stalled_world("a", "b")
@@ -240,10 +242,7 @@ class StallCooldownTests(WorldTestCase):
         serve(w.agent.last)
         self.assertEqual(client.response().status, 200)
         self.assertEqual(list(w.facade.router.cooling()), ["a"])
-        client = w.chat()
-        self.assertEqual(w.agent.hosts()[2], "10.0.0.2:11434")
-        serve(w.agent.last)
-        self.assertEqual(client.response().status, 200)
+        self.served_by(w, 2, "10.0.0.2:11434")
 
     def test_a_refused_dial_does_not_cool_the_node(self):
         w = self.stalled_world("a", "b")
@@ -267,10 +266,7 @@ class StallCooldownTests(WorldTestCase):
         w = self.stalled_world("a", "b")
         w.facade.router.set_pin("a")
         self.stall_then_serve(w)
-        client = w.chat()
-        self.assertEqual(w.agent.hosts()[2], "10.0.0.2:11434")
-        serve(w.agent.last)
-        self.assertEqual(client.response().status, 200)
+        self.served_by(w, 2, "10.0.0.2:11434")
 
     def test_a_cooling_sole_owner_still_serves(self):
         w = self.stalled_world("a")
@@ -315,10 +311,7 @@ class StallCooldownTests(WorldTestCase):
         self.assertEqual(w.agent.hosts()[3], "10.0.0.1:11434")
         serve(w.agent.last)
         self.assertEqual(client.response().status, 200)
-        client = w.chat()  # a is first again, by id, well within 30 s
-        self.assertEqual(w.agent.hosts()[4], "10.0.0.1:11434")
-        serve(w.agent.last)
-        self.assertEqual(client.response().status, 200)
+        self.served_by(w, 4, "10.0.0.1:11434")  # a is first again, by id, well within 30 s
 
 
 class HeldAndCoolingTests(WorldTestCase):

@@ -160,16 +160,17 @@ class LinkUnderHostileInput(SynchronousTestCase):
         return proxy
 
     @contextmanager
-    def logged(self):
-        """The log events made inside the block, at the info level (an example before may
-        have set another through log/set-level)."""
+    def logged(self, level: str = "info"):
+        """The log events made inside the block, at ``level`` (an example before may have set
+        another through log/set-level); info again after it."""
         events: list[dict] = []
-        logs.set_level("info")
+        logs.set_level(level)
         globalLogPublisher.addObserver(events.append)
         try:
             yield events
         finally:
             globalLogPublisher.removeObserver(events.append)
+            logs.set_level("info")
 
     def assertLinkWarnings(self, events: list[dict], count: int) -> None:
         """``count`` warnings from the link, one per skipped line, each of them one of its
@@ -257,15 +258,9 @@ class LinkUnderHostileInput(SynchronousTestCase):
         lines = (b'{"jsonrpc":"2.0","method":"ollama:something/new","params":{"x":1}}\n',
                  b'{"jsonrpc":"2.0","id":3,"result":{"ok":true}}\n',
                  b'{"jsonrpc":"2.0","id":4,"error":{"code":-1,"message":"no"}}\n')
-        logs.set_level("debug")
-        events: list[dict] = []
-        globalLogPublisher.addObserver(events.append)
-        try:
+        with self.logged("debug") as events:
             for line in lines:
                 self.assertEqual(proxy.raw(line), b"")
-        finally:
-            globalLogPublisher.removeObserver(events.append)
-            logs.set_level("info")
         self.assertEqual([(e["log_level"], e["log_format"]) for e in events], [
             (LogLevel.debug, "skipped a JSON-RPC notification of a method this version does "
                              "not know"),

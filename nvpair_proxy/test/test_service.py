@@ -7,9 +7,8 @@ import os
 from twisted.application.internet import TimerService
 from twisted.application.service import Service
 from twisted.internet.defer import Deferred, succeed
-from twisted.internet.address import IPv4Address
 from twisted.internet.task import Clock
-from twisted.internet.testing import MemoryReactorClock, StringTransport
+from twisted.internet.testing import MemoryReactorClock
 from twisted.trial.unittest import SynchronousTestCase
 
 from nvpair_proxy import constants, logs
@@ -20,7 +19,8 @@ from nvpair_proxy.inventory import Prober
 from nvpair_proxy.options import Options
 from nvpair_proxy.service import (ProcessService, Runtime, RuntimeService, broker_tree,
                                   local_fleet, make_pool, standalone_tree)
-from nvpair_proxy.test.world import Client, request_bytes
+from nvpair_proxy.test.test_client import Wire
+from nvpair_proxy.test.world import Client, connect, request_bytes
 from nvpair_proxy.testing import lan, loopback
 
 ENGINES = load_engines()
@@ -338,19 +338,9 @@ class WiredTreeTests(SynchronousTestCase):
         return root
 
     def send(self, service: FacadeService, peer, data: bytes) -> Client:
-        protocol = service.factory.buildProtocol(peer)
-        transport = StringTransport(peerAddress=peer)
-        protocol.makeConnection(transport)
-        protocol.dataReceived(data)
-        return Client(transport, protocol)
-
-    def upstream(self):
-        """The connection the proxy dialled last, made: (its protocol, its transport)."""
-        host, port, factory = self.reactor.tcpClients[-1][:3]
-        protocol = factory.buildProtocol(IPv4Address("TCP", host, port))
-        transport = StringTransport()
-        protocol.makeConnection(transport)
-        return protocol, transport
+        client = connect(service.factory, peer)
+        client.protocol.dataReceived(data)
+        return client
 
     def assertAsksTheEnvironmentsKeys(self, service: FacadeService) -> None:
         refused = self.send(service, lan(), request_bytes("GET", "/api/tags")).response()
@@ -379,15 +369,13 @@ class WiredTreeTests(SynchronousTestCase):
         ollama = self.standalone().facades["ollama"]
         self.send(ollama, loopback(), request_bytes(
             "POST", "/api/chat", {"model": "llama3"}, {"Authorization": "Bearer caller-key"}))
-        _, transport = self.upstream()
-        head = transport.value().split(b"\r\n\r\n")[0].split(b"\r\n")
+        head = Wire(self.reactor).sent().split(b"\r\n\r\n")[0].split(b"\r\n")
         self.assertEqual(head[0], b"POST /api/chat HTTP/1.1")
         self.assertEqual([line for line in head if line.lower().startswith(b"authorization")],
                          [b"Authorization: Bearer " + ENGINE_KEY.encode()])
         [node] = ollama.facade.router.routable()
         ollama.prober.probe(node)
-        _, transport = self.upstream()
-        self.assertEqual(transport.value(), b"GET /api/tags HTTP/1.1\r\nHost: 127.0.0.1:11434\r\n"
+        self.assertEqual(Wire(self.reactor).sent(), b"GET /api/tags HTTP/1.1\r\nHost: 127.0.0.1:11434\r\n"
                                             b"Authorization: Bearer " + ENGINE_KEY.encode()
                                             + b"\r\n\r\n")
 
@@ -395,14 +383,14 @@ class WiredTreeTests(SynchronousTestCase):
         ollama = self.standalone("--stream-idle-timeout", "7").facades["ollama"]
         client = self.send(ollama, loopback(), request_bytes(
             "POST", "/api/chat", {"model": "llama3", "stream": True}))
-        protocol, transport = self.upstream()
-        protocol.dataReceived(b"HTTP/1.1 200 OK\r\nContent-Type: application/x-ndjson\r\n"
+        engine = Wire(self.reactor)
+        engine.protocol.dataReceived(b"HTTP/1.1 200 OK\r\nContent-Type: application/x-ndjson\r\n"
                               b"Transfer-Encoding: chunked\r\n\r\nf\r\n{\"done\":false}\n\r\n")
         self.assertEqual(client.response().body, b'{"done":false}\n')
         self.reactor.advance(6.9)
-        self.assertFalse(transport.disconnecting)
+        self.assertFalse(engine.transport.disconnecting)
         self.reactor.advance(0.1)
-        self.assertTrue(transport.disconnecting)
+        self.assertTrue(engine.transport.disconnecting)
         self.assertTrue(client.transport.disconnecting)
         self.assertFalse(client.response().complete)
 

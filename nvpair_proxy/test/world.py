@@ -104,6 +104,16 @@ def request_bytes(method: str, path: str, body: bytes | dict | None = None,
     return ("\r\n".join(lines) + "\r\n\r\n").encode() + (body or b"")
 
 
+def connect(factory, peer=None) -> Client:
+    """A client connection to ``factory`` (a listener's), from loopback unless ``peer``,
+    in memory, with nothing sent yet."""
+    peer = peer or loopback()
+    protocol = factory.buildProtocol(peer)
+    transport = StringTransport(peerAddress=peer)
+    protocol.makeConnection(transport)
+    return Client(transport, protocol)
+
+
 class World:
     def __init__(self, engine: str = "ollama", *, response_timeout: float = 1800.0,
                  reservations: ReservationMap | None = None, clock: Clock | None = None,
@@ -138,11 +148,7 @@ class World:
 
     def connect(self, peer=None) -> Client:
         """A client connection through the listener, with nothing sent yet."""
-        peer = peer or loopback()
-        protocol = self.factory.buildProtocol(peer)
-        transport = StringTransport(peerAddress=peer)
-        protocol.makeConnection(transport)
-        return Client(transport, protocol)
+        return connect(self.factory, peer)
 
     def send(self, method: str, path: str, body=None, headers=None, peer=None) -> Client:
         client = self.connect(peer)
