@@ -1,8 +1,9 @@
 """Broker mode: how a discovered node is reached, or that it is not (spec 7, protocol 6).
 
-The self node is reached through the local backend the broker named; a peer only over pinned
-mutual TLS, and only while this node is a cluster member. Standalone mode admits every node as
-written, so it installs none of this.
+The self node is reached through the local backend the broker named, whether it came in a
+snapshot or by ``add-manual`` (protocol 3: self by address, for every candidate); a peer only
+over pinned mutual TLS, and only while this node is a cluster member; any other manual node as
+written. Standalone mode admits every node but self as written, so it installs none of this.
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ class Admission:
             if backend is None:
                 return None
             return self._copy(node, backend)
+        if node.source == "manual":
+            return node
         if self.directory is None or not node.cluster_uuid:
             return None
         self._recheck()

@@ -27,12 +27,15 @@ UNAUTHORIZED = ("unauthorized", "a valid API key is required for non-loopback re
 CLUSTER_AUTH = ("cluster-auth", "client certificate is not a pinned member of this node's "
                 "cluster")
 NO_LOCAL_BACKEND = "no-local-backend"
+# A request that already passed through this process (its own token in Via, loopguard.py).
+FORWARDING_LOOP = "forwarding loop: this request already passed through this proxy"
 # The identity probe's 409 (protocol 5): this text, then the engine's id.
 FACADE_FOR = "this port is the nvpair-proxy facade for "
 
-_REASONS = {401: b"Unauthorized", 403: b"Forbidden", 409: b"Conflict", 413: b"Request Entity Too Large",
-            500: b"Internal Server Error", 502: b"Bad Gateway", 503: b"Service Unavailable",
-            504: b"Gateway Timeout"}
+_REASONS = {400: b"Bad Request", 401: b"Unauthorized", 403: b"Forbidden", 409: b"Conflict",
+            413: b"Request Entity Too Large", 500: b"Internal Server Error",
+            502: b"Bad Gateway", 503: b"Service Unavailable", 504: b"Gateway Timeout",
+            508: b"Loop Detected"}
 
 
 def error_body(text: str, code: str | None = None) -> bytes:
@@ -51,7 +54,8 @@ def send_error(request: Request, status: int, text: str, *, code: str | None = N
     policy of the engine that refused an origin).
     """
     body = error_body(text, code)
-    request.setResponseCode(status)
+    # twisted.web knows no phrase for 508 (RFC 5842): without one the line says "Unknown Status".
+    request.setResponseCode(status, _REASONS.get(status))
     for name, values in (headers or Headers()).getAllRawHeaders():
         request.responseHeaders.setRawHeaders(name, list(values))
     for name, value in JSON_HEADERS:

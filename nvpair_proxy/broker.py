@@ -16,13 +16,14 @@ from twisted.internet.error import CannotListenError
 
 from . import __version__
 from .aliases import parse_aliases
-from .discovery import is_local_address, make_node, project
+from .discovery import make_node, project
 from .engines import Engine
 from .facade import Facade
 from .facades import Facades, FacadeService
 from .logs import LEVELS, logger, set_level
 from .ports import read_port, write_port
 from .reservations import Rank
+from .selfcheck import is_local_address
 from .rpc import (BIND_FAILED, INVALID_PARAMS, NO_FACADE, SERVER_ERROR, MethodNotFound,
                   NoAnswer, RpcError)
 from .slots import parse_slots
@@ -44,6 +45,14 @@ class Running:
     @property
     def facade(self) -> Facade:
         return self.service.facade
+
+    def backend(self) -> tuple[str, int] | None:
+        """The local backend, unless it points at this facade itself (protocol 3): the
+        ingress and the self node would then send requests back to us."""
+        backend = self.local_backend
+        if backend is None or self.service is None or backend[1] in self.service.own_ports():
+            return None
+        return backend
 
 
 def _params(params: Any) -> dict:
@@ -152,7 +161,7 @@ class Broker:
         try:
             running.service = self.facades.open(
                 engine, port, should_probe=lambda node: node.id in running.probed,
-                local_backend=lambda: running.local_backend)
+                local_backend=running.backend, is_local=self.is_local)
         except CannotListenError as exc:
             reason = _reason(exc)
             self.notify(engine_id, "error", {"code": "bind-failed",
@@ -241,8 +250,7 @@ class Broker:
         if not isinstance(raw, list):
             log.warn("ignored discovery:nodes without a nodes list", engine=engine.id)
             return
-        projected = [project(engine, item, lambda addrs, port: self._is_self(running, addrs, port))
-                     for item in raw]
+        projected = [project(engine, item) for item in raw]
         pin = facade.router.pin
         change = facade.router.replace_discovered([n for n in projected if n is not None])
         for kind, nodes in (("node/discovered", change.discovered),
@@ -262,11 +270,6 @@ class Broker:
                             {"id": f"{engine.id}-proxy:upstream-unreachable:{node.id}"})
         if pin != facade.router.pin:
             self.notify(engine.id, "node/selection-changed", {"id": ""})
-
-    def _is_self(self, running: Running, addresses, port: int) -> bool:
-        service = running.service
-        ports = {service.port} | ({service.alias_port} if service.alias_port else set())
-        return port in ports and any(self.is_local(a) for a in addresses)
 
     def select(self, running: Running, params: dict) -> dict:
         node_id = params.get("id", "")

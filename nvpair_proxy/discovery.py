@@ -13,6 +13,7 @@ from typing import Callable, Iterable, Mapping, Sequence
 import attrs
 
 from .engines import Engine
+from .selfcheck import never_self
 from .validate import is_loopback, is_port
 
 
@@ -110,22 +111,29 @@ def diff(old: Mapping[str, Node], new: Mapping[str, Node]) -> Diff:
         removed=tuple(old[i] for i in sorted(old) if i not in new))
 
 
-def _admit_all(node: Node) -> Node | None:
-    return node
+def admit_unless_self(node: Node) -> Node | None:
+    """Standalone admission: every node as written, except one that is this proxy (a
+    request sent there would come back to us without end)."""
+    return None if node.local else node
 
 
 @attrs.define
 class NodeSet:
     """One facade's nodes: discovered (replaced wholesale) plus manual (kept across snapshots).
 
-    ``admit`` decides at read time how a discovered node is reached, or that it is not
-    (a peer without a live pin, self without a local backend), so a trust change needs no new
-    snapshot to take effect (design decision 11).
+    ``admit`` decides at read time how a node is reached, or that it is not (a peer without a
+    live pin, self without a local backend), so a trust change needs no new snapshot to take
+    effect (design decision 11). Every node is asked, manual ones included: a manual node can
+    be this proxy too (protocol 3). ``Node.local`` says whether a node is this facade; it is
+    stamped on as nodes enter the set and again when the facade's ports move.
     """
 
     discovered: dict[str, Node] = attrs.field(factory=dict)
     manual: dict[str, Node] = attrs.field(factory=dict)
-    admit: Callable[[Node], Node | None] = _admit_all
+    admit: Callable[[Node], Node | None] = admit_unless_self
+    # Which nodes are this facade itself (selfcheck.py); asked when a node enters the set
+    # and on ``recheck_self``, never per request.
+    is_self: Callable[[Node], bool] = never_self
     _observers: list[Callable[[], None]] = attrs.field(factory=list)
     # The routable set, kept between changes when admission is the plain "everything" (it
     # is then a pure function of the tables); asked several times per request (issue 10).
@@ -147,13 +155,15 @@ class NodeSet:
         if self._routable is not None:
             return self._routable
         nodes = {}
-        for node in self.discovered.values():
-            admitted = self.admit(node)
-            if admitted is not None:
-                nodes[node.id] = admitted
-        nodes.update(self.manual)
+        for table in (self.discovered, self.manual):
+            for node in table.values():
+                admitted = self.admit(node)
+                if admitted is not None:
+                    nodes[node.id] = admitted
+                else:
+                    nodes.pop(node.id, None)  # a manual node shadows a discovered one
         ordered = {i: nodes[i] for i in sorted(nodes)}
-        if self.admit is _admit_all:
+        if self.admit is admit_unless_self:
             self._routable = ordered
         return ordered
 
@@ -164,7 +174,7 @@ class NodeSet:
         return self.get(node_id) is not None
 
     def replace_discovered(self, nodes: Iterable[Node]) -> Diff:
-        new = {n.id: n for n in nodes}
+        new = {n.id: self._stamp(n) for n in nodes}
         change = diff(self.discovered, new)
         self.discovered = new
         self.changed()
@@ -173,7 +183,7 @@ class NodeSet:
     def put_manual(self, node: Node) -> bool:
         """Add or update a manual node; True when it was added."""
         added = node.id not in self.manual
-        self.manual[node.id] = node
+        self.manual[node.id] = self._stamp(node)
         self.changed()
         return added
 
@@ -184,7 +194,7 @@ class NodeSet:
         return node
 
     def replace_manual(self, nodes: Iterable[Node]) -> Diff:
-        new = {n.id: n for n in nodes}
+        new = {n.id: self._stamp(n) for n in nodes}
         change = diff(self.manual, new)
         self.manual = new
         self.changed()
@@ -201,6 +211,18 @@ class NodeSet:
                     models=frozenset(engine.normalize_model(m) for m in advertised))
                 self.changed()
 
+    def _stamp(self, node: Node) -> Node:
+        local = bool(self.is_self(node))
+        return node if node.local == local else attrs.evolve(node, local=local)
+
+    def recheck_self(self) -> None:
+        """The facade's ports changed (``set-port``, aliases): which nodes are self is asked
+        again, and the routable set with it."""
+        for table in (self.discovered, self.manual):
+            for node_id, node in list(table.items()):
+                table[node_id] = self._stamp(node)
+        self.changed()
+
     def observe(self, callback: Callable[[], None]) -> None:
         self._observers.append(callback)
 
@@ -211,25 +233,7 @@ class NodeSet:
             callback()
 
 
-def is_local_address(address: str) -> bool:
-    """An address on one of this machine's interfaces: a UDP socket can bind to it (decision 17)."""
-    import socket
-    host = address.strip("[]")
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    try:
-        probe = socket.socket(family, socket.SOCK_DGRAM)
-    except OSError:
-        return False
-    try:
-        probe.bind((host, 0))
-        return True
-    except OSError:
-        return False
-    finally:
-        probe.close()
-
-
-def project(engine: Engine, raw: Mapping, is_self: Callable[[Sequence[str], int], bool]) -> Node | None:
+def project(engine: Engine, raw: Mapping) -> Node | None:
     """A DirectoryNode as this engine sees it, or None when it offers no route (protocol 3)."""
     if not isinstance(raw, Mapping):
         return None
@@ -259,5 +263,4 @@ def project(engine: Engine, raw: Mapping, is_self: Callable[[Sequence[str], int]
     name = raw.get("name") if isinstance(raw.get("name"), str) else node_id
     cluster = raw.get("clusterUuid") if isinstance(raw.get("clusterUuid"), str) else ""
     return make_node(engine, id=node_id, name=name or node_id, port=port, addresses=addresses,
-                     models=models, source="discovered", cluster_uuid=cluster,
-                     local=is_self(addresses, port))
+                     models=models, source="discovered", cluster_uuid=cluster)

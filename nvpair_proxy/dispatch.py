@@ -20,6 +20,7 @@ from . import constants
 from .attempt import NO_CONTENT, STATUS, AddressMemory, Attempt, Committed, Failed
 from .discovery import Node
 from .interfaces import IRouter
+from .loopguard import LoopGuard
 from .router import BUSY_STATUSES
 from .timers import cancel_pending
 
@@ -59,6 +60,8 @@ class Upstreams:
     bounds: Bounds = Bounds()
     addresses: AddressMemory = attrs.Factory(AddressMemory)
     agent_for_node: Callable[[Node], IAgent] | None = None
+    # The process's Via hop: on every request sent to a node, and how a loop is recognised.
+    loop_guard: LoopGuard = attrs.Factory(LoopGuard)
 
     def agent_for(self, node: Node) -> IAgent:
         if self.agent_for_node is not None:
@@ -107,10 +110,16 @@ class _Silent:
 SILENT = _Silent()
 
 
+# Design 16: a loop is configuration; another node or another try cannot fix it.
+LOOP_DETECTED = 508
+
+
 def retryable_status(inference: bool) -> Callable[[int], bool]:
-    """Spec 5.4: 408, 429 and 5xx always; 404 only where inventory may be stale (inference)."""
+    """Spec 5.4: 408, 429 and 5xx always (but 508, a forwarding loop); 404 only where
+    inventory may be stale (inference)."""
     def retryable(status: int) -> bool:
-        return status in (408, 429) or status >= 500 or (inference and status == 404)
+        return (status in (408, 429) or (status >= 500 and status != LOOP_DETECTED)
+                or (inference and status == 404))
     return retryable
 
 

@@ -130,8 +130,9 @@ class Exchange:
                   job=self.workload.id if self.workload else None, engine=self.engine.id)
         self.in_flight.add(self)
         self.request.notifyFinish().addCallbacks(self._request_finished, self._client_gone)
-        headers = end_to_end(self.request.requestHeaders, drop=(b"host", b"content-length"))
         upstreams = self.upstreams
+        headers = upstreams.loop_guard.stamp(
+            end_to_end(self.request.requestHeaders, drop=(b"host", b"content-length")))
 
         def make_attempt(node: Node, final) -> Attempt:
             self.target = host_port(node.addresses[0] if node.addresses else "", node.port)

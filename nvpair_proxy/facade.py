@@ -19,7 +19,7 @@ from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Request
 
 from . import constants, cors
-from .answers import FACADE_FOR, SHUTTING_DOWN, send_error
+from .answers import FACADE_FOR, FORWARDING_LOOP, SHUTTING_DOWN, send_error
 from .discovery import Node
 from .dispatch import Bounds, Upstreams
 from .engines import Engine
@@ -27,6 +27,7 @@ from .events import REJECTED, ActivityThrottle, Recorder, Reporter, route_class
 from .exchange import UNCLASSIFIED, Exchange
 from .fleet import Fleet, serve_model_list, serve_preflight
 from .interfaces import IEmitter
+from .loopguard import LoopGuard
 from .reservations import ReservationMap
 from .router import Router
 from .server import BoundedSite
@@ -79,7 +80,8 @@ def make_facade(engine: Engine, *, clock: IReactorTime, agent: IAgent, emitter: 
                 reservations: ReservationMap | None = None,
                 activity: ActivityThrottle | None = None,
                 recorder: Recorder | None = None,
-                agent_for_node: Callable[[Node], IAgent] | None = None) -> Facade:
+                agent_for_node: Callable[[Node], IAgent] | None = None,
+                loop_guard: LoopGuard | None = None) -> Facade:
     """A facade from the parts every facade of a process shares (spec 3.1).
 
     ``agent_for_node`` dials nodes that need their own agent (nodes-file TLS or keys, pinned
@@ -92,7 +94,8 @@ def make_facade(engine: Engine, *, clock: IReactorTime, agent: IAgent, emitter: 
                   reporter=Reporter(engine=engine.id, emitter=emitter, clock=clock.seconds,
                                     run_id=run_id, activity=activity, recorder=recorder),
                   upstreams=Upstreams(clock=clock, agent=agent, random=random, bounds=bounds,
-                                      agent_for_node=agent_for_node))
+                                      agent_for_node=agent_for_node,
+                                      loop_guard=loop_guard or LoopGuard()))
 
 
 def report_rejection(facade: Facade, method: bytes, path: bytes, status: int, error: str) -> None:
@@ -113,6 +116,23 @@ def answered_stopping(facade: Facade, request: Request) -> bool:
     request.setHeader(b"Connection", b"close")
     send_error(request, 503, SHUTTING_DOWN, retry_after=1)
     return True
+
+
+def answered_loop(facade: Facade, request: Request) -> bool:
+    """A request carrying our own Via token came back to us: 508 at once, no dispatch and
+    no workload (design 16), whatever its route: a model list asked in a loop loops too."""
+    if not facade.upstreams.loop_guard.seen(request.requestHeaders):
+        return False
+    report_rejection(facade, request.method, request.path, 508, FORWARDING_LOOP)
+    send_error(request, 508, FORWARDING_LOOP)
+    return True
+
+
+def answered_before_routing(facade: Facade, request: Request) -> bool:
+    """The answers every ingress gives before anything is routed: the identity probe, a
+    forwarding loop, and a new request while the process stops."""
+    return (answered_identity_probe(facade, request) or answered_loop(facade, request)
+            or answered_stopping(facade, request))
 
 
 def answered_identity_probe(facade: Facade, request: Request) -> bool:
@@ -136,8 +156,7 @@ class FacadeResource(Resource):
         self.facade = facade
 
     def render(self, request: Request):
-        if answered_identity_probe(self.facade, request) or answered_stopping(self.facade,
-                                                                              request):
+        if answered_before_routing(self.facade, request):
             return NOT_DONE_YET
         if cors.is_preflight(request.method, request.requestHeaders):
             serve_preflight(self.facade.fleet, request)

@@ -25,6 +25,7 @@ from .ingress import IngressResource
 from .inventory import Prober
 from .listener import DemuxFactory, listen_everywhere
 from .logs import logger
+from .selfcheck import SelfCheck, is_local_address
 from .server import BoundedSite
 from .slots import Slots
 from .trust import ClusterDirectory, tls_ingress
@@ -62,7 +63,7 @@ class FacadeService(MultiService):
     """
 
     def __init__(self, facade: Facade, factory: DemuxFactory, listen: Callable, prober: Prober,
-                 clock, port: int) -> None:
+                 clock, port: int, is_local: Callable[[str], bool] = is_local_address) -> None:
         super().__init__()
         self.listening = listen(port, factory, "::")
         self.port = port
@@ -75,6 +76,15 @@ class FacadeService(MultiService):
         # The local engine's parallel slots as the broker last relayed them (protocol 3),
         # for nodes/list and the admin listener's /status; None when none are known.
         self.slots: Slots | None = None
+        facade.router.check_self(SelfCheck(self.own_ports, is_local))
+
+    def own_ports(self) -> frozenset[int]:
+        """The ports a request reaches this facade on: the primary as bound (port 0 asks
+        the system for one) and the alias port, when one is bound."""
+        ports = {self.listening.getHost().port}
+        if self.alias_port:
+            ports.add(self.alias_port)
+        return frozenset(ports)
 
     @property
     def ports(self) -> list:
@@ -92,6 +102,7 @@ class FacadeService(MultiService):
                 listening.stopListening()
             return exc
         self.aliases, self.alias_port = bound, port
+        self.facade.router.recheck_self()
         return None
 
     def move(self, port: int, confirm: Callable[[], None]) -> None:
@@ -108,6 +119,7 @@ class FacadeService(MultiService):
             raise
         old, self.listening, self.port = self.listening, listening, port
         old.stopListening()
+        self.facade.router.recheck_self()
 
     def stopService(self) -> Deferred:
         """Stop accepting, cancel in-flight requests (each reported cancelled), then give the
@@ -137,14 +149,16 @@ class Facades(MultiService):
         self.directory, self.lan = directory, lan
 
     def open(self, engine: Engine, port: int, should_probe: Callable[[Node], bool],
-             local_backend: LocalBackend = lambda: None) -> FacadeService:
+             local_backend: LocalBackend = lambda: None,
+             is_local: Callable[[str], bool] = is_local_address) -> FacadeService:
         """A facade bound on ``port`` (CannotListenError when it cannot be), not yet started:
         ``add`` starts it, so a caller can announce it first."""
         facade = self.make_facade(engine)
         factory = listener_factory(facade, self.directory if self.admission else None,
                                    local_backend, self.lan)
         service = FacadeService(facade, factory, self.listen,
-                                self.make_prober(facade, should_probe), self.clock, port)
+                                self.make_prober(facade, should_probe), self.clock, port,
+                                is_local)
         if self.admission:
             admit_into(facade, self.directory, local_backend)
         return service

@@ -50,6 +50,7 @@ class Fleet:
             timeout: float, limit: int, width: int | None = None) -> Deferred:
         """Ask every node once, without a body, at the address that last answered."""
         upstreams = self.upstreams
+        headers = upstreams.loop_guard.stamp(headers.copy())
 
         def ask(node: Node, time_left: float) -> Deferred:
             url = node_url(node, path.decode("latin-1"), upstreams.addresses.order(node)[0])

@@ -19,7 +19,7 @@ from .answers import CLUSTER_AUTH, NO_LOCAL_BACKEND, send_error
 from .discovery import Node
 from .dispatch import Answer
 from .exchange import Exchange
-from .facade import Facade, answered_identity_probe, answered_stopping, report_rejection
+from .facade import Facade, answered_before_routing, report_rejection
 from .interfaces import IRouter
 from .trust import ClusterDirectory, der_of
 
@@ -97,8 +97,7 @@ class IngressResource(Resource):
         self._node: Node | None = None  # the backend as a node, made again only when it moves
 
     def render(self, request: Request):
-        if answered_identity_probe(self.facade, request) or answered_stopping(self.facade,
-                                                                              request):
+        if answered_before_routing(self.facade, request):
             return NOT_DONE_YET
         self.directory.check()
         certificate = request.channel.transport.getPeerCertificate()

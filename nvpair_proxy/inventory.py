@@ -26,6 +26,7 @@ from .discovery import Node, host_port
 from .engines import Engine
 from .interfaces import IRouter
 from .logs import logger
+from .loopguard import LoopGuard
 
 log = logger()
 
@@ -200,13 +201,17 @@ class Prober(TimerService):
     def __init__(self, engine: Engine, router: IRouter, agent: IAgent, clock: IReactorTime,
                  should_probe: Callable[[Node], bool],
                  interval: float = constants.INVENTORY_PROBE_INTERVAL,
-                 agent_for: Callable[[Node], IAgent] | None = None) -> None:
+                 agent_for: Callable[[Node], IAgent] | None = None,
+                 loop_guard: LoopGuard | None = None) -> None:
         super().__init__(interval, self.probe_all)
         # The router, not its node set: what a probe learns is a routing change (issue 9).
         self.engine, self.router, self.agent, self.clock = engine, router, agent, clock
         # The agent per node, as requests use it (TLS and key settings of the nodes file).
         self.agent_for = agent_for or (lambda node: agent)
         self.should_probe = should_probe
+        # A probe of a node that is another proxy carries our Via too: its fan-out must not
+        # ask us back without end.
+        self.headers = (loop_guard or LoopGuard()).stamp(Headers())
         self._busy: dict[str, Deferred] = {}
 
     def stopService(self) -> Deferred:
@@ -223,7 +228,7 @@ class Prober(TimerService):
 
     def probe(self, node: Node) -> Deferred:
         path = self.engine.model_list.upstream_path
-        d = fetch(self.agent_for(node), self.clock, node_url(node, path))
+        d = fetch(self.agent_for(node), self.clock, node_url(node, path), self.headers)
         self._busy[node.id] = d
 
         def ok(reply):

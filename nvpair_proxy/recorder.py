@@ -18,7 +18,8 @@ from typing import Iterable
 
 import attrs
 
-from .answers import (BODY_TOO_LARGE, CLUSTER_AUTH, FACADE_FOR, INVENTORY_UNAVAILABLE,
+from .answers import (BODY_TOO_LARGE, CLUSTER_AUTH, FACADE_FOR, FORWARDING_LOOP,
+                      INVENTORY_UNAVAILABLE,
                       LOOPBACK_ONLY, NO_LOCAL_BACKEND, NO_PREFLIGHT_ANSWER, ORIGIN_DENIED,
                       SHUTTING_DOWN, SOURCE_NOT_ALLOWED, UNAUTHORIZED)
 from .attempt import ATTEMPT_CANCELLED, NO_CONTENT, STATUS, TRANSPORT, Committed
@@ -45,6 +46,7 @@ CODES = {
     NO_LOCAL_BACKEND: "no_local_backend", SHUTTING_DOWN: "shutting_down",
     BODY_TOO_LARGE: "body_too_large", INVENTORY_UNAVAILABLE: "inventory_unavailable",
     ORIGIN_DENIED: "origin_denied", NO_PREFLIGHT_ANSWER: "no_preflight_answer",
+    FORWARDING_LOOP: "forwarding_loop",
 }
 PREFIXES = (
     (NO_OWNER, "no_owner"), (NO_CANDIDATE, "no_candidate"), (ALL_OWNERS_BUSY, "busy"),

@@ -90,6 +90,17 @@ class Router:
         self.nodes.admit = admit
         self.nodes.changed()
 
+    def check_self(self, is_self: Callable[[Node], bool]) -> None:
+        """How this facade recognises itself among the nodes (selfcheck.py); asked now, and
+        again on every ``recheck_self``."""
+        self.nodes.is_self = is_self
+        self.nodes.recheck_self()
+
+    def recheck_self(self) -> None:
+        """The facade's ports moved: a node that was self may no longer be, and another may
+        now be (protocol 3: re-checked on every change)."""
+        self.nodes.recheck_self()
+
     def admission_changed(self) -> None:
         """Something admission reads changed (the local backend): the routable set is asked
         again, since it is otherwise kept between node-set changes."""

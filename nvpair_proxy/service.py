@@ -41,9 +41,11 @@ from .facade import Facade, make_facade
 from .facades import Facades, listen_on
 from .inventory import Prober
 from .logs import logger, set_access_log, set_level
+from .loopguard import LoopGuard
 from .nodesfile import Fleet, NodesFileError, NodesFileWatcher, tls_configs
 from .options import Options
 from .reservations import ReservationMap
+from .selfcheck import self_reason
 
 log = logger()
 
@@ -65,6 +67,7 @@ class Runtime:
     agent: Client
     reservations: ReservationMap = attrs.Factory(ReservationMap)
     run_id: str = attrs.Factory(new_run_id)
+    loop_guard: LoopGuard = attrs.Factory(LoopGuard)
     rng: random.Random = attrs.Factory(random.Random)
     activity: ActivityThrottle | None = None
     engine_agents: EngineAgents | None = None
@@ -105,11 +108,13 @@ class Runtime:
         return make_facade(engine, clock=self.reactor, agent=self.agent, emitter=self.emitter,
                            run_id=self.run_id, random=self.rng.random, bounds=self.bounds,
                            reservations=self.reservations, activity=self.activity,
-                           recorder=self.recorder, agent_for_node=self.agent_for_node)
+                           recorder=self.recorder, agent_for_node=self.agent_for_node,
+                           loop_guard=self.loop_guard)
 
     def prober(self, facade: Facade, should_probe) -> Prober:
         return Prober(facade.engine, facade.router, self.agent, self.reactor, should_probe,
-                      agent_for=facade.upstreams.agent_for)
+                      agent_for=facade.upstreams.agent_for,
+                      loop_guard=facade.upstreams.loop_guard)
 
 
 class RuntimeService(Service):
@@ -221,6 +226,9 @@ class Standalone(MultiService):
         super().__init__()
         self.options, self.facades, self.engine_agents = options, facades, engine_agents
         self.probed: frozenset = frozenset()
+        # (engine, node, port) of the nodes last warned about as this proxy: one warning per
+        # change, not one per reload of an unchanged file.
+        self.warned_self: frozenset = frozenset()
         self.watcher: NodesFileWatcher | None = None
         if options["nodes"]:
             self.watcher = NodesFileWatcher(options["nodes"], options.engines, reactor, self.apply)
@@ -261,8 +269,19 @@ class Standalone(MultiService):
                     node = attrs.evolve(node, models=old.models, advertised=old.advertised)
                 nodes.append(node)
             facade.router.replace_discovered(nodes)
+        self.warn_self()
         if self.engine_agents is not None:
             self.engine_agents.retain(tls_configs(fleet))
+
+
+    def warn_self(self) -> None:
+        """Name every node that is this proxy's own facade, once per change (protocol 3)."""
+        found = frozenset((service.name, node.id, node.port) for service in self.facades
+                          for node in service.facade.router.nodes.all() if node.local)
+        for engine_id, node_id, port in sorted(found - self.warned_self):
+            log.warn("node {node} is left out of the {engine} fleet: {why}", node=node_id,
+                     engine=engine_id, why=self_reason(engine_id, port))
+        self.warned_self = found
 
 
 def stop_once(reactor) -> None:

@@ -15,6 +15,7 @@ from typing import Callable, Iterator
 import attrs
 
 from . import __version__
+from .selfcheck import self_reason
 from .events import ms
 from .recorder import Recorder
 
@@ -147,13 +148,17 @@ def nodes_status(view: ProcessView) -> list[dict]:
                 if address not in entry["addresses"]:
                     entry["addresses"].append(address)
             state = ("held" if node.id in held else "cooling" if node.id in cooling
-                     else "ready" if node.id in routable else "unroutable")
+                     else "ready" if node.id in routable
+                     else "excluded" if node.local else "unroutable")
             entry["held"] = entry["held"] or node.id in held
             entry["cooling"] = entry["cooling"] or node.id in cooling
             models = (list(node.advertised) if node.advertised is not None
                       else sorted(node.models) if node.models is not None else None)
-            entry["engines"].append({"engine": facade.engine.id, "port": node.port,
-                                     "models": models, "state": state})
+            shown = {"engine": facade.engine.id, "port": node.port, "models": models,
+                     "state": state}
+            if state == "excluded":
+                shown["excluded"] = self_reason(facade.engine.id, node.port)
+            entry["engines"].append(shown)
     return [nodes[node_id] for node_id in sorted(nodes)]
 
 

@@ -365,6 +365,7 @@ class ReasonTests(WorldTestCase):
             ("rejected", 503, answers.SHUTTING_DOWN, "shutting_down"),
             ("rejected", 413, answers.BODY_TOO_LARGE, "body_too_large"),
             ("rejected", 409, answers.FACADE_FOR + "lmstudio", "identity_probe"),
+            ("rejected", 508, answers.FORWARDING_LOOP, "forwarding_loop"),
             # The fleet's own answers (model list, preflight).
             ("failed", 503, answers.INVENTORY_UNAVAILABLE, "inventory_unavailable"),
             ("failed", 403, answers.ORIGIN_DENIED, "origin_denied"),
@@ -398,7 +399,7 @@ class ReasonTests(WorldTestCase):
             seen.add(expected)
         self.assertEqual(seen - {None}, REASONS)
         self.assertIsInstance(REASONS, frozenset)
-        self.assertEqual(len(REASONS), 24)
+        self.assertEqual(len(REASONS), 25)
 
 
 class StatusTests(WorldTestCase):

@@ -109,8 +109,10 @@ class HeaderTests(WorldTestCase):
             self.assertFalse(sent.hasHeader(name), name)
         self.assertEqual(sent.getRawHeaders(b"authorization"), [b"Bearer t"])
         self.assertEqual(sent.getRawHeaders(b"x-custom"), [b"kept"])
-        self.assertFalse(any(n.lower().startswith(b"x-forwarded") or n.lower() == b"via"
-                             for n, _ in sent.getAllRawHeaders()))
+        self.assertFalse(any(n.lower().startswith(b"x-forwarded") for n, _ in sent.getAllRawHeaders()))
+        # Design 16: our hop, and nothing else, is added.
+        token = w.facade.upstreams.loop_guard.token
+        self.assertEqual(sent.getRawHeaders(b"via"), [b"1.1 nvpair-" + token.encode()])
         w.agent.last.respond(200, {"Connection": "close, X-Up-Hop", "X-Up-Hop": "1",
                                    "Keep-Alive": "5", "X-Engine": "kept"}, body=b"ok", finish=True)
         response = client.response()

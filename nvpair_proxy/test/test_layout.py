@@ -21,6 +21,7 @@ PACKAGE = os.path.dirname(nvpair_proxy.__file__)
 ORDER = (
     # Foundations: no knowledge of engines, nodes or requests.
     "constants", "interfaces", "timers", "logs", "logformat", "files", "validate", "hopbyhop",
+    "loopguard", "selfcheck",
     "requestbody", "relay", "frames", "tokens", "stats", "reservations", "twisted_workarounds", "sdnotify",
     "responsewire", "pool", "client",
     # The model: engines, nodes, the link's framing, events, trust.

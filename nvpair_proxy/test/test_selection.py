@@ -14,6 +14,7 @@ from nvpair_proxy.engines import load_engines
 from nvpair_proxy.exchange import requested_model
 from nvpair_proxy.router import Router
 from nvpair_proxy.selection import order, owners
+from nvpair_proxy.selfcheck import SelfCheck
 
 ENGINES = load_engines()
 OLLAMA = ENGINES["ollama"]
@@ -210,21 +211,53 @@ class NodeSetTests(SynchronousTestCase):
         nodes.put_manual(node("k"))
         self.assertEqual(ids(nodes.routable()), ["b", "k", "z"])
 
-    def test_admit_decides_at_read_time_which_discovered_nodes_are_routable(self) -> None:
+    def test_admit_decides_at_read_time_which_nodes_are_routable_manual_ones_too(self) -> None:
+        """A manual node can be this proxy as well as a discovered one (protocol 3), so
+        admission is asked of both."""
         allowed = {"a"}
         nodes = NodeSet(admit=lambda n: n if n.id in allowed else None)
         nodes.replace_discovered([node("a"), node("b")])
         nodes.put_manual(node("m1"))
-        self.assertEqual(ids(nodes.routable()), ["a", "m1"])
-        allowed.add("b")
+        self.assertEqual(ids(nodes.routable()), ["a"])
+        allowed.update({"b", "m1"})
         self.assertEqual(ids(nodes.routable()), ["a", "b", "m1"])
 
-    def test_admit_decides_how_a_discovered_node_is_reached(self) -> None:
-        nodes = NodeSet(admit=lambda n: attrs.evolve(n, scheme="https"))
-        nodes.replace_discovered([node("a")])
+    def test_admit_decides_how_a_node_is_reached(self) -> None:
+        nodes = NodeSet(admit=lambda n: attrs.evolve(n, scheme="https")
+                        if n.source == "discovered" else n)
+        nodes.replace_discovered([node("a", source="discovered")])
         nodes.put_manual(node("m1"))
         self.assertEqual([(n.id, n.scheme) for n in nodes.routable()],
                          [("a", "https"), ("m1", "http")])
+
+    def test_a_node_that_is_this_facade_is_left_out_until_the_facade_moves(self) -> None:
+        """Self by address (protocol 3): loopback, or an address of this host, on one of
+        the facade's ports; asked again when the ports change, not per read."""
+        ports = {11435}
+        asked: list[str] = []
+
+        def is_local(address: str) -> bool:
+            asked.append(address)
+            return address == "192.168.1.50"
+
+        nodes = NodeSet(is_self=SelfCheck(lambda: ports, is_local))
+        nodes.replace_discovered([
+            make_node(OLLAMA, id="loop", port=11435, addresses=["127.0.0.1"]),
+            make_node(OLLAMA, id="lan-self", port=11435, addresses=["10.9.9.9", "192.168.1.50"]),
+            make_node(OLLAMA, id="engine", port=11434, addresses=["127.0.0.1"]),
+            make_node(OLLAMA, id="peer", port=11435, addresses=["10.9.9.9"])])
+        nodes.put_manual(make_node(OLLAMA, id="manual-self", port=11435,
+                                   addresses=["localhost"]))
+        self.assertEqual(ids(nodes.routable()), ["engine", "peer"])
+        self.assertEqual(sorted(n.id for n in nodes.all() if n.local),
+                         ["lan-self", "loop", "manual-self"])
+        self.assertEqual(sorted(asked), ["10.9.9.9", "10.9.9.9"] + ["192.168.1.50"])
+        nodes.routable()
+        self.assertEqual(len(asked), 3)  # reads ask nothing
+        ports.clear()
+        ports.add(11434)
+        nodes.recheck_self()
+        self.assertEqual(ids(nodes.routable()), ["lan-self", "loop", "manual-self", "peer"])
 
     def test_put_manual_reports_added_then_updated(self) -> None:
         nodes = NodeSet()

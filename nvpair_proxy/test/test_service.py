@@ -17,6 +17,7 @@ from nvpair_proxy.engines import load_engines
 from nvpair_proxy.facades import Facades, FacadeService
 from nvpair_proxy.inventory import Prober
 from nvpair_proxy.options import Options
+from nvpair_proxy.router import Router
 from nvpair_proxy.service import (ProcessService, Runtime, RuntimeService, broker_tree,
                                   local_fleet, make_pool, standalone_tree)
 from nvpair_proxy.test.test_client import Wire
@@ -77,6 +78,7 @@ class Steps:
 
         class FakeFacade:
             engine = ENGINES[engine_id]
+            router = Router(engine=ENGINES[engine_id], clock=Clock())
 
             def shutdown(self):
                 steps.done.append("cancel in flight")
@@ -375,7 +377,9 @@ class WiredTreeTests(SynchronousTestCase):
                          [b"Authorization: Bearer " + ENGINE_KEY.encode()])
         [node] = ollama.facade.router.routable()
         ollama.prober.probe(node)
+        via = ollama.facade.upstreams.loop_guard.hop
         self.assertEqual(Wire(self.reactor).sent(), b"GET /api/tags HTTP/1.1\r\nHost: 127.0.0.1:11434\r\n"
+                                            b"Via: " + via + b"\r\n"
                                             b"Authorization: Bearer " + ENGINE_KEY.encode()
                                             + b"\r\n\r\n")
 

@@ -446,7 +446,7 @@ class AdmissionCopiesTests(SynchronousTestCase):
         admission = Admission(Directory(), Clock(), lambda: backend[0])
         me = Node(id="me", name="me", port=11435, addresses=("10.0.0.1",), local=True)
         peer = Node(id="peer", name="peer", port=11435, addresses=("10.0.0.2",),
-                    cluster_uuid="peer-cluster")
+                    cluster_uuid="peer-cluster", source="discovered")
         first = admission(me)
         self.assertEqual((first.addresses, first.port, first.scheme), (("127.0.0.1",), 11434, "http"))
         self.assertIs(admission(me), first)
