@@ -12,6 +12,9 @@ from .hopbyhop import end_to_end
 JSON_HEADERS = ((b"Content-Type", b"application/json"), (b"X-Content-Type-Options", b"nosniff"))
 
 BODY_TOO_LARGE = "request body exceeds 32 MiB limit"
+# A request read one way only (server.py): these texts, then why.
+BAD_TARGET = "invalid request target"
+BAD_FRAMING = "invalid request framing"
 INVENTORY_UNAVAILABLE = "model inventory unavailable"
 ORIGIN_DENIED = "origin not allowed by every engine"
 SHUTTING_DOWN = "the proxy is shutting down"

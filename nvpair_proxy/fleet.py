@@ -196,7 +196,8 @@ def serve_model_list(fleet: Fleet, request: Request, route) -> None:
             vary = cors.vary(replies)
             if vary is not None:
                 headers.setRawHeaders(b"Vary", [vary])
-        answering.whole(200, headers, merged_list(inventories, route.envelope))
+        answering.whole(200, headers, merged_list(inventories, route.envelope,
+                                                  fleet.engine.normalize_model))
 
     answering.ask(fleet.router.routable(), b"GET", path, headers, answer,
                   timeout=constants.MODEL_LIST_TIMEOUT, limit=constants.MODEL_LIST_MAX_BODY)

@@ -268,13 +268,21 @@ def listed_models(reply: Reply, envelope: str) -> list[tuple[str, dict]] | None:
         return None
 
 
-def merged_list(inventories: Iterable[list[tuple[str, dict]]], envelope: str) -> bytes:
-    """One list in the engine's envelope: the first occurrence of an id wins, in node order."""
+def merged_list(inventories: Iterable[list[tuple[str, dict]]], envelope: str,
+                normalize: Callable[[str], str] = str) -> bytes:
+    """One list in the engine's envelope: one record per model, the first occurrence winning,
+    in node order, passed through unchanged (design 21).
+
+    Ollama's native records are one model when their names normalise alike (``shared`` and
+    ``shared:latest``), as routing treats them; OpenAI-envelope ids are compared exactly.
+    """
+    same = normalize if envelope != "openai" else str
     seen: set[str] = set()
     entries: list[dict] = []
     for pairs in inventories:
         for model_id, entry in pairs:
-            if model_id not in seen:
-                seen.add(model_id)
+            key = same(model_id)
+            if key not in seen:
+                seen.add(key)
                 entries.append(entry)
     return envelope_body(envelope, entries)

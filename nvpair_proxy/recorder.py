@@ -18,7 +18,7 @@ from typing import Iterable
 
 import attrs
 
-from .answers import (BODY_TOO_LARGE, CLUSTER_AUTH, FACADE_FOR, FORWARDING_LOOP,
+from .answers import (BAD_FRAMING, BAD_TARGET, BODY_TOO_LARGE, CLUSTER_AUTH, FACADE_FOR, FORWARDING_LOOP,
                       INVENTORY_UNAVAILABLE,
                       LOOPBACK_ONLY, NO_LOCAL_BACKEND, NO_PREFLIGHT_ANSWER, ORIGIN_DENIED,
                       SHUTTING_DOWN, SOURCE_NOT_ALLOWED, UNAUTHORIZED)
@@ -55,8 +55,9 @@ PREFIXES = (
     ("upstream error:", "transport"), ("upstream returned HTTP", "upstream_status"),
     (CLIENT_GONE, "client_gone"), (SHUTDOWN, "shutdown"), (BACKSTOP, "internal"),
     ("internal error", "internal"), (FACADE_FOR, "identity_probe"),
+    (BAD_TARGET, "bad_request"), (BAD_FRAMING, "bad_request"),
 )
-STATUSES = {401: "unauthorized", 409: "identity_probe", 413: "body_too_large",
+STATUSES = {400: "bad_request", 401: "unauthorized", 409: "identity_probe", 413: "body_too_large",
             499: "client_gone"}
 REASONS = frozenset({*CODES.values(), *(name for _, name in PREFIXES), *STATUSES.values(),
                      OTHER})

@@ -11,6 +11,15 @@ the disk:
 - the headers must follow within 10 s of each request line (the channel);
 - the body may not exceed 32 MiB (the request): 413 at once, nothing of the excess kept.
 
+And it reads a request's target and framing one way only, the way an engine behind us and a
+front end before us would (twisted_workarounds lists what twisted.web does otherwise):
+
+- the target becomes the origin-form path we send and classify (target.py); one that has none
+  is answered 400 and the connection closes;
+- ``Transfer-Encoding`` other than a single ``chunked`` is answered 400 and the connection
+  closes (RFC 9112 6.3), so no byte of a body can be read as a request of its own;
+- ``Connection`` is a comma-separated list: ``close, te`` closes the connection after the answer.
+
 The Site builds this channel through its ``protocol`` attribute and is given, by whoever builds
 the Site, the reporter a 413 goes to, so a request never looks for the facade it belongs to.
 """
@@ -26,8 +35,9 @@ from twisted.web.resource import IResource
 from twisted.web.server import Request, Site
 
 from . import constants
-from .answers import BODY_TOO_LARGE, raw_error
+from .answers import BAD_FRAMING, BAD_TARGET, BODY_TOO_LARGE, raw_error
 from .logs import log_access
+from .target import BadTarget, origin_form
 from .timers import cancel_pending
 
 # method, request target (query included), status, error text
@@ -56,28 +66,74 @@ class BoundedChannel(HTTPChannel):
         self._between_requests = True
         self._request_line_seen: Callable[[], None] | None = None
         self._header_timer: IDelayedCall | None = None
+        self._refused = False
 
     def expect_request_line(self, seen: Callable[[], None]) -> None:
         """Call ``seen`` once, when the connection's first request line is complete."""
         self._request_line_seen = seen
 
     def lineReceived(self, line: bytes) -> None:
+        if self._refused:
+            return
         # Twisted skips one blank line before a request, and ignores everything after a
         # request that closes the connection: neither is a request line.
         request_line = self._between_requests and line != b"" and self.persistent
         if request_line:
             self._between_requests = False
-            self._got_request_line(line)
+            line = self._got_request_line(line)
+            if line is None:
+                return
         super().lineReceived(line)
 
-    def _got_request_line(self, line: bytes) -> None:
+    def _got_request_line(self, line: bytes) -> bytes | None:
+        """The request line with its target in origin form, or None when it was refused."""
         parts = line.split(b" ")
         if len(parts) == 3:
-            self.request_line = (parts[0], parts[1])
+            method, target, version = parts
+            self.request_line = (method, target)
+            try:
+                path = origin_form(method, target)
+            except BadTarget as why:
+                self.refuse(f"{BAD_TARGET}: {why}")
+                return None
+            if path != target:
+                line = b" ".join((method, path, version))
+                self.request_line = (method, path)
         seen, self._request_line_seen = self._request_line_seen, None
         if seen is not None:
             seen()
         self._header_timer = self.callLater(self.header_timeout, self._headers_too_slow)
+        return line
+
+    def headerReceived(self, line: bytes) -> bool:
+        name, colon, value = line.partition(b":")
+        if (colon and name.lower() == b"transfer-encoding"
+                and value.strip(b" \t").lower() != b"chunked"):
+            self.refuse(f"{BAD_FRAMING}: a transfer coding other than a single chunked")
+            return False
+        return super().headerReceived(line)
+
+    def checkPersistence(self, request: Request, version: bytes) -> bool:
+        """Twisted's, but ``Connection`` read as the comma-separated list it is."""
+        tokens = {token.strip().lower()
+                  for value in request.requestHeaders.getRawHeaders(b"connection", ())
+                  for token in value.split(b",")}
+        if version != b"HTTP/1.1":
+            return False
+        if b"close" in tokens:
+            request.responseHeaders.setRawHeaders(b"Connection", [b"close"])
+            return False
+        return True
+
+    def refuse(self, text: str) -> None:
+        """400 with protocol 5's body, reported, and the connection closed: nothing after a
+        head we will not read can be trusted to be where it seems."""
+        self._refused = True
+        self._stop_header_timer()
+        method, target = self.request_line
+        self.site.on_rejected(method, target, 400, text)
+        self.transport.write(raw_error(400, text))
+        self.transport.loseConnection()
 
     def _headers_too_slow(self) -> None:
         self._header_timer = None

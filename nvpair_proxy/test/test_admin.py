@@ -366,6 +366,8 @@ class ReasonTests(WorldTestCase):
             ("rejected", 413, answers.BODY_TOO_LARGE, "body_too_large"),
             ("rejected", 409, answers.FACADE_FOR + "lmstudio", "identity_probe"),
             ("rejected", 508, answers.FORWARDING_LOOP, "forwarding_loop"),
+            ("rejected", 400, answers.BAD_TARGET + ": a fragment", "bad_request"),
+            ("rejected", 400, answers.BAD_FRAMING + ": a coding", "bad_request"),
             # The fleet's own answers (model list, preflight).
             ("failed", 503, answers.INVENTORY_UNAVAILABLE, "inventory_unavailable"),
             ("failed", 403, answers.ORIGIN_DENIED, "origin_denied"),
@@ -399,7 +401,7 @@ class ReasonTests(WorldTestCase):
             seen.add(expected)
         self.assertEqual(seen - {None}, REASONS)
         self.assertIsInstance(REASONS, frozenset)
-        self.assertEqual(len(REASONS), 25)
+        self.assertEqual(len(REASONS), 26)
 
 
 class StatusTests(WorldTestCase):

@@ -1,0 +1,186 @@
+"""Safety (README "Routing: self and loops"): no request comes back to us without end, the
+target we are sent never moves where we dial, and one model is one record.
+
+In memory, through a facade's real listener and channel, on fakes; the same cases against the
+running process, with what a raw engine received, are in ``test_safety_process``.
+"""
+
+from __future__ import annotations
+
+
+from nvpair_proxy.selfcheck import SelfCheck
+from nvpair_proxy.test.world import WorldTestCase, request_bytes
+
+OWN_PORT = 11435
+
+
+class LoopGuardTests(WorldTestCase):
+    def test_what_engines_receive_carries_our_via_after_the_clients(self):
+        w = self.world()
+        w.add("a")
+        w.send("POST", "/api/chat", {"model": "llama3"}, headers={"Via": "1.0 front, 1.1 edge"})
+        hop = w.facade.upstreams.loop_guard.hop
+        self.assertEqual(w.agent.last.headers.getRawHeaders(b"via"), [b"1.0 front, 1.1 edge, " + hop])
+        w.agent.last.respond(200, body=b'{"done":true}\n', finish=True)
+
+    def test_a_request_carrying_our_own_token_is_508_at_once(self):
+        w = self.world()
+        w.add("a")
+        hop = w.facade.upstreams.loop_guard.hop.decode()
+        for path, body in (("/api/chat", {"model": "llama3"}), ("/api/tags", None)):
+            w.emitter.sent.clear()
+            client = w.send("POST" if body else "GET", path, body,
+                            headers={"Via": f"1.1 someone, {hop}"})
+            response = client.response()
+            self.assertEqual((response.status, response.json()), (508, {
+                "error": "forwarding loop: this request already passed through this proxy"}))
+            self.assertEqual(response.header("content-type"), "application/json")
+            self.assertEqual(w.agent.requests, [], path)
+            self.assertEqual([m for m, _ in w.emitter.sent], ["ollama:proxy/request"], path)
+            self.assertEqual(w.emitter.sent[0][1]["status"], 508)
+
+    def test_another_proxys_token_is_forwarded_not_refused(self):
+        w = self.world()
+        w.add("a")
+        client = w.send("POST", "/api/chat", {"model": "llama3"},
+                        headers={"Via": "1.1 nvpair-0000000000000000"})
+        w.agent.last.respond(200, body=b'{"done":true}\n', finish=True)
+        self.assertEqual(client.response().status, 200)
+
+    def test_an_upstream_508_is_not_retried(self):
+        w = self.world()
+        w.add("a"), w.add("b", addresses=("10.0.0.2",))
+        client = w.chat(stream=False)
+        w.agent.last.respond(508, body=b'{"error":"forwarding loop"}', finish=True)
+        self.assertEqual(client.response().status, 508)
+        self.assertEqual(len(w.agent.requests), 1)
+        self.assertEqual(w.workload_events()[-1][0], "workload:errored")
+
+
+class SelfNodeTests(WorldTestCase):
+    def world_with_self(self, is_local=lambda address: address == "192.168.1.50"):
+        w = self.world()
+        ports = {OWN_PORT}
+        w.facade.router.check_self(SelfCheck(lambda: ports, is_local))
+        return w, ports
+
+    def test_a_node_at_the_facades_own_port_is_never_dialled(self):
+        w, _ = self.world_with_self()
+        w.add("me", addresses=("127.0.0.1",), port=OWN_PORT)
+        w.add("me-by-lan", addresses=("192.168.1.50",), port=OWN_PORT)
+        client = w.chat()
+        self.assertEqual((client.response().status, client.response().json()),
+                         (502, {"error": "no available node advertises the requested model"}))
+        self.assertEqual(w.agent.requests, [])
+
+    def test_the_engine_beside_the_facade_is_served(self):
+        w, _ = self.world_with_self()
+        w.add("me", addresses=("127.0.0.1",), port=OWN_PORT)
+        w.add("engine", addresses=("127.0.0.1",), port=11434)
+        w.chat()
+        self.assertEqual(w.agent.last.uri, b"http://127.0.0.1:11434/api/chat")
+        w.agent.last.respond(200, body=b'{"done":true}\n', finish=True)
+
+    def test_the_check_follows_the_facades_port(self):
+        w, ports = self.world_with_self()
+        w.add("me", addresses=("127.0.0.1",), port=OWN_PORT)
+        self.assertEqual(w.facade.router.routable(), [])
+        ports.clear()
+        ports.add(12000)
+        w.facade.router.recheck_self()
+        self.assertEqual([n.id for n in w.facade.router.routable()], ["me"])
+
+
+class ModelListDedupeTests(WorldTestCase):
+    def test_ollama_native_list_is_one_record_per_normalised_name(self):
+        w = self.world()
+        w.add("a"), w.add("b", addresses=("10.0.0.2",))
+        client = w.send("GET", "/api/tags")
+        w.agent.requests[0].respond(200, body=b'{"models":[{"name":"shared","size":1}]}',
+                                    finish=True)
+        w.agent.requests[1].respond(200, body=b'{"models":[{"name":"shared:latest","size":2},'
+                                              b'{"model":"own:latest","name":"x"}]}', finish=True)
+        self.assertEqual(client.response().json(), {"models": [
+            {"name": "shared", "size": 1}, {"model": "own:latest", "name": "x"}]})
+
+    def test_openai_lists_dedupe_by_id_exactly(self):
+        w = self.world()
+        w.add("a"), w.add("b", addresses=("10.0.0.2",))
+        client = w.send("GET", "/v1/models")
+        w.agent.requests[0].respond(200, body=b'{"object":"list","data":[{"id":"shared"},'
+                                              b'{"id":"x","n":1}]}', finish=True)
+        w.agent.requests[1].respond(200, body=b'{"object":"list","data":[{"id":"shared:latest"},'
+                                              b'{"id":"x","n":2}]}', finish=True)
+        self.assertEqual(client.response().json(), {"object": "list", "data": [
+            {"id": "shared"}, {"id": "x", "n": 1}, {"id": "shared:latest"}]})
+
+
+class TargetAndFramingTests(WorldTestCase):
+    """The target is a path and nothing else moves where we dial (twisted_workarounds)."""
+
+    def refused(self, w, data: bytes) -> dict:
+        client = w.connect()
+        client.protocol.dataReceived(data)
+        response = client.response()
+        self.assertEqual(response.status, 400, data)
+        self.assertTrue(client.transport.disconnecting, data)
+        self.assertEqual(w.agent.requests, [], data)
+        return response.json()
+
+    def test_a_target_that_is_not_a_path_is_refused(self):
+        w = self.world()
+        w.add("a", port=2000)
+        for target in (b"7/api/version", b"1/api/chat", b"*", b"ftp://x/api/tags",
+                       b"/api/chat#x", b"/api/chat\x80", b"/api/\xffchat"):
+            body = self.refused(w, b"GET " + target + b" HTTP/1.1\r\nHost: x\r\n\r\n")
+            self.assertTrue(body["error"].startswith("invalid request target: "), body)
+        body = self.refused(w, b"CONNECT 127.0.0.1:2000 HTTP/1.1\r\nHost: x\r\n\r\n")
+        self.assertEqual(body, {"error": "invalid request target: CONNECT is not supported"})
+
+    def test_an_absolute_form_target_sends_its_path_to_the_nodes_own_origin(self):
+        w = self.world()
+        w.add("a", port=2000)
+        client = w.connect()
+        client.protocol.dataReceived(request_bytes("POST", "http://10.9.9.9:7/api/chat?x=1",
+                                                   {"model": "llama3"}))
+        self.assertEqual(w.agent.last.uri, b"http://10.0.0.1:2000/api/chat?x=1")
+        self.assertEqual(w.workload_events()[0][1], "queued")  # routed as inference
+        w.agent.last.respond(200, body=b'{"done":true}\n', finish=True)
+        self.assertEqual(client.response().status, 200)
+
+    def test_the_path_classified_is_the_path_sent(self):
+        w = self.world()
+        w.add("a")
+        for target, sent in ((b"/api/%63hat", b"/api/chat"), (b"/x/../api/./chat", b"/api/chat")):
+            w.emitter.sent.clear()
+            client = w.connect()
+            client.protocol.dataReceived(request_bytes("POST", target.decode(),
+                                                       {"model": "llama3"}))
+            self.assertEqual(w.agent.last.uri, b"http://10.0.0.1:11434" + sent)
+            self.assertEqual(w.workload_events()[0][1], "queued", target)
+            w.agent.last.respond(200, body=b'{"done":true}\n', finish=True)
+            self.assertEqual(client.response().status, 200)
+
+    def test_a_transfer_coding_other_than_chunked_is_400_and_the_rest_is_never_read(self):
+        w = self.world()
+        w.add("a")
+        smuggled = b"GET /api/version HTTP/1.1\r\nHost: x\r\n\r\n"
+        for coding in (b"identity", b"chunked, identity", b"gzip", b"chunked\x0b"):
+            body = self.refused(w, b"POST /api/chat HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: "
+                                + coding + b"\r\n\r\n" + smuggled)
+            self.assertEqual(body, {"error": "invalid request framing: a transfer coding "
+                                             "other than a single chunked"}, coding)
+        self.refused(w, b"POST /api/chat HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: identity\r\n"
+                        b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n")
+
+    def test_connection_close_among_other_tokens_closes_after_the_answer(self):
+        w = self.world()
+        w.add("a")
+        client = w.connect()
+        client.protocol.dataReceived(
+            b"GET /api/version HTTP/1.1\r\nHost: x\r\nConnection: keep-alive,close, te\r\n\r\n"
+            b"GET /api/ps HTTP/1.1\r\nHost: x\r\n\r\n")
+        w.agent.last.respond(200, body=b"{}", finish=True)
+        self.assertEqual(client.response().header("connection"), "close")
+        self.assertTrue(client.transport.disconnecting)
+        self.assertEqual([r.uri for r in w.agent.requests], [b"http://10.0.0.1:11434/api/version"])
