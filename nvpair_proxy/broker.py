@@ -322,8 +322,10 @@ class Broker:
             running.probed.discard(node_id)
         added = facade.router.put_manual(node)
         self.notify(facade.engine.id, "node/discovered" if added else "node/updated", node.describe())
-        if models is None:
-            running.service.prober.probe(node)
+        routable = facade.router.nodes.get(node_id)
+        if models is None and routable is not None:
+            # As a request would reach it: self through the local backend, never our facade.
+            running.service.prober.probe(routable)
         return {"added": added}
 
     def remove_manual(self, running: Running, params: dict) -> dict:

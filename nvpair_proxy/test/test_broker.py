@@ -1776,3 +1776,66 @@ class FacadeStopTests(SynchronousTestCase):
                          [("cancelled", "request cancelled before completion")])
         self.assertFalse(proxy.facades["ollama"].prober.running)
         self.assertEqual(proxy.reactor.getDelayedCalls(), [])
+
+
+class ManualSelfTests(SynchronousTestCase):
+    """Protocol 3, self by address for every candidate: a manual node at this facade's own
+    port is this proxy. It is served through the local backend (keeping its id, so
+    ``scheduledOn`` names it), or dropped; a backend at the facade itself is no backend."""
+
+    def setUp(self) -> None:
+        level_guard(self)
+        self.proxy = Proxy(self, is_local=lambda address: address == "192.168.1.50")
+        self.port = self.proxy.enable(port=11500)
+
+    def backend(self, port: int) -> None:
+        self.proxy.result("ollama:node/set-local-backend",
+                          {"engine": "ollama", "host": "127.0.0.1", "port": port, "healthy": True})
+
+    def test_without_a_local_backend_it_is_no_candidate(self) -> None:
+        self.proxy.add("me", address="127.0.0.1", port=self.port)
+        self.proxy.add("me-lan", address="192.168.1.50", port=self.port)
+        self.proxy.add("other", address="10.0.0.1", port=self.port)
+        self.assertEqual(self.proxy.owners(), ["other"])
+        self.assertEqual([n["id"] for n in self.proxy.listed()], ["me", "me-lan", "other"])
+
+    def test_with_a_local_backend_it_is_served_there_under_its_own_id(self) -> None:
+        self.proxy.add("me", address="127.0.0.1", port=self.port)
+        self.backend(11434)
+        self.assertEqual(self.proxy.owners(), ["me"])
+        events = self.proxy.chat(self.port)
+        self.assertEqual(self.proxy.agent.last.uri, b"http://127.0.0.1:11434/api/chat")
+        submitted = [e["params"]["workloadInfo"] for e in events
+                     if e.get("method") == "workload:submitted"]
+        self.assertEqual(submitted[-1]["scheduledOn"], "me")
+        self.proxy.end_chats()
+        self.proxy.feed(b"")
+
+    def test_a_local_backend_at_the_facade_itself_is_dropped(self) -> None:
+        self.proxy.add("me", address="127.0.0.1", port=self.port)
+        self.backend(self.port)
+        self.assertEqual(self.proxy.owners(), [])
+        self.proxy.chat(self.port)
+        self.assertEqual(self.proxy.agent.requests, [])
+        self.proxy.end_chats()
+        self.proxy.feed(b"")
+
+    def test_set_port_rechecks_who_is_self(self) -> None:
+        self.proxy.add("was-me", address="127.0.0.1", port=self.port)
+        self.proxy.add("will-be-me", address="127.0.0.1", port=11600)
+        self.assertEqual(self.proxy.owners(), ["will-be-me"])
+        self.proxy.result("ollama:set-port", {"port": 11600})
+        self.assertEqual(self.proxy.owners(), ["was-me"])
+
+    def test_a_discovered_self_follows_set_port_too(self) -> None:
+        self.backend(11434)
+        self.proxy.snapshot([directory("self", ip="192.168.1.50",
+                                       services={"ol": {"port": 11600}})])
+        self.proxy.add("m", address="10.0.0.9", port=11434)
+        self.proxy.result("ollama:node/set-local-backend",
+                          {"engine": "ollama", "port": 0, "healthy": False})
+        self.assertEqual(self.proxy.owners(), ["m"])  # a peer without a pin is no candidate
+        self.proxy.result("ollama:set-port", {"port": 11600})
+        self.assertEqual(self.proxy.owners(), ["m"])  # self now, and no backend: dropped
+        self.backend(11434)
+        self.assertEqual(self.proxy.owners(), ["m", "self"])

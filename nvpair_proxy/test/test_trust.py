@@ -15,6 +15,7 @@ from twisted.protocols.tls import TLSMemoryBIOProtocol
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 from twisted.web.client import Agent, HTTPConnectionPool, readBody
 from twisted.web.http_headers import Headers
+from twisted.web.resource import Resource
 from twisted.web.server import Site
 
 from nvpair_proxy.admission import peer_dialler
@@ -118,6 +119,20 @@ class DirectoryTests(SynchronousTestCase):
         self.assertEqual(directory.pin("node-b"), der(self.peer[0]))
 
 
+class ViaRecorder(Resource):
+    """An engine's resource that notes the Via lines of every request it is given."""
+
+    isLeaf = True
+
+    def __init__(self, inner: Resource, seen: list) -> None:
+        super().__init__()
+        self.inner, self.seen = inner, seen
+
+    def render(self, request):
+        self.seen.append(request.requestHeaders.getRawHeaders(b"via"))
+        return self.inner.render(request)
+
+
 class PinnedTLSTests(TestCase):
     """Node B serves its engine to pinned peers; node A dials B with B's pin."""
 
@@ -129,7 +144,9 @@ class PinnedTLSTests(TestCase):
         write_identity(self.b_dir, *self.b_cert)
         write_pin(self.b_dir, "node-a", self.a_cert[0])
         self.engine = SimNode("gpu-b", "ollama", models=["llama3:latest"], tokens=2)
-        engine_port = reactor.listenTCP(0, Site(SimNodeResource(self.engine, Clock())),
+        self.engine_via: list = []  # the Via lines each request reached the engine with
+        engine_port = reactor.listenTCP(0, Site(ViaRecorder(SimNodeResource(self.engine, Clock()),
+                                                            self.engine_via)),
                                         interface="127.0.0.1")
         self.addCleanup(engine_port.stopListening)
         self.backend = ("127.0.0.1", engine_port.getHost().port)
@@ -181,6 +198,18 @@ class PinnedTLSTests(TestCase):
         self.assertTrue(json.loads(body.splitlines()[-1])["done"])
         self.assertEqual(self.emitter.workload(), [])
         self.assertEqual(self.engine.served, [("POST", "/api/chat")])
+
+    @inlineCallbacks
+    def test_a_peers_request_reaches_the_engine_with_both_hops_in_via(self):
+        """Design 16: the peer's request carries the peer's token, not ours, so it is served;
+        the ingress adds its own hop, so the engine sees both."""
+        agent = self.agent(self.a_dir)
+        response = yield agent.request(b"POST", self.url, Headers({b"Via": [b"1.1 nvpair-peer0"]}),
+                                       BytesProducer(json.dumps({"model": "llama3"}).encode()))
+        yield readBody(response)
+        self.assertEqual(response.code, 200)
+        hop = self.facade.upstreams.loop_guard.hop
+        self.assertEqual(self.engine_via, [[b"1.1 nvpair-peer0, " + hop]])
 
     @inlineCallbacks
     def test_lan_keys_leave_mtls_peers_alone(self):
