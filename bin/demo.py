@@ -8,6 +8,7 @@ printed); every request goes through it. ``--hold`` keeps everything running aft
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
@@ -35,6 +36,37 @@ FLEET = {
               "lmstudio": {"models": ["gemma-3-4b"]},
               "llamacpp": {"models": ["phi-3-mini"], "loaded": ["phi-3-mini"]}},
 }
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with one-line errors on stderr (exit 2) and no prefix abbreviations: an
+    unknown flag is named (``bin/demo: unknown flag --bogus (see bin/demo --help)``).
+    bin/status_screenshot.py parses its flags with it too."""
+
+    def __init__(self, prog: str, **kwargs) -> None:
+        super().__init__(prog=prog, allow_abbrev=False, **kwargs)
+
+    def parse_args(self, args=None, namespace=None):
+        parsed, extra = self.parse_known_args(args, namespace)
+        for arg in extra:
+            if arg.startswith("-"):
+                self.error(f"unknown flag {arg.split('=', 1)[0]}")
+            self.error(f"unexpected argument {arg!r}")
+        return parsed
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    """bin/demo's flags; ``--help`` prints the usage and exits 0 before anything starts."""
+    parser = Parser("bin/demo", description=(
+        "Start a simulated 3-node fleet and the proxy in front of it (standalone, with its "
+        "admin listener), send real requests through every facade and print which node served "
+        "each one. Exits 0 when every request behaved as expected."))
+    parser.add_argument("--hold", action="store_true",
+                        help="keep the fleet and the proxy running afterwards (Ctrl-C stops)")
+    return parser.parse_args(argv)
 
 
 def stop(*children: subprocess.Popen | None) -> None:
@@ -174,7 +206,7 @@ def launch(workdir: str):
 
 
 def main(argv: list[str]) -> int:
-    hold = "--hold" in argv
+    hold = parse(argv).hold
     workdir = tempfile.mkdtemp(prefix="nvpair-demo-")
     fleet, proc = None, None
     failures = 0

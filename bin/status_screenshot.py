@@ -8,7 +8,6 @@ once to save a screenshot. The DOM must show the three nodes and the recent requ
 
 from __future__ import annotations
 
-import argparse
 import os
 import re
 import shutil
@@ -92,11 +91,19 @@ def check(dom: str, requests: int) -> list[str]:
     return problems
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parse(argv: list[str]):
+    """bin/status-screenshot's flags; ``--help`` prints the usage and exits 0, an unknown flag
+    is one line on stderr and exit 2, both before the fleet or a browser starts."""
+    parser = demo.Parser("bin/status-screenshot", description=(
+        "Start bin/demo's fleet and the proxy with its admin listener, send traffic, check the "
+        "status page in headless Chromium and save a PNG of it. Needs chromium."))
     parser.add_argument("--out", default=os.path.join(demo.ROOT, "docs", "status-page.png"),
                         help="where to save the PNG (default: docs/status-page.png)")
-    args = parser.parse_args()
+    return parser.parse_args(argv)
+
+
+def main() -> int:
+    args = parse(sys.argv[1:])
     binary = browser()
     workdir = tempfile.mkdtemp(prefix="nvpair-screenshot-")
     fleet = proc = None
