@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import json
 
 from twisted.web.http_headers import Headers
@@ -34,6 +35,66 @@ NO_LOCAL_BACKEND = "no-local-backend"
 FORWARDING_LOOP = "forwarding loop: this request already passed through this proxy"
 # The identity probe's 409 (protocol 5): this text, then the engine's id.
 FACADE_FOR = "this port is the nvpair-proxy facade for "
+
+class Reason(enum.Enum):
+    """Why a request did not complete: the exact text it is reported with (on ``proxy/request``,
+    in the workload's ``error``, in the answer's body), or the fixed start of it when a detail
+    follows, and the label the admin listener counts it by (a bounded vocabulary).
+
+    A request's end carries one of these, so nothing reads a reason back out of a sentence.
+    """
+
+    # Answers before routing (the code is what proxy/request carries for the coded ones).
+    UNAUTHORIZED = (UNAUTHORIZED[0], "unauthorized")
+    LOOPBACK_ONLY = (LOOPBACK_ONLY[0], "loopback_only")
+    SOURCE_NOT_ALLOWED = (SOURCE_NOT_ALLOWED[0], "source_not_allowed")
+    CLUSTER_AUTH = (CLUSTER_AUTH[0], "cluster_auth")
+    NO_LOCAL_BACKEND = (NO_LOCAL_BACKEND, "no_local_backend")
+    SHUTTING_DOWN = (SHUTTING_DOWN, "shutting_down")
+    BODY_TOO_LARGE = (BODY_TOO_LARGE, "body_too_large")
+    IDENTITY_PROBE = (FACADE_FOR, "identity_probe")
+    FORWARDING_LOOP = (FORWARDING_LOOP, "forwarding_loop")
+    BAD_TARGET = (BAD_TARGET + ": ", "bad_request")
+    BAD_FRAMING = (BAD_FRAMING + ": ", "bad_request")
+    # The fleet's own answers (model list, preflight).
+    INVENTORY_UNAVAILABLE = (INVENTORY_UNAVAILABLE, "inventory_unavailable")
+    ORIGIN_DENIED = (ORIGIN_DENIED, "origin_denied")
+    NO_PREFLIGHT_ANSWER = (NO_PREFLIGHT_ANSWER, "no_preflight_answer")
+    # Routing and dispatch (protocol 5's texts).
+    NO_OWNER = ("no available node advertises the requested model", "no_owner")
+    NO_CANDIDATE = ("no active node selected or available", "no_candidate")
+    ALL_OWNERS_BUSY = ("every node advertising the requested model is busy; retry shortly",
+                       "busy")
+    DEADLINE_PASSED = ("the retry deadline passed while dispatch attempts were still failing",
+                       "deadline")
+    NO_OWNER_RETURNED = ("no node advertising the requested model became available before "
+                         "the retry deadline", "owner_never_returned")
+    EVERY_ATTEMPT_FAILED = ("every dispatch attempt failed", "attempts_exhausted")
+    NO_CONTENT = ("upstream error: upstream sent no response body within the first-byte "
+                  "budget", "no_content")
+    TRANSPORT = ("upstream error: ", "transport")
+    UPSTREAM_STATUS = ("upstream returned HTTP ", "upstream_status")
+    # How a request in flight ended without an answer of its own (protocol 4's texts).
+    CLIENT_GONE = ("client disconnected before completion", "client_gone")
+    SHUTDOWN = ("request cancelled before completion", "shutdown")
+    BACKSTOP = ("request handler exited before completion", "internal")
+    INTERNAL = ("internal error", "internal")
+
+    def __init__(self, text: str, label: str) -> None:
+        self.text, self.label = text, label
+
+    def says(self, detail: object = "") -> str:
+        """The text reported: the fixed part, then ``detail`` for the reasons that carry one."""
+        return f"{self.text}{detail}" if detail != "" else self.text
+
+
+# The labels a request that did not complete is counted under: the reasons', a status's when
+# an engine's own answer was relayed (no reason of ours), and ``other``.
+OTHER = "other"
+STATUS_LABELS = {400: "bad_request", 401: "unauthorized", 409: "identity_probe",
+                 413: "body_too_large", 499: "client_gone"}
+LABELS = frozenset({*(reason.label for reason in Reason), *STATUS_LABELS.values(), OTHER})
+
 
 _REASONS = {400: b"Bad Request", 401: b"Unauthorized", 403: b"Forbidden", 409: b"Conflict",
             413: b"Request Entity Too Large", 500: b"Internal Server Error",

@@ -17,6 +17,7 @@ from twisted.python.failure import Failure
 from twisted.web.iweb import IAgent
 
 from . import constants
+from .answers import Reason
 from .attempt import NO_CONTENT, STATUS, AddressMemory, Attempt, Committed, Failed
 from .discovery import Node
 from .interfaces import IRouter
@@ -24,13 +25,14 @@ from .loopguard import LoopGuard
 from .router import BUSY_STATUSES
 from .timers import cancel_pending
 
-NO_OWNER = "no available node advertises the requested model"
-NO_CANDIDATE = "no active node selected or available"
-DEADLINE_PASSED = "the retry deadline passed while dispatch attempts were still failing"
-NO_OWNER_RETURNED = "no node advertising the requested model became available before the retry deadline"
-EVERY_ATTEMPT_FAILED = "every dispatch attempt failed"
-ALL_OWNERS_BUSY = "every node advertising the requested model is busy; retry shortly"
-NO_CONTENT_TEXT = "upstream error: upstream sent no response body within the first-byte budget"
+# Protocol 5's texts, as the reasons carry them.
+NO_OWNER = Reason.NO_OWNER.text
+NO_CANDIDATE = Reason.NO_CANDIDATE.text
+DEADLINE_PASSED = Reason.DEADLINE_PASSED.text
+NO_OWNER_RETURNED = Reason.NO_OWNER_RETURNED.text
+EVERY_ATTEMPT_FAILED = Reason.EVERY_ATTEMPT_FAILED.text
+ALL_OWNERS_BUSY = Reason.ALL_OWNERS_BUSY.text
+NO_CONTENT_TEXT = Reason.NO_CONTENT.text
 
 
 @attrs.frozen
@@ -74,9 +76,14 @@ class Answer:
     """An answer the proxy generates itself (protocol 5): nothing upstream is relayed."""
 
     status: int
-    text: str
+    reason: Reason
+    detail: str = ""
     retry_after: int = 0
     code: str | None = None
+
+    @property
+    def text(self) -> str:
+        return self.reason.says(self.detail)
 
 
 @attrs.frozen
@@ -126,8 +133,8 @@ def retryable_status(inference: bool) -> Callable[[int], bool]:
 def final_answer(failure: Failed) -> Answer:
     """The final permitted attempt answers for itself (spec 5.4)."""
     if failure.kind == NO_CONTENT:
-        return Answer(504, NO_CONTENT_TEXT)
-    return Answer(502, f"upstream error: {failure.reason}")
+        return Answer(504, Reason.NO_CONTENT)
+    return Answer(502, Reason.TRANSPORT, failure.reason)
 
 
 def _unset(*_) -> None:
@@ -144,13 +151,13 @@ class Dispatch:
 
     def __init__(self, *, clock: IReactorTime, random: Callable[[], float], router: IRouter,
                  model: str | None, make_attempt: Callable[[Node, bool], Attempt],
-                 inference: bool, created_at: float, no_candidate_text: str,
+                 inference: bool, created_at: float, no_candidate: Reason,
                  bounds: Bounds = Bounds(), reserve: bool = False,
                  observer: Observer = SILENT):
         self.clock, self.random, self.router, self.model = clock, random, router, model
         self.make_attempt, self.inference, self.bounds = make_attempt, inference, bounds
         self.deadline = created_at + bounds.deadline
-        self.no_candidate_text = no_candidate_text
+        self.no_candidate = no_candidate
         self.reserve, self.observer = reserve and inference, observer
         self.dispatches = 0
         self._on_done: Callable[[Committed | Answer | Gone], None] = _unset
@@ -202,7 +209,7 @@ class Dispatch:
             candidates = self.router.candidates(self.model)
         if not candidates:
             if self.dispatches == 0:
-                self._finish(Answer(502, self.no_candidate_text))
+                self._finish(Answer(502, self.no_candidate))
             else:
                 self._owner_missing = True
                 self._back_off()
@@ -223,10 +230,10 @@ class Dispatch:
             self._back_off()
             return
         if self.inference and self.dispatches >= self.bounds.max_attempts:
-            self._finish(Answer(503, EVERY_ATTEMPT_FAILED, retry_after=1))
+            self._finish(Answer(503, Reason.EVERY_ATTEMPT_FAILED, retry_after=1))
             return
         if self.inference and self.clock.seconds() >= self.deadline:
-            self._finish(Answer(503, DEADLINE_PASSED, retry_after=1))
+            self._finish(Answer(503, Reason.DEADLINE_PASSED, retry_after=1))
             return
         if self.reservation is not None and self._failed_in_round:
             self._queue = self.router.fail_over(self._queue)
@@ -264,7 +271,7 @@ class Dispatch:
         elif not self.inference:
             self._dispatch_next()
         elif self.clock.seconds() >= self.deadline:
-            self._finish(Answer(503, DEADLINE_PASSED, retry_after=1))
+            self._finish(Answer(503, Reason.DEADLINE_PASSED, retry_after=1))
         else:
             self._dispatch_next()
 
@@ -290,7 +297,7 @@ class Dispatch:
     def _back_off(self) -> None:
         """Wait before the next round; also paces the wait for an owner (protocol 7)."""
         if not self.inference:
-            self._finish(Answer(503, EVERY_ATTEMPT_FAILED, retry_after=1))
+            self._finish(Answer(503, Reason.EVERY_ATTEMPT_FAILED, retry_after=1))
             return
         remaining = self.deadline - self.clock.seconds()
         if remaining <= 0:
@@ -309,8 +316,8 @@ class Dispatch:
             self._round()
 
     def _finish_deadline(self) -> None:
-        text = NO_OWNER_RETURNED if self._owner_missing else DEADLINE_PASSED
-        self._finish(Answer(503, text, retry_after=1))
+        reason = Reason.NO_OWNER_RETURNED if self._owner_missing else Reason.DEADLINE_PASSED
+        self._finish(Answer(503, reason, retry_after=1))
 
     def _finish(self, result: Committed | Answer | Gone) -> None:
         self._done = True

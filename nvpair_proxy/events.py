@@ -16,15 +16,16 @@ import attrs
 from twisted.logger import LogLevel
 from zope.interface import implementer
 
+from .answers import Reason
 from . import constants
 from .interfaces import IEmitter
 from .logs import enabled, logger
 
 QUEUED, RUNNING, COMPLETED, FAILED, CANCELLED = "queued", "running", "completed", "failed", "cancelled"
 
-CLIENT_GONE = "client disconnected before completion"
-SHUTDOWN = "request cancelled before completion"
-BACKSTOP = "request handler exited before completion"
+CLIENT_GONE = Reason.CLIENT_GONE.text
+SHUTDOWN = Reason.SHUTDOWN.text
+BACKSTOP = Reason.BACKSTOP.text
 
 log = logger()
 
@@ -193,7 +194,7 @@ class RequestEnded:
     duration: float
     node: str | None = None
     model: str | None = None
-    error: str | None = None
+    reason: Reason | None = None
     ttfb: float | None = None
     dispatches: int = 0
     stats: dict | None = None

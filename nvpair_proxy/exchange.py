@@ -14,11 +14,10 @@ from twisted.python.failure import Failure
 from twisted.web.server import Request
 
 from . import constants
-from .answers import answer_internal_error, send_error
+from .answers import Reason, answer_internal_error, send_error
 from .attempt import Attempt, Committed
 from .discovery import Node, host_port
-from .dispatch import (ALL_OWNERS_BUSY, NO_CANDIDATE, NO_OWNER, Answer, Dispatch, Gone,
-                       Upstreams, retryable_status)
+from .dispatch import Answer, Dispatch, Gone, Upstreams, retryable_status
 from .engines import Engine
 from .events import (BACKSTOP, CANCELLED, CLIENT_GONE, COMPLETED, FAILED, SHUTDOWN, Reporter,
                      Workload, route_class)
@@ -112,7 +111,7 @@ class Exchange:
         body = self.request.content.read()
         model = self.model = requested_model(body) if self.inference else None
         wanted = None if model is None else self.engine.normalize_model(model)
-        no_candidate = NO_CANDIDATE if model is None else NO_OWNER
+        no_candidate = Reason.NO_CANDIDATE if model is None else Reason.NO_OWNER
         candidates = self.router.candidates(wanted)
         if not candidates:
             self._answer(Answer(502, no_candidate))
@@ -120,7 +119,7 @@ class Exchange:
         held = None if wanted is None else self.router.busy_for(wanted)
         if held is not None:
             # Issue 8: engines that just said they are full get no new work for a moment.
-            self._answer(Answer(503, ALL_OWNERS_BUSY, retry_after=retry_after(held)))
+            self._answer(Answer(503, Reason.ALL_OWNERS_BUSY, retry_after=retry_after(held)))
             return
         if model is not None:
             self.workload = self.reporter.new_workload(model, self.admitted_at)
@@ -146,7 +145,7 @@ class Exchange:
         self.dispatch = Dispatch(
             clock=self.clock, random=upstreams.random, router=self.router, model=wanted,
             make_attempt=make_attempt, inference=self.inference, created_at=self.admitted_at,
-            no_candidate_text=no_candidate, bounds=upstreams.bounds,
+            no_candidate=no_candidate, bounds=upstreams.bounds,
             reserve=self.workload is not None, observer=self)
         self._enter(Phase.DISPATCHING)
         self.dispatch.run(self._dispatched, self.crashed, candidates)
@@ -194,7 +193,7 @@ class Exchange:
             self._commit(result)
 
     def _answer(self, answer: Answer) -> None:
-        self._end(FAILED, answer.text, status=answer.status)
+        self._end(FAILED, answer.reason, answer.detail, status=answer.status)
         if not self.request.finished and not self.request.client_gone:
             send_error(self.request, answer.status, answer.text, code=answer.code,
                        retry_after=answer.retry_after)
@@ -292,14 +291,14 @@ class Exchange:
         if 200 <= code < 300:
             self._end(COMPLETED, None, status=code, stats=stats, note=self.idle_note)
         else:
-            self._end(FAILED, f"upstream returned HTTP {code}", status=code, stats=stats)
+            self._end(FAILED, Reason.UPSTREAM_STATUS, str(code), status=code, stats=stats)
 
     def _request_finished(self, _) -> None:
         """The backstop: a response that ended without reporting still reports, once."""
         if not self.ended:
             log.error("request {id} finished without an outcome", id=self.id,
                       engine=self.engine.id)
-            self._end(FAILED, BACKSTOP, status=500)
+            self._end(FAILED, Reason.BACKSTOP, status=500)
 
     # The client side going away.
 
@@ -308,7 +307,7 @@ class Exchange:
         the terminal frame was relayed: a client that stopped reading never received it."""
         transport = self.request.channel.transport if self.request.channel else None
         self._stop_upstream(CLIENT_GONE)
-        self._end(CANCELLED, CLIENT_GONE)
+        self._end(CANCELLED, Reason.CLIENT_GONE)
         if transport is not None:
             transport.abortConnection()
 
@@ -320,7 +319,7 @@ class Exchange:
             self._end_committed()
             return
         self._stop_upstream(CLIENT_GONE)
-        self._end(CANCELLED, CLIENT_GONE)
+        self._end(CANCELLED, Reason.CLIENT_GONE)
 
     def _delivered_terminal(self) -> bool:
         """Design 6: the stream's terminal frame, or its declared length, reached the client."""
@@ -334,7 +333,7 @@ class Exchange:
         if self.ended:
             return
         self._stop_upstream(SHUTDOWN)
-        self._end(CANCELLED, SHUTDOWN)
+        self._end(CANCELLED, Reason.SHUTDOWN)
         transport = self.request.channel.transport if self.request.channel else None
         if transport is not None:
             transport.abortConnection()
@@ -355,17 +354,20 @@ class Exchange:
             self.dispatch.stop(BACKSTOP)
         if self.committed is not None:
             self.committed.relay.abort()
-        self._end(FAILED, BACKSTOP, status=500)
+        self._end(FAILED, Reason.BACKSTOP, status=500)
         answer_internal_error(self.request)
 
     # The one end.
 
-    def _end(self, state: str, error: str | None, *, status: int | None = None,
-             stats: dict | None = None, note: str | None = None) -> None:
-        """The one end. ``note`` is said on ``proxy/request`` only: why a completed
-        request's stream was cut."""
+    def _end(self, state: str, reason: Reason | None, detail: str = "", *,
+             status: int | None = None, stats: dict | None = None,
+             note: str | None = None) -> None:
+        """The one end: ``reason`` (None when it completed) and its detail say why, in its
+        text on the wire and by its label in the metrics. ``note`` is said on
+        ``proxy/request`` only: why a completed request's stream was cut."""
         if self.ended:
             return
+        error = reason.says(detail) if reason is not None else None
         self._enter(Phase.ENDED)
         if self.watch is not None:
             self.watch.stop_timer()
@@ -389,5 +391,5 @@ class Exchange:
             self.reporter.request_ended(
                 route=route_class(self.route), outcome=state, status=status, duration=duration,
                 node=self.node_id, model=self.model,
-                error=error, ttfb=ttfb, stats=stats,
+                reason=reason, ttfb=ttfb, stats=stats,
                 dispatches=self.dispatch.dispatches if self.dispatch else 0)

@@ -19,7 +19,7 @@ from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Request
 
 from . import constants, cors
-from .answers import FACADE_FOR, FORWARDING_LOOP, SHUTTING_DOWN, send_error
+from .answers import FACADE_FOR, FORWARDING_LOOP, SHUTTING_DOWN, Reason, send_error
 from .discovery import Node
 from .dispatch import Bounds, Upstreams
 from .engines import Engine
@@ -98,21 +98,23 @@ def make_facade(engine: Engine, *, clock: IReactorTime, agent: IAgent, emitter: 
                                       loop_guard=loop_guard or LoopGuard()))
 
 
-def report_rejection(facade: Facade, method: bytes, path: bytes, status: int, error: str) -> None:
+def report_rejection(facade: Facade, method: bytes, path: bytes, status: int, reason: Reason,
+                     detail: str = "") -> None:
     """``proxy/request`` for an answer given before a request reached routing (protocol 4)."""
+    error = reason.says(detail)
     reporter = facade.reporter
     path = path.split(b"?", 1)[0]
     reporter.request_finished(reporter.next_request_id(), method.decode("latin-1"),
                               path.decode("latin-1"), "", status, 0.0, error=error)
     reporter.request_ended(route=route_class(facade.engine.classify(method, path)),
-                           outcome=REJECTED, status=status, duration=0.0, error=error)
+                           outcome=REJECTED, status=status, duration=0.0, reason=reason)
 
 
 def answered_stopping(facade: Facade, request: Request) -> bool:
     """While the process stops, a new request gets 503 and the connection closes."""
     if not facade.stopping:
         return False
-    report_rejection(facade, request.method, request.path, 503, SHUTTING_DOWN)
+    report_rejection(facade, request.method, request.path, 503, Reason.SHUTTING_DOWN)
     request.setHeader(b"Connection", b"close")
     send_error(request, 503, SHUTTING_DOWN, retry_after=1)
     return True
@@ -123,7 +125,7 @@ def answered_loop(facade: Facade, request: Request) -> bool:
     no workload (design 16), whatever its route: a model list asked in a loop loops too."""
     if not facade.upstreams.loop_guard.seen(request.requestHeaders):
         return False
-    report_rejection(facade, request.method, request.path, 508, FORWARDING_LOOP)
+    report_rejection(facade, request.method, request.path, 508, Reason.FORWARDING_LOOP)
     send_error(request, 508, FORWARDING_LOOP)
     return True
 
@@ -141,7 +143,8 @@ def answered_identity_probe(facade: Facade, request: Request) -> bool:
     if request.getHeader(IDENTITY_PROBE) != b"1":
         return False
     text = FACADE_FOR + facade.engine.id
-    report_rejection(facade, request.method, request.path, 409, text)
+    report_rejection(facade, request.method, request.path, 409, Reason.IDENTITY_PROBE,
+                     facade.engine.id)
     send_error(request, 409, text, code="proxy-facade")
     return True
 

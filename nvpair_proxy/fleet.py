@@ -17,10 +17,9 @@ from twisted.web.http_headers import Headers
 from twisted.web.server import Request
 
 from . import constants, cors
-from .answers import (INVENTORY_UNAVAILABLE, NO_PREFLIGHT_ANSWER, ORIGIN_DENIED,
-                      answer_internal_error, send_error, send_whole)
+from .answers import Reason, answer_internal_error, send_error, send_whole
 from .discovery import Node
-from .dispatch import NO_CANDIDATE, Upstreams
+from .dispatch import Upstreams
 from .engines import Engine
 from .events import CANCELLED, COMPLETED, FAILED, MODELS, PREFLIGHT, Reporter
 from .hopbyhop import end_to_end
@@ -84,7 +83,7 @@ class FleetAnswer:
     def _answer(self, replies: list[Reply], answer: Callable[[list[Reply]], None]) -> None:
         self.finished = True
         if self.request.client_gone:
-            self.report(499)
+            self.report(499, reason=Reason.CLIENT_GONE)
             return
         answer(replies)
 
@@ -93,7 +92,7 @@ class FleetAnswer:
         log.failure("unexpected error handling {method} {path}", failure, method=self._method(),
                     path=self._path(), engine=self.fleet.engine.id)
         answer_internal_error(self.request)
-        self.report(500, error="internal error")
+        self.report(500, reason=Reason.INTERNAL)
 
     def _method(self) -> str:
         return self.request.method.decode("latin-1")
@@ -101,10 +100,10 @@ class FleetAnswer:
     def _path(self) -> str:
         return self.request.path.decode("latin-1")
 
-    def error(self, status: int, text: str, headers: Headers | None = None,
+    def error(self, status: int, reason: Reason, headers: Headers | None = None,
               node: Node | None = None) -> None:
-        send_error(self.request, status, text, headers=headers)
-        self.report(status, error=text, node=node)
+        send_error(self.request, status, reason.text, headers=headers)
+        self.report(status, reason=reason, node=node)
 
     def whole(self, status: int, headers: Headers, body: bytes, phrase: bytes | None = None,
               node: Node | None = None) -> None:
@@ -116,7 +115,9 @@ class FleetAnswer:
         self.fleet.reporter.request_started(self.id, self._method(), self._path(), "cluster",
                                             node.id if node else None)
 
-    def report(self, status: int, error: str | None = None, node: Node | None = None) -> None:
+    def report(self, status: int, reason: Reason | None = None, node: Node | None = None) -> None:
+        """Protocol 4's ``proxy/request``; without a reason of ours the status is the engine's."""
+        error = reason.says() if reason is not None else None
         duration = self.fleet.clock.seconds() - self.started
         node_id = node.id if node else None
         self.fleet.reporter.request_finished(
@@ -124,7 +125,7 @@ class FleetAnswer:
             node_id=node_id, error=error)
         outcome = CANCELLED if status == 499 else COMPLETED if status < 400 else FAILED
         self.fleet.reporter.request_ended(route=self.route, outcome=outcome, status=status,
-                                          duration=duration, node=node_id, error=error)
+                                          duration=duration, node=node_id, reason=reason)
 
 
 def serve_preflight(fleet: Fleet, request: Request) -> None:
@@ -136,14 +137,14 @@ def serve_preflight(fleet: Fleet, request: Request) -> None:
     answering = FleetAnswer(fleet, request, PREFLIGHT)
     nodes = fleet.router.candidates(None)
     if not nodes:
-        answering.error(502, NO_CANDIDATE)
+        answering.error(502, Reason.NO_CANDIDATE)
         return
     origin = request.getHeader(b"origin")
     headers = end_to_end(request.requestHeaders, drop=cors.PREFLIGHT_STRIPPED)
 
     def answer(replies: list[Reply]) -> None:
         if not replies:
-            answering.error(502, NO_PREFLIGHT_ANSWER)
+            answering.error(502, Reason.NO_PREFLIGHT_ANSWER)
             return
         verdict = cors.judge_preflight(replies, origin, len(nodes))
         if isinstance(verdict, Reply):
@@ -175,16 +176,16 @@ def serve_model_list(fleet: Fleet, request: Request, route) -> None:
         valid = [(reply, pairs) for reply, pairs in zip(replies, listed) if pairs is not None]
         if origin is None:
             if not valid:
-                answering.error(503, INVENTORY_UNAVAILABLE)
+                answering.error(503, Reason.INVENTORY_UNAVAILABLE)
                 return
             send_list([reply for reply, _ in valid], [pairs for _, pairs in valid], Headers())
             return
         verdict, denial = cors.judge_inventory(replies, origin, len(valid) == len(replies))
         if verdict == cors.DENIED:
-            answering.error(403, ORIGIN_DENIED, Headers({b"Vary": [b"Origin"]}),
+            answering.error(403, Reason.ORIGIN_DENIED, Headers({b"Vary": [b"Origin"]}),
                             node=denial.node)
         elif verdict == cors.INVALID:
-            answering.error(502, INVENTORY_UNAVAILABLE, cors.combined(replies, origin))
+            answering.error(502, Reason.INVENTORY_UNAVAILABLE, cors.combined(replies, origin))
         else:
             send_list(replies, listed, cors.combined(replies, origin))
 

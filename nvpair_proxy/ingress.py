@@ -15,7 +15,7 @@ from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Request
 from zope.interface import implementer
 
-from .answers import CLUSTER_AUTH, NO_LOCAL_BACKEND, send_error
+from .answers import CLUSTER_AUTH, NO_LOCAL_BACKEND, Reason, send_error
 from .discovery import Node
 from .dispatch import Answer
 from .exchange import Exchange
@@ -83,7 +83,7 @@ class IngressExchange(Exchange):
 
     def _answer(self, answer: Answer) -> None:
         if answer.status == 502:
-            answer = Answer(502, answer.text, code="backend-error")
+            answer = attrs.evolve(answer, code="backend-error")
         super()._answer(answer)
 
 
@@ -103,13 +103,14 @@ class IngressResource(Resource):
         certificate = request.channel.transport.getPeerCertificate()
         if certificate is None or not self.directory.trusts(der_of(certificate)):
             code, text = CLUSTER_AUTH
-            report_rejection(self.facade, request.method, request.path, 403, code)
+            report_rejection(self.facade, request.method, request.path, 403, Reason.CLUSTER_AUTH)
             send_error(request, 403, text, code=code)
             return NOT_DONE_YET
         backend = self.backend()
         if backend is None:
             text = f"no local {self.facade.engine.id} backend is available on this node"
-            report_rejection(self.facade, request.method, request.path, 503, NO_LOCAL_BACKEND)
+            report_rejection(self.facade, request.method, request.path, 503,
+                             Reason.NO_LOCAL_BACKEND)
             send_error(request, 503, text, code=NO_LOCAL_BACKEND)
             return NOT_DONE_YET
         host, port = backend

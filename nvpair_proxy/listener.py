@@ -20,6 +20,7 @@ from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Request
 
 from .answers import send_error
+from .answers import Reason
 from .apikeys import LanGate, Verdict, answer_for
 from .constants import SERVER_HEADER_READ_TIMEOUT
 from .validate import is_loopback
@@ -30,6 +31,10 @@ from .timers import cancel_pending
 TLS_HANDSHAKE = 0x16
 
 log = logger()
+
+# The refusals' codes, and the reason each is reported with.
+CODED = {reason.text: reason for reason in (Reason.LOOPBACK_ONLY, Reason.SOURCE_NOT_ALLOWED,
+                                            Reason.UNAUTHORIZED)}
 
 
 class LoopbackOnly(Resource):
@@ -52,7 +57,7 @@ class LoopbackOnly(Resource):
             self.lan.admit(request.requestHeaders)
             return self.serve.render(request)
         status, code, text, challenge = refusal
-        self.on_rejected(request.method, request.path, status, code)
+        self.on_rejected(request.method, request.path, status, CODED[code])
         if challenge is not None:
             request.responseHeaders.setRawHeaders(b"WWW-Authenticate", [challenge])
         send_error(request, status, text, code=code)

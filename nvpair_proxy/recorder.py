@@ -18,14 +18,9 @@ from typing import Iterable
 
 import attrs
 
-from .answers import (BAD_FRAMING, BAD_TARGET, BODY_TOO_LARGE, CLUSTER_AUTH, FACADE_FOR, FORWARDING_LOOP,
-                      INVENTORY_UNAVAILABLE,
-                      LOOPBACK_ONLY, NO_LOCAL_BACKEND, NO_PREFLIGHT_ANSWER, ORIGIN_DENIED,
-                      SHUTTING_DOWN, SOURCE_NOT_ALLOWED, UNAUTHORIZED)
+from .answers import LABELS, OTHER, STATUS_LABELS
 from .attempt import ATTEMPT_CANCELLED, NO_CONTENT, STATUS, TRANSPORT, Committed
-from .dispatch import (ALL_OWNERS_BUSY, DEADLINE_PASSED, EVERY_ATTEMPT_FAILED, NO_CANDIDATE,
-                       NO_CONTENT_TEXT, NO_OWNER, NO_OWNER_RETURNED)
-from .events import BACKSTOP, CLIENT_GONE, SHUTDOWN, RequestEnded
+from .events import RequestEnded
 
 RECENT = 100
 MODEL_SHOWN = 120  # characters of a requested model name kept for the recent table
@@ -35,32 +30,10 @@ COMMITTED = "committed"
 DISPATCH_RESULTS = {STATUS: "refused_status", TRANSPORT: "transport", NO_CONTENT: "no_content",
                     ATTEMPT_CANCELLED: "cancelled"}
 
-# Why a request did not complete, from a fixed vocabulary (metric labels stay bounded). The
-# error a request ended with is looked up first: the code of an answer given before routing
-# (what report_rejection passes) or one of the proxy's fixed texts; then the proxy's texts
-# by prefix (they carry details after it); then the status; ``other`` last.
-OTHER = "other"
-CODES = {
-    UNAUTHORIZED[0]: "unauthorized", LOOPBACK_ONLY[0]: "loopback_only",
-    SOURCE_NOT_ALLOWED[0]: "source_not_allowed", CLUSTER_AUTH[0]: "cluster_auth",
-    NO_LOCAL_BACKEND: "no_local_backend", SHUTTING_DOWN: "shutting_down",
-    BODY_TOO_LARGE: "body_too_large", INVENTORY_UNAVAILABLE: "inventory_unavailable",
-    ORIGIN_DENIED: "origin_denied", NO_PREFLIGHT_ANSWER: "no_preflight_answer",
-    FORWARDING_LOOP: "forwarding_loop",
-}
-PREFIXES = (
-    (NO_OWNER, "no_owner"), (NO_CANDIDATE, "no_candidate"), (ALL_OWNERS_BUSY, "busy"),
-    (DEADLINE_PASSED, "deadline"), (NO_OWNER_RETURNED, "owner_never_returned"),
-    (EVERY_ATTEMPT_FAILED, "attempts_exhausted"), (NO_CONTENT_TEXT, "no_content"),
-    ("upstream error:", "transport"), ("upstream returned HTTP", "upstream_status"),
-    (CLIENT_GONE, "client_gone"), (SHUTDOWN, "shutdown"), (BACKSTOP, "internal"),
-    ("internal error", "internal"), (FACADE_FOR, "identity_probe"),
-    (BAD_TARGET, "bad_request"), (BAD_FRAMING, "bad_request"),
-)
-STATUSES = {400: "bad_request", 401: "unauthorized", 409: "identity_probe", 413: "body_too_large",
-            499: "client_gone"}
-REASONS = frozenset({*CODES.values(), *(name for _, name in PREFIXES), *STATUSES.values(),
-                     OTHER})
+# Why a request did not complete, from a fixed vocabulary (metric labels stay bounded): the
+# label of its Reason, or, for an engine's own answer relayed with no reason of ours, its
+# status's, and ``other`` last.
+REASONS = LABELS
 
 # Seconds. First body byte: from a local engine's first token to a cold model load.
 TTFB_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
@@ -73,14 +46,9 @@ def reason(ended: RequestEnded) -> str | None:
     """The reason (one of REASONS) a request did not complete, None if it did."""
     if ended.outcome == "completed":
         return None
-    text = ended.error or ""
-    found = CODES.get(text)
-    if found is not None:
-        return found
-    for prefix, name in PREFIXES:
-        if text.startswith(prefix):
-            return name
-    return STATUSES.get(ended.status, OTHER)
+    if ended.reason is not None:
+        return ended.reason.label
+    return STATUS_LABELS.get(ended.status, OTHER)
 
 
 @attrs.define

@@ -35,16 +35,17 @@ from twisted.web.resource import IResource
 from twisted.web.server import Request, Site
 
 from . import constants
-from .answers import BAD_FRAMING, BAD_TARGET, BODY_TOO_LARGE, raw_error
+from .answers import BODY_TOO_LARGE, Reason, raw_error
 from .logs import log_access
 from .target import BadTarget, origin_form
 from .timers import cancel_pending
 
-# method, request target (query included), status, error text
-Rejected = Callable[[bytes, bytes, int, str], None]
+# method, request target (query included), status, reason, its detail
+Rejected = Callable[..., None]
 
 
-def _not_reported(method: bytes, target: bytes, status: int, error: str) -> None:
+def _not_reported(method: bytes, target: bytes, status: int, reason: Reason,
+                  detail: str = "") -> None:
     """A Site built without a reporter: the 413 is still answered, only not reported."""
 
 
@@ -94,7 +95,7 @@ class BoundedChannel(HTTPChannel):
             try:
                 path = origin_form(method, target)
             except BadTarget as why:
-                self.refuse(f"{BAD_TARGET}: {why}")
+                self.refuse(Reason.BAD_TARGET, str(why))
                 return None
             if path != target:
                 line = b" ".join((method, path, version))
@@ -109,7 +110,7 @@ class BoundedChannel(HTTPChannel):
         name, colon, value = line.partition(b":")
         if (colon and name.lower() == b"transfer-encoding"
                 and value.strip(b" \t").lower() != b"chunked"):
-            self.refuse(f"{BAD_FRAMING}: a transfer coding other than a single chunked")
+            self.refuse(Reason.BAD_FRAMING, "a transfer coding other than a single chunked")
             return False
         return super().headerReceived(line)
 
@@ -125,14 +126,14 @@ class BoundedChannel(HTTPChannel):
             return False
         return True
 
-    def refuse(self, text: str) -> None:
+    def refuse(self, reason: Reason, detail: str) -> None:
         """400 with protocol 5's body, reported, and the connection closed: nothing after a
         head we will not read can be trusted to be where it seems."""
         self._refused = True
         self._stop_header_timer()
         method, target = self.request_line
-        self.site.on_rejected(method, target, 400, text)
-        self.transport.write(raw_error(400, text))
+        self.site.on_rejected(method, target, 400, reason, detail)
+        self.transport.write(raw_error(400, reason.says(detail)))
         self.transport.loseConnection()
 
     def _headers_too_slow(self) -> None:
@@ -207,7 +208,7 @@ class BoundedRequest(Request):
         # Answered now, so no "100 Continue" may follow the final answer.
         self.requestHeaders.removeHeader(b"expect")
         method, target = self.channel.request_line
-        self.channel.site.on_rejected(method, target, 413, BODY_TOO_LARGE)
+        self.channel.site.on_rejected(method, target, 413, Reason.BODY_TOO_LARGE)
         transport = self.channel.transport
         transport.write(raw_error(413, BODY_TOO_LARGE))
         transport.loseConnection()
