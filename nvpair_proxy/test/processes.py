@@ -219,3 +219,44 @@ class BrokerChannel:
             if predicate(message):
                 return message
         raise AssertionError(f"no matching message; got {self.lines}")
+
+
+def nodes_toml(entries: list[tuple[str, str, int, list[str]]]) -> str:
+    out = []
+    for node_id, engine, port, models in entries:
+        out.append(f'[[node]]\nid = "{node_id}"\naddress = "127.0.0.1"\n'
+                   f"[node.engines.{engine}]\nport = {port}\nmodels = {json.dumps(models)}\n")
+    return "\n".join(out)
+
+
+def exchange(port: int, data: bytes, timeout: float = 10.0) -> tuple[bytes, bool]:
+    """Send ``data``, read until the server closes or ``timeout``; (bytes read, closed)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
+        try:
+            sock.sendall(data)
+        except (BrokenPipeError, ConnectionResetError):
+            return b"", True
+        return drain(sock, timeout)
+
+
+def drain(sock: socket.socket, timeout: float = 10.0) -> tuple[bytes, bool]:
+    """Read until the server closes or ``timeout``; (bytes read, closed)."""
+    received = b""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        sock.settimeout(max(0.01, end - time.monotonic()))
+        try:
+            chunk = sock.recv(65536)
+        except ConnectionResetError:
+            return received, True
+        except socket.timeout:
+            break
+        if not chunk:
+            return received, True
+        received += chunk
+    return received, False
+
+
+def status_of(received: bytes) -> int | None:
+    parts = received.split(b"\r\n", 1)[0].split(b" ")
+    return int(parts[1]) if len(parts) > 1 and parts[1].isdigit() else None

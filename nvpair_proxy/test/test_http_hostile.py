@@ -22,12 +22,11 @@ from twisted.trial.unittest import SynchronousTestCase
 from nvpair_proxy.constants import MAX_REQUEST_BODY
 from nvpair_proxy.listener import DemuxFactory
 from nvpair_proxy.test.certs import make_certificate, write_admission, write_identity
-from nvpair_proxy.test.processes import (BrokerChannel, free_port, start_fleet,
-                                         start_standalone)
+from nvpair_proxy.test.processes import (BrokerChannel, exchange, free_port, drain,
+                                         nodes_toml, start_fleet, start_standalone, status_of)
 from nvpair_proxy.test.world import World, WorldTestCase
 from nvpair_proxy.testing import lan
 from nvpair_proxy.trust import ClusterDirectory, tls_ingress
-from nvpair_proxy.test.test_process import nodes_toml
 
 GOOD = b"POST /api/chat HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}"
 CHAT = json.dumps({"model": "llama3", "messages": [{"role": "user", "content": "hi"}]}).encode()
@@ -78,39 +77,6 @@ REFUSED = {
     "binary garbage": bytes(range(1, 256)) + b"\r\n\r\n",
     "TLS ClientHello cut in half": CLIENT_HELLO_HALF,
 }
-
-
-def exchange(port: int, data: bytes, timeout: float = 10.0) -> tuple[bytes, bool]:
-    """Send ``data``, read until the server closes or ``timeout``; (bytes read, closed)."""
-    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
-        try:
-            sock.sendall(data)
-        except (BrokenPipeError, ConnectionResetError):
-            return b"", True
-        return drain(sock, timeout)
-
-
-def drain(sock: socket.socket, timeout: float = 10.0) -> tuple[bytes, bool]:
-    """Read until the server closes or ``timeout``; (bytes read, closed)."""
-    received = b""
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        sock.settimeout(max(0.01, end - time.monotonic()))
-        try:
-            chunk = sock.recv(65536)
-        except ConnectionResetError:
-            return received, True
-        except socket.timeout:
-            break
-        if not chunk:
-            return received, True
-        received += chunk
-    return received, False
-
-
-def status_of(received: bytes) -> int | None:
-    parts = received.split(b"\r\n", 1)[0].split(b" ")
-    return int(parts[1]) if len(parts) > 1 and parts[1].isdigit() else None
 
 
 class TCPStringTransport(StringTransport):

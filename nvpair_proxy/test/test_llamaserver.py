@@ -33,8 +33,7 @@ import urllib.request
 from twisted.trial.unittest import SkipTest, SynchronousTestCase
 
 from nvpair_proxy.test.processes import (DEADLINE, free_port, logged_workloads,
-                                         start_standalone, stop, wait_until)
-from nvpair_proxy.test.test_process import nodes_toml
+                                         nodes_toml, start_standalone, stop, wait_until)
 
 MODEL = "nvpair-tiny"
 QUESTION = "why is the sky blue"

@@ -16,15 +16,7 @@ import urllib.request
 from twisted.trial.unittest import SynchronousTestCase
 
 from nvpair_proxy.test.processes import (TWISTD, BrokerChannel, free_port, logged_workloads,
-                                         start_fleet, start_standalone)
-
-
-def nodes_toml(entries: list[tuple[str, str, int, list[str]]]) -> str:
-    out = []
-    for node_id, engine, port, models in entries:
-        out.append(f'[[node]]\nid = "{node_id}"\naddress = "127.0.0.1"\n'
-                   f"[node.engines.{engine}]\nport = {port}\nmodels = {json.dumps(models)}\n")
-    return "\n".join(out)
+                                         nodes_toml, start_fleet, start_standalone)
 
 
 class RealClientTests(SynchronousTestCase):

@@ -12,9 +12,8 @@ import socket
 
 from twisted.trial.unittest import SynchronousTestCase
 
-from nvpair_proxy.test.processes import BrokerChannel, free_port, start_standalone, wait_until
-from nvpair_proxy.test.test_http_hostile import exchange, status_of
-from nvpair_proxy.test.test_process import nodes_toml
+from nvpair_proxy.test.processes import (BrokerChannel, exchange, free_port, nodes_toml,
+                                         start_standalone, status_of, wait_until)
 
 CHAT = json.dumps({"model": "llama3", "messages": [{"role": "user", "content": "hi"}]}).encode()
 LOOP = {"error": "forwarding loop: this request already passed through this proxy"}
