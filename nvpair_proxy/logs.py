@@ -9,6 +9,8 @@ path), and by the process's observer (logformat.py), whose ``FilteringLogObserve
 
 from __future__ import annotations
 
+from typing import Callable
+
 from twisted.logger import Logger, LogLevel, LogLevelFilterPredicate
 
 COMPONENT = "nvpair-proxy"
@@ -56,6 +58,14 @@ def set_level(name: str) -> None:
     level = LEVELS[name]
     _level["current"] = level
     PREDICATE.setLogLevelForNamespace("", level)
+
+
+def at_level(name: str) -> Callable[[], None]:
+    """Set the process level to ``name``; returns what puts the previous one back (a test's
+    ``addCleanup``), so no caller reaches into the level's storage."""
+    previous = level_name()
+    set_level(name)
+    return lambda: set_level(previous)
 
 
 def enabled(level: LogLevel) -> bool:

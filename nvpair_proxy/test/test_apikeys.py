@@ -7,16 +7,15 @@ import os
 import tempfile
 
 from twisted.internet.task import Clock
-from twisted.logger import globalLogPublisher
 from twisted.trial.unittest import SynchronousTestCase
 from twisted.web.http_headers import Headers
 
 from nvpair_proxy import apikeys
-from nvpair_proxy.apikeys import KeyStore, LanGate, Verdict, parse_cidrs
+from nvpair_proxy.apikeys import KeyStore, Verdict
+from nvpair_proxy.test.support import KEY, LogCapture, gate, rewrite
 from nvpair_proxy.test.world import World, WorldTestCase
 from nvpair_proxy.testing import lan, loopback
 
-KEY = "k" * 24 + "-._~+/=0123"           # 35 characters of the key alphabet
 OTHER = "Z" * 40
 UNAUTHORIZED = {"error": "a valid API key is required for non-loopback requests; send it as "
                          "Authorization: Bearer <key> or X-Api-Key: <key>",
@@ -33,25 +32,6 @@ def keys_file(test, text: str, mode: int = 0o600) -> str:
         handle.write(text)
     os.chmod(path, mode)
     return path
-
-
-def rewrite(path: str, text: str) -> None:
-    """A rotation as an editor does it: new content, a new mtime."""
-    stamp = os.stat(path).st_mtime_ns
-    with open(path, "w") as handle:
-        handle.write(text)
-    os.utime(path, ns=(stamp + 10**9, stamp + 10**9))
-
-
-class LogCapture:
-    def __init__(self, test) -> None:
-        self.events: list[dict] = []
-        globalLogPublisher.addObserver(self.events.append)
-        test.addCleanup(globalLogPublisher.removeObserver, self.events.append)
-
-    def at(self, level: str) -> list[dict]:
-        return [e for e in self.events if e.get("log_level") is not None
-                and e["log_level"].name == level and e.get("log_namespace") == "nvpair-proxy"]
 
 
 class KeyStoreTests(SynchronousTestCase):
@@ -127,10 +107,6 @@ class KeyStoreTests(SynchronousTestCase):
         self.assertIsNone(KeyStore(Clock(), env="bad", path=path).digests())
 
 
-def gate(clock: Clock, env: str | None = KEY, path: str | None = None, cidrs: str = "") -> LanGate:
-    return LanGate(KeyStore(clock, env=env, path=path), allowed=parse_cidrs(cidrs))
-
-
 class GateDecisionTests(SynchronousTestCase):
     def test_the_verdicts(self):
         g = gate(Clock(), cidrs="192.168.1.0/24")
@@ -171,7 +147,7 @@ class GateDecisionTests(SynchronousTestCase):
         for _ in range(5):
             g.decide("192.168.1.20", Headers({b"X-Api-Key": [OTHER.encode()]}))
         self.assertEqual(len(logs.at("warn")), 2)
-        self.assertNotIn(OTHER, repr(logs.events))
+        self.assertNotIn(OTHER, repr(list(logs.events)))
 
 
     def test_many_sources_inside_their_window_do_not_grow_the_failure_map(self):

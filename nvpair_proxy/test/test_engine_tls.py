@@ -28,7 +28,7 @@ from nvpair_proxy.inventory import Prober
 from nvpair_proxy.listener import DemuxFactory
 from nvpair_proxy.nodesfile import NodesFileError, load_nodes_file
 from nvpair_proxy.test.certs import TestCA
-from nvpair_proxy.test.test_apikeys import LogCapture
+from nvpair_proxy.test.support import LogCapture
 from nvpair_proxy.testing import RecordingEmitter
 
 ENGINES = load_engines([])

@@ -11,7 +11,7 @@ from nvpair_proxy.test.test_stats import (LLAMACPP_ANTHROPIC_SSE, LLAMACPP_ANTHR
                                           LLAMACPP_RESPONSES_SSE, LLAMACPP_RESPONSES_SSE_STATS,
                                           RESPONSES_SSE, RESPONSES_SSE_STATS)
 from nvpair_proxy.test.world import World, WorldTestCase
-from nvpair_proxy.test.test_apikeys import LogCapture
+from nvpair_proxy.test.support import LogCapture
 
 NDJSON = {"Content-Type": "application/x-ndjson"}
 

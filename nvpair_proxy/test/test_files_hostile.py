@@ -13,9 +13,10 @@ import shutil
 
 from twisted.application.internet import TimerService
 from twisted.internet.task import Clock
-from twisted.logger import LogLevel, formatEvent, globalLogPublisher
+from twisted.logger import LogLevel, formatEvent
 from twisted.trial.unittest import SynchronousTestCase
 
+from nvpair_proxy.test.support import LogCapture
 from nvpair_proxy import logs
 from nvpair_proxy.engines import EngineFileError, load_engines
 from nvpair_proxy.nodesfile import NodesFileError, NodesFileWatcher, load_nodes_file
@@ -58,16 +59,11 @@ class Warnings:
     """The component's warn lines, as an operator reads them."""
 
     def __init__(self, test: SynchronousTestCase) -> None:
-        self.events: list[dict] = []
-        test.patch(logs, "_level", {"current": LogLevel.info})
-        globalLogPublisher.addObserver(self.events.append)
-        test.addCleanup(globalLogPublisher.removeObserver, self.events.append)
+        self.capture = LogCapture(test, level="info")
 
     def take(self) -> list[str]:
-        lines = [formatEvent(e) for e in self.events if e.get("log_namespace") == logs.COMPONENT
-                 and e.get("log_level") == LogLevel.warn]
-        self.events.clear()
-        return lines
+        return [formatEvent(e) for e in self.capture.take()
+                if e.get("log_namespace") == logs.COMPONENT and e.get("log_level") == LogLevel.warn]
 
 
 class NodesFileTests(SynchronousTestCase):

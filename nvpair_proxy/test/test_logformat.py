@@ -20,7 +20,7 @@ from nvpair_proxy.server import BoundedSite
 from nvpair_proxy.testing import loopback
 from nvpair_proxy.test.processes import free_port, start_standalone, stop
 from nvpair_proxy.test.world import request_bytes
-from nvpair_proxy.test.test_apikeys import LogCapture
+from nvpair_proxy.test.support import LogCapture
 
 
 class Captured:

@@ -5,9 +5,10 @@ from __future__ import annotations
 import os
 
 from twisted.internet.task import Clock
-from twisted.logger import LogLevel, formatEvent, globalLogPublisher
+from twisted.logger import LogLevel, formatEvent
 from twisted.trial.unittest import SynchronousTestCase
 
+from nvpair_proxy.test.support import LogCapture
 from nvpair_proxy import logs
 from nvpair_proxy.discovery import Node
 from nvpair_proxy.engines import load_engines
@@ -250,10 +251,7 @@ class WatcherTests(SynchronousTestCase):
         self.clock = Clock()
         self.applied: list[Fleet] = []
         self.watcher = NodesFileWatcher(self.path, ENGINES, self.clock, self.applied.append)
-        self.events: list[dict] = []
-        self.patch(logs, "_level", {"current": LogLevel.info})
-        globalLogPublisher.addObserver(self.events.append)
-        self.addCleanup(globalLogPublisher.removeObserver, self.events.append)
+        self.events = LogCapture(self, level="info").events
         self.addCleanup(lambda: self.watcher.running and self.watcher.stopService())
 
     def rewrite(self, text: str | bytes) -> None:

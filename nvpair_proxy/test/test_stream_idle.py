@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from nvpair_proxy.dispatch import Bounds
 from nvpair_proxy.test.world import WorldTestCase
-from nvpair_proxy.test.test_apikeys import LogCapture
+from nvpair_proxy.test.support import LogCapture
 
 IDLE_NOTE = "upstream sent nothing for 5s after commit"
 

@@ -12,7 +12,7 @@ from twisted.trial.unittest import SynchronousTestCase
 from nvpair_proxy import vitals
 from nvpair_proxy.pool import ConnectionPool
 from nvpair_proxy.reservations import ReservationMap
-from nvpair_proxy.test.test_apikeys import LogCapture
+from nvpair_proxy.test.support import LogCapture
 
 
 class Idle:

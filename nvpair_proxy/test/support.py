@@ -1,0 +1,54 @@
+"""What several test modules share, in one place, so no test module imports another."""
+
+from __future__ import annotations
+
+import os
+
+from twisted.internet.task import Clock
+from twisted.internet.testing import EventLoggingObserver
+from twisted.logger import globalLogPublisher
+
+from nvpair_proxy import logs
+from nvpair_proxy.apikeys import KeyStore, LanGate, parse_cidrs
+
+KEY = "k" * 24 + "-._~+/=0123"           # 35 characters of the LAN keys' alphabet
+
+
+class LogCapture:
+    """Every event the global log publisher sees while a test runs, removed at its end.
+
+    ``events`` is live (Twisted's ``EventLoggingObserver``): read it after the code under test
+    ran. ``level`` sets the process level for the test and puts it back after.
+    """
+
+    def __init__(self, test, level: str | None = None) -> None:
+        if level is not None:
+            test.addCleanup(logs.at_level(level))
+        self.events = EventLoggingObserver.createWithCleanup(test, globalLogPublisher)
+        self._taken = 0
+
+    def ours(self) -> list[dict]:
+        """The proxy's own events (its namespace), in order."""
+        return [e for e in self.events if e.get("log_namespace") == logs.COMPONENT]
+
+    def at(self, level: str) -> list[dict]:
+        return [e for e in self.ours() if e.get("log_level") is not None
+                and e["log_level"].name == level]
+
+    def take(self) -> list[dict]:
+        """The events since the last ``take``."""
+        taken = list(self.events)[self._taken:]
+        self._taken += len(taken)
+        return taken
+
+
+def rewrite(path: str, text: str) -> None:
+    """A rotation as an editor does it: new content, a new mtime."""
+    stamp = os.stat(path).st_mtime_ns
+    with open(path, "w") as handle:
+        handle.write(text)
+    os.utime(path, ns=(stamp + 10**9, stamp + 10**9))
+
+
+def gate(clock: Clock, env: str | None = KEY, path: str | None = None, cidrs: str = "") -> LanGate:
+    return LanGate(KeyStore(clock, env=env, path=path), allowed=parse_cidrs(cidrs))
