@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import os
 
+from twisted.internet import error as ierror
+from twisted.internet.protocol import Protocol
 from twisted.internet.task import Clock
+from twisted.internet.testing import MemoryReactorClock, StringTransport
+from twisted.python.failure import Failure
 from twisted.internet.testing import EventLoggingObserver
 from twisted.logger import globalLogPublisher
 
@@ -52,3 +56,42 @@ def rewrite(path: str, text: str) -> None:
 
 def gate(clock: Clock, env: str | None = KEY, path: str | None = None, cidrs: str = "") -> LanGate:
     return LanGate(KeyStore(clock, env=env, path=path), allowed=parse_cidrs(cidrs))
+
+
+class Collect(Protocol):
+    """A response body delivered whole: its chunks, then why it ended."""
+
+    def __init__(self) -> None:
+        self.chunks: list[bytes] = []
+        self.reason: Failure | None = None
+
+    def dataReceived(self, data: bytes) -> None:
+        self.chunks.append(data)
+
+    def connectionLost(self, reason) -> None:
+        self.reason = reason
+
+    @property
+    def body(self) -> bytes:
+        return b"".join(self.chunks)
+
+
+class Wire:
+    """The engine's end of one dialled connection."""
+
+    def __init__(self, reactor: MemoryReactorClock, index: int = -1) -> None:
+        self.host, self.port, factory = reactor.tcpClients[index][:3]
+        self.protocol = factory.buildProtocol(None)
+        self.transport = StringTransport()
+        self.protocol.makeConnection(self.transport)
+
+    def sent(self) -> bytes:
+        data = self.transport.value()
+        self.transport.clear()
+        return data
+
+    def reply(self, data: bytes) -> None:
+        self.protocol.dataReceived(data)
+
+    def close(self, reason=ierror.ConnectionDone) -> None:
+        self.protocol.connectionLost(Failure(reason()))

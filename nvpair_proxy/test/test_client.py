@@ -10,8 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from twisted.internet import error as ierror
 from twisted.internet.defer import CancelledError, Deferred
-from twisted.internet.protocol import Protocol
-from twisted.internet.testing import MemoryReactorClock, StringTransport
+from twisted.internet.testing import MemoryReactorClock
 from twisted.python.failure import Failure
 from twisted.internet import reactor
 from twisted.internet.defer import inlineCallbacks
@@ -31,26 +30,11 @@ from nvpair_proxy.pool import ConnectionPool
 from nvpair_proxy.relay import clean_end
 from nvpair_proxy.requestbody import BytesProducer
 from nvpair_proxy.responsewire import WireError
-from nvpair_proxy.test.test_responsewire import HEADS, splits
+from nvpair_proxy.test.strategies import HEADS, splits
+from nvpair_proxy.test.support import Collect, Wire
 
 URL = b"http://10.0.0.1:11434/api/chat"
 OK = b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhello"
-
-
-class Collect(Protocol):
-    def __init__(self) -> None:
-        self.chunks: list[bytes] = []
-        self.reason: Failure | None = None
-
-    def dataReceived(self, data: bytes) -> None:
-        self.chunks.append(data)
-
-    def connectionLost(self, reason) -> None:
-        self.reason = reason
-
-    @property
-    def body(self) -> bytes:
-        return b"".join(self.chunks)
 
 
 @implementer(IBodyProducer)
@@ -67,27 +51,6 @@ class Producer:
 
     def stopProducing(self) -> None:
         self.stopped = True
-
-
-class Wire:
-    """The engine's end of one dialled connection."""
-
-    def __init__(self, reactor: MemoryReactorClock, index: int = -1) -> None:
-        self.host, self.port, factory = reactor.tcpClients[index][:3]
-        self.protocol = factory.buildProtocol(None)
-        self.transport = StringTransport()
-        self.protocol.makeConnection(self.transport)
-
-    def sent(self) -> bytes:
-        data = self.transport.value()
-        self.transport.clear()
-        return data
-
-    def reply(self, data: bytes) -> None:
-        self.protocol.dataReceived(data)
-
-    def close(self, reason=ierror.ConnectionDone) -> None:
-        self.protocol.connectionLost(Failure(reason()))
 
 
 class ClientCase(SynchronousTestCase):

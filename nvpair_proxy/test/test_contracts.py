@@ -28,7 +28,7 @@ from treq.testing import RequestTraversalAgent
 from zope.interface.verify import verifyObject
 
 from nvpair_proxy.client import Client
-from nvpair_proxy.test.test_client import Collect, Wire
+from nvpair_proxy.test.support import Collect, Wire
 from nvpair_proxy.relay import clean_end
 from nvpair_proxy.discovery import Node
 from nvpair_proxy.events import LogEmitter

@@ -6,6 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from twisted.trial.unittest import SynchronousTestCase
 
+from nvpair_proxy.test.strategies import HEADS, splits
 from nvpair_proxy.responsewire import (CHUNKED, LENGTH, UNTIL_CLOSE, ChunkedBody, WireError,
                                        body_framing, find_head_end, parse_head, persistent)
 
@@ -97,13 +98,6 @@ class ChunkedTests(SynchronousTestCase):
 FUZZ = settings.default.max_examples
 
 
-def splits(data: bytes, cuts: list[int]) -> list[bytes]:
-    """``data`` in non-empty pieces, cut where ``cuts`` say."""
-    points = sorted({c % (len(data) + 1) for c in cuts})
-    pieces = [data[a:b] for a, b in zip([0] + points, points + [len(data)])]
-    return [piece for piece in pieces if piece]
-
-
 class ChunkedProperties(SynchronousTestCase):
     @settings(max_examples=FUZZ, deadline=None)
     @given(body=st.binary(max_size=2000), sizes=st.lists(st.integers(1, 300), max_size=40),
@@ -138,28 +132,6 @@ class ChunkedProperties(SynchronousTestCase):
                     break
         except WireError:
             pass
-
-
-# Heads a hostile engine might send: a status line (mostly well-formed), header lines that
-# are mostly well-formed (names of token characters, any value), and at most one line that
-# is not: arbitrary bytes, or a name with characters a name must not hold.
-TOKEN_TEXT = st.text("abcxyzABC0123-_!#$%&'*+.^`|~", min_size=1, max_size=12)
-GOOD_LINES = st.lists(st.builds(
-    lambda name, value: name.encode() + b": " + value, TOKEN_TEXT,
-    st.one_of(st.sampled_from([b"1", b"0", b"chunked", b"close", b"5, 5", b"-1", b"gzip, chunked"]),
-              st.binary(max_size=20).map(lambda b: b.replace(b"\r", b"").replace(b"\n", b"")))),
-    max_size=6)
-BAD_LINE = st.one_of(
-    st.binary(min_size=1, max_size=30).map(lambda b: b.replace(b"\r\n", b"")),
-    st.builds(lambda name: name.encode("utf-8") + b": x",
-              st.text("ab()<>@,;\\\"/[]?={} \t\u00e9\x00", min_size=1, max_size=8)))
-STATUS_LINES = st.sampled_from([b"HTTP/1.1 200 OK", b"HTTP/1.1 200 OK", b"HTTP/1.1 200 OK",
-                                b"HTTP/1.0 204", b"HTTP/1.1 404 Not Found", b"HTTP/1.1 101 Up",
-                                b"HTTP/1.1 099 Low", b"HTTP/2 200", b"ICY 200 OK"])
-HEADS = st.builds(
-    lambda status, lines, bad, where: b"\r\n".join(
-        [status] + (lines[:where] + [bad] + lines[where:] if bad is not None else lines)),
-    STATUS_LINES, GOOD_LINES, st.one_of(st.none(), BAD_LINE), st.integers(0, 6))
 
 
 class HeadProperties(SynchronousTestCase):

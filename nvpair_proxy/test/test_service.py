@@ -20,7 +20,7 @@ from nvpair_proxy.options import Options
 from nvpair_proxy.router import Router
 from nvpair_proxy.service import (ProcessService, Runtime, RuntimeService, broker_tree,
                                   local_fleet, make_pool, standalone_tree)
-from nvpair_proxy.test.test_client import Wire
+from nvpair_proxy.test.support import Wire
 from nvpair_proxy.test.world import Client, connect, request_bytes
 from nvpair_proxy.testing import lan, loopback
 

@@ -16,7 +16,7 @@ from twisted.internet.testing import MemoryReactorClock
 
 from nvpair_proxy import logs
 from nvpair_proxy.client import Client
-from nvpair_proxy.test.test_client import Wire
+from nvpair_proxy.test.support import Wire
 from nvpair_proxy.events import LogEmitter
 from nvpair_proxy.test.world import WorldTestCase
 
