@@ -95,3 +95,64 @@ class Wire:
 
     def close(self, reason=ierror.ConnectionDone) -> None:
         self.protocol.connectionLost(Failure(reason()))
+
+
+# Nodes files (test_nodesfile, test_files_hostile).
+TWO_NODES = """\
+[[node]]
+id = "gpu-a"
+name = "GPU A"
+address = "127.0.0.1"
+[node.engines.ollama]
+port = 11434
+models = ["llama3", "qwen2:7b"]
+[node.engines.lmstudio]
+models = ["Qwen", " phi-3 "]
+
+[[node]]
+id = "gpu-b"
+addresses = ["192.168.1.20", "fd00::20"]
+[node.engines.ollama]
+port = 11500
+"""
+
+ONE_NODE = """\
+[[node]]
+id = "gpu-a"
+address = "127.0.0.1"
+[node.engines.ollama]
+models = ["llama3"]
+"""
+
+
+# A complete engine file for an engine the code has never heard of.
+VLLM = """\
+id = "vllm"
+service_key = "vl"
+persisted_port_file = "vllm-proxy-port.json"
+model_rule = "exact"
+inventory_source = "models"
+
+[ports]
+own = 8000
+relocated = 8001
+standalone = 8000
+reserved = [8001]
+
+[model_list]
+upstream_path = "/v1/models"
+envelope = "openai"
+
+[[routes]]
+method = "POST"
+path = "/v1/chat/completions"
+class = "inference"
+terminal = "sse-done"
+
+[[routes]]
+method = "GET"
+path = "/v1/models"
+class = "models"
+upstream_path = "/v1/models"
+envelope = "openai"
+"""

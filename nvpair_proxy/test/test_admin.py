@@ -25,8 +25,7 @@ from nvpair_proxy.server import BoundedSite
 from nvpair_proxy.status import ProcessView, status
 from nvpair_proxy.testing import lan, loopback
 from nvpair_proxy.test.support import gate
-from nvpair_proxy.test.test_overload import serve_all
-from nvpair_proxy.test.world import Response, WorldTestCase, request_bytes
+from nvpair_proxy.test.world import Response, WorldTestCase, request_bytes, serve_all
 
 NDJSON = {"Content-Type": "application/x-ndjson"}
 MARKER = "PROMPT-MARKER-4e1d9b"

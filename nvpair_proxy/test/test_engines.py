@@ -9,6 +9,7 @@ import os
 
 from twisted.trial.unittest import SynchronousTestCase
 
+from nvpair_proxy.test.support import VLLM
 from nvpair_proxy.engines import (
     Engine, EngineFileError, ModelList, Ports, Route, load_engine_file, load_engines)
 
@@ -64,37 +65,6 @@ UNCLASSIFIED = {
                  ("POST", "/completion"), ("GET", "/v1/completions")],
 }
 
-# A complete engine file for an engine the code has never heard of.
-VLLM = """\
-id = "vllm"
-service_key = "vl"
-persisted_port_file = "vllm-proxy-port.json"
-model_rule = "exact"
-inventory_source = "models"
-
-[ports]
-own = 8000
-relocated = 8001
-standalone = 8000
-reserved = [8001]
-
-[model_list]
-upstream_path = "/v1/models"
-envelope = "openai"
-
-[[routes]]
-method = "POST"
-path = "/v1/chat/completions"
-class = "inference"
-terminal = "sse-done"
-
-[[routes]]
-method = "GET"
-path = "/v1/models"
-class = "models"
-upstream_path = "/v1/models"
-envelope = "openai"
-"""
 
 
 class RouteClassificationTests(SynchronousTestCase):

@@ -14,36 +14,10 @@ from nvpair_proxy.discovery import Node
 from nvpair_proxy.engines import load_engines
 from nvpair_proxy.nodesfile import (
     Fleet, NodesFileError, NodesFileWatcher, load_nodes_file, parse_nodes)
+from nvpair_proxy.test.support import ONE_NODE, TWO_NODES
 
 ENGINES = load_engines()
 SOURCE = "nodes.toml"
-
-TWO_NODES = """\
-[[node]]
-id = "gpu-a"
-name = "GPU A"
-address = "127.0.0.1"
-[node.engines.ollama]
-port = 11434
-models = ["llama3", "qwen2:7b"]
-[node.engines.lmstudio]
-models = ["Qwen", " phi-3 "]
-
-[[node]]
-id = "gpu-b"
-addresses = ["192.168.1.20", "fd00::20"]
-[node.engines.ollama]
-port = 11500
-"""
-
-ONE_NODE = """\
-[[node]]
-id = "gpu-a"
-address = "127.0.0.1"
-[node.engines.ollama]
-models = ["llama3"]
-"""
-
 
 def standalone(**fields) -> Node:
     return Node(source="standalone", **fields)

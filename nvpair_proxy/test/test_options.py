@@ -11,7 +11,7 @@ from twisted.plugin import getPlugins
 from twisted.trial.unittest import SynchronousTestCase
 
 from nvpair_proxy import options as options_module
-from nvpair_proxy.test.test_engines import VLLM
+from nvpair_proxy.test.support import VLLM
 from nvpair_proxy.options import DEFAULT_STATE_DIR, Options, parse_duration
 
 HOME = "/home/tester"

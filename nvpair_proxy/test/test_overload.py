@@ -3,28 +3,9 @@
 from __future__ import annotations
 
 from nvpair_proxy.reservations import Rank
-from nvpair_proxy.test.world import WorldTestCase
+from nvpair_proxy.test.world import NDJSON, WorldTestCase, serve, serve_all
 
-NDJSON = {"Content-Type": "application/x-ndjson"}
 BUSY_TEXT = "every node advertising the requested model is busy; retry shortly"
-
-
-def serve(request) -> None:
-    """Commit a request with one streamed frame and its end."""
-    upstream = request.respond(200, NDJSON)
-    upstream.write(b'{"done":true}\n')
-    upstream.finish()
-
-
-def serve_all(test, w, *clients) -> None:
-    """Serve every dispatch, pending or to come, until each client has its 200."""
-    for _ in range(10):
-        for request in list(w.agent.requests):
-            if request.pending:
-                serve(request)
-        w.clock.advance(8)
-    for client in clients:
-        test.assertEqual(client.response().status, 200, client.raw())
 
 
 class BusyHoldTests(WorldTestCase):

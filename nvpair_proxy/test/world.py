@@ -194,3 +194,24 @@ class WorldTestCase(SynchronousTestCase):
         w.add("a")
         client = w.chat()
         return w, client, w.agent.last.respond(200, {"Content-Type": "application/x-ndjson"})
+
+
+NDJSON = {"Content-Type": "application/x-ndjson"}
+
+
+def serve(request) -> None:
+    """Commit a request with one streamed frame and its end."""
+    upstream = request.respond(200, NDJSON)
+    upstream.write(b'{"done":true}\n')
+    upstream.finish()
+
+
+def serve_all(test, w, *clients) -> None:
+    """Serve every dispatch, pending or to come, until each client has its 200."""
+    for _ in range(10):
+        for request in list(w.agent.requests):
+            if request.pending:
+                serve(request)
+        w.clock.advance(8)
+    for client in clients:
+        test.assertEqual(client.response().status, 200, client.raw())
