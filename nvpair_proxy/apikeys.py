@@ -27,7 +27,7 @@ import attrs
 from twisted.internet.interfaces import IReactorTime
 from twisted.web.http_headers import Headers
 
-from .answers import LOOPBACK_ONLY, SOURCE_NOT_ALLOWED, UNAUTHORIZED
+from .answers import LOOPBACK_ONLY, SOURCE_NOT_ALLOWED, UNAUTHORIZED, Reason
 from .files import stamp as file_stamp
 from .logs import logger
 from .validate import ip_of
@@ -286,13 +286,14 @@ def _any_matches(offered: list[bytes], digests: list[bytes]) -> bool:
     return matched
 
 
-def answer_for(verdict: Verdict) -> tuple[int, str, str, bytes | None] | None:
-    """(status, code, text, WWW-Authenticate) for a refused request; None for SERVE."""
+def answer_for(verdict: Verdict) -> tuple[int, Reason, str, bytes | None] | None:
+    """(status, reason, text, WWW-Authenticate) for a refused request; None for SERVE. The
+    reason's text is the answer's ``code``."""
     if verdict is Verdict.SERVE:
         return None
     if verdict is Verdict.LOOPBACK_ONLY:
-        return (403, *LOOPBACK_ONLY, None)
+        return (403, Reason.LOOPBACK_ONLY, LOOPBACK_ONLY[1], None)
     if verdict is Verdict.NOT_ALLOWED:
-        return (403, *SOURCE_NOT_ALLOWED, None)
+        return (403, Reason.SOURCE_NOT_ALLOWED, SOURCE_NOT_ALLOWED[1], None)
     challenge = CHALLENGE_REJECTED if verdict is Verdict.REJECTED else CHALLENGE
-    return (401, *UNAUTHORIZED, challenge)
+    return (401, Reason.UNAUTHORIZED, UNAUTHORIZED[1], challenge)

@@ -20,7 +20,6 @@ from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Request
 
 from .answers import send_error
-from .answers import Reason
 from .apikeys import LanGate, Verdict, answer_for
 from .constants import SERVER_HEADER_READ_TIMEOUT
 from .validate import is_loopback
@@ -31,10 +30,6 @@ from .timers import cancel_pending
 TLS_HANDSHAKE = 0x16
 
 log = logger()
-
-# The refusals' codes, and the reason each is reported with.
-CODED = {reason.text: reason for reason in (Reason.LOOPBACK_ONLY, Reason.SOURCE_NOT_ALLOWED,
-                                            Reason.UNAUTHORIZED)}
 
 
 class LoopbackOnly(Resource):
@@ -56,11 +51,11 @@ class LoopbackOnly(Resource):
         if refusal is None:
             self.lan.admit(request.requestHeaders)
             return self.serve.render(request)
-        status, code, text, challenge = refusal
-        self.on_rejected(request.method, request.path, status, CODED[code])
+        status, reason, text, challenge = refusal
+        self.on_rejected(request.method, request.path, status, reason)
         if challenge is not None:
             request.responseHeaders.setRawHeaders(b"WWW-Authenticate", [challenge])
-        send_error(request, status, text, code=code)
+        send_error(request, status, text, code=reason.text)
         return NOT_DONE_YET
 
 

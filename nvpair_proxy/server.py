@@ -108,7 +108,8 @@ class BoundedChannel(HTTPChannel):
 
     def headerReceived(self, line: bytes) -> bool:
         name, colon, value = line.partition(b":")
-        if (colon and name.lower() == b"transfer-encoding"
+        # Length first: most header lines are decided without lower-casing their name.
+        if (colon and len(name) == 17 and name.lower() == b"transfer-encoding"
                 and value.strip(b" \t").lower() != b"chunked"):
             self.refuse(Reason.BAD_FRAMING, "a transfer coding other than a single chunked")
             return False
