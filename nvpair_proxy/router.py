@@ -180,7 +180,7 @@ class Router:
         return sorted(nodes, key=lambda n: n.id != reservation.node_id), reservation
 
     def fail_over(self, remaining: Sequence[Node]) -> list[Node]:
-        """Failover goes to the least loaded remaining owner, not the list's head (README)."""
+        """Failover goes to the least loaded remaining owner, not the list's head."""
         if self.reservations is None or not remaining:
             return list(remaining)
         chosen = self.reservations.pick(self._preferred_ids(remaining))

@@ -177,7 +177,7 @@ def recent_status(view: ProcessView) -> list[dict]:
 
 
 def status(view: ProcessView) -> dict:
-    """The ``/status`` document (schema 1, documented in the README)."""
+    """The ``/status`` document (schema 1, documented in docs/operations.md)."""
     view.recorder.forget_nodes_except(view.fleet_ids())
     now = view.clock()
     return {

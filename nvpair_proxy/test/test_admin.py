@@ -353,9 +353,9 @@ class ReasonTests(WorldTestCase):
         engine, = json.loads(admin_get(view, "/status").body)["engines"]
         self.assertEqual((engine["reasons"], engine["requests"]), (expected, {"rejected": 6}))
 
-    def test_every_reason_is_its_text_and_its_label_and_the_readme_names_each_label(self):
+    def test_every_reason_is_its_text_and_its_label_and_the_operations_doc_names_each_label(self):
         """A request's end carries a Reason: its label is what is counted (no text is read
-        back), and the README's metrics vocabulary is exactly the labels."""
+        back), and the metrics vocabulary of docs/operations.md is exactly the labels."""
         for member in answers.Reason:
             ended = events.RequestEnded(engine="ollama", at=0.0, route="inference",
                                         outcome="failed", status=599, duration=0.0,
@@ -377,9 +377,9 @@ class ReasonTests(WorldTestCase):
         completed = events.RequestEnded(engine="ollama", at=0.0, route="inference",
                                         outcome="completed", status=200, duration=0.0)
         self.assertIsNone(reason(completed))
-        readme = open(os.path.join(os.path.dirname(__file__), "..", "..", "README.md"),
-                      encoding="utf-8").read()
-        row = next(line for line in readme.splitlines()
+        operations = open(os.path.join(os.path.dirname(__file__), "..", "..", "docs",
+                                       "operations.md"), encoding="utf-8").read()
+        row = next(line for line in operations.splitlines()
                    if line.startswith("| `nvpair_proxy_request_errors_total`"))
         named = set(re.findall(r"`([a-z_]+)`", row.split("`reason`", 1)[1]))
         self.assertEqual(named, set(REASONS))

@@ -1,4 +1,4 @@
-"""The import direction of the layout (issue 9, item 7; README "Architecture").
+"""The import direction of the layout (issue 9, item 7; docs/architecture.md).
 
 Data flows one way: a connection enters the listener, the facade turns it into a request,
 dispatch finds it a node and runs attempts, the response streams back, events leave by the
