@@ -317,7 +317,12 @@ class AgainstTheProcessTests(SynchronousTestCase):
             stuck.append(sock)
         # Each stream is 16 MiB; with backpressure only a few MiB per client are in flight.
         self.assert_serving()
-        time.sleep(2)  # let the streams fill every buffer they can
+        # Wait until backpressure reached the engine for all three streams: every buffer on
+        # the way is full, so whatever the proxy would hold it now holds.
+        conn = http.client.HTTPConnection("127.0.0.1", self.fleet["big"], timeout=20)
+        conn.request("GET", "/_sim/stalled?count=3")
+        self.assertGreaterEqual(json.loads(conn.getresponse().read())["stalled"], 3)
+        conn.close()
         self.assert_serving()
         grown = self.rss_kib() - before
         self.assertLess(grown, 40 * 1024, f"RSS grew {grown} KiB with 3 clients not reading")

@@ -9,7 +9,8 @@ mid-stream. Time comes from the injected reactor, so tests drive token spacing w
 Every response carries ``X-Sim-Node: <id>`` so a demo or a test can see which node answered.
 
 Admin routes: ``POST /_sim/fault`` (a JSON object of ``FAULT_FIELDS``) changes a node at
-runtime, and ``GET /_sim/state`` reports its fields and what it served. They are loopback
+runtime, ``GET /_sim/state`` reports its fields and what it served, and
+``GET /_sim/stalled?count=N`` answers once N streams have been paused by a slow reader. They are loopback
 test aids with no authentication: the CLI listens on 127.0.0.1 only, and nothing should ever
 expose them further.
 
@@ -24,7 +25,7 @@ import math
 import sys
 import tomllib
 from datetime import datetime, timezone
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import attrs
 from twisted.internet.error import CannotListenError
@@ -150,6 +151,8 @@ class SimNode:
     # The last non-admin request's headers: lower-case name -> values in arrival order
     # (a list, so a test can see whether a proxy kept repeated headers apart).
     headers_seen: dict[str, list[str]] = attrs.field(factory=dict)
+    # Streams a slow reader paused (the transport's backpressure reached this engine).
+    stalled: int = 0
 
     def available(self) -> list[str]:
         """The models this node answers for (and lists, for llama.cpp)."""
@@ -503,7 +506,9 @@ class _Generation:
     """
 
     def __init__(self, request: Request, clock: IReactorTime, fmt, job: _Job, streaming: bool,
-                 delay: float, die_after: int | None):
+                 delay: float, die_after: int | None,
+                 on_pause: Callable[[], None] = lambda: None):
+        self._on_pause = on_pause
         self._request = request
         self._clock = clock
         self._fmt = fmt
@@ -578,6 +583,8 @@ class _Generation:
         self._stop()
 
     def pauseProducing(self) -> None:
+        if not self._paused and not self._done:
+            self._on_pause()
         self._paused = True
 
     def resumeProducing(self) -> None:
@@ -646,6 +653,24 @@ class SimNodeResource(Resource):
         self.node = node
         self._clock = reactor
         self._serial = 0
+        self._stall_waiters: list[tuple[int, Request]] = []
+
+    def _stalled(self) -> None:
+        """A stream was paused: answer the ``/_sim/stalled`` waits this count satisfies."""
+        self.node.stalled += 1
+        waiting, self._stall_waiters = self._stall_waiters, []
+        for count, request in waiting:
+            self._answer_stalled(count, request)
+
+    def _answer_stalled(self, count: int, request: Request) -> None:
+        if request.finished or request.channel is None:
+            return
+        if self.node.stalled < count:
+            self._stall_waiters.append((count, request))
+            return
+        request.setHeader(b"Content-Type", b"application/json")
+        request.write(_dumps(self.node.state()))
+        request.finish()
 
     def render(self, request: Request):
         request.setHeader(b"X-Sim-Node", self.node.node_id.encode("utf-8"))
@@ -685,6 +710,13 @@ class SimNodeResource(Resource):
     def _admin(self, request: Request, method: str, path: str) -> bytes:
         if (method, path) == ("GET", "/_sim/state"):
             return self._json(request, self.node.state())
+        if (method, path) == ("GET", "/_sim/stalled"):
+            # Answers once ``count`` streams were paused by backpressure: an event to wait
+            # on, where a test would otherwise sleep until buffers filled.
+            raw = request.args.get(b"count", [b"1"])[0]
+            count = int(raw) if raw.isdigit() else 1
+            self._answer_stalled(count, request)
+            return NOT_DONE_YET
         if (method, path) == ("POST", "/_sim/fault"):
             try:
                 changes = json.loads(request.content.read())
@@ -777,7 +809,7 @@ class SimNodeResource(Resource):
                                   (isinstance(stream_options, dict)
                                    and stream_options.get("include_usage") is True)))
         _Generation(request, self._clock, fmt, job, streaming, node.token_delay,
-                    node.die_after_tokens).start()
+                    node.die_after_tokens, on_pause=self._stalled).start()
         return NOT_DONE_YET
 
     def _embeddings(self, kind: str, model: str, body: Mapping[str, Any]) -> dict[str, Any]:
