@@ -9,18 +9,19 @@ before each dispatch and neither ever cuts an attempt in flight.
 
 from __future__ import annotations
 
-from typing import Callable, Protocol
+from typing import Callable
 
 import attrs
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.python.failure import Failure
 from twisted.web.iweb import IAgent
+from zope.interface import implementer
 
 from . import constants
 from .answers import Reason
 from .attempt import NO_CONTENT, STATUS, AddressMemory, Attempt, Committed, Failed
 from .discovery import Node
-from .interfaces import IRouter
+from .interfaces import IDispatchObserver, IRouter
 from .loopguard import LoopGuard
 from .router import BUSY_STATUSES
 from .timers import cancel_pending
@@ -93,17 +94,10 @@ class Gone:
     reason: str
 
 
-class Observer(Protocol):
-    """What the loop tells the workload events (spec 5.5, design decision 1)."""
-
-    def dispatched(self, node: Node) -> None: ...
-
-    def cleared(self) -> None: ...
-
-    def attempt_ended(self, outcome: Committed | Failed) -> None: ...
-
-
+@implementer(IDispatchObserver)
 class _Silent:
+    """The observer of a loop nobody watches: the default when none is given."""
+
     def dispatched(self, node: Node) -> None:
         pass
 
@@ -153,7 +147,7 @@ class Dispatch:
                  model: str | None, make_attempt: Callable[[Node, bool], Attempt],
                  inference: bool, created_at: float, no_candidate: Reason,
                  bounds: Bounds = Bounds(), reserve: bool = False,
-                 observer: Observer = SILENT):
+                 observer: IDispatchObserver = SILENT):
         self.clock, self.random, self.router, self.model = clock, random, router, model
         self.make_attempt, self.inference, self.bounds = make_attempt, inference, bounds
         self.deadline = created_at + bounds.deadline

@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
-from typing import Any, Callable, Protocol
+from typing import Any, Callable
 
 import attrs
 from twisted.logger import LogLevel
@@ -18,7 +18,7 @@ from zope.interface import implementer
 
 from .answers import Reason
 from . import constants
-from .interfaces import IEmitter
+from .interfaces import IEmitter, IRequestRecorder
 from .logs import enabled, logger
 
 QUEUED, RUNNING, COMPLETED, FAILED, CANCELLED = "queued", "running", "completed", "failed", "cancelled"
@@ -111,8 +111,8 @@ class Workload:
         self.seq += 1
         if not self.emitter.listening:
             return
-        info = {"id": self.id, "model": self.model, "engine": self.engine, "runId": self.run_id,
-                "state": self.state, "originatedFrom": ""}
+        info: dict[str, Any] = {"id": self.id, "model": self.model, "engine": self.engine,
+                                "runId": self.run_id, "state": self.state, "originatedFrom": ""}
         if self.scheduled_on:
             info["scheduledOn"] = self.scheduled_on
         info.update({"createdAt": ms(self.created_at), "startedAt": ms(self.started_at),
@@ -200,15 +200,6 @@ class RequestEnded:
     stats: dict | None = None
 
 
-class Recorder(Protocol):
-    """Who is told of ended requests and dispatches besides the link: the admin listener's
-    recorder, when there is one (issue 12). Without one the request path does no more."""
-
-    def request_ended(self, ended: RequestEnded) -> None: ...
-
-    def dispatch_ended(self, engine: str, outcome: Any) -> None: ...
-
-
 @attrs.define(eq=False)
 class Reporter:
     """One facade's voice on the link: request and workload ids, and the events of protocol 4.
@@ -222,7 +213,7 @@ class Reporter:
     clock: Callable[[], float]
     run_id: str
     activity: ActivityThrottle
-    recorder: Recorder | None = None
+    recorder: IRequestRecorder | None = None
     _request_ids: itertools.count = attrs.Factory(lambda: itertools.count(1))
     _workload_ids: itertools.count = attrs.Factory(lambda: itertools.count(1))
 

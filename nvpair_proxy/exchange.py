@@ -12,6 +12,7 @@ import enum
 import json
 from twisted.python.failure import Failure
 from twisted.web.server import Request
+from zope.interface import implementer
 
 from . import constants
 from .answers import Reason, answer_internal_error, send_error
@@ -22,7 +23,7 @@ from .engines import Engine
 from .events import (BACKSTOP, CANCELLED, CLIENT_GONE, COMPLETED, FAILED, SHUTDOWN, Reporter,
                      Workload, route_class)
 from .hopbyhop import copy_end_to_end, end_to_end
-from .interfaces import IRouter
+from .interfaces import IBodySink, IDispatchObserver, IRouter
 from .logs import logger
 from .relay import ClientWatch, StreamIdle, StreamIdleTimeout, clean_end
 from .router import retry_after
@@ -73,8 +74,10 @@ class InvalidPhase(RuntimeError):
     """A move the table does not allow: a bug, contained to its request (spec 3.2)."""
 
 
+@implementer(IDispatchObserver, IBodySink)
 class Exchange:
-    """A client request's whole life in one facade."""
+    """A client request's whole life in one facade: its dispatch loop's observer, and the
+    sink its committed relay streams into."""
 
     def __init__(self, request: Request, *, engine: Engine, router: IRouter, reporter: Reporter,
                  upstreams: Upstreams, in_flight: set, route=UNCLASSIFIED) -> None:

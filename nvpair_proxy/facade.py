@@ -1,9 +1,10 @@
-"""One HTTP facade per engine: its parts and its Resource.
+"""One HTTP facade per engine: its parts, the answers given before routing, and its Resource.
 
 The facade speaks its engine's own dialect to clients and hands each request to an Exchange,
 or, for the answers the whole fleet gives together, to ``fleet.py``. Its router and reporter
 are per engine; the reservation map, the agent pool and the emitter are shared across facades
-because one process hosts them all (spec 3.1).
+because one process hosts them all (spec 3.1). Binding its ports and its place in the service
+tree are ``facadeservice.py``'s.
 """
 
 from __future__ import annotations
@@ -23,14 +24,14 @@ from .answers import FACADE_FOR, FORWARDING_LOOP, SHUTTING_DOWN, Reason, send_er
 from .discovery import Node
 from .dispatch import Bounds, Upstreams
 from .engines import Engine
-from .events import REJECTED, ActivityThrottle, Recorder, Reporter, route_class
+from .events import REJECTED, ActivityThrottle, Reporter, route_class
 from .exchange import UNCLASSIFIED, Exchange
 from .fleet import Fleet, serve_model_list, serve_preflight
-from .interfaces import IEmitter
+from .interfaces import IEmitter, IRequestRecorder
 from .loopguard import LoopGuard
 from .reservations import ReservationMap
 from .router import Router
-from .server import BoundedSite
+from .server import BoundedRequest, BoundedSite
 
 IDENTITY_PROBE = b"x-nvpair-engine-identity-probe"
 
@@ -79,7 +80,7 @@ def make_facade(engine: Engine, *, clock: IReactorTime, agent: IAgent, emitter: 
                 run_id: str, random: Callable[[], float], bounds: Bounds = Bounds(),
                 reservations: ReservationMap | None = None,
                 activity: ActivityThrottle | None = None,
-                recorder: Recorder | None = None,
+                recorder: IRequestRecorder | None = None,
                 agent_for_node: Callable[[Node], IAgent] | None = None,
                 loop_guard: LoopGuard | None = None) -> Facade:
     """A facade from the parts every facade of a process shares (spec 3.1).
@@ -158,7 +159,7 @@ class FacadeResource(Resource):
         super().__init__()
         self.facade = facade
 
-    def render(self, request: Request):
+    def render(self, request: BoundedRequest):
         if answered_before_routing(self.facade, request):
             return NOT_DONE_YET
         if cors.is_preflight(request.method, request.requestHeaders):

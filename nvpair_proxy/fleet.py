@@ -14,7 +14,6 @@ from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IReactorTime
 from twisted.python.failure import Failure
 from twisted.web.http_headers import Headers
-from twisted.web.server import Request
 
 from . import constants, cors
 from .answers import Reason, answer_internal_error, send_error, send_whole
@@ -27,6 +26,7 @@ from .inventory import (MODEL_LIST_STRIPPED, Reply, ask_fleet, fetch, listed_mod
                         merged_list, node_url)
 from .logs import logger
 from .router import Router
+from .server import BoundedRequest
 
 log = logger()
 
@@ -63,7 +63,7 @@ class FleetAnswer:
     """A request the whole fleet answers together (model list, preflight): no workload, no
     reservation, one ``proxy/request`` with target ``cluster`` (protocol 4)."""
 
-    def __init__(self, fleet: Fleet, request: Request, route: str) -> None:
+    def __init__(self, fleet: Fleet, request: BoundedRequest, route: str) -> None:
         self.fleet, self.request, self.route = fleet, request, route
         self.started = fleet.clock.seconds()
         self.id = fleet.reporter.next_request_id()
@@ -128,7 +128,7 @@ class FleetAnswer:
                                           duration=duration, node=node_id, reason=reason)
 
 
-def serve_preflight(fleet: Fleet, request: Request) -> None:
+def serve_preflight(fleet: Fleet, request: BoundedRequest) -> None:
     """Spec 5.8: every routable engine is asked, and the browser gets what all of them allow.
 
     Candidates are ordered as for any request (pin, priority, id), which decides whose
@@ -139,7 +139,7 @@ def serve_preflight(fleet: Fleet, request: Request) -> None:
     if not nodes:
         answering.error(502, Reason.NO_CANDIDATE)
         return
-    origin = request.getHeader(b"origin")
+    origin = request.getHeader(b"origin") or b""  # present: cors.is_preflight asked for it
     headers = end_to_end(request.requestHeaders, drop=cors.PREFLIGHT_STRIPPED)
 
     def answer(replies: list[Reply]) -> None:
@@ -158,7 +158,7 @@ def serve_preflight(fleet: Fleet, request: Request) -> None:
                   width=cors.PREFLIGHT_WIDTH)
 
 
-def serve_model_list(fleet: Fleet, request: Request, route) -> None:
+def serve_model_list(fleet: Fleet, request: BoundedRequest, route) -> None:
     """A model list covers the whole fleet, whatever the selection (spec 5).
 
     Without an Origin, invalid and unavailable lists are skipped. With one, every engine
@@ -183,7 +183,7 @@ def serve_model_list(fleet: Fleet, request: Request, route) -> None:
         verdict, denial = cors.judge_inventory(replies, origin, len(valid) == len(replies))
         if verdict == cors.DENIED:
             answering.error(403, Reason.ORIGIN_DENIED, Headers({b"Vary": [b"Origin"]}),
-                            node=denial.node)
+                            node=denial.node if denial is not None else None)
         elif verdict == cors.INVALID:
             answering.error(502, Reason.INVENTORY_UNAVAILABLE, cors.combined(replies, origin))
         else:

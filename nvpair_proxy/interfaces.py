@@ -1,7 +1,11 @@
 """The seams of the system: what the request path reports through, and to whom.
 
 The core never imports the broker or the plugin; it holds an IEmitter, which is the broker
-link in broker mode, the log in standalone mode, and a recorder in tests.
+link in broker mode, the log in standalone mode, and a recording emitter in tests. Each
+interface here is declared because more than one class stands on its side of the seam (a
+real one and a fake or null one), and the contract test checks every one with
+``verifyObject``. This module is a foundation: it names the values that cross a seam in
+words, never by importing the modules that define them.
 """
 
 from __future__ import annotations
@@ -74,3 +78,44 @@ class IWatchedAttempt(Interface):
 
     def cancel(reason: str) -> bool:
         """Abandon the attempt unless it already committed or ended."""
+
+
+class IBodySink(Interface):
+    """Where a committed upstream body goes: what ``relay.BodyRelay`` calls once attached.
+
+    The relay holds the body until a sink attaches (so the first byte can be peeked), then
+    calls ``write`` for every chunk in order and ``upstream_done`` exactly once.
+    """
+
+    def write(data: bytes) -> None:
+        """One non-empty chunk of the upstream body, in order."""
+
+    def upstream_done(reason) -> None:
+        """The upstream body ended; ``reason`` is the Failure its protocol lost the
+        connection with (ResponseDone or PotentialDataLoss for a clean end)."""
+
+
+class IDispatchObserver(Interface):
+    """What the attempt loop (``dispatch.Dispatch``) tells its request: the workload events of
+    placement and each attempt's outcome (spec 5.5, design decision 1)."""
+
+    def dispatched(node) -> None:
+        """An attempt is about to go to ``node`` (a Node)."""
+
+    def cleared() -> None:
+        """No candidate is left in this round: the request holds no node while the loop
+        backs off."""
+
+    def attempt_ended(outcome) -> None:
+        """One attempt ended: ``attempt.Committed`` or ``attempt.Failed``."""
+
+
+class IRequestRecorder(Interface):
+    """Who is told of ended requests and dispatches besides the link: the admin listener's
+    recorder, when there is one. Without one the request path does no more."""
+
+    def request_ended(ended) -> None:
+        """A finished request, as an ``events.RequestEnded`` (operational metadata only)."""
+
+    def dispatch_ended(engine: str, outcome) -> None:
+        """One dispatch of the facade ``engine`` ended: ``Committed`` or ``Failed``."""

@@ -1,9 +1,9 @@
 """What the admin listener remembers of finished requests and dispatches (issue 12).
 
-The facades' reporters tell a Recorder, when the admin listener is on, of every ended request
-and dispatch; it keeps counters and histograms keyed by fixed vocabularies and the last 100
-requests, as plain Python, so the request path pays a few dict updates and never a Prometheus
-call. Everything that is a state rather than an event (in flight, reservations, held nodes) is
+The facades' reporters tell a Recorder (their IRequestRecorder), when the admin listener is
+on, of every ended request and dispatch; it keeps counters and histograms keyed by fixed
+vocabularies and the last 100 requests, as plain Python, so the request path pays a few dict
+updates and never a Prometheus call. Everything that is a state rather than an event (in flight, reservations, held nodes) is
 read from the process tree at scrape time instead (metrics.py, status.py).
 
 Only operational metadata is kept (spec 9): engine, node id, route class, outcome, status,
@@ -17,10 +17,12 @@ from collections import Counter, deque
 from typing import Iterable
 
 import attrs
+from zope.interface import implementer
 
 from .answers import LABELS, OTHER, STATUS_LABELS
 from .attempt import ATTEMPT_CANCELLED, NO_CONTENT, STATUS, TRANSPORT, Committed
 from .events import RequestEnded
+from .interfaces import IRequestRecorder
 
 RECENT = 100
 MODEL_SHOWN = 120  # characters of a requested model name kept for the recent table
@@ -76,8 +78,10 @@ class Histogram:
         return out
 
 
+@implementer(IRequestRecorder)
 class Recorder:
-    """Counters, histograms and the last requests of every facade of the process."""
+    """Counters, histograms and the last requests of every facade of the process: the one
+    IRequestRecorder the facades' reporters are given when the admin listener is on."""
 
     def __init__(self, recent: int = RECENT) -> None:
         self.requests: Counter = Counter()        # (engine, route, outcome)

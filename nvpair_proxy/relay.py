@@ -8,20 +8,22 @@ opt-in deadline on a committed upstream that went silent.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, cast
 
 from twisted.internet.interfaces import IDelayedCall, IPushProducer
-from twisted.internet.protocol import Protocol
+from twisted.internet.protocol import Protocol, connectionDone
 from twisted.python.failure import Failure
 from twisted.web.client import ResponseDone
 from twisted.web.http import PotentialDataLoss
 from zope.interface import implementer
 
+from .interfaces import IBodySink
 from .timers import cancel_pending
 
 
 class BodyRelay(Protocol):
-    """Receives the upstream body; holds it until a sink attaches, then streams it through.
+    """Receives the upstream body; holds it until an IBodySink attaches, then streams it
+    through.
 
     Holding is what lets the first byte be peeked and spliced back in front of the stream.
     While unattached the upstream transport is paused, so nothing but the first chunk is held.
@@ -32,7 +34,7 @@ class BodyRelay(Protocol):
         self._on_end = on_end
         self._held: list[bytes] = []
         self._ended: Failure | None = None
-        self._sink = None
+        self._sink: IBodySink | None = None
         self._paused = False
 
     def dataReceived(self, data: bytes) -> None:
@@ -49,17 +51,21 @@ class BodyRelay(Protocol):
             self._on_first_data()  # usually commits and attaches, in this same call
         if self._sink is None and not self._paused:
             self._paused = True
-            self.transport.pauseProducing()
+            self._upstream().pauseProducing()
 
-    def connectionLost(self, reason: Failure) -> None:
+    def _upstream(self) -> IPushProducer:
+        """The upstream body's transport: a response body is delivered by a producer."""
+        return cast(IPushProducer, self.transport)
+
+    def connectionLost(self, reason: Failure = connectionDone) -> None:
         if self._sink is not None:
             self._sink.upstream_done(reason)
             return
         self._ended = reason
         self._on_end(reason)
 
-    def attach(self, sink) -> None:
-        """Deliver what was held to ``sink`` and stream the rest (``write``/``upstream_done``)."""
+    def attach(self, sink: IBodySink) -> None:
+        """Deliver what was held to ``sink`` and stream the rest into it."""
         self._sink = sink
         held, self._held = self._held, []
         for data in held:
@@ -68,11 +74,11 @@ class BodyRelay(Protocol):
             sink.upstream_done(self._ended)
         elif self._paused:
             self._paused = False
-            self.transport.resumeProducing()
+            self._upstream().resumeProducing()
 
     def abort(self) -> None:
         if self.transport is not None and self._ended is None:
-            self.transport.stopProducing()
+            self._upstream().stopProducing()
 
 
 def clean_end(reason: Failure) -> bool:

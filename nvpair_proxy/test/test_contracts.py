@@ -22,6 +22,7 @@ from twisted.web.client import Agent, ResponseNeverReceived
 from twisted.web.http_headers import Headers
 from twisted.web.iweb import IAgent, IResponse
 from twisted.web.resource import Resource
+from twisted.web.test.requesthelper import DummyRequest
 from twisted.test import iosim
 from twisted.web.server import NOT_DONE_YET, Site
 from treq.testing import RequestTraversalAgent
@@ -31,13 +32,16 @@ from nvpair_proxy.client import Client
 from nvpair_proxy.test.support import Collect, Wire
 from nvpair_proxy.relay import clean_end
 from nvpair_proxy.discovery import Node
+from nvpair_proxy.dispatch import SILENT
 from nvpair_proxy.events import LogEmitter
 from nvpair_proxy.testing import RecordingEmitter
 from nvpair_proxy.ingress import LocalBackendRoute
-from nvpair_proxy.interfaces import IEmitter, IRouter
+from nvpair_proxy.interfaces import (IBodySink, IDispatchObserver, IEmitter, IRequestRecorder,
+                                     IRouter)
+from nvpair_proxy.recorder import Recorder
 from nvpair_proxy.requestbody import BytesProducer
 from nvpair_proxy.router import Router
-from nvpair_proxy.test.world import ENGINES
+from nvpair_proxy.test.world import ENGINES, World
 from nvpair_proxy.testing import FakeAgent, FakeResponse
 
 URL = b"http://10.0.0.1:11434/api/chat"
@@ -63,12 +67,17 @@ def refuse_dial(reactor: MemoryReactorClock) -> None:
 class Interfaces(SynchronousTestCase):
     def test_each_implementation_provides_its_interface(self):
         node = Node(id="a", name="a", port=1, addresses=("127.0.0.1",))
+        request = DummyRequest([b"api", b"chat"])
+        request.path = b"/api/chat"  # as twisted.web's Request sets it on receipt
+        exchange = World().facade.exchange(request)
         for interface, implementation in (
                 (IAgent, FakeAgent()), (IAgent, Agent(MemoryReactorClock())),
                 (IAgent, Client(MemoryReactorClock())),
                 (IEmitter, RecordingEmitter()), (IEmitter, LogEmitter()),
                 (IRouter, Router(engine=ENGINES["ollama"], clock=Clock())),
-                (IRouter, LocalBackendRoute(node)), (IReactorTime, Clock())):
+                (IRouter, LocalBackendRoute(node)), (IReactorTime, Clock()),
+                (IBodySink, exchange), (IDispatchObserver, exchange),
+                (IDispatchObserver, SILENT), (IRequestRecorder, Recorder())):
             self.assertTrue(verifyObject(interface, implementation),
                             f"{type(implementation).__name__} vs {interface.__name__}")
 
