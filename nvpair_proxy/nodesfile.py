@@ -19,7 +19,8 @@ from twisted.internet.interfaces import IReactorTime
 
 from . import constants
 from .discovery import Node, make_node
-from .engineaccess import ACCESS_FIELDS, TLS_FILE_FIELDS, AccessError, access_from, resolve_path
+from .engineaccess import (ACCESS_FIELDS, TLS_FILE_FIELDS, AccessError, EngineAccess, EngineTLS,
+                           access_from, resolve_path)
 from .engines import Engine
 from .files import read_regular_file, stamp
 from .logs import logger
@@ -33,14 +34,18 @@ class NodesFileError(ValueError):
 
 
 @attrs.frozen
-class Fleet:
-    """Per engine id: its nodes, and the ids whose inventory must be probed."""
+class ConfiguredNodes:
+    """Standalone mode's nodes as configured (a nodes file, or this machine's engine): per
+    engine id its nodes, and the (engine, node) ids whose inventory must be probed.
+
+    A value read once per load; the routers are given its nodes (``Standalone.apply``).
+    """
 
     nodes: Mapping[str, tuple[Node, ...]]
     probed: frozenset[tuple[str, str]] = frozenset()
 
 
-def parse_nodes(text: str, engines: Mapping[str, Engine], source: str) -> Fleet:
+def parse_nodes(text: str, engines: Mapping[str, Engine], source: str) -> ConfiguredNodes:
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
@@ -106,10 +111,10 @@ def parse_nodes(text: str, engines: Mapping[str, Engine], source: str) -> Fleet:
                                               addresses=addresses, models=models,
                                               source="standalone", scheme=scheme,
                                               access=access))
-    return Fleet({k: tuple(v) for k, v in nodes.items()}, frozenset(probed))
+    return ConfiguredNodes({k: tuple(v) for k, v in nodes.items()}, frozenset(probed))
 
 
-def load_nodes_file(path: str, engines: Mapping[str, Engine]) -> Fleet:
+def load_nodes_file(path: str, engines: Mapping[str, Engine]) -> ConfiguredNodes:
     try:
         text = read_regular_file(path).decode("utf-8")
     except OSError as exc:
@@ -122,40 +127,40 @@ def load_nodes_file(path: str, engines: Mapping[str, Engine]) -> Fleet:
 class NodesFileWatcher(TimerService):
     """Checks the file every 2 s and applies a changed, valid file (design decision 15).
 
-    The TLS files the fleet names (``ca_file``, ``cert_file``, ``key_file``) are watched with
-    it: a rotated CA or client certificate reloads the fleet, and the changed material is a
+    The TLS files its nodes name (``ca_file``, ``cert_file``, ``key_file``) are watched with
+    it: a rotated CA or client certificate reloads the file, and the changed material is a
     new TLS configuration, so no connection made with the old one is reused.
 
     A TimerService, so the watch runs exactly while the standalone tree does.
     """
 
     def __init__(self, path: str, engines: Mapping[str, Engine], clock: IReactorTime,
-                 apply: Callable[[Fleet], None],
+                 apply: Callable[[ConfiguredNodes], None],
                  interval: float = constants.NODES_FILE_CHECK_INTERVAL) -> None:
         super().__init__(interval, self.check)
         self.path, self.engines, self.clock, self.apply = path, engines, clock, apply
         self._stamp = None
         self._tls_files: tuple[str, ...] = ()
 
-    def load(self) -> Fleet:
+    def load(self) -> ConfiguredNodes:
         """The first load: errors propagate, because a bad file must stop start-up."""
-        fleet = self._read()
-        self.apply(fleet)
-        return fleet
+        configured = self._read()
+        self.apply(configured)
+        return configured
 
     def check(self) -> None:
         before = self._stamps()
         if self._stamp_of(before) == self._stamp:
             return
         try:
-            fleet = self._read(before)
+            configured = self._read(before)
         except (NodesFileError, ValueError, TypeError) as exc:
             log.warn("nodes file not reloaded, keeping the last good one: {why}", why=str(exc))
             return
         log.info("nodes file reloaded: {path}", path=self.path)
-        self.apply(fleet)
+        self.apply(configured)
 
-    def _read(self, before: dict | None = None) -> Fleet:
+    def _read(self, before: dict | None = None) -> ConfiguredNodes:
         """Load the file and remember what it was read from.
 
         The stamps are taken before the files are read, so an edit saved while they are
@@ -166,12 +171,12 @@ class NodesFileWatcher(TimerService):
         """
         before = before if before is not None else self._stamps()
         try:
-            fleet = load_nodes_file(self.path, self.engines)
+            configured = load_nodes_file(self.path, self.engines)
         except (NodesFileError, ValueError, TypeError):
             self._watch(named_tls_files(self.path), before)
             raise
-        self._watch(tls_files(fleet), before)
-        return fleet
+        self._watch(tls_files(configured), before)
+        return configured
 
     def _watch(self, files: tuple[str, ...], before: dict) -> None:
         self._tls_files = files
@@ -192,8 +197,8 @@ def named_tls_files(path: str) -> tuple[str, ...]:
         return ()
     base = os.path.dirname(path)  # as the loader resolves them (parse_nodes)
     paths = set()
-    nodes = data.get("node") if isinstance(data.get("node"), list) else []
-    for node in nodes:
+    listed = data.get("node")
+    for node in listed if isinstance(listed, list) else []:
         engines = node.get("engines") if isinstance(node, dict) else None
         for spec in engines.values() if isinstance(engines, dict) else ():
             for field in TLS_FILE_FIELDS:
@@ -203,13 +208,13 @@ def named_tls_files(path: str) -> tuple[str, ...]:
     return tuple(sorted(paths))
 
 
-def tls_configs(fleet: Fleet) -> set:
-    """The TLS configurations the fleet's nodes use."""
-    return {node.access.tls for nodes in fleet.nodes.values() for node in nodes
-            if node.access is not None and node.access.tls is not None}
+def tls_configs(configured: ConfiguredNodes) -> set[EngineTLS]:
+    """The TLS configurations the configured nodes use."""
+    return {node.access.tls for nodes in configured.nodes.values() for node in nodes
+            if isinstance(node.access, EngineAccess) and node.access.tls is not None}
 
 
-def tls_files(fleet: Fleet) -> tuple[str, ...]:
-    """Every TLS file the fleet's nodes name, once each, in a stable order."""
-    return tuple(sorted({path for tls in tls_configs(fleet)
+def tls_files(configured: ConfiguredNodes) -> tuple[str, ...]:
+    """Every TLS file the configured nodes name, once each, in a stable order."""
+    return tuple(sorted({path for tls in tls_configs(configured)
                          for path in (tls.ca_file, tls.cert_file, tls.key_file) if path}))

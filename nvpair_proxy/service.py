@@ -38,11 +38,11 @@ from .engineaccess import EngineAgents
 from .admission import peer_dialler
 from .events import ActivityThrottle, LogEmitter, new_run_id
 from .facade import Facade, make_facade
-from .facades import Facades, listen_on
+from .facadeservice import Facades, listen_on
 from .inventory import Prober
 from .logs import logger, set_access_log, set_level
 from .loopguard import LoopGuard
-from .nodesfile import Fleet, NodesFileError, NodesFileWatcher, tls_configs
+from .nodesfile import ConfiguredNodes, NodesFileError, NodesFileWatcher, tls_configs
 from .options import Options
 from .reservations import ReservationMap
 from .selfcheck import self_reason
@@ -195,7 +195,7 @@ class ProcessService(MultiService):
         return None if child is None else maybeDeferred(child.stopService)
 
 
-def local_fleet(options: Options) -> Fleet:
+def local_fleet(options: Options) -> ConfiguredNodes:
     """Without --nodes, this machine's engine is the fleet (design 3).
 
     The engine is looked for on its own client-facing port, or on its relocated port when the
@@ -208,7 +208,7 @@ def local_fleet(options: Options) -> Fleet:
         nodes[engine_id] = (make_node(engine, id="local", name="local", port=engine_port,
                                       addresses=["127.0.0.1"], source="standalone"),)
         probed.add((engine_id, "local"))
-    return Fleet(nodes, frozenset(probed))
+    return ConfiguredNodes(nodes, frozenset(probed))
 
 
 
@@ -257,7 +257,7 @@ class Standalone(MultiService):
             self.apply(local_fleet(options))
         super().privilegedStartService()
 
-    def apply(self, fleet: Fleet) -> None:
+    def apply(self, fleet: ConfiguredNodes) -> None:
         self.probed = fleet.probed
         for service in self.facades:
             engine_id, facade = service.name, service.facade

@@ -13,7 +13,7 @@ from nvpair_proxy import logs
 from nvpair_proxy.discovery import Node
 from nvpair_proxy.engines import load_engines
 from nvpair_proxy.nodesfile import (
-    Fleet, NodesFileError, NodesFileWatcher, load_nodes_file, parse_nodes)
+    ConfiguredNodes, NodesFileError, NodesFileWatcher, load_nodes_file, parse_nodes)
 from nvpair_proxy.test.support import ONE_NODE, TWO_NODES
 
 ENGINES = load_engines()
@@ -72,7 +72,8 @@ class ParseTests(SynchronousTestCase):
 
     def test_an_empty_file_is_an_empty_fleet(self) -> None:
         self.assertEqual(parse_nodes("", ENGINES, SOURCE),
-                         Fleet({"ollama": (), "lmstudio": (), "llamacpp": ()}, frozenset()))
+                         ConfiguredNodes({"ollama": (), "lmstudio": (), "llamacpp": ()},
+                                         frozenset()))
 
 
 class ParseErrorTests(SynchronousTestCase):
@@ -223,7 +224,7 @@ class WatcherTests(SynchronousTestCase):
         self.stamp = 10**18
         write(self.path, ONE_NODE, self.stamp)
         self.clock = Clock()
-        self.applied: list[Fleet] = []
+        self.applied: list[ConfiguredNodes] = []
         self.watcher = NodesFileWatcher(self.path, ENGINES, self.clock, self.applied.append)
         self.events = LogCapture(self, level="info").events
         self.addCleanup(lambda: self.watcher.running and self.watcher.stopService())
@@ -232,7 +233,7 @@ class WatcherTests(SynchronousTestCase):
         self.stamp += 10**9
         write(self.path, text, self.stamp)
 
-    def ollama_ids(self, fleet: Fleet) -> list[str]:
+    def ollama_ids(self, fleet: ConfiguredNodes) -> list[str]:
         return [n.id for n in fleet.nodes["ollama"]]
 
     def messages(self, level: LogLevel) -> list[str]:
