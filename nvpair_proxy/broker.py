@@ -3,7 +3,8 @@
 Each facade-scoped method names its engine (``ollama:nodes/list``), because one process hosts
 every facade (spec 4); an unaddressed one resolves to no facade rather than guessing. The
 notifications a method causes go out before its answer (design decision 8). Binding and
-running a facade is ``facades.py``'s; how a discovered node is reached is ``admission.py``'s.
+running a facade is ``facadeservice.py``'s; how a discovered node is reached is
+``admission.py``'s.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from .aliases import parse_aliases
 from .discovery import make_node, project
 from .engines import Engine
 from .facade import Facade
-from .facades import Facades, FacadeService
+from .facadeservice import Facades, FacadeService
 from .logs import LEVELS, logger, set_level
 from .ports import read_port, write_port
 from .reservations import Rank

@@ -22,7 +22,7 @@ from nvpair_proxy import __version__, constants, logs
 from nvpair_proxy.broker import Broker
 from nvpair_proxy.engines import load_engines
 from nvpair_proxy.facade import make_facade
-from nvpair_proxy.facades import Facades
+from nvpair_proxy.facadeservice import Facades
 from nvpair_proxy.inventory import Prober
 from nvpair_proxy.reservations import ReservationMap
 from nvpair_proxy.rpc import RpcLink

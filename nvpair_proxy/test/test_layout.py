@@ -33,7 +33,7 @@ ORDER = (
     # The request path, top to bottom.
     "dispatch", "recorder", "status", "metrics", "admin", "fleet", "exchange", "facade", "ingress",
     # Lifecycle and the broker's methods; wiring last.
-    "facades", "broker", "vitals", "service", "tap", "cli",
+    "facadeservice", "broker", "vitals", "service", "tap", "cli",
 )
 
 # Plain bookkeeping the request path drives: no Twisted at all (design 1b).

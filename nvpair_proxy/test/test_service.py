@@ -14,7 +14,7 @@ from twisted.trial.unittest import SynchronousTestCase
 from nvpair_proxy import constants, logs
 from nvpair_proxy.discovery import make_node
 from nvpair_proxy.engines import load_engines
-from nvpair_proxy.facades import Facades, FacadeService
+from nvpair_proxy.facadeservice import Facades, FacadeService
 from nvpair_proxy.inventory import Prober
 from nvpair_proxy.options import Options
 from nvpair_proxy.router import Router

@@ -1,4 +1,7 @@
-"""The facades of the service tree: one ``FacadeService`` per enabled engine, under ``Facades``.
+"""Binding and running the facades: one ``FacadeService`` per enabled engine, under ``Facades``.
+
+What a facade does with a request is ``facade.py``'s; this module is its place in the service
+tree.
 
 A FacadeService owns what one facade binds and runs: its listening port, the alias ports of
 its engine's host variable, its prober, and the facade (with its router). Both modes open
