@@ -64,7 +64,7 @@ def grants_credentials(reply: Reply) -> bool:
 
 
 def _tokens(reply: Reply, name: bytes) -> list[bytes]:
-    out = []
+    out: list[bytes] = []
     for value in reply.headers.getRawHeaders(name, []):
         out.extend(token.strip() for token in value.split(b",") if token.strip())
     return out

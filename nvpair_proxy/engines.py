@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import tomllib
 from importlib import resources
-from typing import Iterable, Mapping
+from typing import Iterable, Literal, Mapping, overload
 
 import attrs
 
@@ -125,6 +125,10 @@ def _port(data: Mapping, key: str, where: str) -> int:
     return value
 
 
+@overload
+def _path(data: Mapping, key: str, where: str, required: Literal[True] = ...) -> str: ...
+@overload
+def _path(data: Mapping, key: str, where: str, required: bool) -> str | None: ...
 def _path(data: Mapping, key: str, where: str, required: bool = True) -> str | None:
     value = _field(data, key, str, where, required)
     if value is not None and not value.startswith("/"):

@@ -379,7 +379,9 @@ class FrameReader:
             pos += 1
         while pos < size:
             if in_string:
-                end = _JSON_STRING_BODY.match(buf, pos, size).end()
+                body = _JSON_STRING_BODY.match(buf, pos, size)
+                assert body is not None  # the pattern matches the empty string too
+                end = body.end()
                 if end >= size:
                     break
                 if buf[end] == _QUOTE:

@@ -17,14 +17,14 @@ from datetime import datetime, timezone
 from typing import Callable, Mapping
 
 from twisted.logger import (FileLogObserver, FilteringLogObserver, ILogObserver,
-                            LegacyLogObserverWrapper, formatEvent, textFileLogObserver)
+                            LegacyLogObserverWrapper, LogEvent, formatEvent, textFileLogObserver)
 from twisted.python.components import Componentized
 from twisted.python.logfile import LogFile
 
 from .logs import COMPONENT, PREDICATE
 
 
-def json_line(event: Mapping) -> str:
+def json_line(event: LogEvent) -> str:
     """One record as one JSON line: time, level, logger, engine when facade-scoped, message,
     and the traceback of a logged failure. Only the message's own fields are formatted in;
     the rest of the event is not dumped (spec 9: nothing but what the line says)."""
@@ -55,7 +55,10 @@ def destination(twistd: Mapping, log_format: str) -> ILogObserver:
     format."""
     if twistd.get("syslog"):
         from twisted.python.syslog import SyslogObserver
-        return LegacyLogObserverWrapper(SyslogObserver(twistd.get("prefix") or "twisted").emit)
+        # A legacy observer is any callable taking the event dict; Twisted types it as an
+        # interface no bound method declares.
+        emit = SyslogObserver(twistd.get("prefix") or "twisted").emit
+        return LegacyLogObserverWrapper(emit)  # type: ignore[arg-type]
     path = twistd.get("logfile")
     if path == "-" and not twistd.get("nodaemon"):
         raise SystemExit("Daemons cannot log to stdout, exiting!")

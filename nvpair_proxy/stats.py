@@ -40,7 +40,7 @@ class BodyObserver:
     def __init__(self, terminal: str | None, content_type: str | bytes | None = None) -> None:
         self._frames = FrameReader(terminal, content_type)
         self.terminal = terminal
-        self.feed = self._frames.feed
+        self.feed = self._frames.feed  # type: ignore[method-assign]  # bound once: no extra call
 
     def __repr__(self) -> str:
         frames = self._frames

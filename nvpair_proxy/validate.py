@@ -12,16 +12,17 @@ listener asked for it is bound to the IPv4 address (``ip_of``).
 from __future__ import annotations
 
 import ipaddress
+from typing import Literal, TypeGuard, overload
 
 PORT_MIN, PORT_MAX = 1, 65535
 
 
-def is_int(value: object) -> bool:
+def is_int(value: object) -> TypeGuard[int]:
     """An integer that is not a bool (``isinstance(True, int)`` holds in Python)."""
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def is_port(value: object, *, zero: bool = False) -> bool:
+def is_port(value: object, *, zero: bool = False) -> TypeGuard[int]:
     """1-65535; with ``zero``, 0 too (where 0 means "default" or "none")."""
     return is_int(value) and (PORT_MIN - zero) <= value <= PORT_MAX
 
@@ -44,6 +45,12 @@ def parse_port(text: str, *, zero: bool = False) -> int:
     return int(text)
 
 
+@overload
+def split_host_port(text: str, *, zero: bool = ...,
+                    port_required: Literal[True] = ...) -> tuple[str, int]: ...
+@overload
+def split_host_port(text: str, *, zero: bool = ...,
+                    port_required: bool) -> tuple[str, int | None]: ...
 def split_host_port(text: str, *, zero: bool = False,
                     port_required: bool = True) -> tuple[str, int | None]:
     """``host:port``, an IPv6 host in brackets (``[::1]:11434``); the host comes back without
