@@ -153,11 +153,14 @@ def send_whole(request: Request, status: int, headers: Headers, body: bytes,
 def answer_internal_error(request: Request) -> None:
     """Spec 3.2: 500 when nothing was sent yet; otherwise drop the connection, so the client
     sees a broken response rather than a complete-looking one. ``request`` is a
-    ``server.BoundedRequest``: ``client_gone`` says the client already left (notifyFinish)."""
-    if not request.startedWriting and not request.finished and not request.client_gone:
+    ``server.BoundedRequest``: ``client_gone`` says the client already left (notifyFinish).
+    Typed as the Request it extends: server.py builds on this module, not the other way."""
+    if (not request.startedWriting and not request.finished
+            and not request.client_gone):  # type: ignore[attr-defined]
         send_error(request, 500, "internal error")
     elif not request.finished and request.channel is not None:
-        request.channel.transport.abortConnection()
+        # The channel's TCP or TLS transport (both abort), while the request is not finished.
+        request.channel.transport.abortConnection()  # type: ignore[union-attr]
 
 
 def raw_error(status: int, text: str, code: str | None = None) -> bytes:

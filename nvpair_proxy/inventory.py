@@ -14,8 +14,8 @@ from typing import Callable, Iterable, Sequence
 import attrs
 from twisted.application.internet import TimerService
 from twisted.internet.defer import Deferred, DeferredList, maybeDeferred, succeed
-from twisted.internet.interfaces import IReactorTime
-from twisted.internet.protocol import Protocol
+from twisted.internet.interfaces import IPushProducer, IReactorTime
+from twisted.internet.protocol import Protocol, connectionDone
 from twisted.python.failure import Failure
 from twisted.web.http_headers import Headers
 from twisted.web.iweb import IAgent
@@ -76,8 +76,12 @@ def envelope_body(envelope: str, entries: Iterable[dict]) -> bytes:
 
 
 class _Capped(Protocol):
+    # deliverBody connects a body receiver to the response's producer, not to a transport.
+    transport: IPushProducer  # type: ignore[assignment]
+
     def __init__(self, done: Deferred, limit: int) -> None:
-        self.done, self.limit, self.parts, self.size = done, limit, [], 0
+        self.done, self.limit, self.size = done, limit, 0
+        self.parts: list[bytes] = []
 
     def dataReceived(self, data: bytes) -> None:
         self.size += len(data)
@@ -86,7 +90,7 @@ class _Capped(Protocol):
             return
         self.parts.append(data)
 
-    def connectionLost(self, reason: Failure) -> None:
+    def connectionLost(self, reason: Failure = connectionDone) -> None:
         if self.done.called:
             return
         if self.size > self.limit:

@@ -10,10 +10,10 @@ as it serves loopback, and answers the others 403 or 401 (issue 11).
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, cast
 
-from twisted.internet.interfaces import IAddress
-from twisted.internet.protocol import Protocol, ServerFactory
+from twisted.internet.interfaces import IAddress, ITCPTransport
+from twisted.internet.protocol import Protocol, ServerFactory, connectionDone
 from twisted.protocols.policies import WrappingFactory
 from twisted.python.failure import Failure
 from twisted.web.resource import Resource
@@ -24,7 +24,7 @@ from .apikeys import LanGate, Verdict, answer_for
 from .constants import SERVER_HEADER_READ_TIMEOUT
 from .validate import is_loopback
 from .logs import logger
-from .server import BoundedSite, Rejected
+from .server import BoundedChannel, BoundedSite, Rejected
 from .timers import cancel_pending
 
 TLS_HANDSHAKE = 0x16
@@ -48,7 +48,8 @@ class LoopbackOnly(Resource):
         if self.lan is not None:
             verdict = self.lan.decide(request.getClientAddress().host, request.requestHeaders)
         refusal = answer_for(verdict)
-        if refusal is None:
+        if refusal is None:  # only a LanGate lets a LAN peer through
+            assert self.lan is not None and self.serve is not None
             self.lan.admit(request.requestHeaders)
             return self.serve.render(request)
         status, reason, text, challenge = refusal
@@ -67,7 +68,9 @@ class _Demux(Protocol):
     handshake, and hands the HTTP channel it builds the callback that ends it.
     """
 
-    def __init__(self, factory: "DemuxFactory", addr: IAddress) -> None:
+    transport: ITCPTransport  # the accepted TCP connection, before any TLS
+
+    def __init__(self, factory: "DemuxFactory", addr: IAddress | None) -> None:
         self.factory, self.addr = factory, addr
         self.inner: Protocol | None = None
         self.timer = None
@@ -97,7 +100,7 @@ class _Demux(Protocol):
             self.inner = inner
         self.inner.dataReceived(data)
 
-    def connectionLost(self, reason: Failure) -> None:
+    def connectionLost(self, reason: Failure = connectionDone) -> None:
         self._stop_timer()
         if self.inner is not None:
             self.inner.connectionLost(reason)
@@ -120,10 +123,10 @@ class DemuxFactory(ServerFactory):
         self.gate = _gate_site(site, lan)
         self.tls = tls
 
-    def buildProtocol(self, addr: IAddress) -> Protocol:
+    def buildProtocol(self, addr: IAddress | None) -> Protocol:
         return _Demux(self, addr)
 
-    def choose(self, first: int, addr: IAddress,
+    def choose(self, first: int, addr: IAddress | None,
                request_line_seen: Callable[[], None]) -> Protocol | None:
         """The protocol for a connection whose first byte is ``first``; its HTTP channel
         calls ``request_line_seen`` at its first request line."""
@@ -132,7 +135,8 @@ class DemuxFactory(ServerFactory):
             if tls is None:
                 return None
             protocol = tls.buildProtocol(addr)
-            channel = protocol.wrappedProtocol  # the TLS layer wraps the ingress's channel
+            # The TLS layer wraps the ingress's channel, which its BoundedSite built.
+            channel = cast(BoundedChannel, protocol.wrappedProtocol)
         elif is_loopback(getattr(addr, "host", "")):
             protocol = channel = self.site.buildProtocol(addr)
         else:

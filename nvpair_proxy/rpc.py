@@ -12,7 +12,7 @@ import math
 import sys
 from typing import Any, Callable
 
-from twisted.internet.protocol import Protocol
+from twisted.internet.protocol import Protocol, connectionDone
 from twisted.python.failure import Failure
 from zope.interface import implementer
 
@@ -114,7 +114,7 @@ class LineFramer(Protocol):
                 # the link shuts the process down: bad input must never stop the link.
                 log.failure("failed handling a JSON-RPC line")
 
-    def connectionLost(self, reason: Failure) -> None:
+    def connectionLost(self, reason: Failure = connectionDone) -> None:
         self.on_closed(reason)
 
     def send(self, message: dict) -> None:

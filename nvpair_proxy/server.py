@@ -28,8 +28,10 @@ from __future__ import annotations
 
 from typing import Callable
 
-from twisted.internet.interfaces import IDelayedCall
+from twisted.internet.interfaces import IDelayedCall, ITCPTransport
+from twisted.internet.protocol import connectionDone
 from twisted.python.failure import Failure
+from twisted.web import http
 from twisted.web.http import HTTPChannel
 from twisted.web.resource import IResource
 from twisted.web.server import Request, Site
@@ -58,6 +60,10 @@ class BoundedChannel(HTTPChannel):
     """
 
     header_timeout = constants.SERVER_HEADER_READ_TIMEOUT
+    # Set before any of our code runs: the Site sets ``site`` as it builds the channel, and
+    # the methods below run only while connected, over TCP or TLS (both abort).
+    site: BoundedSite
+    transport: ITCPTransport
 
     def __init__(self) -> None:
         super().__init__()
@@ -81,9 +87,10 @@ class BoundedChannel(HTTPChannel):
         request_line = self._between_requests and line != b"" and self.persistent
         if request_line:
             self._between_requests = False
-            line = self._got_request_line(line)
-            if line is None:
+            rewritten = self._got_request_line(line)
+            if rewritten is None:
                 return
+            line = rewritten
         super().lineReceived(line)
 
     def _got_request_line(self, line: bytes) -> bytes | None:
@@ -154,7 +161,7 @@ class BoundedChannel(HTTPChannel):
         self._between_requests = True
         super().allContentReceived()
 
-    def connectionLost(self, reason: Failure) -> None:
+    def connectionLost(self, reason: Failure = connectionDone) -> None:
         self._stop_header_timer()
         super().connectionLost(reason)
 
@@ -170,6 +177,7 @@ class BoundedRequest(Request):
     """
 
     max_body = constants.MAX_REQUEST_BODY
+    channel: BoundedChannel  # what a BoundedSite's channels build (``requestFactory``)
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -222,7 +230,8 @@ class BoundedSite(Site):
     as ``(method, target, status, error)``.
     """
 
-    protocol = BoundedChannel
+    # Twisted types ``protocol`` as its HTTP/1.1-or-2 wrapper; ours serves HTTP/1.1 only.
+    protocol = BoundedChannel  # type: ignore[assignment]
     requestFactory = BoundedRequest
     displayTracebacks = False
     noisy = False
@@ -235,6 +244,6 @@ class BoundedSite(Site):
                          parsePOSTFormSubmission=False)
         self.on_rejected = on_rejected
 
-    def log(self, request: Request) -> None:
+    def log(self, request: http.Request) -> None:
         """twisted.web's per-request line: off unless ``--access-log`` (logs.py)."""
         log_access(request)
