@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Callable
 
 import attrs
+from twisted.internet.interfaces import IReactorTime
 from twisted.web.iweb import IAgent
 
 from .discovery import Node
@@ -27,7 +28,7 @@ class Admission:
     """One facade's admission of discovered nodes, asked each time its node set is read."""
 
     directory: ClusterDirectory | None
-    clock: object
+    clock: IReactorTime
     local_backend: LocalBackend
     checked_at: float = float("-inf")
     # The node as admitted, per discovered node and what decided it (the backend, or that a
@@ -45,7 +46,7 @@ class Admission:
             return node
         if self.directory is None or not node.cluster_uuid:
             return None
-        self._recheck()
+        self._recheck(self.directory)
         if self.directory.pin(node.cluster_uuid):
             return self._copy(node, "https")
         return None
@@ -64,13 +65,13 @@ class Admission:
         self._made[node.id] = (node, decided, admitted)
         return admitted
 
-    def _recheck(self) -> None:
+    def _recheck(self, directory: ClusterDirectory) -> None:
         """A pin that appeared or vanished counts at once, not only on the 2 s watch (spec 7);
         throttled so a burst of resolutions costs one stat pass."""
         now = self.clock.seconds()
         if now - self.checked_at >= TRUST_RECHECK:
             self.checked_at = now
-            self.directory.check()
+            directory.check()
 
 
 def admit_into(facade, directory: ClusterDirectory | None, local_backend: LocalBackend) -> None:

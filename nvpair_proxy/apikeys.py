@@ -140,42 +140,42 @@ class KeyStore:
         if stamp == self._stamp:
             return
         self._stamp = stamp
-        self._load(stamp)
+        self._load(self.path, stamp)
 
-    def _load(self, stamp) -> None:
+    def _load(self, path: str, stamp) -> None:
         digests: list[bytes] | None = None
         error = None
         if stamp is not None:
             try:
-                digests = self._read()
+                digests = self._read(path)
             except KeysError as exc:
                 error = str(exc)
             except OSError as exc:
-                error = f"{self.path}: cannot read: {exc.strerror or exc}"
+                error = f"{path}: cannot read: {exc.strerror or exc}"
         if error is not None:
             log.error("API keys disabled: {why}", why=error)
         elif self._file_error is not None or self._file_digests != digests:
-            log.info("API keys file {path}: {n} key(s)", path=self.path, n=len(digests or ()))
+            log.info("API keys file {path}: {n} key(s)", path=path, n=len(digests or ()))
         self._file_digests, self._file_error = digests, error
 
-    def _read(self) -> list[bytes]:
+    def _read(self, path: str) -> list[bytes]:
         """Checked and read through one descriptor, so the file checked is the file read."""
-        fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
-                raise KeysError(f"{self.path}: refused: not a regular file")
-            check_file(self.path, st, self.uid)
+                raise KeysError(f"{path}: refused: not a regular file")
+            check_file(path, st, self.uid)
             data = os.read(fd, MAX_KEYS_FILE + 1)
         finally:
             os.close(fd)
         if len(data) > MAX_KEYS_FILE:
-            raise KeysError(f"{self.path}: refused: larger than 64 KiB")
+            raise KeysError(f"{path}: refused: larger than 64 KiB")
         try:
             text = data.decode("utf-8")
         except UnicodeDecodeError:
-            raise KeysError(f"{self.path}: not UTF-8 text") from None
-        return parse_keys(enumerate(text.splitlines(), start=1), self.path)
+            raise KeysError(f"{path}: not UTF-8 text") from None
+        return parse_keys(enumerate(text.splitlines(), start=1), path)
 
 
 class Verdict(enum.Enum):

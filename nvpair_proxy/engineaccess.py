@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+from typing import TYPE_CHECKING
 
 import attrs
 from cryptography import x509
@@ -35,6 +36,9 @@ from .client import Client
 from .pool import ConnectionPool
 from .files import read_regular_file
 from .logs import logger
+
+if TYPE_CHECKING:  # what platformTrust and trustRootFromCertificates build; not in ssl's API
+    from twisted.internet._sslverify import IOpenSSLTrustRoot
 
 log = logger()
 
@@ -58,7 +62,7 @@ class EngineTLS:
     cert_file: str | None
     key_file: str | None
     digest: bytes = attrs.field(repr=False)
-    trust: object = attrs.field(eq=False, repr=False)
+    trust: IOpenSSLTrustRoot = attrs.field(eq=False, repr=False)
     client: ssl.PrivateCertificate | None = attrs.field(eq=False, repr=False)
 
 
@@ -93,6 +97,8 @@ def load_tls(ca_file: str | None, cert_file: str | None, key_file: str | None) -
             [ssl.Certificate.loadPEM(c.public_bytes(Encoding.PEM)) for c in certificates])
     client = None
     if cert_file is not None:
+        if key_file is None:
+            raise AccessError("fields 'cert_file' and 'key_file' go together")
         cert_pem, key_pem = _read("cert_file", cert_file), _read("key_file", key_file)
         digest.update(cert_pem + key_pem)
         try:

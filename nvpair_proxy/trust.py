@@ -16,7 +16,7 @@ from typing import Callable
 import attrs
 from cryptography import x509
 from cryptography.hazmat.primitives.serialization import Encoding
-from cryptography.x509.oid import ExtensionOID, NameOID
+from cryptography.x509.oid import NameOID
 from OpenSSL import SSL, crypto
 from twisted.application.internet import TimerService
 from twisted.internet.interfaces import (IOpenSSLClientConnectionCreator,
@@ -48,7 +48,7 @@ URN_PREFIX = "urn:nvpair:node:"
 def principal(certificate: x509.Certificate) -> str:
     """The node a certificate names: its ``urn:nvpair:node:<uuid>`` URI SAN, else its CN."""
     try:
-        san = certificate.extensions.get_extension_for_oid(ExtensionOID.SUBJECT_ALTERNATIVE_NAME)
+        san = certificate.extensions.get_extension_for_class(x509.SubjectAlternativeName)
         for uri in san.value.get_values_for_type(x509.UniformResourceIdentifier):
             if uri.startswith(URN_PREFIX):
                 return uri[len(URN_PREFIX):]
@@ -94,7 +94,7 @@ class ClusterDirectory:
 
     def trusts(self, der: bytes) -> bool:
         """A client certificate is a pinned member's, or our own (per request, protocol 6)."""
-        if not self.member or not der:
+        if not self.member or not der or self.identity is None:  # no identity: no member
             return False
         candidates = list(self.pins.values()) + [self.identity.der]
         return any(hmac.compare_digest(der, pinned) for pinned in candidates)

@@ -296,6 +296,14 @@ class NodesFileAccessTests(SynchronousTestCase):
     def test_tls_files_need_https(self):
         self.assertIn("needs scheme", self.error('ca_file = "ca.pem"\n'))
 
+    def test_load_tls_refuses_a_certificate_without_its_key_before_reading_it(self):
+        # The nodes file refuses the pair half-given; so does loading it, rather than trying
+        # to open no key file.
+        from nvpair_proxy.engineaccess import AccessError, load_tls
+        with self.assertRaises(AccessError) as caught:
+            load_tls(None, os.path.join(self.folder, "nowhere.pem"), None)
+        self.assertEqual(str(caught.exception), "fields 'cert_file' and 'key_file' go together")
+
     def test_a_bad_api_key_is_refused_without_showing_it(self):
         text = self.error('api_key = "two words"\n')
         self.assertIn("api_key", text)
