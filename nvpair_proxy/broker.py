@@ -38,10 +38,21 @@ class Running:
     backend, nodes reported unreachable, and manual nodes to probe. The backend's slots are
     kept on the service, where the admin listener's ``/status`` reads them too."""
 
-    service: FacadeService | None = None
+    _service: FacadeService | None = None
     local_backend: tuple[str, int] | None = None
     unreachable: set = attrs.Factory(set)
     probed: set = attrs.Factory(set)
+
+    @property
+    def service(self) -> FacadeService:
+        """The facade's service: set as the facade opens, before the broker keeps it."""
+        if self._service is None:
+            raise RuntimeError("the facade is not open yet")
+        return self._service
+
+    @service.setter
+    def service(self, service: FacadeService) -> None:
+        self._service = service
 
     @property
     def facade(self) -> Facade:
@@ -51,7 +62,7 @@ class Running:
         """The local backend, unless it points at this facade itself (protocol 3): the
         ingress and the self node would then send requests back to us."""
         backend = self.local_backend
-        if backend is None or self.service is None or backend[1] in self.service.own_ports():
+        if backend is None or self._service is None or backend[1] in self._service.own_ports():
             return None
         return backend
 

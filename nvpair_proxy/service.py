@@ -30,7 +30,7 @@ from twisted.internet.error import CannotListenError
 from twisted.python.failure import Failure
 
 from . import constants
-from .discovery import make_node
+from .discovery import Node, make_node
 from .dispatch import Bounds
 from .client import Client
 from .pool import ConnectionPool
@@ -121,7 +121,7 @@ class RuntimeService(Service):
     """The runtime's place in the tree: first in, so its pool closes last (protocol 1):
     requests in flight hold pooled connections until the facades have cancelled them."""
 
-    name = "runtime"
+    name = "runtime"  # type: ignore[assignment]  # Twisted leaves Service.name untyped (None)
 
     def __init__(self, runtime: Runtime) -> None:
         self.runtime = runtime
@@ -144,7 +144,7 @@ class ProcessService(MultiService):
     while the facades' grace runs), so here each child stops after the one added after it.
     """
 
-    name = "process"
+    name = "process"  # type: ignore[assignment]  # Twisted leaves Service.name untyped (None)
 
     runtime: "Runtime | None" = None
     facades: "Facades | None" = None
@@ -219,7 +219,7 @@ class Standalone(MultiService):
     bad file stops start-up with one clear line; the nodes-file watch is a child.
     """
 
-    name = "standalone"
+    name = "standalone"  # type: ignore[assignment]  # Twisted leaves Service.name untyped (None)
 
     def __init__(self, options: Options, reactor, facades: Facades,
                  engine_agents: EngineAgents | None = None) -> None:
@@ -239,9 +239,8 @@ class Standalone(MultiService):
         options = self.options
         for engine_id, port in options["facades"]:
             try:
-                service = self.facades.open(
-                    options.engines[engine_id], port,
-                    should_probe=lambda node, e=engine_id: (e, node.id) in self.probed)
+                service = self.facades.open(options.engines[engine_id], port,
+                                            should_probe=self._probes(engine_id))
             except CannotListenError as exc:
                 raise SystemExit(f"nvpair-proxy: {engine_id}: cannot listen on port {port}: "
                                  f"{exc.socketError}") from None
@@ -256,6 +255,10 @@ class Standalone(MultiService):
         else:
             self.apply(local_fleet(options))
         super().privilegedStartService()
+
+    def _probes(self, engine_id: str) -> Callable[[Node], bool]:
+        """Whether the fleet last applied has this engine's node probed for its models."""
+        return lambda node: (engine_id, node.id) in self.probed
 
     def apply(self, fleet: ConfiguredNodes) -> None:
         self.probed = fleet.probed
@@ -341,7 +344,7 @@ def connect_ipc(path: str):
 class LinkService(Service):
     """The broker link: stdio (the claimed fd 1) or the ``--ipc`` socket (protocol 1)."""
 
-    name = "link"
+    name = "link"  # type: ignore[assignment]  # Twisted leaves Service.name untyped (None)
 
     def __init__(self, reactor, ipc: str | None, dispatch) -> None:
         from .rpc import RpcLink
@@ -365,7 +368,9 @@ class LinkService(Service):
             self.reactor.adoptStreamConnection(self.sock.fileno(), socket.AF_UNIX, factory)
             self.sock.close()
         else:
-            StandardIO(self.link.framer, stdin=0, stdout=self.link_fd, reactor=self.reactor)
+            # POSIX's StandardIO; mypy reads stdio's Windows branch, which takes no fds.
+            StandardIO(self.link.framer, stdin=0, stdout=self.link_fd,  # type: ignore[call-arg]
+                       reactor=self.reactor)
         log.info("nvpair-proxy broker link up ({channel})", channel=self.ipc or "stdio")
 
     def _closed(self) -> None:
@@ -381,8 +386,12 @@ class LinkService(Service):
         transport = self.link.framer.transport
         if transport is None or getattr(transport, "disconnected", False):
             return succeed(None)
-        flushed = Deferred()
-        self.link.framer.on_closed = lambda reason: flushed.called or flushed.callback(None)
+        flushed: Deferred[None] = Deferred()
+
+        def closed(reason: Failure) -> None:
+            if not flushed.called:
+                flushed.callback(None)
+        self.link.framer.on_closed = closed
         transport.loseConnection()
         flushed.addTimeout(constants.FACADE_SHUTDOWN_GRACE, self.reactor)
         return flushed.addErrback(lambda _: None)
@@ -420,6 +429,7 @@ def broker_tree(options: Options, reactor) -> ProcessService:
     """Broker mode: no facade until ``facade/enable``; the link is stdio or ``--ipc``."""
     from .broker import Broker
     root = ProcessService(reactor)
+    broker: Broker  # made last, from the link and the facades; the link calls it later
     link = LinkService(reactor, options["ipc"], lambda method, params: broker.dispatch(method, params))
     directory = peer_agents = None
     if options["cluster-dir"]:
