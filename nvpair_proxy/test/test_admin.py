@@ -14,13 +14,14 @@ from twisted.internet.task import Clock
 from twisted.internet.testing import StringTransport
 from twisted.trial.unittest import SynchronousTestCase
 
-from nvpair_proxy import answers, dispatch, events
+from nvpair_proxy import __version__, answers, dispatch, events
 from nvpair_proxy.admin import AdminResource, loopback_host, status_page
 from nvpair_proxy.constants import MAX_REQUEST_BODY
 from nvpair_proxy.options import admin_address
 from nvpair_proxy.metrics import registry, scrape
 from nvpair_proxy.options import Options
 from nvpair_proxy.recorder import REASONS, Recorder, reason
+from nvpair_proxy.selfcheck import self_reason
 from nvpair_proxy.server import BoundedSite
 from nvpair_proxy.status import ProcessView, status
 from nvpair_proxy.testing import lan, loopback
@@ -28,6 +29,10 @@ from nvpair_proxy.test.support import gate
 from nvpair_proxy.test.world import Response, WorldTestCase, request_bytes, serve_all
 
 NDJSON = {"Content-Type": "application/x-ndjson"}
+# The gauges /metrics reads from the tree at scrape time (not the recorder's counts).
+STATE_GAUGES = tuple(f"nvpair_proxy_{name}{{" for name in (
+    "requests_in_flight", "requests_waiting_for_owner", "nodes", "nodes_busy_held",
+    "nodes_cooling", "node_requests_in_flight", "reservations"))
 MARKER = "PROMPT-MARKER-4e1d9b"
 
 
@@ -418,6 +423,86 @@ class StatusTests(WorldTestCase):
             "time": 0.0, "engine": "ollama", "route": "inference", "model": "llama3",
             "node": "a", "outcome": "completed", "status": 200, "ttfb_ms": 0,
             "duration_ms": 0, "dispatches": 1, "prompt_tokens": None, "completion_tokens": 2})
+
+    def test_a_whole_status_document_and_the_state_gauges_are_pinned(self):
+        """Every field of ``/status`` and every gauge read from the tree, for a fleet with a
+        pin, a held node, a cooling node, this facade among the nodes, one request streaming
+        on a node, one waiting for its attempt's answer and one finished."""
+        recorder = Recorder()
+        w = self.world(recorder=recorder)
+        w.facade.router.check_self(lambda node: node.id == "self")
+        w.add("a", addresses=("10.0.0.1", "10.0.1.1"))
+        w.add("b", addresses=("10.0.0.2",))
+        w.add("c", models=("mistral:7b",), addresses=("10.0.0.3",))
+        w.add("self", addresses=("127.0.0.1",), port=11435)
+        done = w.chat()
+        w.agent.last.respond(200, NDJSON, body=b'{"done":true,"prompt_eval_count":3,'
+                             b'"eval_count":2}\n', finish=True)
+        self.assertEqual(done.response().status, 200)
+        w.clock.advance(5)
+        streaming = w.chat()
+        upstream = w.agent.last.respond(200, NDJSON)
+        upstream.write(b'{"message":{"content":"hi"},"done":false}\n')
+        w.clock.advance(1)
+        waiting = w.chat(model="mistral:7b")
+        w.facade.router.answered("b", 503)
+        w.facade.router.stalled("c")
+        w.facade.router.set_pin("a")
+        view = view_of(w, recorder)
+        answer = admin_get(view, "/status")
+        expected = {
+            "schema": 1, "version": __version__, "mode": "standalone", "now": 6.0,
+            "uptime_s": 0.0, "broker_link_up": None, "cluster_pins": None, "reservations": 2,
+            "engines": [{
+                "engine": "ollama", "port": 11435, "pin": "a", "nodes": 3, "in_flight": 2,
+                "waiting_for_owner": 0, "held": ["b"], "cooling": ["c"],
+                "requests": {"completed": 1}, "reasons": {}, "dispatches": {"committed": 2},
+                "failovers": 0, "prompt_tokens": 3, "completion_tokens": 2, "slots": None}],
+            "nodes": [
+                {"id": "a", "name": "a", "addresses": ["10.0.0.1", "10.0.1.1"],
+                 "engines": [{"engine": "ollama", "port": 11434, "models": ["llama3:latest"],
+                              "state": "ready"}],
+                 "last_activity": 5.0, "reservations": 1, "in_flight": 1, "held": False,
+                 "cooling": False},
+                {"id": "b", "name": "b", "addresses": ["10.0.0.2"],
+                 "engines": [{"engine": "ollama", "port": 11434, "models": ["llama3:latest"],
+                              "state": "held"}],
+                 "last_activity": None, "reservations": 0, "in_flight": 0, "held": True,
+                 "cooling": False},
+                {"id": "c", "name": "c", "addresses": ["10.0.0.3"],
+                 "engines": [{"engine": "ollama", "port": 11434, "models": ["mistral:7b"],
+                              "state": "cooling"}],
+                 "last_activity": None, "reservations": 1, "in_flight": 1, "held": False,
+                 "cooling": True},
+                {"id": "self", "name": "self", "addresses": ["127.0.0.1"],
+                 "engines": [{"engine": "ollama", "port": 11435, "models": ["llama3:latest"],
+                              "state": "excluded",
+                              "excluded": self_reason("ollama", 11435)}],
+                 "last_activity": None, "reservations": 0, "in_flight": 0, "held": False,
+                 "cooling": False}],
+            "recent": [{
+                "time": 0.0, "engine": "ollama", "route": "inference", "model": "llama3",
+                "node": "a", "outcome": "completed", "status": 200, "ttfb_ms": 0,
+                "duration_ms": 0, "dispatches": 1, "prompt_tokens": 3,
+                "completion_tokens": 2}]}
+        self.maxDiff = None
+        self.assertEqual(json.loads(answer.body), expected)
+        self.assertEqual(answer.body, json.dumps(expected, sort_keys=True).encode() + b"\n")
+        state = [line for line in scrape(registry(view)).decode().splitlines()
+                 if line.startswith(STATE_GAUGES)]
+        self.assertEqual(state, [
+            'nvpair_proxy_requests_in_flight{engine="ollama"} 2.0',
+            'nvpair_proxy_requests_waiting_for_owner{engine="ollama"} 0.0',
+            'nvpair_proxy_nodes{engine="ollama"} 3.0',
+            'nvpair_proxy_nodes_busy_held{engine="ollama"} 1.0',
+            'nvpair_proxy_nodes_cooling{engine="ollama"} 1.0',
+            'nvpair_proxy_node_requests_in_flight{engine="ollama",node="a"} 1.0',
+            'nvpair_proxy_node_requests_in_flight{engine="ollama",node="c"} 1.0',
+            'nvpair_proxy_reservations{node="a"} 1.0',
+            'nvpair_proxy_reservations{node="c"} 1.0'])
+        upstream.write(b'{"done":true}\n')
+        upstream.finish()
+        serve_all(self, w, streaming, waiting)
 
     def test_the_last_100_requests_newest_first(self):
         recorder = Recorder()
