@@ -11,16 +11,22 @@ from __future__ import annotations
 import json
 from importlib import resources
 
+from prometheus_client.registry import CollectorRegistry
 from twisted.application.service import Service
+from twisted.internet.address import IPv4Address, IPv6Address
+from twisted.internet.defer import Deferred
 from twisted.internet.error import CannotListenError
+from twisted.internet.interfaces import IListeningPort
 from twisted.web.resource import Resource
 from twisted.web.server import Request
 
 from . import constants
 from .discovery import host_port
+from .interfaces import IStatusSource
 from .validate import is_loopback, split_host_port
 from .logs import logger
 from .metrics import CONTENT_TYPE_LATEST, registry, scrape
+from .recorder import Recorder
 from .server import BoundedSite
 from .status import ProcessView, status
 
@@ -52,7 +58,7 @@ class AdminResource(Resource):
 
     isLeaf = True
 
-    def __init__(self, view, registry, page: bytes) -> None:
+    def __init__(self, view: ProcessView, registry: CollectorRegistry, page: bytes) -> None:
         super().__init__()
         self.view, self.registry, self.page = view, registry, page
 
@@ -83,9 +89,11 @@ class AdminResource(Resource):
     def _healthz(self, request: Request) -> bytes:
         """200 while the process serves; 503 while it stops, or (broker mode) while the
         link to the broker is down."""
-        if not self.view.root.running:
+        view = self.view
+        snapshot = view.snapshot()
+        if not snapshot.running:
             return self._plain(request, 503, "stopping")
-        if self.view.link_up() is False:
+        if view.link_up(snapshot) is False:
             return self._plain(request, 503, "broker link down")
         return self._plain(request, 200, "ok")
 
@@ -99,20 +107,22 @@ class AdminResource(Resource):
 class AdminService(Service):
     """The admin listener's place in the tree: after the runtime, so it stops after the
     facades and shows the drain; bound before the reactor runs, so a taken port stops
-    start-up with one line."""
+    start-up with one line. It reads the process through ``source`` (the tree's snapshots)
+    and what the facades' reporters told ``recorder``."""
 
-    name = "admin"
-
-    def __init__(self, root, address: tuple[str, int], reactor, mode: str) -> None:
-        self.root, self.address, self.reactor, self.mode = root, address, reactor, mode
-        self.listening = None
-        self.view = None
+    def __init__(self, source: IStatusSource, recorder: Recorder, address: tuple[str, int],
+                 reactor, mode: str) -> None:
+        self.setName("admin")
+        self.source, self.recorder, self.address, self.reactor = source, recorder, address, reactor
+        self.mode = mode
+        self.listening: IListeningPort | None = None
+        self.view: ProcessView | None = None
 
     def privilegedStartService(self) -> None:
-        self.view = ProcessView(root=self.root, recorder=self.root.runtime.recorder,
-                                mode=self.mode, clock=self.reactor.seconds,
-                                started=self.reactor.seconds())
-        site = BoundedSite(AdminResource(self.view, registry(self.view), status_page()),
+        view = self.view = ProcessView(source=self.source, recorder=self.recorder,
+                                       mode=self.mode, clock=self.reactor.seconds,
+                                       started=self.reactor.seconds())
+        site = BoundedSite(AdminResource(view, registry(view), status_page()),
                            reactor=self.reactor, timeout=constants.SERVER_IDLE_TIMEOUT)
         host, port = self.address
         try:
@@ -125,10 +135,14 @@ class AdminService(Service):
 
     @property
     def url(self) -> str:
+        """Where the listener is bound, once it is."""
+        if self.listening is None:
+            raise RuntimeError("the admin listener is not bound yet")
         host = self.listening.getHost()
+        assert isinstance(host, (IPv4Address, IPv6Address))  # listenTCP's, either family
         return f"http://{host_port(host.host, host.port)}/"
 
-    def stopService(self):
+    def stopService(self) -> Deferred[None] | None:
         super().stopService()
         if self.listening is not None:
             return self.listening.stopListening()

@@ -15,6 +15,7 @@ import attrs
 from .engines import Engine
 from .selfcheck import never_self
 from .validate import is_loopback, is_port
+from .views import NodeView
 
 
 def host_port(host: str, port: int) -> str:
@@ -77,6 +78,14 @@ class Node:
         if self.addresses:
             out["ip"] = self.addresses[0]
         return out
+
+    def view(self) -> NodeView:
+        """What ``/status`` shows of the node: its models as advertised, else the ids it is
+        known to own (sorted), else None; never its access settings."""
+        models = (self.advertised if self.advertised is not None
+                  else tuple(sorted(self.models)) if self.models is not None else None)
+        return NodeView(id=self.id, name=self.name, port=self.port, addresses=self.addresses,
+                        models=models, local=self.local)
 
 
 def make_node(engine: Engine, *, id: str, name: str | None = None, port: int,

@@ -169,6 +169,10 @@ class Dispatch:
         """Backing off because no node advertises the model now (protocol 7), for status."""
         return self._owner_missing and not self._done
 
+    def attempting(self) -> str | None:
+        """The node the attempt in flight targets, None between attempts (for status)."""
+        return self.attempt.node.id if self.attempt is not None else None
+
     def run(self, on_done: Callable[[Committed | Answer | Gone], None],
             on_error: Callable[[Failure], None], candidates: list[Node] | None = None) -> None:
         """Start. Exactly one of ``on_done`` (Committed, Answer or Gone) and ``on_error`` (a

@@ -29,6 +29,7 @@ from .relay import ClientWatch, StreamIdle, StreamIdleTimeout, clean_end
 from .router import retry_after
 from .stats import BodyObserver
 from .twisted_workarounds import channel_paused
+from .views import InFlightView
 
 log = logger()
 
@@ -156,6 +157,15 @@ class Exchange:
     @property
     def ended(self) -> bool:
         return self.phase is ENDED
+
+    def view(self) -> InFlightView:
+        """What the admin listener shows of this request while it is in flight: the node
+        serving it (committed, else its attempt's) and whether it waits for an owner."""
+        dispatch, node = self.dispatch, self.node_id
+        if node is None and dispatch is not None:
+            node = dispatch.attempting()
+        return InFlightView(node=node,
+                            waiting_for_owner=dispatch is not None and dispatch.waiting_for_owner)
 
     def _enter(self, phase: Phase) -> None:
         if phase not in PHASES[self.phase]:

@@ -10,7 +10,7 @@ tree are ``facadeservice.py``'s.
 from __future__ import annotations
 
 from functools import partial
-from typing import Callable
+from typing import Callable, Mapping
 
 import attrs
 from twisted.internet.interfaces import IReactorTime
@@ -32,6 +32,7 @@ from .loopguard import LoopGuard
 from .reservations import ReservationMap
 from .router import Router
 from .server import BoundedRequest, BoundedSite
+from .views import FacadeView
 
 IDENTITY_PROBE = b"x-nvpair-engine-identity-probe"
 
@@ -63,6 +64,13 @@ class Facade:
         """The parts the answers of the whole fleet (preflight, model list) need."""
         return Fleet(engine=self.engine, router=self.router, reporter=self.reporter,
                      upstreams=self.upstreams)
+
+    def view(self, port: int, slots: Mapping[str, object] | None = None) -> FacadeView:
+        """This facade as the admin listener shows it, read now: ``port`` and ``slots`` are
+        its service's (facadeservice.py), which binds the port and keeps the broker's slots."""
+        return FacadeView(engine=self.engine.id, port=port, routing=self.router.view(),
+                          in_flight=tuple(exchange.view() for exchange in list(self.in_flight)),
+                          slots=slots)
 
     def shutdown(self) -> None:
         """Cancel every request in flight; each reports ``cancelled`` once (protocol 1).

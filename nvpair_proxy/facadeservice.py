@@ -32,6 +32,7 @@ from .selfcheck import SelfCheck, is_local_address
 from .server import BoundedSite
 from .slots import Slots
 from .trust import ClusterDirectory, tls_ingress
+from .views import FacadeView
 
 log = logger()
 
@@ -88,6 +89,12 @@ class FacadeService(MultiService):
         if self.alias_port:
             ports.add(self.alias_port)
         return frozenset(ports)
+
+    def view(self) -> FacadeView:
+        """The facade as the admin listener shows it: on its port as bound, with the slots
+        the broker last relayed."""
+        slots = self.slots.describe() if self.slots is not None else None
+        return self.facade.view(port=self.listening.getHost().port, slots=slots)
 
     @property
     def ports(self) -> list:
@@ -172,6 +179,14 @@ class Facades(MultiService):
 
     def __getitem__(self, engine_id: str) -> FacadeService:
         return self.getServiceNamed(engine_id)
+
+    def views(self) -> tuple[FacadeView, ...]:
+        """Every facade as the admin listener shows it, in the order they were opened."""
+        return tuple(service.view() for service in self)
+
+    def cluster_pins(self) -> int | None:
+        """Cluster peers with a live pin; None without a cluster directory."""
+        return self.directory.live_pins() if self.directory is not None else None
 
     def stopService(self) -> Deferred:
         return super().stopService().addCallback(lambda _: None)

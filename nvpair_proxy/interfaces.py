@@ -119,3 +119,14 @@ class IRequestRecorder(Interface):
 
     def dispatch_ended(engine: str, outcome) -> None:
         """One dispatch of the facade ``engine`` ended: ``Committed`` or ``Failed``."""
+
+
+class IStatusSource(Interface):
+    """What the admin listener reads of the process: the service tree in a real process, a
+    World's facade in the tests. It answers with frozen values, so ``/status`` and ``/metrics``
+    never walk the tree or touch a request in flight."""
+
+    def snapshot():
+        """The process now, as a ``views.ProcessSnapshot``: whether it serves, each facade's
+        routing and requests in flight, the reservations, the last streamed bytes per node,
+        the broker link and the cluster pins."""

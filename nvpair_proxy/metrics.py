@@ -1,8 +1,9 @@
 """``/metrics``: the Recorder's counts and the tree's state in Prometheus's text format.
 
 prometheus-client writes the format; what it is given is a custom collector that yields
-metric families at scrape time from our own counters (recorder.py) and from the tree
-(status.ProcessView), so nothing is kept twice and nothing runs on the request path.
+metric families at scrape time from our own counters (recorder.py) and from one snapshot of
+the tree (status.ProcessView, views.py), so nothing is kept twice and nothing runs on the
+request path.
 
 Labels are bounded (issue 12): ``engine`` (the engine files), ``node`` only for ids of the
 current fleet (counts of nodes that left are dropped, not shown), ``route``, ``outcome``,
@@ -22,7 +23,8 @@ from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from . import __version__
-from .status import ProcessView, in_flight_per_node, waiting_for_owner
+from .status import ProcessView, fleet_ids, in_flight_per_node, waiting_for_owner
+from .views import ProcessSnapshot
 
 PREFIX = "nvpair_proxy_"
 __all__ = ["CONTENT_TYPE_LATEST", "ProxyCollector", "registry", "scrape"]
@@ -58,8 +60,7 @@ class ProxyCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         view, recorder = self.view, self.view.recorder
-        fleet = view.fleet_ids()
-        recorder.forget_nodes_except(fleet)
+        snapshot = view.snapshot()
         yield InfoMetricFamily(PREFIX + "build", "Version of the proxy and what it runs on.",
                                value={"version": __version__, "mode": view.mode,
                                       "python": platform.python_version(),
@@ -80,36 +81,36 @@ class ProxyCollector(Collector):
                        ["engine", "node"], recorder.prompt_tokens)
         yield _counter("generated_tokens", "Generated tokens the engines reported.",
                        ["engine", "node"], recorder.completion_tokens)
-        yield from self._state(fleet)
+        yield from self._state(snapshot)
 
-    def _state(self, fleet: set[str]) -> Iterator[Metric]:
-        """Gauges read from the tree now."""
-        view = self.view
-        facades = view.facades()
+    def _state(self, snapshot: ProcessSnapshot) -> Iterator[Metric]:
+        """Gauges read from the snapshot of the tree taken for this scrape."""
+        fleet = fleet_ids(snapshot)
+        facades, routing = snapshot.facades, {f.engine: f.routing for f in snapshot.facades}
         yield _gauge("requests_in_flight", "Requests admitted and not yet ended.", ["engine"],
-                     {f.engine.id: len(f.in_flight) for f in facades})
+                     {f.engine: len(f.in_flight) for f in facades})
         yield _gauge("requests_waiting_for_owner",
                      "Requests backing off until a node advertises their model.", ["engine"],
-                     {f.engine.id: waiting_for_owner(f) for f in facades})
+                     {f.engine: waiting_for_owner(f) for f in facades})
         yield _gauge("nodes", "Routable nodes.", ["engine"],
-                     {f.engine.id: len(f.router.routable()) for f in facades})
+                     {engine: len(r.routable) for engine, r in routing.items()})
         yield _gauge("nodes_busy_held", "Nodes held after a 429 or 503 (issue 8).", ["engine"],
-                     {f.engine.id: len(f.router.held()) for f in facades})
+                     {engine: len(r.held) for engine, r in routing.items()})
         yield _gauge("nodes_cooling", "Nodes cooling after a first-content stall (issue 8).",
-                     ["engine"], {f.engine.id: len(f.router.cooling()) for f in facades})
-        per_node = {key: count for key, count in in_flight_per_node(view).items()
+                     ["engine"], {engine: len(r.cooling) for engine, r in routing.items()})
+        per_node = {key: count for key, count in in_flight_per_node(snapshot).items()
                     if key[1] in fleet}
         yield _gauge("node_requests_in_flight", "Requests in flight on a node.",
                      ["engine", "node"], per_node)
         yield _gauge("reservations", "Reservations counted against a node (spec 6).", ["node"],
-                     {n: count for n, count in view.reservations().items() if n in fleet})
-        link = view.link_up()
+                     {n: count for n, count in snapshot.reservations.items() if n in fleet})
+        link = self.view.link_up(snapshot)
         if link is not None:
             yield _gauge("broker_link_up", "1 while the link to the broker is open.", [],
                          {(): int(link)})
-        pins = view.live_pins()
-        if pins is not None:
-            yield _gauge("cluster_pins", "Cluster peers with a live pin.", [], {(): pins})
+        if snapshot.cluster_pins is not None:
+            yield _gauge("cluster_pins", "Cluster peers with a live pin.", [],
+                         {(): snapshot.cluster_pins})
 
 
 def registry(view: ProcessView) -> CollectorRegistry:

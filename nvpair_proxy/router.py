@@ -34,6 +34,7 @@ from .logs import logger
 from .reservations import Reservation, ReservationMap
 from .selection import order, owners
 from .timers import cancel_pending
+from .views import RoutingView
 
 log = logger()
 
@@ -210,6 +211,12 @@ class Router:
     def cooling(self) -> dict[str, float]:
         """Cooling nodes and the seconds left on each cooldown."""
         return self._remaining(self._cooling)
+
+    def view(self) -> RoutingView:
+        """This facade's routing as the admin listener shows it, read now (views.py)."""
+        return RoutingView(pin=self._pin, nodes=tuple(node.view() for node in self.nodes.all()),
+                           routable=tuple(node.id for node in self.routable()),
+                           held=tuple(self.held()), cooling=tuple(self.cooling()))
 
     # Spec 5.3: an attempt whose target left the routable set is abandoned.
 

@@ -122,6 +122,10 @@ class LineFramer(Protocol):
         # reported through here); an answer is checked strictly before it is sent.
         self.write(_encode(message, strict=False), message.get("method", "a reply"))
 
+    def is_open(self) -> bool:
+        """A transport is attached and its peer has not left: a line written now is sent."""
+        return self.transport is not None and not getattr(self.transport, "disconnected", False)
+
     def write(self, line: bytes, what: str = "a reply") -> None:
         if self.transport is None or getattr(self.transport, "disconnected", False):
             log.debug("link closed; dropped {method}", method=what)
@@ -145,6 +149,10 @@ class RpcLink:
         self.dispatch = dispatch
         self.framer = LineFramer(self.line_received, lambda reason: on_closed())
         self.after_answer: list[Callable[[], None]] = []
+
+    def is_open(self) -> bool:
+        """Whether the link to the broker is open now (the admin listener shows it)."""
+        return self.framer.is_open()
 
     def notify(self, method: str, params: dict, engine: str | None = None) -> None:
         name = f"{engine}:{method}" if engine else method

@@ -28,6 +28,7 @@ from twisted.application.service import MultiService, Service
 from twisted.internet.defer import Deferred, DeferredList, maybeDeferred, succeed
 from twisted.internet.error import CannotListenError
 from twisted.python.failure import Failure
+from zope.interface import implementer
 
 from . import constants
 from .discovery import Node, make_node
@@ -39,6 +40,7 @@ from .admission import peer_dialler
 from .events import ActivityThrottle, LogEmitter, new_run_id
 from .facade import Facade, make_facade
 from .facadeservice import Facades, listen_on
+from .interfaces import IStatusSource
 from .inventory import Prober
 from .logs import logger, set_access_log, set_level
 from .loopguard import LoopGuard
@@ -46,6 +48,7 @@ from .nodesfile import ConfiguredNodes, NodesFileError, NodesFileWatcher, tls_co
 from .options import Options
 from .reservations import ReservationMap
 from .selfcheck import self_reason
+from .views import ProcessSnapshot
 
 log = logger()
 
@@ -136,6 +139,7 @@ class RuntimeService(Service):
         return DeferredList(closing, consumeErrors=True).addCallback(lambda _: None)
 
 
+@implementer(IStatusSource)
 class ProcessService(MultiService):
     """The root: systemd's view of the process, and children stopped one after another.
 
@@ -186,6 +190,25 @@ class ProcessService(MultiService):
         for child in reversed(list(self)):
             stopped.addBoth(self._stop_next, child)
         return stopped.addBoth(self._stop_next, None)
+
+    def snapshot(self) -> ProcessSnapshot:
+        """The process as the admin listener shows it, read now (IStatusSource)."""
+        runtime, facades = self.runtime, self.facades
+        reservations: dict[str, int] = {}
+        streamed: dict[str, float] = {}
+        if runtime is not None:
+            reservations = dict(runtime.reservations.reservations)
+            if runtime.activity is not None:
+                streamed = runtime.activity.last_seen()
+        try:
+            link = self.getServiceNamed("link")
+        except KeyError:
+            link = None
+        return ProcessSnapshot(
+            running=bool(self.running), facades=facades.views() if facades is not None else (),
+            reservations=reservations, streamed=streamed,
+            link_up=link.is_up() if isinstance(link, LinkService) else None,
+            cluster_pins=facades.cluster_pins() if facades is not None else None)
 
     @staticmethod
     def _stop_next(result, child):
@@ -373,6 +396,11 @@ class LinkService(Service):
                        reactor=self.reactor)
         log.info("nvpair-proxy broker link up ({channel})", channel=self.ipc or "stdio")
 
+    def is_up(self) -> bool:
+        """Running, and the link to the broker open: what ``/healthz`` and the
+        ``broker_link_up`` gauge report."""
+        return bool(self.running and self.link.is_open())
+
     def _closed(self) -> None:
         """EOF ends the process (protocol 1), unless it is already ending."""
         if self.running and self.parent is not None and self.parent.running:
@@ -404,11 +432,16 @@ def lan_gate(options: Options, reactor):
                    allowed=options["allowed-cidrs"])
 
 
-def add_admin(root: ProcessService, options: Options, reactor, mode: str) -> None:
-    """The admin listener (issue 12), when ``--admin`` asks for it."""
+def add_admin(root: ProcessService, runtime: Runtime, options: Options, reactor,
+              mode: str) -> None:
+    """The admin listener (issue 12), when ``--admin`` asks for it: it reads the tree's
+    snapshots and the runtime's recorder (made whenever ``--admin`` is given)."""
     if options["admin"] is not None:
         from .admin import AdminService
-        AdminService(root, options["admin"], reactor, mode).setServiceParent(root)
+        from .recorder import Recorder
+        recorder = runtime.recorder
+        assert isinstance(recorder, Recorder)
+        AdminService(root, recorder, options["admin"], reactor, mode).setServiceParent(root)
 
 
 def standalone_tree(options: Options, reactor) -> ProcessService:
@@ -416,7 +449,7 @@ def standalone_tree(options: Options, reactor) -> ProcessService:
     root = ProcessService(reactor)
     runtime = Runtime.build(options, reactor, LogEmitter())
     RuntimeService(runtime).setServiceParent(root)
-    add_admin(root, options, reactor, "standalone")
+    add_admin(root, runtime, options, reactor, "standalone")
     facades = Facades(make_facade=runtime.facade, listen=listen_on(reactor),
                       make_prober=runtime.prober, clock=reactor, lan=lan_gate(options, reactor))
     Standalone(options, reactor, facades, runtime.engine_agents).setServiceParent(root)
@@ -440,7 +473,7 @@ def broker_tree(options: Options, reactor) -> ProcessService:
                                  keepalive=options["upstream-keepalive"])
     runtime = Runtime.build(options, reactor, link.link, peer_agents)
     RuntimeService(runtime).setServiceParent(root)
-    add_admin(root, options, reactor, "broker")
+    add_admin(root, runtime, options, reactor, "broker")
     link.setServiceParent(root)
     if directory is not None:
         from .trust import trust_watch

@@ -1,98 +1,84 @@
 """The process as the admin listener shows it: ``/status`` (JSON) and what metrics read.
 
-A ProcessView reads the service tree when asked (facades, routers, reservations, the link)
-and the Recorder's counts, so nothing here runs on the request path. ``/status`` carries
-operational metadata only (spec 9): node ids, addresses and advertised models, counts and
-times, and for recent requests the engine, model, node, outcome and timings, never a body.
+A ProcessView asks its source (the service tree, IStatusSource) for one frozen snapshot per
+read (views.py) and joins it with the Recorder's counts, so nothing here runs on the request
+path or reaches into a live object. ``/status`` carries operational metadata only (spec 9):
+node ids, addresses and advertised models, counts and times, and for recent requests the
+engine, model, node, outcome and timings, never a body.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-
 from typing import Callable, Iterator
 
 import attrs
 
 from . import __version__
-from .selfcheck import self_reason
 from .events import ms
+from .interfaces import IStatusSource
 from .recorder import Recorder
+from .selfcheck import self_reason
+from .views import FacadeView, InFlightView, ProcessSnapshot, RoutingView
 
 STATUS_SCHEMA = 1
 
 
 @attrs.define(eq=False)
 class ProcessView:
-    """The process tree, read at request time: the root's runtime and facades, the broker
-    link and the cluster directory when there are."""
+    """The process read at request time: its source's snapshot, the recorder's counts, the
+    mode and the clock."""
 
-    root: object
+    source: IStatusSource
     recorder: Recorder
     mode: str
     clock: Callable[[], float]
     started: float
 
-    def facade_services(self) -> list:
-        return list(self.root.facades) if self.root.facades is not None else []
+    def snapshot(self) -> ProcessSnapshot:
+        """The process now; the recorder forgets the nodes that left the fleet since, so a
+        scrape and ``/status`` only ever name the current fleet's nodes."""
+        snapshot: ProcessSnapshot = self.source.snapshot()
+        self.recorder.forget_nodes_except(fleet_ids(snapshot))
+        return snapshot
 
-    def facades(self) -> list:
-        return [service.facade for service in self.facade_services()]
+    def link_up(self, snapshot: ProcessSnapshot) -> bool | None:
+        """Broker mode: whether the link to the broker is open; None in standalone mode."""
+        return bool(snapshot.link_up) if self.mode == "broker" else None
 
-    def fleet_ids(self) -> set[str]:
-        """Every node id a facade knows now: the only node label values metrics show."""
-        return {node.id for facade in self.facades() for node in facade.router.nodes.all()}
-
-    def reservations(self) -> dict[str, int]:
-        runtime = self.root.runtime
-        return dict(runtime.reservations.reservations) if runtime is not None else {}
-
-    def last_activity(self) -> dict[str, float]:
+    def last_activity(self, snapshot: ProcessSnapshot) -> dict[str, float]:
+        """When each node last ended a request or streamed bytes, whichever was later."""
         seen: dict[str, float] = dict(self.recorder.last_request)
-        runtime = self.root.runtime
-        if runtime is not None and runtime.activity is not None:
-            for node, at in runtime.activity.last_seen().items():
-                seen[node] = max(at, seen.get(node, at))
+        for node, at in snapshot.streamed.items():
+            seen[node] = max(at, seen.get(node, at))
         return seen
 
-    def link_up(self) -> bool | None:
-        """Broker mode: whether the link to the broker is open; None in standalone mode."""
-        if self.mode != "broker":
-            return None
-        try:
-            link = self.root.getServiceNamed("link")
-        except KeyError:
-            return False
-        transport = link.link.framer.transport
-        return bool(link.running and transport is not None
-                    and not getattr(transport, "disconnected", False))
 
-    def live_pins(self) -> int | None:
-        """Broker mode with --cluster-dir: pinned peers trusted now; None otherwise."""
-        directory = getattr(self.root.facades, "directory", None)
-        if directory is None:
-            return None
-        return len(directory.pins) if directory.member else 0
+def fleet_ids(snapshot: ProcessSnapshot) -> set[str]:
+    """Every node id a facade knows now: the only node label values metrics show."""
+    return {node.id for routing in routings(snapshot) for node in routing.nodes}
 
 
-def serving_node(exchange) -> str | None:
-    """The node a request in flight is on: its committed node, else its attempt's."""
-    if exchange.node_id is not None:
-        return exchange.node_id
-    attempt = exchange.dispatch.attempt if exchange.dispatch is not None else None
-    return attempt.node.id if attempt is not None else None
+def routings(snapshot: ProcessSnapshot) -> Iterator[RoutingView]:
+    for facade in snapshot.facades:
+        yield facade.routing
 
 
-def in_flight(view: ProcessView) -> Iterator[tuple[str, object]]:
-    """``(engine, exchange)`` for every request in flight."""
-    for facade in view.facades():
-        for exchange in list(facade.in_flight):
-            yield facade.engine.id, exchange
+def waiting_for_owner(facade: FacadeView) -> int:
+    return sum(1 for request in facade.in_flight if request.waiting_for_owner)
 
 
-def waiting_for_owner(facade) -> int:
-    return sum(1 for exchange in list(facade.in_flight)
-               if exchange.dispatch is not None and exchange.dispatch.waiting_for_owner)
+def in_flight(snapshot: ProcessSnapshot) -> Iterator[tuple[str, InFlightView]]:
+    """``(engine, request)`` for every request in flight."""
+    for facade in snapshot.facades:
+        for request in facade.in_flight:
+            yield facade.engine, request
+
+
+def in_flight_per_node(snapshot: ProcessSnapshot) -> Counter:
+    """Requests in flight per (engine, node serving them)."""
+    return Counter((engine, request.node) for engine, request in in_flight(snapshot)
+                   if request.node is not None)
 
 
 def _by(counter, engine: str, position: int) -> dict[str, int]:
@@ -103,15 +89,13 @@ def _by(counter, engine: str, position: int) -> dict[str, int]:
     return dict(sorted(out.items()))
 
 
-def engine_status(view: ProcessView, service) -> dict:
-    facade, recorder = service.facade, view.recorder
-    engine = facade.engine.id
-    router = facade.router
+def engine_status(facade: FacadeView, recorder: Recorder) -> dict:
+    engine, routing = facade.engine, facade.routing
     return {
-        "engine": engine, "port": service.listening.getHost().port, "pin": router.pin or None,
-        "nodes": len(router.routable()), "in_flight": len(facade.in_flight),
+        "engine": engine, "port": facade.port, "pin": routing.pin or None,
+        "nodes": len(routing.routable), "in_flight": len(facade.in_flight),
         "waiting_for_owner": waiting_for_owner(facade),
-        "held": sorted(router.held()), "cooling": sorted(router.cooling()),
+        "held": list(routing.held), "cooling": list(routing.cooling),
         "requests": _by(recorder.requests, engine, 2),
         "reasons": _by(recorder.reasons, engine, 1),
         "dispatches": _by(recorder.dispatches, engine, 2),
@@ -119,27 +103,20 @@ def engine_status(view: ProcessView, service) -> dict:
         "prompt_tokens": sum(_by(recorder.prompt_tokens, engine, 1).values()),
         "completion_tokens": sum(_by(recorder.completion_tokens, engine, 1).values()),
         # Broker mode: the local engine's parallel slots from node/set-local-backend.
-        "slots": service.slots.describe() if service.slots is not None else None,
+        "slots": dict(facade.slots) if facade.slots is not None else None,
     }
 
 
-def in_flight_per_node(view: ProcessView) -> Counter:
-    """Requests in flight per (engine, node serving them)."""
-    return Counter((engine, node) for engine, exchange in in_flight(view)
-                   if (node := serving_node(exchange)) is not None)
-
-
-def nodes_status(view: ProcessView) -> list[dict]:
-    reservations, seen = view.reservations(), view.last_activity()
+def nodes_status(view: ProcessView, snapshot: ProcessSnapshot) -> list[dict]:
+    reservations, seen = snapshot.reservations, view.last_activity(snapshot)
     busy: dict[str, int] = {}
-    for (_, node), count in in_flight_per_node(view).items():
+    for (_, node), count in in_flight_per_node(snapshot).items():
         busy[node] = busy.get(node, 0) + count
     nodes: dict[str, dict] = {}
-    for facade in view.facades():
-        router = facade.router
-        held, cooling = router.held(), router.cooling()
-        routable = {node.id for node in router.routable()}
-        for node in router.nodes.all():
+    for facade in snapshot.facades:
+        engine, routing = facade.engine, facade.routing
+        held, cooling, routable = set(routing.held), set(routing.cooling), set(routing.routable)
+        for node in routing.nodes:
             entry = nodes.setdefault(node.id, {
                 "id": node.id, "name": node.name, "addresses": [], "engines": [],
                 "last_activity": seen.get(node.id), "reservations": reservations.get(node.id, 0),
@@ -152,20 +129,18 @@ def nodes_status(view: ProcessView) -> list[dict]:
                      else "excluded" if node.local else "unroutable")
             entry["held"] = entry["held"] or node.id in held
             entry["cooling"] = entry["cooling"] or node.id in cooling
-            models = (list(node.advertised) if node.advertised is not None
-                      else sorted(node.models) if node.models is not None else None)
-            shown = {"engine": facade.engine.id, "port": node.port, "models": models,
-                     "state": state}
+            models = list(node.models) if node.models is not None else None
+            shown = {"engine": engine, "port": node.port, "models": models, "state": state}
             if state == "excluded":
-                shown["excluded"] = self_reason(facade.engine.id, node.port)
+                shown["excluded"] = self_reason(engine, node.port)
             entry["engines"].append(shown)
     return [nodes[node_id] for node_id in sorted(nodes)]
 
 
-def recent_status(view: ProcessView) -> list[dict]:
+def recent_status(recorder: Recorder) -> list[dict]:
     """The last requests, newest first."""
     out = []
-    for ended in reversed(view.recorder.recent):
+    for ended in reversed(recorder.recent):
         stats = ended.stats or {}
         out.append({"time": ended.at, "engine": ended.engine, "route": ended.route,
                     "model": ended.model, "node": ended.node, "outcome": ended.outcome,
@@ -178,14 +153,14 @@ def recent_status(view: ProcessView) -> list[dict]:
 
 def status(view: ProcessView) -> dict:
     """The ``/status`` document (schema 1, documented in docs/operations.md)."""
-    view.recorder.forget_nodes_except(view.fleet_ids())
-    now = view.clock()
+    snapshot = view.snapshot()
+    recorder, now = view.recorder, view.clock()
     return {
         "schema": STATUS_SCHEMA, "version": __version__, "mode": view.mode, "now": now,
-        "uptime_s": round(now - view.started, 3), "broker_link_up": view.link_up(),
-        "cluster_pins": view.live_pins(),
-        "reservations": sum(view.reservations().values()),
-        "engines": [engine_status(view, service) for service in view.facade_services()],
-        "nodes": nodes_status(view),
-        "recent": recent_status(view),
+        "uptime_s": round(now - view.started, 3), "broker_link_up": view.link_up(snapshot),
+        "cluster_pins": snapshot.cluster_pins,
+        "reservations": sum(snapshot.reservations.values()),
+        "engines": [engine_status(facade, recorder) for facade in snapshot.facades],
+        "nodes": nodes_status(view, snapshot),
+        "recent": recent_status(recorder),
     }

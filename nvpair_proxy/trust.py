@@ -92,6 +92,10 @@ class ClusterDirectory:
     def pin(self, node_uuid: str) -> bytes | None:
         return self.pins.get(node_uuid) if self.member else None
 
+    def live_pins(self) -> int:
+        """How many peers' pins are trusted now: none until this node is a member."""
+        return len(self.pins) if self.member else 0
+
     def trusts(self, der: bytes) -> bool:
         """A client certificate is a pinned member's, or our own (per request, protocol 6)."""
         if not self.member or not der or self.identity is None:  # no identity: no member

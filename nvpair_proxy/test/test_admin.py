@@ -6,7 +6,6 @@ import json
 import os
 import re
 from collections import Counter
-from types import SimpleNamespace
 
 from prometheus_client.parser import text_string_to_metric_families
 from twisted.internet.address import IPv4Address
@@ -26,7 +25,8 @@ from nvpair_proxy.server import BoundedSite
 from nvpair_proxy.status import ProcessView, status
 from nvpair_proxy.testing import lan, loopback
 from nvpair_proxy.test.support import gate
-from nvpair_proxy.test.world import Response, WorldTestCase, request_bytes, serve_all
+from nvpair_proxy.test.world import (Response, WorldStatus, WorldTestCase, request_bytes,
+                                     serve_all)
 
 NDJSON = {"Content-Type": "application/x-ndjson"}
 # The gauges /metrics reads from the tree at scrape time (not the recorder's counts).
@@ -34,15 +34,6 @@ STATE_GAUGES = tuple(f"nvpair_proxy_{name}{{" for name in (
     "requests_in_flight", "requests_waiting_for_owner", "nodes", "nodes_busy_held",
     "nodes_cooling", "node_requests_in_flight", "reservations"))
 MARKER = "PROMPT-MARKER-4e1d9b"
-
-
-def tree(world, running: bool = True):
-    """The parts of the service tree the admin listener reads, around one World facade."""
-    service = SimpleNamespace(facade=world.facade, slots=None,
-                              listening=SimpleNamespace(getHost=lambda: SimpleNamespace(port=11435)))
-    runtime = SimpleNamespace(reservations=world.reservations,
-                              activity=world.facade.reporter.activity)
-    return SimpleNamespace(facades=[service], runtime=runtime, running=running)
 
 
 # The scenario's nodes by address, and what its events say without the recorder.
@@ -79,7 +70,7 @@ def dispatch_result(record) -> str:
 
 
 def view_of(world, recorder: Recorder) -> ProcessView:
-    return ProcessView(root=tree(world), recorder=recorder, mode="standalone",
+    return ProcessView(source=WorldStatus(world), recorder=recorder, mode="standalone",
                        clock=world.clock.seconds, started=world.clock.seconds())
 
 
@@ -571,7 +562,7 @@ class StatusTests(WorldTestCase):
         self.assertIn(b"process_cpu_seconds_total", metrics.body)
         self.assertEqual(admin_get(view, "/nope").status, 404)
         self.assertEqual(admin_get(view, "/status", method="POST").status, 405)
-        view.root.running = False
+        view.source.running = False
         self.assertEqual(admin_get(view, "/healthz").status, 503)
 
     def test_a_foreign_host_header_is_refused(self):

@@ -20,7 +20,8 @@ PACKAGE = os.path.dirname(nvpair_proxy.__file__)
 
 ORDER = (
     # Foundations: no knowledge of engines, nodes or requests.
-    "constants", "interfaces", "timers", "logs", "logformat", "files", "validate", "hopbyhop",
+    "constants", "views", "interfaces", "timers", "logs", "logformat", "files", "validate",
+    "hopbyhop",
     "loopguard", "selfcheck", "target",
     "requestbody", "relay", "frames", "tokens", "stats", "reservations", "twisted_workarounds", "sdnotify",
     "responsewire", "pool", "client",
@@ -37,7 +38,7 @@ ORDER = (
 )
 
 # Plain bookkeeping the request path drives: no Twisted at all (design 1b).
-NO_TWISTED = ("constants", "files", "validate", "selfcheck", "target", "reservations", "engines", "selection", "slots",
+NO_TWISTED = ("constants", "views", "files", "validate", "selfcheck", "target", "reservations", "engines", "selection", "slots",
               "frames", "tokens", "stats", "responsewire")
 
 

@@ -11,15 +11,18 @@ import json
 from twisted.internet.task import Clock
 from twisted.internet.testing import StringTransport
 from twisted.trial.unittest import SynchronousTestCase
+from zope.interface import implementer
 
 from nvpair_proxy.discovery import make_node
 from nvpair_proxy.dispatch import Bounds
 from nvpair_proxy.engines import load_engines
 from nvpair_proxy.testing import RecordingEmitter
 from nvpair_proxy.facade import make_facade, facade_site
+from nvpair_proxy.interfaces import IStatusSource
 from nvpair_proxy.listener import DemuxFactory
 from nvpair_proxy.reservations import ReservationMap
 from nvpair_proxy.testing import FakeAgent, loopback
+from nvpair_proxy.views import ProcessSnapshot
 
 ENGINES = load_engines()
 
@@ -215,3 +218,21 @@ def serve_all(test, w, *clients) -> None:
         w.clock.advance(8)
     for client in clients:
         test.assertEqual(client.response().status, 200, client.raw())
+
+
+@implementer(IStatusSource)
+class WorldStatus:
+    """The process as the admin listener reads it, around one World's facade: what the
+    service tree's snapshot holds in a real process, with the facade on port 11435 and no
+    broker link or cluster directory (standalone mode). ``running`` False is a stopping
+    process."""
+
+    def __init__(self, world: World, running: bool = True) -> None:
+        self.world, self.running = world, running
+
+    def snapshot(self) -> ProcessSnapshot:
+        world = self.world
+        facade = world.facade
+        return ProcessSnapshot(running=self.running, facades=(facade.view(port=11435),),
+                               reservations=dict(world.reservations.reservations),
+                               streamed=facade.reporter.activity.last_seen())

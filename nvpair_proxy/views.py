@@ -1,0 +1,85 @@
+"""What the admin listener is shown of the process: frozen values, each built by its owner.
+
+``/status`` and ``/metrics`` read only these (status.py, metrics.py), never the live objects:
+the router answers for its nodes and holds, a request in flight for the node serving it, a
+facade service for its port and slots, the service tree for the link and the reservations.
+So the request path and the tree can change shape without the admin listener following their
+attributes, and one read of ``/status`` or one scrape sees the process once, so its numbers
+agree with each other.
+
+Nothing here runs on the request path: a view is built when a scrape or ``/status`` asks.
+Plain values that import nothing of the proxy; the seam that hands them out is
+``interfaces.IStatusSource``.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import attrs
+
+
+@attrs.frozen
+class NodeView:
+    """One known node as ``/status`` shows it (discovery.py): operational metadata only,
+    never its TLS or key settings. ``models`` as the node advertised them, else the normalized
+    ids it is known to own, None while its inventory is unknown; ``local`` when the node is
+    this facade itself."""
+
+    id: str
+    name: str
+    port: int
+    addresses: tuple[str, ...]
+    models: tuple[str, ...] | None
+    local: bool
+
+
+@attrs.frozen
+class RoutingView:
+    """One facade's routing now (router.py): the ``node/select`` pin ("" for none), every
+    known node in id order whether routable or not, and the ids routable, busy-held and
+    cooling now, each in id order."""
+
+    pin: str
+    nodes: tuple[NodeView, ...]
+    routable: tuple[str, ...]
+    held: tuple[str, ...]
+    cooling: tuple[str, ...]
+
+
+@attrs.frozen
+class InFlightView:
+    """One request in flight (exchange.py): the node serving it, which is its committed
+    node, else its attempt's (None between attempts), and whether it is backing off until a
+    node advertises its model."""
+
+    node: str | None
+    waiting_for_owner: bool
+
+
+@attrs.frozen
+class FacadeView:
+    """One facade (facadeservice.py): its engine, the port it listens on as bound, its routing,
+    its requests in flight, and the local engine's slots as ``nodes/list`` describes them
+    (broker mode; None when none are known)."""
+
+    engine: str
+    port: int
+    routing: RoutingView
+    in_flight: tuple[InFlightView, ...]
+    slots: Mapping[str, object] | None = None
+
+
+@attrs.frozen
+class ProcessSnapshot:
+    """The process (service.py): whether it serves, its facades in the order they were
+    opened, the process-wide reservations per node, when each node last streamed bytes,
+    whether the broker link is open (None: the tree has no link) and how many cluster peers
+    have a live pin (None: no cluster directory)."""
+
+    running: bool
+    facades: tuple[FacadeView, ...]
+    reservations: Mapping[str, int]
+    streamed: Mapping[str, float]
+    link_up: bool | None = None
+    cluster_pins: int | None = None
