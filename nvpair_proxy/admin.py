@@ -41,9 +41,9 @@ def loopback_host(header: bytes | None) -> bool:
     """A Host header naming this machine: a loopback literal or localhost, any port."""
     if not header:
         return False
+    text = header.decode("latin-1")
     try:
-        host, _ = split_host_port(header.decode("latin-1").strip(), zero=True,
-                                  port_required=False)
+        host, _ = split_host_port(text.strip(), zero=True, port_required=False)
     except ValueError:
         return False
     return is_loopback(host.lower(), name=True)

@@ -7,6 +7,7 @@ import os
 import re
 from collections import Counter
 
+import attrs
 from prometheus_client.parser import text_string_to_metric_families
 from twisted.internet.address import IPv4Address
 from twisted.internet.task import Clock
@@ -24,6 +25,7 @@ from nvpair_proxy.selfcheck import self_reason
 from nvpair_proxy.server import BoundedSite
 from nvpair_proxy.status import ProcessView, status
 from nvpair_proxy.testing import lan, loopback
+from nvpair_proxy.views import InFlightView
 from nvpair_proxy.test.support import gate
 from nvpair_proxy.test.world import (Response, WorldStatus, WorldTestCase, request_bytes,
                                      serve_all)
@@ -494,6 +496,26 @@ class StatusTests(WorldTestCase):
         upstream.write(b'{"done":true}\n')
         upstream.finish()
         serve_all(self, w, streaming, waiting)
+
+    def test_a_snapshot_is_the_process_at_one_moment(self):
+        """What the owners hand the admin listener are frozen values: a request admitted
+        after a snapshot is not in it, and nothing read from one can change the process."""
+        w = self.world()
+        w.add("a")
+        source = WorldStatus(w)
+        before = source.snapshot()
+        client = w.chat()
+        after = source.snapshot()
+        self.assertEqual((before.facades[0].in_flight, dict(before.reservations)), ((), {}))
+        self.assertEqual(after.facades[0].in_flight,
+                         (InFlightView(node="a", waiting_for_owner=False),))
+        self.assertEqual(dict(after.reservations), {"a": 1})
+        self.assertEqual(after.facades[0].routing.routable, ("a",))
+        with self.assertRaises(attrs.exceptions.FrozenInstanceError):
+            after.facades[0].routing.pin = "a"
+        serve_all(self, w, client)
+        self.assertEqual(after.facades[0].in_flight[0].node, "a")
+        self.assertEqual(source.snapshot().facades[0].in_flight, ())
 
     def test_the_last_100_requests_newest_first(self):
         recorder = Recorder()

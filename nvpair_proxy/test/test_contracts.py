@@ -37,11 +37,12 @@ from nvpair_proxy.events import LogEmitter
 from nvpair_proxy.testing import RecordingEmitter
 from nvpair_proxy.ingress import LocalBackendRoute
 from nvpair_proxy.interfaces import (IBodySink, IDispatchObserver, IEmitter, IRequestRecorder,
-                                     IRouter)
+                                     IRouter, IStatusSource)
 from nvpair_proxy.recorder import Recorder
 from nvpair_proxy.requestbody import BytesProducer
 from nvpair_proxy.router import Router
-from nvpair_proxy.test.world import ENGINES, World
+from nvpair_proxy.service import ProcessService
+from nvpair_proxy.test.world import ENGINES, World, WorldStatus
 from nvpair_proxy.testing import FakeAgent, FakeResponse
 
 URL = b"http://10.0.0.1:11434/api/chat"
@@ -77,7 +78,9 @@ class Interfaces(SynchronousTestCase):
                 (IRouter, Router(engine=ENGINES["ollama"], clock=Clock())),
                 (IRouter, LocalBackendRoute(node)), (IReactorTime, Clock()),
                 (IBodySink, exchange), (IDispatchObserver, exchange),
-                (IDispatchObserver, SILENT), (IRequestRecorder, Recorder())):
+                (IDispatchObserver, SILENT), (IRequestRecorder, Recorder()),
+                (IStatusSource, ProcessService(MemoryReactorClock())),
+                (IStatusSource, WorldStatus(World()))):
             self.assertTrue(verifyObject(interface, implementation),
                             f"{type(implementation).__name__} vs {interface.__name__}")
 

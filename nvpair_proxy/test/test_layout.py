@@ -126,3 +126,96 @@ class LayoutTests(SynchronousTestCase):
     def test_bookkeeping_modules_import_nothing_of_twisted(self):
         offending = [m for m in NO_TWISTED if "twisted" in imports_of(m)[1]]
         self.assertEqual(offending, [])
+
+
+# The admin listener's readers see the process only as the values its owners hand out
+# (views.py, IStatusSource): each reads one attribute of what it is given, never through it.
+VIEW_READERS = ("status", "metrics", "admin")
+# A mapping's own reading methods, at the end of a chain, read the value the chain reached.
+MAPPING_READS = frozenset({"items", "keys", "values", "get"})
+
+
+def _chain(node: ast.expr) -> tuple[list[ast.Attribute], ast.expr]:
+    """The attributes of a chain, outermost first, and the expression it starts from; calls
+    and subscripts along the way are stepped over (``a.b().c[0].d``: d, c, b from a)."""
+    links = []
+    while True:
+        if isinstance(node, ast.Attribute):
+            links.append(node)
+            node = node.value
+        elif isinstance(node, ast.Call):
+            node = node.func
+        elif isinstance(node, ast.Subscript):
+            node = node.value
+        else:
+            return links, node
+
+
+def reach_ins(source: str) -> list[str]:
+    """Attribute chains that read through an object: more than one attribute after a name
+    (``facade.router.nodes``, ``exchange.dispatch.attempt``,
+    ``service.listening.getHost().port``), or more than two after ``self``
+    (``self.root.runtime.recorder``; ``self.view.snapshot()`` asks a field). A chain from an
+    imported name (``platform.python_version()``) or a literal walks nothing handed in."""
+    tree = ast.parse(source)
+    imported = {(alias.asname or alias.name).split(".")[0] for node in ast.walk(tree)
+                if isinstance(node, (ast.Import, ast.ImportFrom)) for alias in node.names}
+    attributes = sorted((n for n in ast.walk(tree) if isinstance(n, ast.Attribute)),
+                        key=lambda n: (n.lineno, n.col_offset, -(n.end_lineno or 0),
+                                       -(n.end_col_offset or 0)))
+    inner: set[int] = set()
+    found = []
+    for node in attributes:
+        if id(node) in inner:
+            continue
+        links, start = _chain(node)
+        inner.update(id(link) for link in links)
+        if not isinstance(start, ast.Name) or start.id in imported:
+            continue
+        steps = len(links) - (links[0].attr in MAPPING_READS)
+        if steps > (2 if start.id == "self" else 1):
+            found.append(ast.unparse(node))
+    return found
+
+
+class ReachInTests(SynchronousTestCase):
+    def test_a_chain_through_an_object_is_a_reach_in(self):
+        source = """
+import platform
+from . import constants
+
+def f(view, facade, exchange, service, ended, snapshot):
+    root = view.root
+    facade.router.nodes.all()
+    exchange.dispatch.attempt
+    service.listening.getHost().port
+    facade.in_flight[0].node
+    snapshot.reservations.items()
+    ended.stats.get("x")
+    snapshot.facade.routing.get("x")
+    platform.python_version().split(".")
+    constants.SERVER_IDLE_TIMEOUT.real
+    "a".join(ended.at).strip()
+    facade.view()
+    print(len(facade.router.routable()), facade.engine)
+    return root
+
+class C:
+    def g(self):
+        self.view.snapshot()
+        self.root.runtime.recorder
+"""
+        self.assertEqual(reach_ins(source), [
+            "facade.router.nodes.all", "exchange.dispatch.attempt",
+            "service.listening.getHost().port", "facade.in_flight[0].node",
+            "snapshot.facade.routing.get", "facade.router.routable",
+            "self.root.runtime.recorder"])
+
+    def test_the_admin_listener_reads_only_the_values_it_is_handed(self):
+        found = {}
+        for module in VIEW_READERS:
+            with open(os.path.join(PACKAGE, module + ".py"), encoding="utf-8") as handle:
+                chains = reach_ins(handle.read())
+            if chains:
+                found[module] = chains
+        self.assertEqual(found, {})
