@@ -3,8 +3,9 @@
 The facades' reporters tell a Recorder (their IRequestRecorder), when the admin listener is
 on, of every ended request and dispatch; it keeps counters and histograms keyed by fixed
 vocabularies and the last 100 requests, as plain Python, so the request path pays a few dict
-updates and never a Prometheus call. Everything that is a state rather than an event (in flight, reservations, held nodes) is
-read from the process tree at scrape time instead (metrics.py, status.py).
+updates and never a Prometheus call. Everything that is a state rather than an event (in
+flight, reservations, held nodes) is read from a snapshot of the process tree at scrape time
+instead (views.py, status.py).
 
 Only operational metadata is kept (spec 9): engine, node id, route class, outcome, status,
 times, token counts, and the model name for the recent-requests table, never a body.
