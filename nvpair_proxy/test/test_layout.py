@@ -21,8 +21,7 @@ PACKAGE = os.path.dirname(nvpair_proxy.__file__)
 ORDER = (
     # Foundations: no knowledge of engines, nodes or requests.
     "constants", "views", "interfaces", "timers", "logs", "logformat", "files", "validate",
-    "hopbyhop",
-    "loopguard", "selfcheck", "target",
+    "hopbyhop", "loopguard", "selfcheck", "target",
     "requestbody", "relay", "frames", "tokens", "stats", "reservations", "twisted_workarounds", "sdnotify",
     "responsewire", "pool", "client",
     # The model: engines, nodes, the link's framing, events, trust.
