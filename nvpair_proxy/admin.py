@@ -110,9 +110,10 @@ class AdminService(Service):
     start-up with one line. It reads the process through ``source`` (the tree's snapshots)
     and what the facades' reporters told ``recorder``."""
 
+    name = "admin"  # type: ignore[assignment]  # Twisted leaves Service.name untyped (None)
+
     def __init__(self, source: IStatusSource, recorder: Recorder, address: tuple[str, int],
                  reactor, mode: str) -> None:
-        self.setName("admin")
         self.source, self.recorder, self.address, self.reactor = source, recorder, address, reactor
         self.mode = mode
         self.listening: IListeningPort | None = None
