@@ -4,6 +4,10 @@ Three simulated GPU nodes each run Ollama, LM Studio and llama.cpp; gpu-a's Olla
 503 to every inference request and `mistral` lives on gpu-c only. The proxy runs standalone
 with all three facades, the nodes file below and the admin listener (its status page URL is
 printed); every request goes through it. ``--hold`` keeps everything running afterwards.
+
+The fleet and the proxy are started and stopped by ``nvpair_proxy.testing.processes``, as the
+process tests start them. It is imported only once something starts, so that ``--help`` (and
+bin/status_screenshot.py's) needs nothing but the standard library.
 """
 
 from __future__ import annotations
@@ -13,17 +17,15 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.error
 import urllib.request
+from types import ModuleType
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PY = sys.executable
-TWISTD = os.path.join(os.path.dirname(PY), "twistd")
 
 FLEET = {
     "gpu-a": {"ollama": {"models": ["llama3:latest"], "status": 503},
@@ -69,21 +71,17 @@ def parse(argv: list[str]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def processes() -> ModuleType:
+    """``nvpair_proxy.testing.processes`` of this checkout."""
+    if ROOT not in sys.path:
+        sys.path.insert(0, ROOT)
+    from nvpair_proxy.testing import processes as module
+    return module
+
+
 def stop(*children: subprocess.Popen | None) -> None:
     """SIGTERM each child still running; kill one that has not exited 10 s later."""
-    for child in children:
-        if child is not None and child.poll() is None:
-            child.send_signal(signal.SIGTERM)
-            try:
-                child.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                child.kill()
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    processes().stop(*children)
 
 
 def toml_list(values) -> str:
@@ -109,56 +107,28 @@ def write_files(workdir: str) -> str:
     return fleet_path
 
 
-def start_fleet(fleet_path: str) -> tuple[subprocess.Popen, dict[str, int]]:
-    proc = subprocess.Popen([PY, "-m", "nvpair_proxy.testing.simfleet", fleet_path],
-                            stdout=subprocess.PIPE, text=True)
-    line = proc.stdout.readline().strip()
-    if not line.startswith("simfleet ready:"):
-        raise SystemExit(f"demo: the simulated fleet did not start ({line!r})")
-    ports = dict(item.split("=") for item in line.split(":", 1)[1].split())
-    return proc, {k: int(v) for k, v in ports.items()}
-
-
 def write_nodes(workdir: str, ports: dict[str, int]) -> str:
-    out = []
-    for node_id, engines in FLEET.items():
-        out.append(f'[[node]]\nid = "{node_id}"\naddress = "127.0.0.1"')
-        for engine in engines:
-            out.append(f"[node.engines.{engine}]\nport = {ports[f'{node_id}-{engine}']}")
-            if engine == "llamacpp":
-                out.append(f"models = {toml_list(engines[engine]['loaded'])}")
-        out.append("")
+    """The proxy's nodes file: each node's three engines on their simulated ports. Ollama and
+    LM Studio list their models when probed; for llama.cpp the file names the loaded ones."""
+    entries = [(node_id, engine, ports[f"{node_id}-{engine}"],
+                spec["loaded"] if engine == "llamacpp" else None)
+               for node_id, engines in FLEET.items() for engine, spec in engines.items()]
     path = os.path.join(workdir, "nodes.toml")
     with open(path, "w") as handle:
-        handle.write("\n".join(out))
+        handle.write(processes().nodes_toml(entries))
     return path
 
 
 def start_proxy(workdir: str, nodes_path: str, facades: dict[str, int],
                 admin: int | None = None) -> subprocess.Popen:
-    notify_path = os.path.join(workdir, "notify.sock")
-    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    notify.bind(notify_path)
-    notify.settimeout(30)
-    args = [TWISTD, "-n", "--pidfile=", "--logfile", os.path.join(workdir, "proxy.log"),
-            "nvpair-proxy", "--nodes", nodes_path, "--log-level", "debug",
-            "--state-dir", os.path.join(workdir, "state")]
+    """The proxy standalone with a facade per engine, logging at debug to proxy.log."""
+    args = ["--nodes", nodes_path, "--log-level", "debug"]
     for engine, port in facades.items():
         args += ["--engine", f"{engine}:{port}"]
     if admin is not None:
         args += ["--admin", f"127.0.0.1:{admin}"]
-    env = dict(os.environ, NOTIFY_SOCKET=notify_path)
-    proc = subprocess.Popen(args, env=env, cwd=workdir)
-    try:
-        message = notify.recv(64)
-    except socket.timeout:
-        proc.kill()
-        raise SystemExit("demo: the proxy did not report READY=1 within 30 s")
-    finally:
-        notify.close()
-    if message != b"READY=1":
-        raise SystemExit(f"demo: unexpected notification {message!r}")
-    return proc
+    return processes().spawn_proxy(workdir, args, os.path.join(workdir, "proxy.log"),
+                                   stdout=None, stderr=None, cwd=workdir)
 
 
 def call(port: int, method: str, path: str, body: dict | None = None):
@@ -193,11 +163,19 @@ def launch(workdir: str):
     """The simulated fleet and the proxy in front of it (with the admin listener), files in
     ``workdir``: (fleet, proxy, fleet ports, facade ports, admin port). bin/demo and
     bin/status-screenshot both start here; the fleet is stopped again if the proxy fails."""
-    fleet, fleet_ports = start_fleet(write_files(workdir))
+    spawned = processes()
     try:
+        fleet, fleet_ports = spawned.spawn_fleet(write_files(workdir), stderr=None)
+    except spawned.StartFailed as failed:
+        raise SystemExit(f"demo: {failed}")
+    try:
+        free_port = spawned.free_port
         facades = {"ollama": free_port(), "lmstudio": free_port(), "llamacpp": free_port()}
         admin = free_port()
         proxy = start_proxy(workdir, write_nodes(workdir, fleet_ports), facades, admin)
+    except spawned.StartFailed as failed:
+        stop(fleet)
+        raise SystemExit(f"demo: {failed}")
     except BaseException:
         stop(fleet)
         raise

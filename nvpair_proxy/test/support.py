@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
+import tempfile
 
 from twisted.internet import error as ierror
 from twisted.internet.protocol import Protocol
@@ -14,6 +17,7 @@ from twisted.logger import globalLogPublisher
 
 from nvpair_proxy import logs
 from nvpair_proxy.apikeys import KeyStore, LanGate, parse_cidrs
+from nvpair_proxy.testing import processes
 
 KEY = "k" * 24 + "-._~+/=0123"           # 35 characters of the LAN keys' alphabet
 
@@ -156,3 +160,40 @@ class = "models"
 upstream_path = "/v1/models"
 envelope = "openai"
 """
+
+
+# The real processes (nvpair_proxy.testing.processes), bound to a test: stopped at its end.
+def start_fleet(test, fleet_toml: str) -> dict[str, int]:
+    """The simulated fleet of ``fleet_toml`` as a process; each node's port by id."""
+    path = test.mktemp() + "-fleet.toml"
+    with open(path, "w") as handle:
+        handle.write(fleet_toml)
+    try:
+        proc, ports = processes.spawn_fleet(path)
+    except processes.StartFailed as failed:
+        test.fail(str(failed))
+    test.addCleanup(processes.stop, proc)
+    return ports
+
+
+def start_standalone(test, args: list[str], logfile: str | None = None) -> subprocess.Popen:
+    """twistd nvpair-proxy standalone, once it reported READY=1. With ``logfile`` twistd logs
+    there at debug, so workload events can be read back."""
+    workdir = tempfile.mkdtemp(prefix="nvp-")  # short: the notification socket lives there
+    test.addCleanup(shutil.rmtree, workdir, True)
+    level = ["--log-level", "debug"] if logfile else []
+    try:
+        proc = processes.spawn_proxy(workdir, level + list(args), logfile)
+    except processes.StartFailed as failed:
+        test.fail(str(failed))
+    test.addCleanup(processes.stop, proc)
+    return proc
+
+
+def broker_channel(test, args: list[str] | tuple[str, ...] = ()) -> processes.BrokerChannel:
+    """A proxy in broker mode on a stdio link the test speaks for the broker."""
+    workdir = os.path.abspath(test.mktemp())
+    os.makedirs(workdir)
+    link = processes.BrokerChannel(workdir, args)
+    test.addCleanup(link.close)
+    return link

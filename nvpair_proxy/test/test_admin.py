@@ -704,7 +704,7 @@ class TreeTests(SynchronousTestCase):
         self.assertEqual((answer.status, answer.body), (503, b"stopping\n"))
 
     def test_cluster_pins_count_the_live_pins_of_a_member(self):
-        from nvpair_proxy.test.certs import make_certificate, write_identity, write_pin
+        from nvpair_proxy.testing.certs import make_certificate, write_identity, write_pin
         folder = self.mktemp()
         os.makedirs(folder)
         root, admin, _ = self.broker_tree("--cluster-dir", folder)

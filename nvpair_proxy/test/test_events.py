@@ -7,9 +7,9 @@ import json
 from twisted.logger import formatEvent
 
 from nvpair_proxy import logs
-from nvpair_proxy.test.test_stats import (LLAMACPP_ANTHROPIC_SSE, LLAMACPP_ANTHROPIC_SSE_STATS,
-                                          LLAMACPP_RESPONSES_SSE, LLAMACPP_RESPONSES_SSE_STATS,
-                                          RESPONSES_SSE, RESPONSES_SSE_STATS)
+from nvpair_proxy.test.recorded import (LLAMACPP_ANTHROPIC_SSE, LLAMACPP_ANTHROPIC_SSE_STATS,
+                                        LLAMACPP_RESPONSES_SSE, LLAMACPP_RESPONSES_SSE_STATS,
+                                        RESPONSES_SSE, RESPONSES_SSE_STATS)
 from nvpair_proxy.test.world import World, WorldTestCase
 from nvpair_proxy.test.support import LogCapture
 

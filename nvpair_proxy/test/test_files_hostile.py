@@ -21,7 +21,7 @@ from nvpair_proxy import logs
 from nvpair_proxy.engines import EngineFileError, load_engines
 from nvpair_proxy.nodesfile import NodesFileError, NodesFileWatcher, load_nodes_file
 from nvpair_proxy.options import Options
-from nvpair_proxy.test.certs import make_certificate, write_admission, write_identity, write_pin
+from nvpair_proxy.testing.certs import make_certificate, write_admission, write_identity, write_pin
 from nvpair_proxy.test.support import ONE_NODE, TWO_NODES
 from nvpair_proxy.trust import ClusterDirectory
 

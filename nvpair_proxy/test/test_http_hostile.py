@@ -21,9 +21,9 @@ from twisted.trial.unittest import SynchronousTestCase
 
 from nvpair_proxy.constants import MAX_REQUEST_BODY
 from nvpair_proxy.listener import DemuxFactory
-from nvpair_proxy.test.certs import make_certificate, write_admission, write_identity
-from nvpair_proxy.test.processes import (BrokerChannel, exchange, free_port, drain,
-                                         nodes_toml, start_fleet, start_standalone, status_of)
+from nvpair_proxy.testing.certs import make_certificate, write_admission, write_identity
+from nvpair_proxy.testing.processes import exchange, free_port, drain, nodes_toml, status_of
+from nvpair_proxy.test.support import broker_channel, start_fleet, start_standalone
 from nvpair_proxy.test.world import World, WorldTestCase
 from nvpair_proxy.testing import lan
 from nvpair_proxy.trust import ClusterDirectory, tls_ingress
@@ -342,7 +342,7 @@ class AgainstTheClusterProcessTests(SynchronousTestCase):
         os.makedirs(cluster)
         write_identity(cluster, *make_certificate("node-self"))
         write_admission(cluster)
-        self.link = BrokerChannel(self, ["--cluster-dir", cluster])
+        self.link = broker_channel(self, ["--cluster-dir", cluster])
         for _ in range(5):
             self.port = free_port()
             answer = self.link.call("facade/enable", {"engine": "ollama", "port": self.port,

@@ -24,7 +24,7 @@ from nvpair_proxy.dispatch import Bounds
 from nvpair_proxy.events import LogEmitter
 from nvpair_proxy.logs import level_name, set_level
 from nvpair_proxy.test.support import LogCapture, rewrite
-from nvpair_proxy.test.test_engine_tls import (CALLER_KEY, ENGINE_KEY, TLSFleet, write)
+from nvpair_proxy.test.tlsfleet import CALLER_KEY, ENGINE_KEY, TLSFleet, write
 
 KEY = "lan-key-" + "A1b2C3d4" * 4          # 40 characters of the key alphabet
 ROTATED = "rotated~key+" + "Zz09" * 8 + "=="

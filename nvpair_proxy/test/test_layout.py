@@ -1,10 +1,15 @@
-"""The import direction of the layout (issue 9, item 7; docs/architecture.md).
+"""The import direction of the layout (docs/architecture.md).
 
 Data flows one way: a connection enters the listener, the facade turns it into a request,
 dispatch finds it a node and runs attempts, the response streams back, events leave by the
 link. Each product module may import only modules before it in ``ORDER``, so the core can
 never reach up into the broker, the service tree or the plugin, and no import cycle can form.
 A new module must be placed here, which is the moment to decide where it belongs.
+
+Test support has one home too: a test module imports no other test module (what several
+share lives in a support module beside them or in ``nvpair_proxy.testing``), and the scripts
+of ``bench/`` and ``bin/`` import nothing of ``nvpair_proxy.test``, only the public
+``nvpair_proxy.testing``.
 """
 
 from __future__ import annotations
@@ -12,11 +17,14 @@ from __future__ import annotations
 import ast
 import os
 
-from twisted.trial.unittest import SynchronousTestCase
+from twisted.trial.unittest import SkipTest, SynchronousTestCase
 
 import nvpair_proxy
 
 PACKAGE = os.path.dirname(nvpair_proxy.__file__)
+TESTS = os.path.join(PACKAGE, "test")
+CHECKOUT = os.path.dirname(PACKAGE)
+SCRIPT_FOLDERS = ("bench", "bin")
 
 ORDER = (
     # Foundations: no knowledge of engines, nodes or requests.
@@ -79,6 +87,58 @@ def imports_in(source: str) -> tuple[set[str], set[str]]:
                     siblings.add(parts[1])
                 packages.add(parts[0])
     return siblings, packages
+
+
+def modules_imported(source: str, package: str) -> set[str]:
+    """Every dotted module name ``source`` (a module of ``package``) imports, relative imports
+    resolved, wherever in the file: for ``from a.b import c`` both ``a.b`` and ``a.b.c``, as
+    ``c`` may itself be a module."""
+    names = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = package.split(".")[:len(package.split(".")) - (node.level - 1)]
+                base = ".".join(parent + ([node.module] if node.module else []))
+            names.add(base)
+            names.update(f"{base}.{alias.name}" for alias in node.names)
+        elif isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+    return names
+
+
+def tests_imported(source: str, package: str = "nvpair_proxy.test") -> set[str]:
+    """The test modules (``nvpair_proxy.test.test_*``) among what ``source`` imports."""
+    return {name.split(".")[2] for name in modules_imported(source, package)
+            if name.startswith("nvpair_proxy.test.test_")}
+
+
+def imports_test_package(source: str, package: str = "") -> bool:
+    """Whether ``source`` imports the test package or anything in it (``nvpair_proxy.testing``
+    is another package and does not count)."""
+    return any(name == "nvpair_proxy.test" or name.startswith("nvpair_proxy.test.")
+               for name in modules_imported(source, package))
+
+
+def python_scripts(folder: str) -> list[str]:
+    """The Python files of a checkout folder: ``*.py`` and scripts whose shebang runs Python."""
+    found = []
+    for name in sorted(os.listdir(folder)):
+        path = os.path.join(folder, name)
+        if not os.path.isfile(path):
+            continue
+        if not name.endswith(".py"):
+            with open(path, "rb") as handle:
+                first = handle.readline()
+            if not (first.startswith(b"#!") and b"python" in first):
+                continue
+        found.append(path)
+    return found
+
+
+def read(path: str) -> str:
+    with open(path, encoding="utf-8") as handle:
+        return handle.read()
 
 
 class ImportsOfTests(SynchronousTestCase):
@@ -218,3 +278,52 @@ class C:
             if chains:
                 found[module] = chains
         self.assertEqual(found, {})
+
+
+class TestSupportTests(SynchronousTestCase):
+    """No test module leans on another, and the scripts lean on no test module."""
+
+    def test_every_spelling_of_a_test_module_import_counts(self):
+        source = """
+from nvpair_proxy.test.test_broker import Proxy
+from nvpair_proxy.test import test_stats, support
+import nvpair_proxy.test.test_client
+from .test_engine_tls import TLSFleet
+from . import test_events
+
+def late():
+    from nvpair_proxy.test.test_trust import x
+"""
+        self.assertEqual(tests_imported(source), {"test_broker", "test_stats", "test_client",
+                                                  "test_engine_tls", "test_events", "test_trust"})
+        self.assertEqual(tests_imported("from nvpair_proxy.test.support import Wire\n"
+                                        "from nvpair_proxy.testing import processes\n"
+                                        "from .world import World\n"), set())
+
+    def test_the_test_package_is_told_from_the_public_testing_package(self):
+        for source in ("from nvpair_proxy.test import netns", "import nvpair_proxy.test.world",
+                       "from nvpair_proxy.test.processes import free_port",
+                       "def main():\n    from nvpair_proxy import test\n"):
+            self.assertTrue(imports_test_package(source), source)
+        for source in ("from nvpair_proxy.testing import processes",
+                       "import nvpair_proxy.testing.simfleet", "from nvpair_proxy import testing",
+                       "import nvpair_proxy"):
+            self.assertFalse(imports_test_package(source), source)
+
+    def test_no_test_module_imports_another(self):
+        offending = []
+        for name in sorted(os.listdir(TESTS)):
+            if name.endswith(".py"):
+                others = tests_imported(read(os.path.join(TESTS, name))) - {name[:-3]}
+                offending += [f"{name} -> {other}" for other in sorted(others)]
+        self.assertEqual(offending, [], "move what they share into a support module or "
+                                        "nvpair_proxy.testing")
+
+    def test_bench_and_bin_import_nothing_of_the_tests(self):
+        folders = [os.path.join(CHECKOUT, f) for f in SCRIPT_FOLDERS
+                   if os.path.isdir(os.path.join(CHECKOUT, f))]
+        if not folders:
+            raise SkipTest("not a checkout: no bench/ or bin/ beside the package")
+        offending = [os.path.relpath(path, CHECKOUT) for folder in folders
+                     for path in python_scripts(folder) if imports_test_package(read(path))]
+        self.assertEqual(offending, [], "scripts use nvpair_proxy.testing")

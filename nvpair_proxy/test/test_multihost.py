@@ -20,8 +20,8 @@ import time
 from twisted.trial.unittest import SkipTest, SynchronousTestCase
 
 from nvpair_proxy.test import netns
-from nvpair_proxy.test.certs import make_certificate
-from nvpair_proxy.test.processes import LineReader
+from nvpair_proxy.testing.certs import make_certificate
+from nvpair_proxy.testing.processes import LineReader
 
 _REASON: list = []
 _CLOCK = {"total": 0.0, "tests": 0}

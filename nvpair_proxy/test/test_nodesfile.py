@@ -270,7 +270,7 @@ class WatcherTests(SynchronousTestCase):
         self.assertEqual(self.messages(LogLevel.info), [f"nodes file reloaded: {self.path}"])
 
     def test_a_rotated_ca_file_reloads_the_fleet_with_the_new_material(self) -> None:
-        from nvpair_proxy.test.certs import TestCA
+        from nvpair_proxy.testing.certs import TestCA
         ca_path = os.path.join(os.path.dirname(self.path), "engines-ca.pem")
         write(ca_path, TestCA("old").pem, self.stamp)
         self.rewrite('[[node]]\nid = "gpu-a"\naddress = "10.0.0.1"\n'
@@ -290,7 +290,7 @@ class WatcherTests(SynchronousTestCase):
         self.assertEqual(len(self.applied), 2)
 
     def test_a_ca_file_named_before_it_exists_is_loaded_when_it_arrives(self) -> None:
-        from nvpair_proxy.test.certs import TestCA
+        from nvpair_proxy.testing.certs import TestCA
         self.watcher.load()
         self.watcher.startService()
         ca_path = os.path.join(os.path.dirname(self.path), "later-ca.pem")

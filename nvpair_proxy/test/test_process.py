@@ -15,8 +15,8 @@ import urllib.request
 
 from twisted.trial.unittest import SynchronousTestCase
 
-from nvpair_proxy.test.processes import (TWISTD, BrokerChannel, free_port, logged_workloads,
-                                         nodes_toml, start_fleet, start_standalone)
+from nvpair_proxy.testing.processes import TWISTD, BrokerChannel, free_port, logged_workloads, nodes_toml
+from nvpair_proxy.test.support import broker_channel, start_fleet, start_standalone
 
 
 class RealClientTests(SynchronousTestCase):
@@ -160,7 +160,7 @@ class BrokerProcessTests(SynchronousTestCase):
                                   'models = ["llama3:latest"]\nstatus = 503\n\n'
                                   '[[node]]\nid = "good"\ndialect = "ollama"\n'
                                   'models = ["llama3:latest"]\ntokens = 2\n')
-        link = BrokerChannel(self)
+        link = broker_channel(self)
         for _ in range(5):
             port = free_port()
             answer = link.call("facade/enable", {"engine": "ollama", "port": port,
@@ -214,7 +214,7 @@ class BrokerProcessTests(SynchronousTestCase):
         import socket
         fleet = start_fleet(self, '[[node]]\nid = "slow"\ndialect = "ollama"\n'
                                   'models = ["llama3:latest"]\nhang_after_headers = true\n')
-        link = BrokerChannel(self)
+        link = broker_channel(self)
         port = free_port()
         self.assertIn("result", link.call("facade/enable", {"engine": "ollama", "port": port,
                                                             "ignorePersistedPort": True}))

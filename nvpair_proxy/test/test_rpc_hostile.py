@@ -6,7 +6,7 @@ of the wrong type, missing or extra, lines just under and over 1 MiB), it either
 documented answer or is logged and skipped; every line the proxy writes is strict JSON; no
 traceback is logged; the link stays open and the next valid call is answered.
 
-Each example drives the real framer and Broker in memory (test_broker's ``Proxy``). The
+Each example drives the real framer and Broker in memory (brokerlink's ``Proxy``). The
 number of examples comes from the Hypothesis profile (``ci`` by default,
 ``HYPOTHESIS_PROFILE=fuzz`` for many).
 """
@@ -23,7 +23,7 @@ from twisted.logger import LogLevel, globalLogPublisher
 from twisted.trial.unittest import SynchronousTestCase
 
 from nvpair_proxy import constants, logs
-from nvpair_proxy.test.test_broker import Proxy
+from nvpair_proxy.test.brokerlink import Proxy
 
 # protocol 1 and 3: every error code a request can be answered with, short of a handler
 # crashing (-32603, which none of these inputs may cause).
@@ -437,8 +437,8 @@ class RealLinkTests(SynchronousTestCase):
     """Once over the real stdio link of a running proxy: the process, not just the framer."""
 
     def test_hostile_lines_leave_the_process_answering(self) -> None:
-        from nvpair_proxy.test.processes import BrokerChannel
-        link = BrokerChannel(self)
+        from nvpair_proxy.test.support import broker_channel
+        link = broker_channel(self)
         hostile = [
             b"\xff\xfe\xc3\x28 not UTF-8",
             b"[" * 200000 + b"]" * 200000,

@@ -12,8 +12,8 @@ import socket
 
 from twisted.trial.unittest import SynchronousTestCase
 
-from nvpair_proxy.test.processes import (BrokerChannel, exchange, free_port, nodes_toml,
-                                         start_standalone, status_of, wait_until)
+from nvpair_proxy.testing.processes import exchange, free_port, nodes_toml, status_of, wait_until
+from nvpair_proxy.test.support import broker_channel, start_standalone
 
 CHAT = json.dumps({"model": "llama3", "messages": [{"role": "user", "content": "hi"}]}).encode()
 LOOP = {"error": "forwarding loop: this request already passed through this proxy"}
@@ -80,7 +80,7 @@ class SelfAndLoopTests(ProcessCase):
         self.assertLessEqual(descriptors(a.pid) + descriptors(b.pid), resting + 6)
 
     def test_a_broker_manual_node_at_our_own_port_is_no_candidate(self):
-        broker = BrokerChannel(self)
+        broker = broker_channel(self)
         port = free_port()
         self.assertEqual(broker.call("facade/enable", {"engine": "ollama", "port": port})
                          ["result"]["port"], port)

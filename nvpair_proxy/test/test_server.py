@@ -13,7 +13,7 @@ from twisted.test.iosim import FakeTransport, connect
 
 from nvpair_proxy.constants import MAX_REQUEST_BODY
 from nvpair_proxy.listener import DemuxFactory
-from nvpair_proxy.test.certs import make_certificate
+from nvpair_proxy.testing.certs import make_certificate
 from nvpair_proxy.test.world import WorldTestCase, request_bytes
 from nvpair_proxy.testing import lan, loopback
 

@@ -31,7 +31,7 @@ from nvpair_proxy.server import BoundedSite
 from nvpair_proxy.recorder import Recorder
 from nvpair_proxy.reservations import ReservationMap
 from nvpair_proxy.testing.simfleet import SimNode, SimNodeResource
-from nvpair_proxy.test.certs import make_certificate, write_admission, write_identity, write_pin
+from nvpair_proxy.testing.certs import make_certificate, write_admission, write_identity, write_pin
 from nvpair_proxy.trust import (ClusterDirectory, PeerAgents, PinnedPolicy, der_of, tls_ingress,
                                  trust_watch)
 
@@ -349,7 +349,7 @@ class PeerRoutingTests(SynchronousTestCase):
     """Routing follows the live pin set, with no discovery event (behaviours: trust)."""
 
     def setUp(self):
-        from nvpair_proxy.test.test_broker import Proxy
+        from nvpair_proxy.test.brokerlink import Proxy
         self.folder = self.mktemp()
         write_identity(self.folder, *make_certificate("node-a"))
         write_admission(self.folder)

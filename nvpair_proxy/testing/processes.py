@@ -1,8 +1,10 @@
-"""Running the real proxy and the simulated fleet as processes, for the few tests where the
-process boundary itself is the point (stdio link, twistd, real client packages).
+"""The real proxy and the simulated fleet as processes: the few tests where the process
+boundary itself is the point (stdio link, twistd, real client packages), ``bin/demo`` and the
+benchmarks all start them here, so each child is started, awaited and stopped one way.
 
 Waiting is event-driven and bounded: the fleet prints a ready line, the proxy sends systemd's
-READY=1 to a socket the test owns, and every read has a deadline.
+READY=1 to a socket its starter owns, and every read has a deadline. Nothing here knows a test
+framework; a child that does not come up is stopped and raises ``StartFailed``.
 """
 
 from __future__ import annotations
@@ -12,54 +14,101 @@ import json
 import os
 import select
 import selectors
-import shutil
 import socket
 import subprocess
 import sys
-import tempfile
 import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import IO, Any, TypeVar
 
+# twistd of this interpreter's environment, whatever the PATH holds.
 TWISTD = [sys.executable, "-c", "from twisted.scripts.twistd import run; run()"]
 DEADLINE = 30.0
+SIMFLEET = [sys.executable, "-m", "nvpair_proxy.testing.simfleet"]
+
+_T = TypeVar("_T")
+
+
+class StartFailed(Exception):
+    """A child process did not report that it was ready; the message says what it said."""
 
 
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+        port: int = sock.getsockname()[1]
+        return port
 
 
-def start_fleet(test, fleet_toml: str) -> dict[str, int]:
-    path = os.path.join(test.mktemp() + "-fleet.toml")
-    with open(path, "w") as handle:
-        handle.write(fleet_toml)
-    proc = subprocess.Popen([sys.executable, "-m", "nvpair_proxy.testing.simfleet", path],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    test.addCleanup(stop, proc)
+def stop(*procs: subprocess.Popen | None) -> None:
+    """SIGTERM each child still running, SIGKILL one that has not exited 10 s later; close the
+    pipes of every one."""
+    for proc in procs:
+        if proc is None:
+            continue
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        for stream in (proc.stdin, proc.stdout, proc.stderr):
+            if stream is not None:
+                stream.close()
+
+
+def spawn_fleet(fleet_path: str, stderr: int | None = subprocess.PIPE
+                ) -> tuple[subprocess.Popen, dict[str, int]]:
+    """The simulated fleet of ``fleet_path`` (simfleet's TOML) once it printed its ready line:
+    (the process, each simulated node's port by id). ``stderr=None`` lets it write to ours."""
+    proc = subprocess.Popen(SIMFLEET + [fleet_path], stdout=subprocess.PIPE, stderr=stderr)
+    assert proc.stdout is not None
     line = read_line(proc.stdout, DEADLINE)
     if not line.startswith("simfleet ready:"):
-        test.fail(f"simfleet did not start: {line!r} {proc.stderr.read()}")
-    return {k: int(v) for k, v in (item.split("=") for item in line.split(":", 1)[1].split())}
-
-
-def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
+        if proc.poll() is None:
             proc.kill()
-            proc.wait()
-    for stream in (proc.stdin, proc.stdout, proc.stderr):
-        if stream is not None:
-            stream.close()
+        said = proc.stderr.read().decode(errors="replace") if proc.stderr is not None else ""
+        stop(proc)
+        raise StartFailed(f"simfleet did not start: {line!r} {said}")
+    return proc, {k: int(v) for k, v in (item.split("=") for item in line.split(":", 1)[1].split())}
+
+
+def spawn_proxy(workdir: str, args: Sequence[str], logfile: str | None = None, *,
+                stdout: int | None = subprocess.DEVNULL, stderr: int | None = subprocess.PIPE,
+                cwd: str | None = None) -> subprocess.Popen:
+    """``twistd nvpair-proxy`` (standalone unless ``args`` say otherwise) with its state under
+    ``workdir``, once it sent READY=1. ``workdir`` holds the notification socket, so its path
+    must be short (a mkdtemp in /tmp is). With ``logfile`` twistd logs there."""
+    notify_path = os.path.join(workdir, "notify")
+    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    notify.bind(notify_path)
+    notify.settimeout(DEADLINE)
+    logging = ["--logfile", logfile] if logfile else []
+    try:
+        proc = subprocess.Popen(TWISTD + ["-n", "--pidfile="] + logging + [
+                                    "nvpair-proxy", "--state-dir", os.path.join(workdir, "state")]
+                                + list(args),
+                                env=dict(os.environ, NOTIFY_SOCKET=notify_path), cwd=cwd,
+                                stdout=stdout, stderr=stderr)
+        try:
+            message = notify.recv(64)
+        except socket.timeout:
+            message = b""
+    finally:
+        notify.close()
+    if message != b"READY=1":
+        stop(proc)
+        raise StartFailed(f"the proxy did not report READY=1 within {DEADLINE:.0f} s "
+                          f"(it sent {message!r})")
+    return proc
 
 
 class LineReader:
     """Lines from a pipe with a deadline; buffers itself (a text wrapper's buffer would hide
     lines from select)."""
 
-    def __init__(self, stream) -> None:
+    def __init__(self, stream: IO[Any]) -> None:
         self.fd = stream.fileno()
         self.buffer = b""
         self.closed = False
@@ -85,7 +134,7 @@ class LineReader:
         return line.decode().strip()
 
 
-def read_line(stream, timeout: float) -> str:
+def read_line(stream: IO[Any], timeout: float) -> str:
     return LineReader(stream).read_line(timeout)
 
 
@@ -112,7 +161,7 @@ class FileWatch:
         os.close(self.fd)
 
 
-def wait_until(path: str, ready, timeout: float = DEADLINE):
+def wait_until(path: str, ready: Callable[[], _T], timeout: float = DEADLINE) -> _T:
     """``ready()`` re-checked each time ``path`` is written, until it returns something true
     or ``timeout`` passes; returns its last value."""
     end = time.monotonic() + timeout
@@ -144,65 +193,43 @@ def logged_workloads(path: str, count: int, method: str = "workload:completed") 
     return found[:count]
 
 
-def start_standalone(test, args: list[str], logfile: str | None = None) -> subprocess.Popen:
-    """twistd nvpair-proxy standalone; returns once it reported READY=1.
-
-    With ``logfile`` twistd logs there (at debug, so workload events can be read back).
-    """
-    workdir = tempfile.mkdtemp(prefix="nvp-")
-    test.addCleanup(shutil.rmtree, workdir, True)
-    notify_path = os.path.join(workdir, "notify")
-    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    notify.bind(notify_path)
-    notify.settimeout(DEADLINE)
-    env = dict(os.environ, NOTIFY_SOCKET=notify_path)
-    logging = ["--logfile", logfile] if logfile else []
-    level = ["--log-level", "debug"] if logfile else []
-    proc = subprocess.Popen(TWISTD + ["-n", "--pidfile="] + logging + [
-                                "nvpair-proxy", "--state-dir", os.path.join(workdir, "state")]
-                            + level + args,
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    test.addCleanup(stop, proc)
-    try:
-        test.assertEqual(notify.recv(64), b"READY=1")
-    finally:
-        notify.close()
-    return proc
-
-
 class BrokerChannel:
-    """The broker's side of the stdio link: write requests, collect every line in order."""
+    """The broker's side of the stdio link to a proxy in broker mode (state under ``workdir``):
+    write requests, collect every line in order."""
 
-    def __init__(self, test, args: list[str] = ()) -> None:
-        workdir = os.path.abspath(test.mktemp())
-        os.makedirs(workdir)
+    def __init__(self, workdir: str, args: Sequence[str] = ()) -> None:
         self.proc = subprocess.Popen(
             TWISTD + ["-n", "--pidfile=", "nvpair-proxy", "--state-dir",
                       os.path.join(workdir, "state")] + list(args),
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             env=dict(os.environ, NVPAIR_LOG_LEVEL="debug"))
-        test.addCleanup(stop, self.proc)
+        assert self.proc.stdout is not None
         self.reader = LineReader(self.proc.stdout)
         self.lines: list[dict] = []
         self.raw: list[str] = []
         self.next_id = 1
 
-    def send(self, method: str, params=None, request: bool = True):
-        message = {"jsonrpc": "2.0", "method": method}
+    def close(self) -> None:
+        stop(self.proc)
+
+    def send(self, method: str, params: object = None, request: bool = True) -> int | None:
+        message: dict[str, object] = {"jsonrpc": "2.0", "method": method}
         if params is not None:
             message["params"] = params
+        message_id = None
         if request:
-            message["id"] = self.next_id
+            message_id = message["id"] = self.next_id
             self.next_id += 1
+        assert self.proc.stdin is not None
         self.proc.stdin.write(json.dumps(message).encode() + b"\n")
         self.proc.stdin.flush()
-        return message.get("id")
+        return message_id
 
-    def call(self, method: str, params=None) -> dict:
+    def call(self, method: str, params: object = None) -> dict:
         message_id = self.send(method, params)
         return self.wait(lambda m: m.get("id") == message_id)
 
-    def wait(self, predicate, timeout: float = DEADLINE) -> dict:
+    def wait(self, predicate: Callable[[dict], bool], timeout: float = DEADLINE) -> dict:
         for message in self.lines:
             if predicate(message):
                 return message
@@ -221,12 +248,17 @@ class BrokerChannel:
         raise AssertionError(f"no matching message; got {self.lines}")
 
 
-def nodes_toml(entries: list[tuple[str, str, int, list[str]]]) -> str:
-    out = []
+def nodes_toml(entries: Iterable[tuple[str, str, int, list[str] | None]]) -> str:
+    """A nodes file on loopback from (node id, engine, port, models): one ``[[node]]`` per id,
+    in first-seen order, with a table per engine; models ``None`` leaves them to the probe."""
+    tables: dict[str, list[str]] = {}
     for node_id, engine, port, models in entries:
-        out.append(f'[[node]]\nid = "{node_id}"\naddress = "127.0.0.1"\n'
-                   f"[node.engines.{engine}]\nport = {port}\nmodels = {json.dumps(models)}\n")
-    return "\n".join(out)
+        table = f"[node.engines.{engine}]\nport = {port}\n"
+        if models is not None:
+            table += f"models = {json.dumps(models)}\n"
+        tables.setdefault(node_id, []).append(table)
+    return "\n".join(f'[[node]]\nid = "{node_id}"\naddress = "127.0.0.1"\n' + "".join(engines)
+                     for node_id, engines in tables.items())
 
 
 def exchange(port: int, data: bytes, timeout: float = 10.0) -> tuple[bytes, bool]:

@@ -45,8 +45,8 @@ import uuid
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 
-from nvpair_proxy.test.certs import make_certificate, write_admission, write_identity, write_pin
-from nvpair_proxy.test.processes import LineReader
+from nvpair_proxy.testing.certs import make_certificate, write_admission, write_identity, write_pin
+from nvpair_proxy.testing.processes import LineReader
 
 PREFIX = "nvpmh-"
 FACADE_PORT = 11435
