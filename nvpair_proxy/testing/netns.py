@@ -1,4 +1,4 @@
-"""Three hosts on one machine: network namespaces, real interfaces, real processes (issue 14).
+"""Three hosts on one machine: network namespaces, real interfaces, real processes.
 
 The topology (every interface and address lives inside the namespaces; the root namespace
 gets nothing, so nothing is routed outside the machine)::
@@ -175,9 +175,10 @@ class ScriptedBroker:
 
     def accept(self, timeout: float = DEADLINE) -> None:
         self.listener.settimeout(timeout)
-        self.conn, _ = self.listener.accept()
-        self.conn.settimeout(None)
-        self.reader = LineReader(self.conn.makefile("rb", buffering=0))
+        conn, _ = self.listener.accept()
+        conn.settimeout(None)
+        self.conn = conn
+        self.reader = LineReader(conn.makefile("rb", buffering=0))
 
     def send(self, method: str, params=None, request: bool = True):
         message: dict = {"jsonrpc": "2.0", "method": method}
@@ -186,6 +187,7 @@ class ScriptedBroker:
         if request:
             message["id"] = self.next_id
             self.next_id += 1
+        assert self.conn is not None, "accept() first"
         self.conn.sendall(json.dumps(message).encode() + b"\n")
         return message.get("id")
 
@@ -199,6 +201,7 @@ class ScriptedBroker:
     def pump(self, timeout: float = 0.05) -> None:
         """Read whatever arrived (waiting up to ``timeout`` for the first line)."""
         wait = timeout
+        assert self.reader is not None, "accept() first"
         while True:
             line = self.reader.read_line(wait)
             if not line:
@@ -209,6 +212,7 @@ class ScriptedBroker:
     def wait(self, predicate, timeout: float = DEADLINE) -> dict:
         seen = 0
         end = time.monotonic() + timeout
+        assert self.reader is not None, "accept() first"
         while True:
             for message in self.messages[seen:]:
                 if predicate(message):
@@ -270,9 +274,19 @@ class Host:
         self.workdir = workdir
         self.cert, self.key_pem = make_certificate(self.principal)
         self.port = FACADE_PORT  # what the others are told (the relay's port when delayed)
-        self.broker: ScriptedBroker | None = None
-        self.engine = None
-        self.proxy = None
+        self._broker: ScriptedBroker | None = None
+        self.engine: subprocess.Popen | None = None
+        self.proxy: subprocess.Popen | None = None
+
+    @property
+    def broker(self) -> ScriptedBroker:
+        """The scripted broker this host's proxy talks to (there once the topology started)."""
+        assert self._broker is not None, "the topology has not started"
+        return self._broker
+
+    @broker.setter
+    def broker(self, broker: ScriptedBroker) -> None:
+        self._broker = broker
 
     @property
     def ip(self) -> str:
@@ -328,8 +342,8 @@ class Topology:
             return
         self.closed = True
         for host in self.hosts.values():
-            if host.broker is not None:
-                host.broker.close()
+            if host._broker is not None:
+                host._broker.close()
         for proc in self.processes:
             self._kill(proc)
         for namespace in reversed(self.namespaces):
@@ -373,9 +387,9 @@ class Topology:
 
     def _build_network(self) -> None:
         self._add_namespace(self.switch)
-        for bridge in ("br0", "br1"):
-            self.ip(self.switch, "link", "add", bridge, "type", "bridge")
-            self.ip(self.switch, "link", "set", bridge, "up")
+        for name in ("br0", "br1"):
+            self.ip(self.switch, "link", "add", name, "type", "bridge")
+            self.ip(self.switch, "link", "set", name, "up")
         for host in self.hosts.values():
             self._add_namespace(host.namespace)
             for index, (bridge, address) in enumerate(host.legs):
@@ -409,7 +423,7 @@ class Topology:
 
     def _delay(self, host: Host) -> None:
         """netem on both ends of every leg of the host (a multi-homed host is reached on
-        either), else a user-space relay (issue 14)."""
+        either), else a user-space relay."""
         ms = f"{int(self.delay * 1000)}ms"
         netem = _run("tc", "-n", host.namespace, "qdisc", "add", "dev", "eth0", "root",
                      "netem", "delay", ms, check=False) if shutil.which("tc") else None
@@ -455,7 +469,8 @@ class Topology:
     def spawn(self, key: str, argv: list[str], *, log_name: str | None = None,
               stdout=subprocess.PIPE) -> subprocess.Popen:
         host = self.hosts[key]
-        err = open(host.file(log_name), "ab") if log_name else subprocess.DEVNULL
+        log = open(host.file(log_name), "ab") if log_name else None
+        err = subprocess.DEVNULL if log is None else log
         try:
             proc = subprocess.Popen(["ip", "netns", "exec", host.namespace] + argv,
                                     stdin=subprocess.DEVNULL,
@@ -463,8 +478,8 @@ class Topology:
                                     start_new_session=True, preexec_fn=_die_with_parent,
                                     cwd=self.workdir)
         finally:
-            if log_name:
-                err.close()
+            if log is not None:
+                log.close()
         self.processes.append(proc)
         return proc
 
@@ -485,15 +500,18 @@ class Topology:
                 *(["--upstream-keepalive", self.keepalive] if self.keepalive else [])],
                 log_name="proxy.log", stdout=None)
         if self.delay_mode == "relay":
+            assert self.delay_host is not None
             host = self.hosts[self.delay_host]
             relay = self.spawn(host.key, [sys.executable, TOOLS, "relay", json.dumps({
                 "host": "0.0.0.0", "port": RELAY_PORT, "target_host": "127.0.0.1",
                 "target_port": FACADE_PORT, "delay": self.delay})], log_name="relay.log")
             self._expect_line(relay, '{"event": "ready"}', "relay")
         for host in self.hosts.values():
+            assert host.engine is not None
             self._expect_line(host.engine, "simfleet ready:", f"{host.name} engine")
 
     def _expect_line(self, proc: subprocess.Popen, start: str, what: str) -> str:
+        assert proc.stdout is not None
         line = LineReader(proc.stdout).read_line(DEADLINE)
         if not line.startswith(start):
             raise RuntimeError(f"{what} did not start: {line!r}")
@@ -617,6 +635,7 @@ class Client:
 
     def __init__(self, proc: subprocess.Popen) -> None:
         self.proc = proc
+        assert proc.stdout is not None
         self.reader = LineReader(proc.stdout)
         self.started = time.monotonic()
 

@@ -59,7 +59,7 @@ def _connect(spec: dict) -> socket.socket:
     wrapped = context.wrap_socket(sock)
     pin = tls.get("pin_sha256")
     if pin:
-        got = hashlib.sha256(wrapped.getpeercert(binary_form=True)).hexdigest()
+        got = hashlib.sha256(wrapped.getpeercert(binary_form=True) or b"").hexdigest()
         if got != pin:
             wrapped.close()
             raise ssl.SSLError(f"server certificate {got} is not the pin {pin}")

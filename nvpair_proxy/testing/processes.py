@@ -19,7 +19,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import IO, Any, TypeVar
+from typing import Protocol, TypeVar
 
 # twistd of this interpreter's environment, whatever the PATH holds.
 TWISTD = [sys.executable, "-c", "from twisted.scripts.twistd import run; run()"]
@@ -27,6 +27,12 @@ DEADLINE = 30.0
 SIMFLEET = [sys.executable, "-m", "nvpair_proxy.testing.simfleet"]
 
 _T = TypeVar("_T")
+
+
+class Readable(Protocol):
+    """What LineReader reads: anything with a file descriptor (a pipe, a socket's file)."""
+
+    def fileno(self) -> int: ...
 
 
 class StartFailed(Exception):
@@ -108,7 +114,7 @@ class LineReader:
     """Lines from a pipe with a deadline; buffers itself (a text wrapper's buffer would hide
     lines from select)."""
 
-    def __init__(self, stream: IO[Any]) -> None:
+    def __init__(self, stream: Readable) -> None:
         self.fd = stream.fileno()
         self.buffer = b""
         self.closed = False
@@ -134,7 +140,7 @@ class LineReader:
         return line.decode().strip()
 
 
-def read_line(stream: IO[Any], timeout: float) -> str:
+def read_line(stream: Readable, timeout: float) -> str:
     return LineReader(stream).read_line(timeout)
 
 

@@ -25,11 +25,13 @@ import math
 import sys
 import tomllib
 from datetime import datetime, timezone
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Protocol, Sequence, cast
 
 import attrs
+from twisted.internet.address import IPv4Address, IPv6Address
 from twisted.internet.error import CannotListenError
-from twisted.internet.interfaces import IListeningPort, IReactorTCP, IReactorTime
+from twisted.internet.interfaces import IDelayedCall, IListeningPort, IReactorTCP, IReactorTime
+from twisted.internet.protocol import ServerFactory
 from twisted.python.failure import Failure
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Request, Site
@@ -88,7 +90,9 @@ def _flag(instance, attribute, value):
 
 
 def _seconds(value: object) -> object:
-    return float(value) if _is_int(value) else value
+    if isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    return value
 
 
 def _non_negative_seconds(instance, attribute, value):
@@ -308,6 +312,22 @@ class _Job:
         return extras
 
 
+class _Format(Protocol):
+    """One dialect's generation body: what a stream starts with, each token, its end, or the
+    whole answer when not streaming; ``id_prefix`` starts its reply ids."""
+
+    content_type: bytes
+    id_prefix: str
+
+    def prologue(self, job: _Job) -> bytes: ...
+
+    def token(self, job: _Job, index: int, now: float) -> bytes: ...
+
+    def epilogue(self, job: _Job, now: float) -> bytes: ...
+
+    def whole(self, job: _Job, now: float) -> dict[str, Any]: ...
+
+
 class _OllamaNative:
     """``/api/chat`` and ``/api/generate``: NDJSON lines, the last one ``"done":true``."""
 
@@ -505,7 +525,7 @@ class _Generation:
     with a real engine). It is the request's push producer, so a slow reader slows it.
     """
 
-    def __init__(self, request: Request, clock: IReactorTime, fmt, job: _Job, streaming: bool,
+    def __init__(self, request: Request, clock: IReactorTime, fmt: _Format, job: _Job, streaming: bool,
                  delay: float, die_after: int | None,
                  on_pause: Callable[[], None] = lambda: None):
         self._on_pause = on_pause
@@ -517,7 +537,7 @@ class _Generation:
         self._delay = delay
         self._die_after = die_after
         self._step = 0
-        self._call = None
+        self._call: IDelayedCall | None = None
         self._paused = False
         self._done = False
 
@@ -569,7 +589,9 @@ class _Generation:
         self._stop()
         self._request.unregisterProducer()
         if die:
-            self._request.channel.transport.loseConnection()
+            transport = self._request.channel.transport
+            assert transport is not None, "a request being answered has its connection"
+            transport.loseConnection()
         else:
             self._request.finish()
 
@@ -598,7 +620,7 @@ class _Generation:
 
 # -- the resource --------------------------------------------------------------------------
 
-_GENERATION = {"ollama-chat": _OllamaNative(chat=True),
+_GENERATION: dict[str, _Format] = {"ollama-chat": _OllamaNative(chat=True),
                "ollama-generate": _OllamaNative(chat=False),
                "chat": _OpenAI(chat=True), "completion": _OpenAI(chat=False),
                "messages": _Anthropic(), "responses": _Responses()}
@@ -641,6 +663,11 @@ def _wants_stream(kind: str, body: Mapping[str, Any]) -> bool:
     if kind in ("ollama-chat", "ollama-generate"):
         return body.get("stream") is not False
     return kind in _GENERATION and body.get("stream") is True
+
+
+def _body(request: Request) -> bytes:
+    """The request body as read (none at all reads as empty)."""
+    return request.content.read() if request.content is not None else b""
 
 
 class SimNodeResource(Resource):
@@ -707,19 +734,20 @@ class SimNodeResource(Resource):
             return self._json(request, {"error": f"Unexpected endpoint or method. ({method} {path})"}, 404)
         return self._error(request, "llamacpp", 404, "File Not Found")
 
-    def _admin(self, request: Request, method: str, path: str) -> bytes:
+    def _admin(self, request: Request, method: str, path: str) -> bytes | int:
         if (method, path) == ("GET", "/_sim/state"):
             return self._json(request, self.node.state())
         if (method, path) == ("GET", "/_sim/stalled"):
             # Answers once ``count`` streams were paused by backpressure: an event to wait
             # on, where a test would otherwise sleep until buffers filled.
-            raw = request.args.get(b"count", [b"1"])[0]
+            args: dict[bytes, list[bytes]] = request.args or {}
+            raw = args.get(b"count", [b"1"])[0]
             count = int(raw) if raw.isdigit() else 1
             self._answer_stalled(count, request)
             return NOT_DONE_YET
         if (method, path) == ("POST", "/_sim/fault"):
             try:
-                changes = json.loads(request.content.read())
+                changes = json.loads(_body(request))
                 if not isinstance(changes, dict):
                     raise ValueError("the body must be a JSON object")
                 self.node.set_faults(changes)
@@ -754,7 +782,7 @@ class SimNodeResource(Resource):
         node = self.node
         style = _error_style(node.dialect, kind)
         try:
-            body = json.loads(request.content.read())
+            body = json.loads(_body(request))
         except ValueError as exc:
             return self._error(request, style, 400, f"invalid JSON body: {exc}")
         if not isinstance(body, dict):
@@ -765,7 +793,11 @@ class SimNodeResource(Resource):
             later = self._clock.callLater(node.headers_delay, self._answer_later, request,
                                           kind, body)
             # A client that leaves while the answer waits takes the answer with it.
-            request.notifyFinish().addErrback(lambda _: later.active() and later.cancel())
+            def forget(reason: Failure) -> None:
+                if later.active():
+                    later.cancel()
+
+            request.notifyFinish().addErrback(forget)
             return NOT_DONE_YET
         return self._answer(request, kind, body)
 
@@ -793,8 +825,8 @@ class SimNodeResource(Resource):
         streaming = _wants_stream(kind, body)
         fmt = _GENERATION.get(kind)
         if node.hang_after_headers:
-            request.setHeader(b"Content-Type",
-                              fmt.content_type if streaming else b"application/json")
+            request.setHeader(b"Content-Type", fmt.content_type if streaming and fmt is not None
+                              else b"application/json")
             request.write(b"")
             return NOT_DONE_YET
         if fmt is None:
@@ -840,12 +872,16 @@ def start_fleet(reactor: IReactorTCP, nodes: Sequence[SimNode],
     All or nothing: if one node cannot listen, the ones already listening are stopped and
     the CannotListenError is raised. ``reactor`` must also provide IReactorTime.
     """
+    clock = cast(IReactorTime, reactor)
     started: list[tuple[SimNode, IListeningPort]] = []
     try:
         for node in nodes:
-            site = Site(SimNodeResource(node, reactor), reactor=reactor)
+            # Site is an HTTPFactory, a ServerFactory; its stubs do not say so.
+            site = cast(ServerFactory, Site(SimNodeResource(node, clock), reactor=reactor))
             port = reactor.listenTCP(node.port, site, interface=interface)
-            node.port = port.getHost().port
+            address = port.getHost()
+            assert isinstance(address, (IPv4Address, IPv6Address))
+            node.port = address.port
             started.append((node, port))
     except CannotListenError:
         for _, port in started:
@@ -968,7 +1004,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except CannotListenError as exc:
         print(f"simfleet: {exc}", file=sys.stderr)
         return 1
-    ready = " ".join(f"{node.node_id}={port.getHost().port}" for node, port in listening)
+    ready = " ".join(f"{node.node_id}={node.port}" for node, _ in listening)
     print(f"simfleet ready: {ready}", flush=True)
     reactor.run()
     return 0

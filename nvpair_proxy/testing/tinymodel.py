@@ -19,6 +19,9 @@ KV cache of a full context is 8 MB.
 
 from __future__ import annotations
 
+import importlib
+from typing import Any
+
 # A chat template of its own: the model carries no tokenizer a stock template would expect.
 CHAT_TEMPLATE = ("{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n"
                  "{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}")
@@ -31,8 +34,9 @@ _SPECIALS = 3  # <unk>, <s>, </s>
 
 def write_tiny_llama(path: str, seed: int = 7) -> None:
     """Write the model to ``path``. Needs ``gguf`` (and its numpy); raises ImportError without."""
-    import gguf
-    import numpy
+    # By name: neither is a dependency (bin/test-real-engine installs them), so not typed here.
+    gguf = importlib.import_module("gguf")
+    numpy = importlib.import_module("numpy")
 
     rng = numpy.random.default_rng(seed)
     writer = gguf.GGUFWriter(path, "llama")
@@ -60,7 +64,7 @@ def write_tiny_llama(path: str, seed: int = 7) -> None:
     writer.add_add_bos_token(True)
     writer.add_chat_template(CHAT_TEMPLATE)
 
-    def weights(*shape: int) -> numpy.ndarray:
+    def weights(*shape: int) -> Any:  # a numpy array
         return rng.normal(0.0, 0.2, size=shape).astype(numpy.float32)
 
     ones = numpy.ones(_EMBED, dtype=numpy.float32)
