@@ -280,13 +280,9 @@ class Host:
 
     @property
     def broker(self) -> ScriptedBroker:
-        """The scripted broker this host's proxy talks to (there once the topology started)."""
+        """The scripted broker this host's proxy talks to (the topology sets it as it starts)."""
         assert self._broker is not None, "the topology has not started"
         return self._broker
-
-    @broker.setter
-    def broker(self, broker: ScriptedBroker) -> None:
-        self._broker = broker
 
     @property
     def ip(self) -> str:
@@ -492,7 +488,7 @@ class Topology:
                              f"tokens = {self.tokens}\ntoken_delay = {self.token_delay}\n")
             host.engine = self.spawn(host.key, [sys.executable, "-m", "nvpair_proxy.testing.simfleet",
                                                 fleet], log_name="engine.log")
-            host.broker = ScriptedBroker(host.file("broker.sock"))
+            host._broker = ScriptedBroker(host.file("broker.sock"))
             host.proxy = self.spawn(host.key, TWISTD + [
                 "-n", "--pidfile=", "nvpair-proxy", "--ipc", host.broker.path,
                 "--cluster-dir", host.cluster_dir, "--state-dir", host.file("state"),
