@@ -10,19 +10,21 @@ in the reactor thread and the byte's arrival changes the state synchronously.
 from __future__ import annotations
 
 import enum
-from typing import Callable
+from typing import Callable, cast
 
 import attrs
 from twisted.internet import error as ierror
 from twisted.internet.defer import CancelledError, Deferred, maybeDeferred
-from twisted.internet.interfaces import IDelayedCall, IReactorTime
-from twisted.internet.protocol import Protocol
+from twisted.internet.interfaces import IDelayedCall, IPushProducer, IReactorTime
+from twisted.internet.protocol import Protocol, connectionDone
 from twisted.python.failure import Failure
 from twisted.web.http_headers import Headers
 from twisted.web.iweb import IAgent, IResponse
+from zope.interface import implementer
 
 from .discovery import Node, host_port
 from .engineaccess import tls_problem
+from .interfaces import IWatchedAttempt
 from .relay import BodyRelay, clean_end
 from .requestbody import BytesProducer
 from .timers import cancel_pending
@@ -60,6 +62,24 @@ _DIAL_ERRORS = (ierror.ConnectError, ierror.TimeoutError, ierror.DNSLookupError)
 # A failed-over response with a known body at most this long is read out so its connection
 # goes back to the pool; anything else is aborted (twisted-notes: never left dangling).
 _DRAIN_LIMIT = 64 * 1024
+
+
+@attrs.frozen
+class UpstreamRequest:
+    """What is sent to a node, the same on every dispatch of one request: built once at
+    admission, so a dispatch hands over this value rather than re-passing its parts."""
+
+    method: bytes
+    #: The request target as the client sent it (path and query), appended to the origin.
+    target: bytes
+    headers: Headers
+    body: bytes
+    #: A 2xx waits for its first body byte (spec 5.2); every other answer commits on headers.
+    inference: bool
+    #: Which statuses another node may fix (spec 5.4), unless the dispatch is the final one.
+    retryable: Callable[[int], bool]
+    #: The header cap, then the first-content cap (spec 5.1); 0 disables both.
+    response_timeout: float
 
 
 @attrs.frozen
@@ -118,10 +138,14 @@ class _Drain(Protocol):
     def dataReceived(self, data: bytes) -> None:
         pass
 
-    def connectionLost(self, reason: Failure) -> None:
+    def connectionLost(self, reason: Failure = connectionDone) -> None:
         self.done = True
         cancel_pending(self.timer)
         self.timer = None
+
+    def abort(self) -> None:
+        # A response body's transport is its producer (``IResponse.deliverBody``).
+        cast(IPushProducer, self.transport).stopProducing()
 
 
 def discard(response: IResponse, clock: IReactorTime) -> None:
@@ -129,9 +153,9 @@ def discard(response: IResponse, clock: IReactorTime) -> None:
     drain = _Drain()
     response.deliverBody(drain)
     if not (isinstance(response.length, int) and response.length <= _DRAIN_LIMIT):
-        drain.transport.stopProducing()
+        drain.abort()
     elif not drain.done:
-        drain.timer = clock.callLater(_DRAIN_TIMEOUT, drain.transport.stopProducing)
+        drain.timer = clock.callLater(_DRAIN_TIMEOUT, drain.abort)
 
 
 _ORIGINS: dict[tuple[str, str, int], bytes] = {}
@@ -148,26 +172,23 @@ def origin_of(scheme: str, address: str, port: int) -> bytes:
     return origin
 
 
+@implementer(IWatchedAttempt)
 class Attempt:
     """One dispatch: dial the node's addresses, wait for headers, peek the first body byte.
 
-    ``inference`` makes a 2xx wait for its first body byte (spec 5.2); every other answer
-    commits on its headers (design decision 3). ``final`` (a flag, or a question asked when the
-    answer arrives) means this answer is the client's
-    whatever its status (spec 5.4).
+    ``request.inference`` makes a 2xx wait for its first body byte (spec 5.2); every other
+    answer commits on its headers (design decision 3). ``final``, the dispatch's question asked
+    when the answer arrives, says this answer is the client's whatever its status (spec 5.4).
     """
 
     def __init__(self, *, agent: IAgent, clock: IReactorTime, addresses: AddressMemory,
-                 node: Node, method: bytes, path: bytes, headers: Headers, body: bytes,
-                 response_timeout: float, inference: bool, final: bool | Callable[[], bool],
-                 retryable: Callable[[int], bool]):
+                 node: Node, request: UpstreamRequest, final: Callable[[], bool]):
         self.agent, self.clock, self.addresses, self.node = agent, clock, addresses, node
-        self.method, self.path, self.headers, self.body = method, path, headers, body
-        self.response_timeout, self.inference, self.final = response_timeout, inference, final
-        self.retryable = retryable
+        self.request, self.final = request, final
+        self.response_timeout = request.response_timeout
         self.state = DIALING
-        self._on_end: Callable[[Committed | Failed], None] | None = None
-        self._request: Deferred | None = None
+        self._on_end: Callable[[Committed | Failed], None] = _not_started
+        self._request: Deferred[IResponse] | None = None
         self._timer: IDelayedCall | None = None
         self._relay: BodyRelay | None = None
         self._response: IResponse | None = None
@@ -175,7 +196,7 @@ class Attempt:
         self._address = ""
 
     def is_final(self) -> bool:
-        return self.final() if callable(self.final) else self.final
+        return self.final()
 
     def start(self, on_end: Callable[[Committed | Failed], None]) -> None:
         """Begin; ``on_end`` is called once, with Committed or Failed.
@@ -199,9 +220,10 @@ class Attempt:
 
     def _dial_next(self) -> None:
         self._address = self._pending_addresses.pop(0)
-        url = origin_of(self.node.scheme, self._address, self.node.port) + self.path
-        request = maybeDeferred(self.agent.request, self.method, url, self.headers,
-                                BytesProducer(self.body) if self.body else None)
+        sent = self.request
+        url = origin_of(self.node.scheme, self._address, self.node.port) + sent.target
+        request = maybeDeferred(self.agent.request, sent.method, url, sent.headers,
+                                BytesProducer(sent.body) if sent.body else None)
         self._request = request
         request.addCallbacks(self._got_response, self._dial_failed)
 
@@ -223,20 +245,20 @@ class Attempt:
         self.addresses.answered(self.node, self._address)
         self._response = response
         status = response.code
-        if not self.is_final() and self.retryable(status):
+        if not self.is_final() and self.request.retryable(status):
             discard(response, self.clock)
             self._end(Failed(self.node, STATUS, f"upstream returned HTTP {status}", status), FAILED)
             return
-        self._relay = BodyRelay(self._first_data, self._body_ended)
-        if self.inference and 200 <= status < 300:
+        relay = self._relay = BodyRelay(self._first_data, self._body_ended)
+        if self.request.inference and 200 <= status < 300:
             self._enter(PEEKING)
             if self._timer is not None and self._timer.active():
                 # The first-content cap starts with the headers (spec 5.1): the header cap's
                 # timer moves rather than a second one being made.
                 self._timer.reset(self.response_timeout)
-            response.deliverBody(self._relay)
+            response.deliverBody(relay)
             return
-        response.deliverBody(self._relay)
+        response.deliverBody(relay)
         self._commit()
 
     def _first_data(self) -> None:
@@ -253,6 +275,8 @@ class Attempt:
             self._end(Failed(self.node, TRANSPORT, _reason(reason)), FAILED)
 
     def _commit(self) -> None:
+        # Only a response with its relay in place commits (``_got_response`` set both).
+        assert self._response is not None and self._relay is not None
         self._enter(COMMITTED)
         self._cancel_timer()
         self._on_end(Committed(self.node, self._address, self._response, self._relay))
@@ -285,6 +309,10 @@ class Attempt:
     def _cancel_timer(self) -> None:
         cancel_pending(self._timer)
         self._timer = None
+
+
+def _not_started(outcome: Committed | Failed) -> None:
+    raise RuntimeError("Attempt.start was not called")
 
 
 def _reason(failure: Failure) -> str:

@@ -19,10 +19,12 @@ from zope.interface import implementer
 
 from . import constants
 from .answers import Reason
-from .attempt import NO_CONTENT, STATUS, AddressMemory, Attempt, Committed, Failed
+from .attempt import (NO_CONTENT, STATUS, AddressMemory, Attempt, Committed, Failed,
+                      UpstreamRequest)
 from .discovery import Node
 from .interfaces import IDispatchObserver, IRouter
 from .loopguard import LoopGuard
+from .reservations import Reservation
 from .router import BUSY_STATUSES
 from .timers import cancel_pending
 
@@ -131,7 +133,29 @@ def final_answer(failure: Failed) -> Answer:
     return Answer(502, Reason.TRANSPORT, failure.reason)
 
 
-def _unset(*_) -> None:
+@attrs.frozen
+class Job:
+    """What is fixed for one request at admission: what it sends, what it routes on and the
+    facade's collaborators the loop works with. Built once; every dispatch reads it."""
+
+    request: UpstreamRequest
+    router: IRouter
+    upstreams: Upstreams
+    #: The normalized model routed on; None routes to every routable node.
+    model: str | None
+    created_at: float
+    #: What an empty first round answers: the body named no model, or one nobody serves.
+    no_candidate: Reason
+    #: Hold a reservation while dispatching (a workload's request; inference only).
+    reserve: bool = False
+    observer: IDispatchObserver = SILENT
+
+    @property
+    def inference(self) -> bool:
+        return self.request.inference
+
+
+def _unset(result: object) -> None:
     raise RuntimeError("Dispatch.run was not called")
 
 
@@ -143,21 +167,20 @@ class Dispatch:
     because non-inference routes can change state (``POST /api/pull``) and must not repeat.
     """
 
-    def __init__(self, *, clock: IReactorTime, random: Callable[[], float], router: IRouter,
-                 model: str | None, make_attempt: Callable[[Node, bool], Attempt],
-                 inference: bool, created_at: float, no_candidate: Reason,
-                 bounds: Bounds = Bounds(), reserve: bool = False,
-                 observer: IDispatchObserver = SILENT):
-        self.clock, self.random, self.router, self.model = clock, random, router, model
-        self.make_attempt, self.inference, self.bounds = make_attempt, inference, bounds
-        self.deadline = created_at + bounds.deadline
-        self.no_candidate = no_candidate
-        self.reserve, self.observer = reserve and inference, observer
+    def __init__(self, job: Job):
+        upstreams = job.upstreams
+        self.job, self.upstreams = job, upstreams
+        self.clock, self.random, self.router, self.model = (
+            upstreams.clock, upstreams.random, job.router, job.model)
+        self.inference, self.bounds = job.inference, upstreams.bounds
+        self.deadline = job.created_at + self.bounds.deadline
+        self.no_candidate = job.no_candidate
+        self.reserve, self.observer = job.reserve and job.inference, job.observer
         self.dispatches = 0
         self._on_done: Callable[[Committed | Answer | Gone], None] = _unset
         self._on_error: Callable[[Failure], None] = _unset
         self.attempt: Attempt | None = None
-        self.reservation = None
+        self.reservation: Reservation | None = None
         self._queue: list[Node] = []
         self._timer: IDelayedCall | None = None
         self._owner_missing = False
@@ -181,7 +204,7 @@ class Dispatch:
         self._on_done, self._on_error = on_done, on_error
         self._guarded(self._round, candidates)
 
-    def _guarded(self, step: Callable, *args) -> None:
+    def _guarded(self, step: Callable[..., None], *args: object) -> None:
         """Run one step of the loop; a bug ends this request only (spec 3.2), never the
         reactor's other work, and leaves no timer or attempt behind."""
         try:
@@ -239,19 +262,27 @@ class Dispatch:
         self._queue = [n for n in self._queue if self.router.is_routable(n.id)]
         self._failed_in_round = True
         self.dispatches += 1
-        if self.inference:
-            final = self.dispatches == self.bounds.max_attempts
-        else:
-            # Asked when the answer comes: the other candidates may have left meanwhile.
-            final = lambda: not any(self.router.is_routable(n.id) for n in self._queue)
         if self.reservation is not None:
             self.reservation.move(node.id)
         self.observer.dispatched(node)
-        self.attempt = self.make_attempt(node, final)
+        upstreams = self.upstreams
+        attempt = self.attempt = Attempt(agent=upstreams.agent_for(node), clock=self.clock,
+                                         addresses=upstreams.addresses, node=node,
+                                         request=self.job.request, final=self.is_final)
         if self.inference:
-            self.router.watch(self.attempt)
-        self.attempt.start(lambda outcome, attempt=self.attempt: self._guarded(
-            self._attempt_ended, outcome, attempt.is_final()))
+            self.router.watch(attempt)
+        attempt.start(self._attempt_outcome)
+
+    def is_final(self) -> bool:
+        """Whether the attempt in flight is the last this request may make (spec 5.4): its
+        answer is then the client's whatever its status. Asked when the answer arrives: for a
+        single pass the other candidates may have left meanwhile."""
+        if self.inference:
+            return self.dispatches >= self.bounds.max_attempts
+        return not any(self.router.is_routable(n.id) for n in self._queue)
+
+    def _attempt_outcome(self, outcome: Committed | Failed) -> None:
+        self._guarded(self._attempt_ended, outcome, self.is_final())
 
     def _attempt_ended(self, outcome: Committed | Failed, final: bool) -> None:
         self.observer.attempt_ended(outcome)
@@ -287,7 +318,7 @@ class Dispatch:
                 self.router.answered(node_id, outcome.response.code)
             else:
                 self.router.first_byte(node_id)
-        elif outcome.kind == STATUS:
+        elif outcome.kind == STATUS and outcome.status is not None:
             self.router.answered(node_id, outcome.status)
         elif outcome.spent:
             self.router.stalled(node_id)

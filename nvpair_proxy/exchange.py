@@ -10,15 +10,17 @@ from __future__ import annotations
 
 import enum
 import json
+
+import attrs
 from twisted.python.failure import Failure
 from twisted.web.server import Request
 from zope.interface import implementer
 
 from . import constants
 from .answers import Reason, answer_internal_error, send_error
-from .attempt import Attempt, Committed
+from .attempt import Committed, UpstreamRequest
 from .discovery import Node, host_port
-from .dispatch import Answer, Dispatch, Gone, Upstreams, retryable_status
+from .dispatch import Answer, Dispatch, Gone, Job, Upstreams, retryable_status
 from .engines import Engine
 from .events import (BACKSTOP, CANCELLED, CLIENT_GONE, COMPLETED, FAILED, SHUTDOWN, Reporter,
                      Workload, route_class)
@@ -81,7 +83,11 @@ class Exchange:
     sink its committed relay streams into."""
 
     def __init__(self, request: Request, *, engine: Engine, router: IRouter, reporter: Reporter,
-                 upstreams: Upstreams, in_flight: set, route=UNCLASSIFIED) -> None:
+                 upstreams: Upstreams, in_flight: set, route=UNCLASSIFIED,
+                 inference: bool | None = None, bad_gateway_code: str | None = None) -> None:
+        """``inference`` None follows the route; False forwards in one pass without reading
+        a model (the ingress: the originating node already routed). ``bad_gateway_code`` is
+        the ``code`` every 502 the proxy answers carries (the ingress's backend error)."""
         self.request, self.engine, self.router = request, engine, router
         self.reporter, self.upstreams, self.in_flight = reporter, upstreams, in_flight
         self.clock = upstreams.clock
@@ -91,7 +97,9 @@ class Exchange:
         self.path = request.path.decode("latin-1")
         self.route = (engine.classify(request.method, request.path) if route is UNCLASSIFIED
                       else route)
-        self.inference = self.route is not None and self.route.is_inference
+        self.inference = (self.route is not None and self.route.is_inference
+                          if inference is None else inference)
+        self.bad_gateway_code = bad_gateway_code
         # The model the body named, as the client spelled it: for the admin listener's recent
         # requests, including those answered before a workload existed (no owner, busy).
         self.model: str | None = None
@@ -134,23 +142,16 @@ class Exchange:
         self.in_flight.add(self)
         self.request.notifyFinish().addCallbacks(self._request_finished, self._client_gone)
         upstreams = self.upstreams
-        headers = upstreams.loop_guard.stamp(
-            end_to_end(self.request.requestHeaders, drop=(b"host", b"content-length")))
-
-        def make_attempt(node: Node, final) -> Attempt:
-            self.target = host_port(node.addresses[0] if node.addresses else "", node.port)
-            return Attempt(agent=upstreams.agent_for(node), clock=self.clock,
-                           addresses=upstreams.addresses, node=node, method=self.request.method,
-                           path=self.request.uri, headers=headers, body=body,
-                           response_timeout=upstreams.bounds.response_timeout,
-                           inference=self.inference, final=final,
-                           retryable=retryable_status(self.inference))
-
-        self.dispatch = Dispatch(
-            clock=self.clock, random=upstreams.random, router=self.router, model=wanted,
-            make_attempt=make_attempt, inference=self.inference, created_at=self.admitted_at,
-            no_candidate=no_candidate, bounds=upstreams.bounds,
-            reserve=self.workload is not None, observer=self)
+        sent = UpstreamRequest(
+            method=self.request.method, target=self.request.uri,
+            headers=upstreams.loop_guard.stamp(
+                end_to_end(self.request.requestHeaders, drop=(b"host", b"content-length"))),
+            body=body, inference=self.inference, retryable=retryable_status(self.inference),
+            response_timeout=upstreams.bounds.response_timeout)
+        self.dispatch = Dispatch(Job(
+            request=sent, router=self.router, upstreams=upstreams, model=wanted,
+            created_at=self.admitted_at, no_candidate=no_candidate,
+            reserve=self.workload is not None, observer=self))
         self._enter(Phase.DISPATCHING)
         self.dispatch.run(self._dispatched, self.crashed, candidates)
 
@@ -175,6 +176,7 @@ class Exchange:
     # Dispatch observer (workload events, spec 5.5).
 
     def dispatched(self, node: Node) -> None:
+        self.target = host_port(node.addresses[0] if node.addresses else "", node.port)
         log.debug("request {id} dispatch {n} to node {node}", id=self.id,
                   n=self.dispatch.dispatches, node=node.id, engine=self.engine.id)
         if self.workload is not None:
@@ -206,6 +208,8 @@ class Exchange:
             self._commit(result)
 
     def _answer(self, answer: Answer) -> None:
+        if answer.status == 502 and self.bad_gateway_code is not None:
+            answer = attrs.evolve(answer, code=self.bad_gateway_code)
         self._end(FAILED, answer.reason, answer.detail, status=answer.status)
         if not self.request.finished and not self.request.client_gone:
             send_error(self.request, answer.status, answer.text, code=answer.code,

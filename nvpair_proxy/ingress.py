@@ -7,9 +7,10 @@ forward to the local backend that ``node/set-local-backend`` named.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import TYPE_CHECKING, Callable, cast
 
 import attrs
+from twisted.internet.interfaces import ISSLTransport
 from twisted.python.failure import Failure
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Request
@@ -17,11 +18,13 @@ from zope.interface import implementer
 
 from .answers import CLUSTER_AUTH, NO_LOCAL_BACKEND, Reason, send_error
 from .discovery import Node
-from .dispatch import Answer
 from .exchange import Exchange
 from .facade import Facade, answered_before_routing, report_rejection
 from .interfaces import IRouter
 from .trust import ClusterDirectory, der_of
+
+if TYPE_CHECKING:
+    from OpenSSL.crypto import X509
 
 
 @implementer(IRouter)
@@ -72,19 +75,12 @@ class LocalBackendRoute:
         pass
 
 
-class IngressExchange(Exchange):
+def ingress_exchange(facade: Facade, request: Request, backend: Node) -> Exchange:
     """A forward to the local backend: one pass, no workload, backend errors coded."""
-
-    def __init__(self, facade: Facade, request: Request, backend: Node) -> None:
-        super().__init__(request, engine=facade.engine, router=LocalBackendRoute(backend),
-                         reporter=facade.reporter, upstreams=facade.upstreams,
-                         in_flight=facade.in_flight)
-        self.inference = False
-
-    def _answer(self, answer: Answer) -> None:
-        if answer.status == 502:
-            answer = attrs.evolve(answer, code="backend-error")
-        super()._answer(answer)
+    return Exchange(request, engine=facade.engine, router=LocalBackendRoute(backend),
+                    reporter=facade.reporter, upstreams=facade.upstreams,
+                    in_flight=facade.in_flight, inference=False,
+                    bad_gateway_code="backend-error")
 
 
 class IngressResource(Resource):
@@ -100,7 +96,9 @@ class IngressResource(Resource):
         if answered_before_routing(self.facade, request):
             return NOT_DONE_YET
         self.directory.check()
-        certificate = request.channel.transport.getPeerCertificate()
+        # The ingress listens on TLS only; pyOpenSSL's certificate, None without a peer's.
+        transport = cast(ISSLTransport, request.channel.transport)
+        certificate = cast("X509 | None", transport.getPeerCertificate())
         if certificate is None or not self.directory.trusts(der_of(certificate)):
             code, text = CLUSTER_AUTH
             report_rejection(self.facade, request.method, request.path, 403, Reason.CLUSTER_AUTH)
@@ -118,7 +116,7 @@ class IngressResource(Resource):
         if node is None or (node.port, node.addresses) != (port, (host,)):
             node = self._node = Node(id="local-backend", name="local-backend", port=port,
                                      addresses=(host,))
-        exchange = IngressExchange(self.facade, request, node)
+        exchange = ingress_exchange(self.facade, request, node)
         try:
             exchange.start()
         except Exception:

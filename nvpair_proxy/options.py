@@ -1,18 +1,23 @@
 """The command line of ``twistd nvpair-proxy`` (design 3).
 
 Every bad value stops start-up with one line naming the flag, never a usage dump: under
-systemd the journal shows the last line, and it must say what to fix.
+systemd the journal shows the last line, and it must say what to fix. What the process runs
+with is :class:`Config`, built from the flags, the environment and the defaults once; the
+options themselves keep what was typed.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
+from typing import Callable, Mapping, TypeVar
 
+import attrs
 from twisted.python import usage
 
 from . import __version__, constants
-from .engines import EngineFileError, load_engines
+from .engines import Engine, EngineFileError, load_engines
 from .logs import LEVELS, LOG_FORMATS
 from .validate import ip_of, parse_port, split_host_port
 
@@ -51,6 +56,7 @@ def admin_address(text: str) -> tuple[str, int]:
         host, port = split_host_port(text, zero=True)
     except ValueError:
         raise ValueError(f"--admin: want HOST:PORT, e.g. 127.0.0.1:9464 (got {text!r})") from None
+    assert port is not None  # the port is required here
     if host == "localhost":
         host = "127.0.0.1"
     address = ip_of(host)
@@ -66,6 +72,47 @@ def parse_keepalive(text: str) -> float:
     if value > 3600:
         raise ValueError(f"at most 1h (got {text.strip()!r})")
     return value
+
+
+Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+_T = TypeVar("_T")
+
+
+@attrs.frozen
+class Config:
+    """The process's configuration: every flag parsed and every default applied, once.
+
+    Built by :class:`Options` after its checks, so a value here is always valid; the wiring
+    reads only this, never the options' raw strings.
+    """
+
+    #: The built-in engines plus any ``--engines-dir`` files, by id.
+    engines: Mapping[str, Engine]
+    log_level: str
+    log_format: str
+    access_log: bool
+    #: Seconds: the header and first-content cap (0 disables both).
+    response_timeout: float
+    #: Seconds a committed upstream may be silent (0: never closed for it).
+    stream_idle: float
+    #: Seconds of idle before TCP keepalive probes (0: off).
+    upstream_keepalive: float
+    state_dir: str
+    #: The admin listener's loopback (host, port), or None.
+    admin: tuple[str, int] | None = None
+    #: ``--engine``: (engine id, port) per standalone facade; empty in broker mode.
+    facades: tuple[tuple[str, int], ...] = ()
+    nodes: str | None = None
+    cluster_dir: str | None = None
+    ipc: str | None = None
+    #: LAN keys given in the environment, checked when read (see ``apikeys``).
+    api_keys: str | None = None
+    api_keys_file: str = ""
+    allowed_cidrs: tuple[Network, ...] = ()
+
+    @property
+    def standalone(self) -> bool:
+        return bool(self.facades)
 
 
 class Options(usage.Options):
@@ -122,13 +169,16 @@ class Options(usage.Options):
         """Standalone facade ENGINE[:PORT] (repeatable); port 0 or omitted: the standalone port."""
         self["engine"].append(value)
 
+    #: What the process runs with; set once the options parsed.
+    config: Config
+
     def postOptions(self) -> None:
         try:
-            self._validate()
+            self.config = self._config()
         except ValueError as exc:
             raise SystemExit(f"nvpair-proxy: {exc}") from None
 
-    def _validate(self) -> None:
+    def _config(self) -> Config:
         try:
             self.engines = load_engines([self["engines-dir"]] if self["engines-dir"] else [])
         except (EngineFileError, OSError) as exc:
@@ -138,47 +188,48 @@ class Options(usage.Options):
             level, source = os.environ.get("NVPAIR_LOG_LEVEL") or "info", "NVPAIR_LOG_LEVEL"
         if level not in LEVELS:
             raise ValueError(f"{source} must be one of {', '.join(LEVELS)} (got {level!r})")
-        self["log-level"] = level
-        self["response-timeout"] = self._parsed("response-header-timeout",
-                                                "NVPAIR_PROXY_RESPONSE_HEADER_TIMEOUT",
-                                                str(constants.DEFAULT_RESPONSE_TIMEOUT),
-                                                parse_duration)
-        self["stream-idle"] = self._parsed("stream-idle-timeout",
-                                           "NVPAIR_PROXY_STREAM_IDLE_TIMEOUT", "0",
-                                           parse_duration)
-        self["upstream-keepalive"] = self._parsed("upstream-keepalive",
-                                                  "NVPAIR_PROXY_UPSTREAM_KEEPALIVE",
-                                                  str(constants.UPSTREAM_KEEPALIVE),
-                                                  parse_keepalive)
-        if self["admin"] is not None:
-            self["admin"] = admin_address(self["admin"])
+        response_timeout = self._parsed("response-header-timeout",
+                                        "NVPAIR_PROXY_RESPONSE_HEADER_TIMEOUT",
+                                        str(constants.DEFAULT_RESPONSE_TIMEOUT), parse_duration)
+        stream_idle = self._parsed("stream-idle-timeout", "NVPAIR_PROXY_STREAM_IDLE_TIMEOUT",
+                                   "0", parse_duration)
+        keepalive = self._parsed("upstream-keepalive", "NVPAIR_PROXY_UPSTREAM_KEEPALIVE",
+                                 str(constants.UPSTREAM_KEEPALIVE), parse_keepalive)
+        admin = None if self["admin"] is None else admin_address(self["admin"])
         if self["log-format"] not in LOG_FORMATS:
             raise ValueError(f"--log-format must be text or json (got {self['log-format']!r})")
-        state_dir = self["state-dir"] or os.environ.get("STATE_DIRECTORY") or DEFAULT_STATE_DIR
-        self["state-dir"] = os.path.expanduser(state_dir)
-        self["facades"] = self._facades()
-        if self["nodes"] is not None and not self["facades"]:
+        state_dir = os.path.expanduser(
+            self["state-dir"] or os.environ.get("STATE_DIRECTORY") or DEFAULT_STATE_DIR)
+        facades = self._facades()
+        if self["nodes"] is not None and not facades:
             raise ValueError("--nodes needs at least one --engine (standalone mode)")
         if self["nodes"] is not None and not os.path.isfile(self["nodes"]):
             raise ValueError(f"--nodes: no such file: {self['nodes']}")
         if self["cluster-dir"] is not None and not os.path.isdir(self["cluster-dir"]):
             raise ValueError(f"--cluster-dir: no such directory: {self['cluster-dir']}")
-        if self["ipc"] is not None and self["facades"]:
+        if self["ipc"] is not None and facades:
             raise ValueError("--ipc is for broker mode; it cannot be combined with --engine")
-        self._lan_keys()
+        api_keys, api_keys_file, allowed_cidrs = self._lan_keys(state_dir)
+        return Config(engines=self.engines, log_level=level, log_format=self["log-format"],
+                      access_log=bool(self["access-log"]), response_timeout=response_timeout,
+                      stream_idle=stream_idle, upstream_keepalive=keepalive,
+                      state_dir=state_dir, admin=admin, facades=tuple(facades),
+                      nodes=self["nodes"], cluster_dir=self["cluster-dir"], ipc=self["ipc"],
+                      api_keys=api_keys, api_keys_file=api_keys_file,
+                      allowed_cidrs=allowed_cidrs)
 
-    def _lan_keys(self) -> None:
-        """Opt-in LAN keys (issue 11): the keys themselves are checked when read, so a bad
-        one turns the gate off (logged) rather than stopping start-up."""
+    def _lan_keys(self, state_dir: str) -> tuple[str | None, str, tuple[Network, ...]]:
+        """Opt-in LAN keys: the environment's keys, the keys file and the allowed
+        sources. The keys themselves are checked when read, so a bad one turns the gate off
+        (logged) rather than stopping start-up."""
         from .apikeys import KEYS_FILE_NAME, parse_cidrs
-        self["api-keys"] = os.environ.get("NVPAIR_PROXY_API_KEYS") or None
-        self["api-keys-file"] = (self["api-keys-file"]
-                                 or os.environ.get("NVPAIR_PROXY_API_KEYS_FILE")
-                                 or os.path.join(self["state-dir"], KEYS_FILE_NAME))
-        self["allowed-cidrs"] = self._parsed("allowed-cidrs", "NVPAIR_PROXY_ALLOWED_CIDRS", "",
-                                             parse_cidrs)
+        path = (self["api-keys-file"] or os.environ.get("NVPAIR_PROXY_API_KEYS_FILE")
+                or os.path.join(state_dir, KEYS_FILE_NAME))
+        allowed = self._parsed("allowed-cidrs", "NVPAIR_PROXY_ALLOWED_CIDRS", "", parse_cidrs)
+        return os.environ.get("NVPAIR_PROXY_API_KEYS") or None, path, tuple(allowed)
 
-    def _parsed(self, name: str, variable: str, default: str, parse):
+    def _parsed(self, name: str, variable: str, default: str,
+                parse: Callable[[str], _T]) -> _T:
         """The flag's value, else the environment's (set but empty counts as unset), else
         ``default``, parsed; a bad value stops start-up with one line naming its source."""
         raw, source = self[name], f"--{name}"
@@ -207,7 +258,3 @@ class Options(usage.Options):
                 raise ValueError(f"--engine: {engine_id} is given twice")
             facades.append((engine_id, port))
         return facades
-
-    @property
-    def standalone(self) -> bool:
-        return bool(self["facades"])

@@ -27,7 +27,9 @@ import attrs
 from twisted.application.service import MultiService, Service
 from twisted.internet.defer import Deferred, DeferredList, maybeDeferred, succeed
 from twisted.internet.error import CannotListenError
+from twisted.internet.interfaces import IReactorTime
 from twisted.python.failure import Failure
+from twisted.web.iweb import IAgent
 from zope.interface import implementer
 
 from . import constants
@@ -40,15 +42,16 @@ from .admission import peer_dialler
 from .events import ActivityThrottle, LogEmitter, new_run_id
 from .facade import Facade, make_facade
 from .facadeservice import Facades, listen_on
-from .interfaces import IStatusSource
+from .interfaces import IEmitter, IRequestRecorder, IStatusSource
 from .inventory import Prober
 from .logs import logger, set_access_log, set_level
 from .loopguard import LoopGuard
 from .nodesfile import ConfiguredNodes, NodesFileError, NodesFileWatcher, tls_configs
-from .options import Options
+from .options import Config
 from .reservations import ReservationMap
 from .selfcheck import self_reason
 from .views import ProcessSnapshot
+from .trust import PeerAgents
 
 log = logger()
 
@@ -63,8 +66,8 @@ class Runtime:
     """What every facade of the process shares (spec 3.1): one pool and agent, one
     reservation map, one run id, one random source, one activity throttle."""
 
-    reactor: object
-    emitter: object
+    reactor: IReactorTime
+    emitter: IEmitter
     bounds: Bounds
     pool: ConnectionPool
     agent: Client
@@ -74,35 +77,37 @@ class Runtime:
     rng: random.Random = attrs.Factory(random.Random)
     activity: ActivityThrottle | None = None
     engine_agents: EngineAgents | None = None
-    recorder: object | None = None
+    recorder: IRequestRecorder | None = None
     # Broker mode with --cluster-dir: one pinned pool per peer, closed with the shared one.
-    peer_agents: object | None = None
+    peer_agents: PeerAgents | None = None
     # The agent per node, given to every facade when it is made (None: all share ``agent``).
-    agent_for_node: Callable | None = None
+    agent_for_node: Callable[[Node], IAgent] | None = None
 
     @classmethod
-    def build(cls, options: Options, reactor, emitter, peer_agents=None) -> "Runtime":
-        set_level(options["log-level"])
-        set_access_log(options["access-log"])
+    def build(cls, config: Config, reactor: IReactorTime, emitter: IEmitter,
+              peer_agents: PeerAgents | None = None) -> "Runtime":
+        set_level(config.log_level)
+        set_access_log(config.access_log)
         pool = make_pool(reactor)
         agent = Client(reactor, pool, connect_timeout=constants.DIAL_TIMEOUT,
-                       keepalive=options["upstream-keepalive"])
-        recorder = None
-        if options["admin"] is not None:
+                       keepalive=config.upstream_keepalive)
+        recorder: IRequestRecorder | None = None
+        if config.admin is not None:
             from .recorder import Recorder
             recorder = Recorder()
         # Only a nodes file names engine TLS or keys: standalone mode only.
-        engine_agents = agent_for_node = None
-        if options.standalone:
+        engine_agents: EngineAgents | None = None
+        agent_for_node: Callable[[Node], IAgent] | None = None
+        if config.standalone:
             engine_agents = EngineAgents(reactor, agent, constants.DIAL_TIMEOUT,
                                          constants.POOL_IDLE_TIMEOUT,
-                                         keepalive=options["upstream-keepalive"])
+                                         keepalive=config.upstream_keepalive)
             agent_for_node = engine_agents.for_node
         elif peer_agents is not None:
             agent_for_node = peer_dialler(peer_agents, agent)
         return cls(reactor=reactor, emitter=emitter, recorder=recorder,
-                   bounds=Bounds(response_timeout=options["response-timeout"],
-                                 stream_idle=options["stream-idle"]), pool=pool,
+                   bounds=Bounds(response_timeout=config.response_timeout,
+                                 stream_idle=config.stream_idle), pool=pool,
                    agent=agent, activity=ActivityThrottle(emitter, reactor.seconds),
                    engine_agents=engine_agents, peer_agents=peer_agents,
                    agent_for_node=agent_for_node)
@@ -218,15 +223,15 @@ class ProcessService(MultiService):
         return None if child is None else maybeDeferred(child.stopService)
 
 
-def local_fleet(options: Options) -> ConfiguredNodes:
+def local_fleet(config: Config) -> ConfiguredNodes:
     """Without --nodes, this machine's engine is the fleet (design 3).
 
     The engine is looked for on its own client-facing port, or on its relocated port when the
     facade itself sits on the client-facing one.
     """
     nodes, probed = {}, set()
-    for engine_id, port in options["facades"]:
-        engine = options.engines[engine_id]
+    for engine_id, port in config.facades:
+        engine = config.engines[engine_id]
         engine_port = engine.ports.relocated if port == engine.ports.own else engine.ports.own
         nodes[engine_id] = (make_node(engine, id="local", name="local", port=engine_port,
                                       addresses=["127.0.0.1"], source="standalone"),)
@@ -244,25 +249,25 @@ class Standalone(MultiService):
 
     name = "standalone"  # type: ignore[assignment]  # Twisted leaves Service.name untyped (None)
 
-    def __init__(self, options: Options, reactor, facades: Facades,
+    def __init__(self, config: Config, reactor, facades: Facades,
                  engine_agents: EngineAgents | None = None) -> None:
         super().__init__()
-        self.options, self.facades, self.engine_agents = options, facades, engine_agents
+        self.config, self.facades, self.engine_agents = config, facades, engine_agents
         self.probed: frozenset = frozenset()
         # (engine, node, port) of the nodes last warned about as this proxy: one warning per
         # change, not one per reload of an unchanged file.
         self.warned_self: frozenset = frozenset()
         self.watcher: NodesFileWatcher | None = None
-        if options["nodes"]:
-            self.watcher = NodesFileWatcher(options["nodes"], options.engines, reactor, self.apply)
+        if config.nodes:
+            self.watcher = NodesFileWatcher(config.nodes, config.engines, reactor, self.apply)
             self.watcher.setName("nodes-file watch")
             self.watcher.setServiceParent(self)
 
     def privilegedStartService(self) -> None:
-        options = self.options
-        for engine_id, port in options["facades"]:
+        config = self.config
+        for engine_id, port in config.facades:
             try:
-                service = self.facades.open(options.engines[engine_id], port,
+                service = self.facades.open(config.engines[engine_id], port,
                                             should_probe=self._probes(engine_id))
             except CannotListenError as exc:
                 raise SystemExit(f"nvpair-proxy: {engine_id}: cannot listen on port {port}: "
@@ -276,7 +281,7 @@ class Standalone(MultiService):
             except NodesFileError as exc:
                 raise SystemExit(f"nvpair-proxy: --nodes: {exc}") from None
         else:
-            self.apply(local_fleet(options))
+            self.apply(local_fleet(config))
         super().privilegedStartService()
 
     def _probes(self, engine_id: str) -> Callable[[Node], bool]:
@@ -425,73 +430,73 @@ class LinkService(Service):
         return flushed.addErrback(lambda _: None)
 
 
-def lan_gate(options: Options, reactor):
+def lan_gate(config: Config, reactor):
     """The opt-in LAN keys every facade's listener asks (issue 11), the same in both modes."""
     from .apikeys import KeyStore, LanGate
-    return LanGate(KeyStore(reactor, env=options["api-keys"], path=options["api-keys-file"]),
-                   allowed=options["allowed-cidrs"])
+    return LanGate(KeyStore(reactor, env=config.api_keys, path=config.api_keys_file),
+                   allowed=list(config.allowed_cidrs))
 
 
-def add_admin(root: ProcessService, runtime: Runtime, options: Options, reactor,
+def add_admin(root: ProcessService, runtime: Runtime, config: Config, reactor,
               mode: str) -> None:
     """The admin listener (issue 12), when ``--admin`` asks for it: it reads the tree's
     snapshots and the runtime's recorder (made whenever ``--admin`` is given)."""
-    if options["admin"] is not None:
+    if config.admin is not None:
         from .admin import AdminService
         from .recorder import Recorder
         recorder = runtime.recorder
         assert isinstance(recorder, Recorder)
-        AdminService(root, recorder, options["admin"], reactor, mode).setServiceParent(root)
+        AdminService(root, recorder, config.admin, reactor, mode).setServiceParent(root)
 
 
-def standalone_tree(options: Options, reactor) -> ProcessService:
+def standalone_tree(config: Config, reactor) -> ProcessService:
     """Facades from ``--engine``, fleet from ``--nodes``; events to the log."""
     root = ProcessService(reactor)
-    runtime = Runtime.build(options, reactor, LogEmitter())
+    runtime = Runtime.build(config, reactor, LogEmitter())
     RuntimeService(runtime).setServiceParent(root)
-    add_admin(root, runtime, options, reactor, "standalone")
+    add_admin(root, runtime, config, reactor, "standalone")
     facades = Facades(make_facade=runtime.facade, listen=listen_on(reactor),
-                      make_prober=runtime.prober, clock=reactor, lan=lan_gate(options, reactor))
-    Standalone(options, reactor, facades, runtime.engine_agents).setServiceParent(root)
+                      make_prober=runtime.prober, clock=reactor, lan=lan_gate(config, reactor))
+    Standalone(config, reactor, facades, runtime.engine_agents).setServiceParent(root)
     facades.setServiceParent(root)
     root.runtime, root.facades = runtime, facades
     return root
 
 
-def broker_tree(options: Options, reactor) -> ProcessService:
+def broker_tree(config: Config, reactor) -> ProcessService:
     """Broker mode: no facade until ``facade/enable``; the link is stdio or ``--ipc``."""
     from .broker import Broker
     root = ProcessService(reactor)
     broker: Broker  # made last, from the link and the facades; the link calls it later
-    link = LinkService(reactor, options["ipc"], lambda method, params: broker.dispatch(method, params))
+    link = LinkService(reactor, config.ipc, lambda method, params: broker.dispatch(method, params))
     directory = peer_agents = None
-    if options["cluster-dir"]:
-        from .trust import ClusterDirectory, PeerAgents
-        directory = ClusterDirectory(options["cluster-dir"])
+    if config.cluster_dir:
+        from .trust import ClusterDirectory
+        directory = ClusterDirectory(config.cluster_dir)
         peer_agents = PeerAgents(reactor, directory, constants.DIAL_TIMEOUT,
                                  constants.POOL_IDLE_TIMEOUT,
-                                 keepalive=options["upstream-keepalive"])
-    runtime = Runtime.build(options, reactor, link.link, peer_agents)
+                                 keepalive=config.upstream_keepalive)
+    runtime = Runtime.build(config, reactor, link.link, peer_agents)
     RuntimeService(runtime).setServiceParent(root)
-    add_admin(root, runtime, options, reactor, "broker")
+    add_admin(root, runtime, config, reactor, "broker")
     link.setServiceParent(root)
     if directory is not None:
         from .trust import trust_watch
         trust_watch(directory, reactor).setServiceParent(root)
     facades = Facades(make_facade=runtime.facade, listen=listen_on(reactor),
                       make_prober=runtime.prober, clock=reactor, admission=True,
-                      directory=directory, lan=lan_gate(options, reactor))
+                      directory=directory, lan=lan_gate(config, reactor))
     facades.setServiceParent(root)
-    broker = Broker(engines=options.engines, emitter=link.link,
-                    reservations=runtime.reservations, state_dir=options["state-dir"],
+    broker = Broker(engines=config.engines, emitter=link.link,
+                    reservations=runtime.reservations, state_dir=config.state_dir,
                     facades=facades, on_shutdown=lambda: reactor.callLater(0, stop_once, reactor),
                     after_answer=link.link.after_answer.append)
     root.runtime, root.facades = runtime, facades
     return root
 
 
-def build_service(options: Options):
+def build_service(config: Config):
     from twisted.internet import reactor
-    if options.standalone:
-        return standalone_tree(options, reactor)
-    return broker_tree(options, reactor)
+    if config.standalone:
+        return standalone_tree(config, reactor)
+    return broker_tree(config, reactor)

@@ -16,7 +16,7 @@ def makeService(options: Options) -> IService:
 
     from .service import build_service
     from .vitals import report_on_sigusr1
-    service = build_service(options)
+    service = build_service(options.config)
     service.offer_log_observer = partial(_offer_log_observer, options)
     reactor.callWhenRunning(report_on_sigusr1, reactor, lambda: _vitals(service, reactor))
     return service
@@ -26,7 +26,7 @@ def _offer_log_observer(options: Options, application) -> None:
     """Our observer for twistd to start: its destination, our format and level filter."""
     from .logformat import observer, offer
     twistd = getattr(options, "parent", None) or {}
-    offer(application, lambda: observer(options["log-format"], twistd), twistd)
+    offer(application, lambda: observer(options.config.log_format, twistd), twistd)
 
 
 def _vitals(service, reactor) -> dict | None:

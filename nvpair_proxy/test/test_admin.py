@@ -643,7 +643,7 @@ class TreeTests(SynchronousTestCase):
         options = Options()
         options.parseOptions(["--engine", "ollama:1300", "--admin", "127.0.0.1:9464"])
         reactor = MemoryReactorClock()
-        root = standalone_tree(options, reactor)
+        root = standalone_tree(options.config, reactor)
         self.assertEqual([s.name for s in root], ["runtime", "admin", "standalone", "facades"])
         root.privilegedStartService()
         self.assertEqual([(t[0], t[3]) for t in reactor.tcpServers],
@@ -655,7 +655,7 @@ class TreeTests(SynchronousTestCase):
         from nvpair_proxy.service import standalone_tree
         options = Options()
         options.parseOptions(["--engine", "ollama:1300"])
-        root = standalone_tree(options, MemoryReactorClock())
+        root = standalone_tree(options.config, MemoryReactorClock())
         root.privilegedStartService()
         self.assertIsNone(root.runtime.recorder)
         self.assertIsNone(root.facades["ollama"].facade.reporter.recorder)
@@ -668,7 +668,7 @@ class TreeTests(SynchronousTestCase):
         options = Options()
         options.parseOptions(["--admin", "[::1]:9464", *arguments])
         reactor = MemoryReactorClock()
-        root = service.broker_tree(options, reactor)
+        root = service.broker_tree(options.config, reactor)
         admin = root.getServiceNamed("admin")
         admin.privilegedStartService()
         return root, admin, reactor

@@ -6,13 +6,14 @@ import io
 import os
 import sys
 
+import attrs
 from twisted.application.service import IServiceMaker
 from twisted.plugin import getPlugins
 from twisted.trial.unittest import SynchronousTestCase
 
 from nvpair_proxy import options as options_module
 from nvpair_proxy.test.support import VLLM
-from nvpair_proxy.options import DEFAULT_STATE_DIR, Options, parse_duration
+from nvpair_proxy.options import DEFAULT_STATE_DIR, Config, Options, parse_duration
 
 HOME = "/home/tester"
 DEFAULT_STATE = "/home/tester/.config/Nvidia Corporation/Personal AI Router"
@@ -25,10 +26,11 @@ class OptionsCase(SynchronousTestCase):
         self.environ = {"HOME": HOME}
         self.patch(os, "environ", self.environ)
 
-    def parse(self, *argv: str) -> Options:
+    def parse(self, *argv: str) -> Config:
+        """What the process runs with, from ``argv``."""
         options = Options()
         options.parseOptions(list(argv))
-        return options
+        return options.config
 
     def refused(self, *argv: str) -> str:
         """The one line start-up stops with."""
@@ -52,9 +54,20 @@ class DefaultsTests(OptionsCase):
     def test_defaults(self) -> None:
         options = self.parse()
         self.assertEqual(
-            (options["response-timeout"], options["log-level"], options["state-dir"],
-             options["facades"], options["ipc"], options["nodes"], options.standalone),
-            (1800.0, "info", DEFAULT_STATE, [], None, None, False))
+            (options.response_timeout, options.log_level, options.state_dir,
+             options.facades, options.ipc, options.nodes, options.standalone),
+            (1800.0, "info", DEFAULT_STATE, (), None, None, False))
+
+    def test_the_options_keep_only_their_flags_and_the_config_is_frozen(self) -> None:
+        options = Options()
+        options.parseOptions(["--engine", "ollama", "--response-header-timeout", "90s",
+                              "--log-level", "warn"])
+        flags = {name for name, *_ in options.optParameters + options.optFlags} | {"engine"}
+        self.assertEqual(set(options) - flags, set())
+        self.assertEqual((options["response-header-timeout"], options["log-level"]),
+                         ("90s", "warn"))
+        with self.assertRaises(attrs.exceptions.FrozenInstanceError):
+            options.config.response_timeout = 1.0  # type: ignore[misc]
 
     def test_default_state_dir_is_the_existing_implementations(self) -> None:
         self.assertEqual(DEFAULT_STATE_DIR,
@@ -62,47 +75,47 @@ class DefaultsTests(OptionsCase):
 
     def test_state_dir_from_systemd(self) -> None:
         self.environ["STATE_DIRECTORY"] = "/var/lib/nvpair-proxy"
-        self.assertEqual(self.parse()["state-dir"], "/var/lib/nvpair-proxy")
+        self.assertEqual(self.parse().state_dir, "/var/lib/nvpair-proxy")
 
     def test_state_dir_flag_wins_over_systemd(self) -> None:
         self.environ["STATE_DIRECTORY"] = "/var/lib/nvpair-proxy"
-        self.assertEqual(self.parse("--state-dir", "/srv/ports")["state-dir"], "/srv/ports")
+        self.assertEqual(self.parse("--state-dir", "/srv/ports").state_dir, "/srv/ports")
 
     def test_state_dir_flag_expands_home(self) -> None:
-        self.assertEqual(self.parse("--state-dir", "~/ports")["state-dir"], "/home/tester/ports")
+        self.assertEqual(self.parse("--state-dir", "~/ports").state_dir, "/home/tester/ports")
 
     def test_log_level_from_environment(self) -> None:
         self.environ["NVPAIR_LOG_LEVEL"] = "debug"
-        self.assertEqual(self.parse()["log-level"], "debug")
+        self.assertEqual(self.parse().log_level, "debug")
 
     def test_log_level_flag_wins_over_environment(self) -> None:
         self.environ["NVPAIR_LOG_LEVEL"] = "debug"
-        self.assertEqual(self.parse("--log-level", "warn")["log-level"], "warn")
+        self.assertEqual(self.parse("--log-level", "warn").log_level, "warn")
 
     def test_every_log_level_is_accepted(self) -> None:
-        self.assertEqual([self.parse("--log-level", level)["log-level"]
+        self.assertEqual([self.parse("--log-level", level).log_level
                           for level in ("debug", "info", "warn", "error")],
                          ["debug", "info", "warn", "error"])
 
     def test_response_timeout_from_environment(self) -> None:
         self.environ["NVPAIR_PROXY_RESPONSE_HEADER_TIMEOUT"] = "90s"
-        self.assertEqual(self.parse()["response-timeout"], 90.0)
+        self.assertEqual(self.parse().response_timeout, 90.0)
 
     def test_response_timeout_flag_wins_over_environment(self) -> None:
         self.environ["NVPAIR_PROXY_RESPONSE_HEADER_TIMEOUT"] = "90s"
-        self.assertEqual(self.parse("--response-header-timeout", "1h30m")["response-timeout"],
+        self.assertEqual(self.parse("--response-header-timeout", "1h30m").response_timeout,
                          5400.0)
 
     def test_zero_response_timeout_disables(self) -> None:
-        self.assertEqual(self.parse("--response-header-timeout", "0")["response-timeout"], 0.0)
+        self.assertEqual(self.parse("--response-header-timeout", "0").response_timeout, 0.0)
 
     def test_stream_idle_timeout_is_off_by_default(self) -> None:
-        self.assertEqual(self.parse()["stream-idle"], 0.0)
+        self.assertEqual(self.parse().stream_idle, 0.0)
 
     def test_stream_idle_timeout_from_flag_and_environment(self) -> None:
         self.environ["NVPAIR_PROXY_STREAM_IDLE_TIMEOUT"] = "2m"
-        self.assertEqual(self.parse()["stream-idle"], 120.0)
-        self.assertEqual(self.parse("--stream-idle-timeout", "90s")["stream-idle"], 90.0)
+        self.assertEqual(self.parse().stream_idle, 120.0)
+        self.assertEqual(self.parse("--stream-idle-timeout", "90s").stream_idle, 90.0)
 
     def test_bad_stream_idle_timeout(self) -> None:
         self.assertEqual(self.refused("--stream-idle-timeout", "later"),
@@ -110,11 +123,11 @@ class DefaultsTests(OptionsCase):
                          "(use seconds or e.g. 90s, 30m, 1h30m)")
 
     def test_upstream_keepalive_defaults_to_15s_and_0_turns_it_off(self) -> None:
-        self.assertEqual(self.parse()["upstream-keepalive"], 15.0)
-        self.assertEqual(self.parse("--upstream-keepalive", "0")["upstream-keepalive"], 0.0)
+        self.assertEqual(self.parse().upstream_keepalive, 15.0)
+        self.assertEqual(self.parse("--upstream-keepalive", "0").upstream_keepalive, 0.0)
         self.environ["NVPAIR_PROXY_UPSTREAM_KEEPALIVE"] = "1m"
-        self.assertEqual(self.parse()["upstream-keepalive"], 60.0)
-        self.assertEqual(self.parse("--upstream-keepalive", "5")["upstream-keepalive"], 5.0)
+        self.assertEqual(self.parse().upstream_keepalive, 60.0)
+        self.assertEqual(self.parse("--upstream-keepalive", "5").upstream_keepalive, 5.0)
 
     def test_bad_upstream_keepalive(self) -> None:
         self.assertEqual(self.refused("--upstream-keepalive", "2h"),
@@ -128,7 +141,7 @@ class DefaultsTests(OptionsCase):
         cluster = self.mktemp()
         os.mkdir(cluster)
         options = self.parse("--ipc", "/run/broker.sock", "--cluster-dir", cluster)
-        self.assertEqual((options["ipc"], options["cluster-dir"], options.standalone),
+        self.assertEqual((options.ipc, options.cluster_dir, options.standalone),
                          ("/run/broker.sock", cluster, False))
 
 
@@ -158,24 +171,24 @@ class EngineFlagTests(OptionsCase):
 
     def test_engine_without_port_uses_its_standalone_port(self) -> None:
         options = self.parse("--engine", "ollama")
-        self.assertEqual(options["facades"], [("ollama", 11435)])
+        self.assertEqual(options.facades, (("ollama", 11435),))
         self.assertTrue(options.standalone)
 
     def test_engine_port_zero_uses_its_standalone_port(self) -> None:
-        self.assertEqual(self.parse("--engine", "ollama:0")["facades"], [("ollama", 11435)])
+        self.assertEqual(self.parse("--engine", "ollama:0").facades, (("ollama", 11435),))
 
     def test_engine_with_a_port(self) -> None:
-        self.assertEqual(self.parse("--engine", "lmstudio:1300")["facades"], [("lmstudio", 1300)])
+        self.assertEqual(self.parse("--engine", "lmstudio:1300").facades, (("lmstudio", 1300),))
 
     def test_every_engine_at_once(self) -> None:
         options = self.parse("--engine", "llamacpp", "--engine", "ollama",
                              "--engine", "lmstudio")
-        self.assertEqual(options["facades"],
-                         [("llamacpp", 8080), ("ollama", 11435), ("lmstudio", 1234)])
+        self.assertEqual(options.facades,
+                         (("llamacpp", 8080), ("ollama", 11435), ("lmstudio", 1234)))
 
     def test_nodes_file_with_an_engine(self) -> None:
         path = self.existing_file()
-        self.assertEqual(self.parse("--engine", "ollama", "--nodes", path)["nodes"], path)
+        self.assertEqual(self.parse("--engine", "ollama", "--nodes", path).nodes, path)
 
     def test_engine_from_an_extra_engines_dir(self) -> None:
         directory = self.mktemp()
@@ -183,7 +196,7 @@ class EngineFlagTests(OptionsCase):
         with open(os.path.join(directory, "vllm.toml"), "w") as handle:
             handle.write(VLLM)
         options = self.parse("--engines-dir", directory, "--engine", "vllm")
-        self.assertEqual(options["facades"], [("vllm", 8000)])
+        self.assertEqual(options.facades, (("vllm", 8000),))
         self.assertEqual(sorted(options.engines), ["llamacpp", "lmstudio", "ollama", "vllm"])
 
 
@@ -287,7 +300,7 @@ class PluginTests(SynchronousTestCase):
         self.patch(os, "environ", {"HOME": HOME})
         parsed = maker.options()
         parsed.parseOptions(["--engine", "ollama"])
-        self.assertEqual(parsed["facades"], [("ollama", 11435)])
+        self.assertEqual(parsed.config.facades, (("ollama", 11435),))
 
     def test_dropin_makes_services_with_the_tap_module(self) -> None:
         from nvpair_proxy import tap
@@ -301,22 +314,22 @@ class LanKeyOptionsTests(OptionsCase):
 
     def test_defaults_are_the_state_dir_file_no_env_keys_and_no_allowlist(self):
         options = self.parse("--engine", "ollama")
-        self.assertEqual(options["api-keys-file"], os.path.join(DEFAULT_STATE, "proxy-api-keys"))
-        self.assertIsNone(options["api-keys"])
-        self.assertEqual(options["allowed-cidrs"], [])
+        self.assertEqual(options.api_keys_file, os.path.join(DEFAULT_STATE, "proxy-api-keys"))
+        self.assertIsNone(options.api_keys)
+        self.assertEqual(options.allowed_cidrs, ())
 
     def test_env_then_flag(self):
         self.environ.update(NVPAIR_PROXY_API_KEYS_FILE="/etc/env-keys",
                             NVPAIR_PROXY_API_KEYS="k" * 32,
                             NVPAIR_PROXY_ALLOWED_CIDRS="10.0.0.0/8, 192.168.1.7")
         options = self.parse()
-        self.assertEqual(options["api-keys-file"], "/etc/env-keys")
-        self.assertEqual(options["api-keys"], "k" * 32)
-        self.assertEqual([str(n) for n in options["allowed-cidrs"]],
+        self.assertEqual(options.api_keys_file, "/etc/env-keys")
+        self.assertEqual(options.api_keys, "k" * 32)
+        self.assertEqual([str(n) for n in options.allowed_cidrs],
                          ["10.0.0.0/8", "192.168.1.7/32"])
         options = self.parse("--api-keys-file", "/etc/flag-keys", "--allowed-cidrs", "fd00::/8")
-        self.assertEqual(options["api-keys-file"], "/etc/flag-keys")
-        self.assertEqual([str(n) for n in options["allowed-cidrs"]], ["fd00::/8"])
+        self.assertEqual(options.api_keys_file, "/etc/flag-keys")
+        self.assertEqual([str(n) for n in options.allowed_cidrs], ["fd00::/8"])
 
     def test_a_bad_cidr_stops_start_up_naming_the_flag(self):
         self.assertIn("--allowed-cidrs: not an address or CIDR: '10.0.0.0/33'",

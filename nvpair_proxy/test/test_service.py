@@ -16,7 +16,7 @@ from nvpair_proxy.discovery import make_node
 from nvpair_proxy.engines import load_engines
 from nvpair_proxy.facadeservice import Facades, FacadeService
 from nvpair_proxy.inventory import Prober
-from nvpair_proxy.options import Options
+from nvpair_proxy.options import Config, Options
 from nvpair_proxy.router import Router
 from nvpair_proxy.service import (ProcessService, Runtime, RuntimeService, broker_tree,
                                   local_fleet, make_pool, standalone_tree)
@@ -27,10 +27,10 @@ from nvpair_proxy.testing import lan, loopback
 ENGINES = load_engines()
 
 
-def parsed(*args: str) -> Options:
+def parsed(*args: str) -> Config:
     options = Options()
     options.parseOptions(list(args))
-    return options
+    return options.config
 
 
 class LocalFleetTests(SynchronousTestCase):

@@ -10,7 +10,8 @@ from twisted.trial.unittest import SynchronousTestCase
 from twisted.web.http_headers import Headers
 
 from nvpair_proxy.attempt import (CANCELLED, COMMITTED, DIALING, FAILED, PEEKING, TRANSITIONS,
-                                  AddressMemory, Attempt, Committed, InvalidTransition, State)
+                                  AddressMemory, Attempt, Committed, InvalidTransition, State,
+                                  UpstreamRequest)
 from nvpair_proxy.discovery import Node
 from nvpair_proxy.exchange import PHASES, InvalidPhase, Phase
 from nvpair_proxy.test.world import WorldTestCase
@@ -21,10 +22,11 @@ NDJSON = {"Content-Type": "application/x-ndjson"}
 
 def attempt(agent: FakeAgent, clock: Clock) -> Attempt:
     node = Node(id="a", name="a", port=11434, addresses=("10.0.0.1",))
+    request = UpstreamRequest(method=b"POST", target=b"/api/chat", headers=Headers(),
+                              body=b"{}", inference=True, retryable=lambda status: status >= 500,
+                              response_timeout=60)
     return Attempt(agent=agent, clock=clock, addresses=AddressMemory(), node=node,
-                   method=b"POST", path=b"/api/chat", headers=Headers(), body=b"{}",
-                   response_timeout=60, inference=True, final=False,
-                   retryable=lambda status: status >= 500)
+                   request=request, final=lambda: False)
 
 
 def peeking():
