@@ -26,6 +26,7 @@ from .discovery import Node, host_port
 from .engineaccess import tls_problem
 from .interfaces import IWatchedAttempt
 from .relay import BodyRelay, clean_end
+from .reservations import Reservation
 from .requestbody import BytesProducer
 from .timers import cancel_pending
 
@@ -84,12 +85,17 @@ class UpstreamRequest:
 
 @attrs.frozen
 class Committed:
-    """The attempt won: its response is the client's answer, body waiting in ``relay``."""
+    """The attempt won: its response is the client's answer, body waiting in ``relay``.
+
+    The dispatch hands its reservation over with it: whoever holds the value owns the claim
+    on the node and releases it when the request ends.
+    """
 
     node: Node
     address: str
     response: IResponse
     relay: "BodyRelay"
+    reservation: Reservation | None = None
 
 
 @attrs.frozen

@@ -350,10 +350,14 @@ class Dispatch:
 
     def _finish(self, result: Committed | Answer | Gone) -> None:
         self._done = True
-        self._cleanup(keep_reservation=isinstance(result, Committed))
+        if isinstance(result, Committed) and self.reservation is not None:
+            # The claim goes with the commit: the stream holds the node until it ends.
+            result = attrs.evolve(result, reservation=self.reservation)
+            self.reservation = None
+        self._cleanup()
         self._on_done(result)
 
-    def _cleanup(self, keep_reservation: bool = False) -> None:
+    def _cleanup(self) -> None:
         cancel_pending(self._timer)
         self._timer = None
         if self.attempt is not None:
@@ -361,8 +365,7 @@ class Dispatch:
             if self.inference:
                 self.router.unwatch(attempt)
             attempt.cancel("request ended")
-        if not keep_reservation:
-            self._release()
+        self._release()
 
     def _release(self) -> None:
         if self.reservation is not None:

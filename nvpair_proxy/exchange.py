@@ -2,21 +2,23 @@
 
 admit (classify, name the model, filter to owners: none is a local 502) -> dispatch (the loop
 in dispatch.py) -> commit (status, headers, the spliced first byte) -> stream with
-backpressure -> end. Every way a request can end funnels into ``_end``, which runs once:
-it is the one place the outcome is decided, reported and the reservation released.
+backpressure (stream.py, which reports back here) -> end. Every way a request can end funnels
+into ``_end``, which runs once: it is the one place the outcome is decided and reported, and
+it stops the stream, which releases the reservation the commit handed over.
 """
 
 from __future__ import annotations
 
 import enum
 import json
+from typing import cast
 
 import attrs
+from twisted.internet.interfaces import ITCPTransport
 from twisted.python.failure import Failure
 from twisted.web.server import Request
 from zope.interface import implementer
 
-from . import constants
 from .answers import Reason, answer_internal_error, send_error
 from .attempt import Committed, UpstreamRequest
 from .discovery import Node, host_port
@@ -25,12 +27,10 @@ from .engines import Engine
 from .events import (BACKSTOP, CANCELLED, CLIENT_GONE, COMPLETED, FAILED, SHUTDOWN, Reporter,
                      Workload, route_class)
 from .hopbyhop import copy_end_to_end, end_to_end
-from .interfaces import IBodySink, IDispatchObserver, IRouter
+from .interfaces import IDispatchObserver, IRouter
 from .logs import logger
-from .relay import ClientWatch, StreamIdle, StreamIdleTimeout, clean_end
 from .router import retry_after
-from .stats import BodyObserver
-from .twisted_workarounds import channel_paused
+from .stream import Happened, Stream, StreamEvent
 from .views import InFlightView
 
 log = logger()
@@ -77,7 +77,7 @@ class InvalidPhase(RuntimeError):
     """A move the table does not allow: a bug, contained to its request (spec 3.2)."""
 
 
-@implementer(IDispatchObserver, IBodySink)
+@implementer(IDispatchObserver)
 class Exchange:
     """A client request's whole life in one facade: its dispatch loop's observer, and the
     sink its committed relay streams into."""
@@ -105,14 +105,8 @@ class Exchange:
         self.model: str | None = None
         self.workload: Workload | None = None
         self.dispatch: Dispatch | None = None
-        self.committed: Committed | None = None
-        self.watch: ClientWatch | None = None
-        self.idle: StreamIdle | None = None
-        self.idle_note: str | None = None
-        self.observer: BodyObserver | None = None
-        self.first_byte_at: float | None = None
-        self.bytes_written = 0
-        self.activity_due = 0.0
+        #: The committed body on its way to the client, from the commit on.
+        self.stream: Stream | None = None
         self.phase = Phase.ADMITTING
         self.target = ""
         self.node_id: str | None = None
@@ -120,7 +114,9 @@ class Exchange:
     # Admission.
 
     def start(self) -> None:
-        body = self.request.content.read()
+        content = self.request.content
+        assert content is not None  # twisted.web has the whole body before it renders
+        body = content.read()
         model = self.model = requested_model(body) if self.inference else None
         wanted = None if model is None else self.engine.normalize_model(model)
         no_candidate = Reason.NO_CANDIDATE if model is None else Reason.NO_OWNER
@@ -178,7 +174,8 @@ class Exchange:
     def dispatched(self, node: Node) -> None:
         self.target = host_port(node.addresses[0] if node.addresses else "", node.port)
         log.debug("request {id} dispatch {n} to node {node}", id=self.id,
-                  n=self.dispatch.dispatches, node=node.id, engine=self.engine.id)
+                  n=self.dispatch.dispatches if self.dispatch else 0, node=node.id,
+                  engine=self.engine.id)
         if self.workload is not None:
             self.workload.dispatched(node.id)
 
@@ -201,6 +198,8 @@ class Exchange:
         if self.ended:
             if isinstance(result, Committed):
                 result.relay.abort()
+                if result.reservation is not None:
+                    result.reservation.release()
             return
         if isinstance(result, Answer):
             self._answer(result)
@@ -211,14 +210,19 @@ class Exchange:
         if answer.status == 502 and self.bad_gateway_code is not None:
             answer = attrs.evolve(answer, code=self.bad_gateway_code)
         self._end(FAILED, answer.reason, answer.detail, status=answer.status)
-        if not self.request.finished and not self.request.client_gone:
+        if not self.request.finished and not getattr(self.request, "client_gone", False):
             send_error(self.request, answer.status, answer.text, code=answer.code,
                        retry_after=answer.retry_after)
 
     def _commit(self, committed: Committed) -> None:
         """Spec 5.2: the first byte (or a non-retried answer's headers) made this node ours."""
         self._enter(Phase.STREAMING)
-        self.committed = committed
+        # From here the stream owns the relay and the reservation the commit handed over: a
+        # crash below still aborts the one and releases the other.
+        stream = self.stream = Stream(self.request, committed, clock=self.clock,
+                                      terminal=self.route.terminal if self.route else None,
+                                      idle_limit=self.upstreams.bounds.stream_idle,
+                                      activity=self.reporter.activity_on, report=self._streamed)
         response, node = committed.response, committed.node
         log.debug("request {id} committed to node {node} with HTTP {status}", id=self.id,
                   node=node.id, status=response.code, engine=self.engine.id)
@@ -231,82 +235,39 @@ class Exchange:
         request.setResponseCode(response.code, response.phrase)
         request.defaultContentType = None
         copy_end_to_end(response.headers, request.responseHeaders)
-        if response.code < 400:
-            self.observer = BodyObserver(self.route.terminal if self.route else None,
-                                         response.headers.getRawHeaders(b"content-type",
-                                                                        [b""])[0])
-        self.watch = ClientWatch(committed.relay.transport, self.clock, self._client_stalled,
-                                 constants.DEAD_CLIENT_WRITE_DEADLINE)
-        request.registerProducer(self.watch, True)
-        if self.upstreams.bounds.stream_idle > 0:
-            self.idle = StreamIdle(self.clock, self.upstreams.bounds.stream_idle,
-                                   lambda: self.watch.timer is not None, self._upstream_idle)
-        committed.relay.attach(self)
-        if not self.ended and channel_paused(request):
-            # The channel does not pause a producer registered while it is itself paused.
-            self.watch.pauseProducing()
+        stream.start()
 
-    # The sink the committed relay streams into.
-
-    def write(self, data: bytes) -> None:
-        """One relayed chunk: the per-token path, so it is kept to plain attribute work."""
-        if self.phase is ENDED:
-            return
-        try:
-            now = self.clock.seconds()
-            if self.first_byte_at is None:
-                self.first_byte_at = now
-            if self.observer is not None:
-                self.observer.feed(data)
-            if self.idle is not None:
-                self.idle.touch(now)
-            self.bytes_written += len(data)
-            self.request.write(data)
-            if now >= self.activity_due:
-                # The throttle says when this node may next be reported (protocol 4): until
-                # then a chunk costs only this comparison.
-                self.activity_due = self.reporter.activity_on(self.node_id)
-        except Exception:
-            self.crashed(Failure())
-
-    def upstream_done(self, reason: Failure) -> None:
-        """The body ended; cleanly or not, a committed request is the caller's (spec 1.1)."""
-        if self.ended:
-            return
-        self.request.unregisterProducer()
-        if self.first_byte_at is None:
-            self.first_byte_at = self.clock.seconds()
-        self._end_committed()
-        if clean_end(reason):
-            self.request.finish()
+    def _streamed(self, event: StreamEvent) -> None:
+        """What the committed stream reports: the request's end follows from it."""
+        happened = event.happened
+        if happened is Happened.UPSTREAM_DONE:
+            if not self.ended:
+                self._end_committed()
+        elif happened is Happened.UPSTREAM_IDLE:
+            seconds = self.stream.idle_limit if self.stream is not None else 0.0
+            log.warn("request {id}: node {node} sent nothing for {seconds:g}s after commit; "
+                     "closing it", id=self.id, node=self.node_id, seconds=seconds,
+                     engine=self.engine.id)
+        elif happened is Happened.CLIENT_STALLED:
+            self._client_stalled()
         else:
-            self.request.loseConnection()
-
-    def _upstream_idle(self) -> None:
-        """A committed engine went silent: close it; the client sees a truncated body and
-        the workload stays completed (spec 1.1), with the reason on ``proxy/request``."""
-        seconds = self.upstreams.bounds.stream_idle
-        log.warn("request {id}: node {node} sent nothing for {seconds:g}s after commit; "
-                 "closing it", id=self.id, node=self.node_id, seconds=seconds,
-                 engine=self.engine.id)
-        self.idle_note = f"upstream sent nothing for {seconds:g}s after commit"
-        self.committed.relay.abort()
-        self.upstream_done(Failure(StreamIdleTimeout(self.idle_note)))
+            assert event.failure is not None
+            self.crashed(event.failure)
 
     def _end_committed(self) -> None:
-        code = self.committed.response.code
+        stream = self.stream
+        assert stream is not None
+        code = stream.status
         stats = None
-        if self.observer is not None and code < 400 and self.reporter.listening:
+        if code < 400 and self.reporter.listening:
             try:
-                stats = self.observer.measure(admitted_at=self.admitted_at,
-                                              first_byte_at=self.first_byte_at,
-                                              ended_at=self.clock.seconds())
+                stats = stream.measure(self.admitted_at)
             except Exception:
                 # Stats are additive; a body the reader cannot measure still completes.
                 log.failure("could not measure the response of request {id}", id=self.id,
                             engine=self.engine.id)
         if 200 <= code < 300:
-            self._end(COMPLETED, None, status=code, stats=stats, note=self.idle_note)
+            self._end(COMPLETED, None, status=code, stats=stats, note=stream.idle_note)
         else:
             self._end(FAILED, Reason.UPSTREAM_STATUS, str(code), status=code, stats=stats)
 
@@ -315,6 +276,8 @@ class Exchange:
         if not self.ended:
             log.error("request {id} finished without an outcome", id=self.id,
                       engine=self.engine.id)
+            if self.dispatch is not None:
+                self.dispatch.stop(BACKSTOP)
             self._end(FAILED, Reason.BACKSTOP, status=500)
 
     # The client side going away.
@@ -322,7 +285,7 @@ class Exchange:
     def _client_stalled(self) -> None:
         """Design 11: a client that took nothing for 30 s is gone. It is cancelled even when
         the terminal frame was relayed: a client that stopped reading never received it."""
-        transport = self.request.channel.transport if self.request.channel else None
+        transport = self._client_transport()
         self._stop_upstream(CLIENT_GONE)
         self._end(CANCELLED, Reason.CLIENT_GONE)
         if transport is not None:
@@ -331,19 +294,17 @@ class Exchange:
     def _client_gone(self, failure: Failure | None) -> None:
         if self.ended:
             return
-        if self.committed is not None and self._delivered_terminal():
-            self.committed.relay.abort()
+        if self.stream is not None and self.stream.delivered_terminal():
+            self.stream.committed.relay.abort()
             self._end_committed()
             return
         self._stop_upstream(CLIENT_GONE)
         self._end(CANCELLED, Reason.CLIENT_GONE)
 
-    def _delivered_terminal(self) -> bool:
-        """Design 6: the stream's terminal frame, or its declared length, reached the client."""
-        if self.observer is not None and self.observer.terminal_seen:
-            return True
-        length = self.committed.response.length
-        return isinstance(length, int) and self.bytes_written >= length
+    def _client_transport(self) -> ITCPTransport | None:
+        """The client's connection, to abort (its transport aborts; ``ITransport`` cannot)."""
+        channel = self.request.channel
+        return cast("ITCPTransport | None", channel.transport if channel else None)
 
     def shutdown(self) -> None:
         """Our own shutdown cancels in-flight requests (design decision 13)."""
@@ -351,17 +312,15 @@ class Exchange:
             return
         self._stop_upstream(SHUTDOWN)
         self._end(CANCELLED, Reason.SHUTDOWN)
-        transport = self.request.channel.transport if self.request.channel else None
+        transport = self._client_transport()
         if transport is not None:
             transport.abortConnection()
 
     def _stop_upstream(self, reason: str) -> None:
         if self.dispatch is not None:
             self.dispatch.stop(reason)
-        if self.committed is not None:
-            if self.watch is not None:
-                self.watch.stop_timer()
-            self.committed.relay.abort()
+        if self.stream is not None:
+            self.stream.abort()
 
     def crashed(self, failure: Failure) -> None:
         """Spec 3.2: a bug costs this request only: logged with its traceback, answered 500."""
@@ -369,8 +328,8 @@ class Exchange:
                     path=self.path, engine=self.engine.id)
         if self.dispatch is not None:
             self.dispatch.stop(BACKSTOP)
-        if self.committed is not None:
-            self.committed.relay.abort()
+        if self.stream is not None:
+            self.stream.committed.relay.abort()
         self._end(FAILED, Reason.BACKSTOP, status=500)
         answer_internal_error(self.request)
 
@@ -386,19 +345,16 @@ class Exchange:
             return
         error = reason.says(detail) if reason is not None else None
         self._enter(Phase.ENDED)
-        if self.watch is not None:
-            self.watch.stop_timer()
-        if self.idle is not None:
-            self.idle.stop()
-        if self.dispatch is not None and self.dispatch.reservation is not None:
-            self.dispatch.reservation.release()
-            self.dispatch.reservation = None
+        stream = self.stream
+        if stream is not None:
+            stream.stop()
         self.in_flight.discard(self)
         log.debug("request {id} ended {state} ({error})", id=self.id, state=state,
                   error=error or "ok", engine=self.engine.id)
         if self.workload is not None:
             self.workload.terminal(state, error, stats)
-        ttfb = None if self.first_byte_at is None else self.first_byte_at - self.admitted_at
+        first_byte_at = stream.first_byte_at if stream is not None else None
+        ttfb = None if first_byte_at is None else first_byte_at - self.admitted_at
         status = status if status is not None else 499
         duration = self.clock.seconds() - self.admitted_at
         self.reporter.request_finished(

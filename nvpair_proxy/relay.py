@@ -1,6 +1,6 @@
 """The committed body's way from the engine to the client (spec 5.2, design 6 and 11).
 
-``BodyRelay`` holds the upstream body until the exchange attaches, which is what lets the
+``BodyRelay`` holds the upstream body until the stream attaches, which is what lets the
 first byte be peeked and spliced back; ``ClientWatch`` is the producer the client connection
 sees, carrying backpressure upstream and the dead-client deadline; ``StreamIdle`` is the
 opt-in deadline on a committed upstream that went silent.

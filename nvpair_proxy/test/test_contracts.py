@@ -71,13 +71,20 @@ class Interfaces(SynchronousTestCase):
         request = DummyRequest([b"api", b"chat"])
         request.path = b"/api/chat"  # as twisted.web's Request sets it on receipt
         exchange = World().facade.exchange(request)
+        streaming = World()
+        streaming.add("a")
+        streaming.chat()
+        upstream = streaming.agent.last.respond(200, {"Content-Type": "application/x-ndjson"})
+        upstream.write(b'{"done":false}\n')
+        (committed,) = streaming.facade.in_flight
+        self.addCleanup(upstream.finish)
         for interface, implementation in (
                 (IAgent, FakeAgent()), (IAgent, Agent(MemoryReactorClock())),
                 (IAgent, Client(MemoryReactorClock())),
                 (IEmitter, RecordingEmitter()), (IEmitter, LogEmitter()),
                 (IRouter, Router(engine=ENGINES["ollama"], clock=Clock())),
                 (IRouter, LocalBackendRoute(node)), (IReactorTime, Clock()),
-                (IBodySink, exchange), (IDispatchObserver, exchange),
+                (IBodySink, committed.stream), (IDispatchObserver, exchange),
                 (IDispatchObserver, SILENT), (IRequestRecorder, Recorder()),
                 (IStatusSource, ProcessService(MemoryReactorClock())),
                 (IStatusSource, WorldStatus(World()))):

@@ -39,7 +39,8 @@ ORDER = (
     "router", "attempt", "inventory", "cors", "server", "listener", "nodesfile",
     "options",
     # The request path, top to bottom.
-    "dispatch", "recorder", "status", "metrics", "admin", "fleet", "exchange", "facade", "ingress",
+    "dispatch", "recorder", "status", "metrics", "admin", "fleet", "stream", "exchange", "facade",
+    "ingress",
     # Lifecycle and the broker's methods; wiring last.
     "facadeservice", "broker", "vitals", "service", "tap", "cli",
 )
