@@ -80,7 +80,7 @@ class InvalidPhase(RuntimeError):
 @implementer(IDispatchObserver)
 class Exchange:
     """A client request's whole life in one facade: its dispatch loop's observer, and the
-    sink its committed relay streams into."""
+    owner of the committed stream (stream.py) that reports back to it."""
 
     def __init__(self, request: Request, *, engine: Engine, router: IRouter, reporter: Reporter,
                  upstreams: Upstreams, in_flight: set, route=UNCLASSIFIED,
