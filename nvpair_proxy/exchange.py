@@ -295,7 +295,7 @@ class Exchange:
         if self.ended:
             return
         if self.stream is not None and self.stream.delivered_terminal():
-            self.stream.committed.relay.abort()
+            self.stream.abort()
             self._end_committed()
             return
         self._stop_upstream(CLIENT_GONE)
@@ -329,7 +329,7 @@ class Exchange:
         if self.dispatch is not None:
             self.dispatch.stop(BACKSTOP)
         if self.stream is not None:
-            self.stream.committed.relay.abort()
+            self.stream.abort()
         self._end(FAILED, Reason.BACKSTOP, status=500)
         answer_internal_error(self.request)
 
