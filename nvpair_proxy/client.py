@@ -55,7 +55,6 @@ from .responsewire import (CHUNKED, LENGTH, MAX_HEAD, UNTIL_CLOSE, ChunkedBody, 
 _OURS = frozenset({b"Content-Length", b"Transfer-Encoding", b"Connection"})
 
 
-
 class State(enum.Enum):
     """Where a connection is in carrying one exchange at a time, and what moves it on.
 
@@ -350,8 +349,7 @@ class _Connection(Protocol):
 
     ``state`` is a ``State`` (its docstring says what moves a connection out of each). What
     belongs to one exchange is set only in some states: ``result`` in ``WAITING`` and
-    ``HEAD``; ``response`` and the per-chunk ``deliver`` and ``unchunk`` in ``BODY`` and
-    ``STOPPED``.
+    ``HEAD``, ``response`` in ``BODY`` and ``STOPPED``.
     """
 
     transport: _IConnectionTransport  # set by makeConnection, before connectionMade
@@ -360,16 +358,14 @@ class _Connection(Protocol):
         self.pool, self.key = pool, key
         self.state = CONNECTING
         self.result: Deferred[IResponse] | None = None
-        self.response: ClientResponse | None = None
+        # Between responses a stand-in, so the per-chunk path calls it without a check.
+        self.response: ClientResponse | _NoResponse = _NO_RESPONSE
         self.sent: tuple = ()
         self.head = b""
         self.scanned = 0  # how far into ``head`` the end of the head was already looked for
         self.framing = LENGTH
         self.remaining = 0
-        # The response's ``data`` and the chunked decoder's ``feed``, bound once per response
-        # so a chunk costs one attribute lookup to hand on.
-        self.deliver: Callable[[bytes], None] = _ignore
-        self.unchunk: Callable[[bytes], bytes | None] = _not_chunked
+        self.chunked = ChunkedBody(_ignore)  # restarted for each chunked response
         # Whether this response lets the connection carry another request: a property of the
         # response, decided by its head and read only at its end, not a step of the exchange.
         self.keep = False
@@ -464,12 +460,12 @@ class _Connection(Protocol):
         # parse_head admits only token names, so Headers takes every field it returns.
         response = self.response = ClientResponse(self, head, length if framing == LENGTH
                                                   else UNKNOWN_LENGTH, self.sent)
-        self.deliver = response.data
         if framing == CHUNKED:
-            self.unchunk = ChunkedBody(response.data).feed
+            self.chunked.restart(response.data)
         self.state = BODY
         result, self.result = self.result, None
-        if result is None:  # never: a cancel closes the connection, and a closed one reads nothing
+        if result is None:
+            # Never: a cancel closes the connection, and a closed one reads nothing.
             raise RuntimeError("a response head read with no request waiting for it")
         result.callback(response)
         if self.state is not BODY:  # the caller stopped the body, or the connection went
@@ -485,22 +481,22 @@ class _Connection(Protocol):
             remaining = self.remaining
             if len(data) < remaining:
                 self.remaining = remaining - len(data)
-                self.deliver(data)
+                self.response.data(data)
                 return
             self.remaining = 0
-            self.deliver(data[:remaining])
+            self.response.data(data[:remaining])
             if self.state is BODY:
                 self._complete(data[remaining:])
         elif framing == CHUNKED:
             try:
-                rest = self.unchunk(data)
+                rest = self.chunked.feed(data)
             except WireError:
                 self._broken_body(Failure())
                 return
             if rest is not None and self.state is BODY:
                 self._complete(rest)
         else:
-            self.deliver(data)
+            self.response.data(data)
 
     def _complete(self, rest: bytes) -> None:
         """The body ended as framed: back to the pool if the connection may persist."""
@@ -531,10 +527,11 @@ class _Connection(Protocol):
     def _release(self) -> ClientResponse | None:
         """Let go of the response whose body is ending: its consumer can no longer touch
         this connection, which may go on to carry someone else's request."""
-        response, self.response = self.response, None
-        self.deliver, self.unchunk = _ignore, _not_chunked
-        if response is not None:
-            response.detach()
+        response, self.response = self.response, _NO_RESPONSE
+        self.chunked.deliver = _ignore
+        if isinstance(response, _NoResponse):
+            return None
+        response.detach()
         return response
 
     # The consumer's hold on the body (through ``BodyTransport``).
@@ -552,7 +549,7 @@ class _Connection(Protocol):
     def stop(self) -> None:
         """The consumer wants no more: the connection cannot be reused, so it is aborted."""
         response = self.response
-        if self.state is BODY and response is not None:
+        if self.state is BODY and isinstance(response, ClientResponse):
             self.state = STOPPED
             response.silence()
             self.transport.abortConnection()
@@ -693,6 +690,15 @@ def _ignore(data: bytes) -> None:
     pass
 
 
-def _not_chunked(data: bytes) -> bytes | None:
-    """A connection's decoder when its body is not chunked (it is never fed then)."""
-    raise WireError("not a chunked body")
+class _NoResponse:
+    """What a connection holds as its response between responses. Only ``BODY`` reads a
+    body, so ``data`` is never called; it is there so that the per-chunk path calls the
+    response without first asking whether there is one."""
+
+    __slots__ = ()
+
+    def data(self, data: bytes) -> None:
+        pass
+
+
+_NO_RESPONSE = _NoResponse()

@@ -151,11 +151,16 @@ SIZE, DATA, DATA_END, TRAILER = Chunking
 class ChunkedBody:
     """Decodes a chunked body as it arrives. ``feed`` hands chunk data to ``deliver`` and
     returns None until the last chunk and its trailers are in, then the bytes that followed
-    (which a well-behaved server never sends). ``state`` is a ``Chunking``."""
+    (which a well-behaved server never sends). ``state`` is a ``Chunking``. One decoder can
+    serve a connection's responses in turn, restarted for each."""
 
     __slots__ = ("deliver", "remaining", "buffer", "state")
 
     def __init__(self, deliver: Callable[[bytes], None]) -> None:
+        self.restart(deliver)
+
+    def restart(self, deliver: Callable[[bytes], None]) -> None:
+        """Decode a new body, handing its chunk data to ``deliver``."""
         self.deliver = deliver
         self.remaining = 0
         self.buffer = b""
