@@ -349,7 +349,7 @@ class _Connection(Protocol):
 
     ``state`` is a ``State`` (its docstring says what moves a connection out of each). What
     belongs to one exchange is set only in some states: ``result`` in ``WAITING`` and
-    ``HEAD``, ``response`` in ``BODY`` and ``STOPPED``.
+    ``HEAD``; ``response`` is the caller's in ``BODY`` and ``STOPPED``, a stand-in otherwise.
     """
 
     transport: _IConnectionTransport  # set by makeConnection, before connectionMade
@@ -358,7 +358,7 @@ class _Connection(Protocol):
         self.pool, self.key = pool, key
         self.state = CONNECTING
         self.result: Deferred[IResponse] | None = None
-        # Between responses a stand-in, so the per-chunk path calls it without a check.
+        # A stand-in between responses, so the per-chunk path calls it without a check.
         self.response: ClientResponse | _NoResponse = _NO_RESPONSE
         self.sent: tuple = ()
         self.head = b""
