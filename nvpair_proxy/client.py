@@ -23,8 +23,10 @@ framed; cancellation; and no automatic retry (the pools had ``retryAutomatically
 
 from __future__ import annotations
 
+import enum
 import math
 import socket
+from typing import Callable, cast
 
 from twisted.internet.abstract import isIPAddress, isIPv6Address
 from twisted.internet.defer import Deferred
@@ -32,7 +34,7 @@ from twisted.internet.endpoints import (HostnameEndpoint, TCP4ClientEndpoint, TC
                                         wrapClientTLS)
 from twisted.internet.interfaces import (IConsumer, IPushProducer, IStreamClientEndpoint,
                                          ITCPTransport)
-from twisted.internet.protocol import Factory, Protocol
+from twisted.internet.protocol import Factory, Protocol, connectionDone
 from twisted.python.failure import Failure
 from twisted.web.client import (BrowserLikePolicyForHTTPS, RequestTransmissionFailed,
                                 ResponseDone, ResponseFailed, ResponseNeverReceived, URI)
@@ -52,8 +54,44 @@ from .responsewire import (CHUNKED, LENGTH, MAX_HEAD, UNTIL_CLOSE, ChunkedBody, 
 # and whether the connection persists is ours to say). A caller's Host is kept, as Agent does.
 _OURS = frozenset({b"Content-Length", b"Transfer-Encoding", b"Connection"})
 
-# Connection states.
-CONNECTING, IDLE, WAITING, BODY, CLOSED = range(5)
+
+class State(enum.Enum):
+    """Where a connection is in carrying one exchange at a time, and what moves it on.
+
+    - ``CONNECTING``: the endpoint is dialling. ``connectionMade`` moves it to ``IDLE``.
+    - ``IDLE``: connected and carrying nothing, just made or in the pool. ``send`` moves it
+      to ``WAITING``. A byte from the server moves it to ``CLOSED`` (a server that speaks
+      out of turn is not trusted with another request), as does ``close_idle`` (the pool's
+      cap or timer) and the connection's loss, which also takes it out of the pool.
+    - ``WAITING``: a request is written and no byte of its response came yet. The first byte
+      moves it to ``HEAD``; a cancel, or the connection's loss (``ResponseNeverReceived``),
+      to ``CLOSED``.
+    - ``HEAD``: the response head is arriving, interim (1xx) answers included. A whole final
+      head moves it to ``BODY`` as the response is handed to the caller; a head that cannot
+      be framed, a cancel, or the connection's loss (``ResponseFailed``) to ``CLOSED``.
+    - ``BODY``: the body is read and handed on. Its framed end moves it to ``IDLE`` and back
+      to the pool if the response lets the connection persist and no byte followed, else to
+      ``CLOSED``; so do broken framing (``ResponseFailed``) and the connection's loss (the
+      end of a body framed by the close: ``PotentialDataLoss``; of any other,
+      ``ResponseFailed``). The consumer's ``stopProducing`` moves it to ``STOPPED``.
+    - ``STOPPED``: the consumer wanted no more, so the connection was aborted and nothing
+      more is read. Its loss moves it to ``CLOSED`` and ends the body (``ResponseFailed``,
+      whatever the framing: the body did not end as framed).
+    - ``CLOSED``: aborted by the client, or lost; final. Nothing is read or sent once
+      aborted, though the loss may still be on its way.
+    """
+
+    CONNECTING = "connecting"
+    IDLE = "idle"
+    WAITING = "waiting"
+    HEAD = "head"
+    BODY = "body"
+    STOPPED = "stopped"
+    CLOSED = "closed"
+
+
+# Module names, read per chunk without an attribute lookup; compared with ``is``.
+CONNECTING, IDLE, WAITING, HEAD, BODY, STOPPED, CLOSED = State
 
 # Origins remembered; a fleet has a handful, so reaching this means something churns.
 _MAX_ORIGINS = 4096
@@ -100,7 +138,9 @@ class Client:
         if bodyProducer is not None and not isinstance(bodyProducer, BytesProducer):
             return self._read_body_first(method, uri, headers, bodyProducer)
         origin, path = self._route(uri)
-        connection = self.pool.take(origin.key)
+        # The pool holds only what this client gave it, so what it hands back is a _Connection.
+        connection = cast("_Connection | None", self.pool.take(origin.key))
+        result: Deferred[IResponse]
         if connection is not None:
             result = Deferred(connection.cancel)
             connection.send(method, uri, path, origin.host_header, headers, bodyProducer, result)
@@ -129,7 +169,7 @@ class Client:
             else:
                 producer.stopProducing()
 
-        result = Deferred(cancel)
+        result: Deferred[IResponse] = Deferred(cancel)
 
         def produced(_) -> None:
             if result.called:
@@ -183,6 +223,7 @@ class Client:
             raise ValueError(f"unsupported URI {base!r}")
         host, port = parsed.host, parsed.port
         text = host.decode("ascii")
+        endpoint: IStreamClientEndpoint
         if isIPv6Address(text):
             endpoint = TCP6ClientEndpoint(self.reactor, text, port, timeout=self.connect_timeout)
             named = b"[" + host + b"]"
@@ -298,26 +339,41 @@ class _Collect:
         pass
 
 
+class _IConnectionTransport(ITCPTransport, IPushProducer):
+    """What a connection uses of its transport, for the type checker: a TCP connection's, or
+    TLS over one (``ITLSTransport`` is an ``ITCPTransport``); both pause and resume reading."""
+
+
 class _Connection(Protocol):
-    """One connection to an origin: idle in the pool, or carrying one exchange at a time."""
+    """One connection to an origin: idle in the pool, or carrying one exchange at a time.
+
+    ``state`` is a ``State`` (its docstring says what moves a connection out of each). What
+    belongs to one exchange is set only in some states: ``result`` in ``WAITING`` and
+    ``HEAD``; ``response`` is the caller's in ``BODY`` and ``STOPPED``, a stand-in otherwise.
+    """
+
+    transport: _IConnectionTransport  # set by makeConnection, before connectionMade
 
     def __init__(self, pool: "ConnectionPool", key: tuple) -> None:
         self.pool, self.key = pool, key
         self.state = CONNECTING
-        self.result: Deferred | None = None
-        self.response: ClientResponse | None = None
+        self.result: Deferred[IResponse] | None = None
+        # A stand-in between responses, so the per-chunk path calls it without a check.
+        self.response: ClientResponse | _NoResponse = _NO_RESPONSE
         self.sent: tuple = ()
         self.head = b""
         self.scanned = 0  # how far into ``head`` the end of the head was already looked for
-        self.answered = False
         self.framing = LENGTH
         self.remaining = 0
-        self.chunked: ChunkedBody | None = None
+        self.chunked = ChunkedBody(_ignore)  # restarted for each chunked response
+        # Whether this response lets the connection carry another request: a property of the
+        # response, decided by its head and read only at its end, not a step of the exchange.
         self.keep = False
+        # Whether the consumer paused the socket: orthogonal to the body's progress, since
+        # bytes already read still arrive and the body can end while paused.
         self.paused = False
-        self.stopped = False
         self.idle_since = 0.0
-        self.closed: list[Deferred] = []
+        self.closed: list[Deferred[None]] = []
 
     def connectionMade(self) -> None:
         self.state = IDLE
@@ -325,9 +381,10 @@ class _Connection(Protocol):
     # Sending.
 
     def send(self, method: bytes, uri: bytes, path: bytes, host_header: bytes,
-             headers: Headers | None, producer: BytesProducer | None, result: Deferred) -> None:
+             headers: Headers | None, producer: BytesProducer | None,
+             result: Deferred[IResponse]) -> None:
         self.state, self.result = WAITING, result
-        self.sent, self.answered = (method, uri, headers), False
+        self.sent = (method, uri, headers)
         head = [method, b" ", path, b" HTTP/1.1\r\n"]
         if headers is None or not headers.hasHeader(b"host"):
             head += (b"Host: ", host_header, b"\r\n")
@@ -343,7 +400,7 @@ class _Connection(Protocol):
             head += (b"Content-Length: %d\r\n\r\n" % len(producer.body), producer.body)
         self.transport.writeSequence(head)
 
-    def cancel(self, result: Deferred) -> None:
+    def cancel(self, result: Deferred[IResponse]) -> None:
         """The caller gave up on the response (a deadline, or it left)."""
         if self.result is result:
             self.result = None
@@ -353,17 +410,19 @@ class _Connection(Protocol):
 
     def dataReceived(self, data: bytes) -> None:
         state = self.state
-        if state == BODY:
+        if state is BODY:
             self._body(data)
-        elif state == WAITING:
+        elif state is HEAD:
             self._head(data)
-        elif state == IDLE:
+        elif state is WAITING:
+            self.state = HEAD
+            self._head(data)
+        elif state is IDLE:
             # A server that speaks out of turn is not trusted with another request.
             self.pool.forget(self)
             self._close()
 
     def _head(self, data: bytes) -> None:
-        self.answered = True
         buffer = self.head + data if self.head else data
         position = 0  # where the head being read starts (interim answers come before it)
         while True:
@@ -401,11 +460,15 @@ class _Connection(Protocol):
         # parse_head admits only token names, so Headers takes every field it returns.
         response = self.response = ClientResponse(self, head, length if framing == LENGTH
                                                   else UNKNOWN_LENGTH, self.sent)
-        self.chunked = ChunkedBody(response.data) if framing == CHUNKED else None
+        if framing == CHUNKED:
+            self.chunked.restart(response.data)
         self.state = BODY
         result, self.result = self.result, None
+        if result is None:
+            # Never: a cancel closes the connection, and a closed one reads nothing.
+            raise RuntimeError("a response head read with no request waiting for it")
         result.callback(response)
-        if self.state != BODY or self.stopped:
+        if self.state is not BODY:  # the caller stopped the body, or the connection went
             return
         if framing == LENGTH and length == 0:
             self._complete(buffer)
@@ -413,8 +476,6 @@ class _Connection(Protocol):
             self._body(buffer)
 
     def _body(self, data: bytes) -> None:
-        if self.stopped:
-            return
         framing = self.framing
         if framing == LENGTH:
             remaining = self.remaining
@@ -424,7 +485,7 @@ class _Connection(Protocol):
                 return
             self.remaining = 0
             self.response.data(data[:remaining])
-            if not self.stopped:
+            if self.state is BODY:
                 self._complete(data[remaining:])
         elif framing == CHUNKED:
             try:
@@ -432,15 +493,14 @@ class _Connection(Protocol):
             except WireError:
                 self._broken_body(Failure())
                 return
-            if rest is not None and self.state == BODY and not self.stopped:
+            if rest is not None and self.state is BODY:
                 self._complete(rest)
         else:
             self.response.data(data)
 
     def _complete(self, rest: bytes) -> None:
         """The body ended as framed: back to the pool if the connection may persist."""
-        response, self.response, self.chunked = self.response, None, None
-        response.detach()
+        response = self._release()
         if self.keep and not rest:
             self.state = IDLE
             if self.paused:
@@ -449,7 +509,8 @@ class _Connection(Protocol):
             self.pool.give(self)
         else:
             self._close()
-        response.end(Failure(ResponseDone("Response body fully received")))
+        if response is not None:
+            response.end(Failure(ResponseDone("Response body fully received")))
 
     def _unframeable(self, failure: Failure) -> None:
         result, self.result = self.result, None
@@ -458,29 +519,39 @@ class _Connection(Protocol):
             result.errback(Failure(ResponseFailed([failure])))
 
     def _broken_body(self, failure: Failure) -> None:
-        response, self.response = self.response, None
+        response = self._release()
         self._close()
         if response is not None:
-            response.detach()
             response.end(Failure(ResponseFailed([failure])))
+
+    def _release(self) -> ClientResponse | None:
+        """Let go of the response whose body is ending: its consumer can no longer touch
+        this connection, which may go on to carry someone else's request."""
+        response, self.response = self.response, _NO_RESPONSE
+        self.chunked.deliver = _ignore
+        if isinstance(response, _NoResponse):
+            return None
+        response.detach()
+        return response
 
     # The consumer's hold on the body (through ``BodyTransport``).
 
     def pause(self) -> None:
-        if not self.paused and self.state == BODY:
+        if not self.paused and self.state is BODY:
             self.paused = True
             self.transport.pauseProducing()
 
     def resume(self) -> None:
-        if self.paused and self.state == BODY:
+        if self.paused and self.state is BODY:
             self.paused = False
             self.transport.resumeProducing()
 
     def stop(self) -> None:
         """The consumer wants no more: the connection cannot be reused, so it is aborted."""
-        if self.state == BODY and not self.stopped:
-            self.stopped = True
-            self.response.silence()
+        response = self.response
+        if self.state is BODY and isinstance(response, ClientResponse):
+            self.state = STOPPED
+            response.silence()
             self.transport.abortConnection()
 
     # Closing.
@@ -488,30 +559,29 @@ class _Connection(Protocol):
     def _close(self) -> None:
         """Abort, never a graceful close: over TLS that waits for the peer's close_notify,
         which a peer may never send (Twisted's own pool aborts its idle connections too)."""
-        if self.state == CLOSED:
+        if self.state is CLOSED:
             return
         self.state = CLOSED
         self.transport.abortConnection()
 
-    def close_idle(self) -> Deferred:
+    def close_idle(self) -> Deferred[None]:
         """Close a connection the pool held; fires once it is gone."""
-        waiter = Deferred()
+        waiter: Deferred[None] = Deferred()
         self.closed.append(waiter)
         self._close()
         return waiter
 
-    def connectionLost(self, reason: Failure = None) -> None:
+    def connectionLost(self, reason: Failure = connectionDone) -> None:
         state, self.state = self.state, CLOSED
-        if state == IDLE:
+        if state is IDLE:
             self.pool.forget(self)
         result, self.result = self.result, None
         if result is not None and not result.called:
-            wrapper = ResponseFailed if self.answered else ResponseNeverReceived
+            wrapper = ResponseFailed if state is HEAD else ResponseNeverReceived
             result.errback(Failure(wrapper([reason])))
-        response, self.response = self.response, None
+        response = self._release()
         if response is not None:
-            response.detach()
-            if self.framing == UNTIL_CLOSE and not self.stopped:
+            if self.framing == UNTIL_CLOSE and state is BODY:
                 response.end(Failure(PotentialDataLoss()))
             else:
                 response.end(Failure(ResponseFailed([reason])))
@@ -569,7 +639,8 @@ class ClientResponse:
         self.transport = BodyTransport(connection)
         self._sent = sent
         self._protocol: Protocol | None = None
-        self._sink = None  # the protocol's dataReceived, once it is delivered to
+        # The protocol's dataReceived, once it is delivered to.
+        self._sink: Callable[[bytes], None] | None = None
         self._held: list[bytes] = []
         self._ended: Failure | None = None
 
@@ -617,3 +688,17 @@ class ClientResponse:
 
 def _ignore(data: bytes) -> None:
     pass
+
+
+class _NoResponse:
+    """What a connection holds as its response between responses. Only ``BODY`` reads a
+    body, so ``data`` is never called; it is there so that the per-chunk path calls the
+    response without first asking whether there is one."""
+
+    __slots__ = ()
+
+    def data(self, data: bytes) -> None:
+        pass
+
+
+_NO_RESPONSE = _NoResponse()

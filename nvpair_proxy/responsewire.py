@@ -9,6 +9,7 @@ trusted again and the attempt fails over.
 
 from __future__ import annotations
 
+import enum
 import re
 from typing import Callable
 
@@ -123,20 +124,47 @@ def persistent(head: Head, framing: str) -> bool:
                             for value in connection for token in value.split(b",")}
 
 
+class Chunking(enum.Enum):
+    """Where a chunked body's decoder is, and what moves it on. A ``WireError`` can end it
+    in any of them; bytes short of what a step needs wait in the decoder's buffer.
+
+    - ``SIZE``: a chunk-size line is next. A size of 0 moves it to ``TRAILER``; a chunk whose
+      data and CRLF are all in hand is handed on whole and leaves it in ``SIZE``; any other
+      to ``DATA``.
+    - ``DATA``: inside a chunk's data, ``remaining`` bytes of it to come. Its last byte moves
+      it to ``DATA_END``.
+    - ``DATA_END``: the CRLF after a chunk's data is next; it moves it back to ``SIZE``.
+    - ``TRAILER``: after the last chunk, trailer lines (none kept) until an empty one, which
+      ends the body: ``feed`` returns what followed it.
+    """
+
+    SIZE = "size"
+    DATA = "data"
+    DATA_END = "data-end"
+    TRAILER = "trailer"
+
+
+# Module names, read per chunk without an attribute lookup; compared with ``is``.
+SIZE, DATA, DATA_END, TRAILER = Chunking
+
+
 class ChunkedBody:
     """Decodes a chunked body as it arrives. ``feed`` hands chunk data to ``deliver`` and
     returns None until the last chunk and its trailers are in, then the bytes that followed
-    (which a well-behaved server never sends)."""
+    (which a well-behaved server never sends). ``state`` is a ``Chunking``. One decoder can
+    serve a connection's responses in turn, restarted for each."""
 
     __slots__ = ("deliver", "remaining", "buffer", "state")
 
-    SIZE, DATA, DATA_END, TRAILER = range(4)
-
     def __init__(self, deliver: Callable[[bytes], None]) -> None:
+        self.restart(deliver)
+
+    def restart(self, deliver: Callable[[bytes], None]) -> None:
+        """Decode a new body, handing its chunk data to ``deliver``."""
         self.deliver = deliver
         self.remaining = 0
         self.buffer = b""
-        self.state = self.SIZE
+        self.state = SIZE
 
     def feed(self, data: bytes) -> bytes | None:
         if self.buffer:
@@ -145,17 +173,18 @@ class ChunkedBody:
         deliver = self.deliver
         while position < end:
             state = self.state
-            if state == self.SIZE:
+            if state is SIZE:
                 # The common case, a whole chunk and its CRLF in hand: one match, one slice.
                 match = _CHUNK_SIZE.match(data, position)
                 if match is None:
                     if data.find(b"\r\n", position) >= 0 or end - position > MAX_CHUNK_LINE:
                         raise WireError("invalid chunk size")
-                    return self._keep(data, position, MAX_CHUNK_LINE)
+                    self._keep(data, position, MAX_CHUNK_LINE)
+                    return None
                 size = int(match[1], 16)
                 position = match.end()
                 if not size:
-                    self.state = self.TRAILER
+                    self.state = TRAILER
                     continue
                 stop = position + size
                 if stop + 2 <= end:
@@ -164,25 +193,27 @@ class ChunkedBody:
                     deliver(data[position:stop])
                     position = stop + 2
                     continue
-                self.remaining, self.state = size, self.DATA
-            elif state == self.DATA:
+                self.remaining, self.state = size, DATA
+            elif state is DATA:
                 take = min(self.remaining, end - position)
                 deliver(data[position:position + take])
                 position += take
                 self.remaining -= take
                 if self.remaining == 0:
-                    self.state = self.DATA_END
-            elif state == self.DATA_END:
+                    self.state = DATA_END
+            elif state is DATA_END:
                 if end - position < 2:
-                    return self._keep(data, position, 2)
+                    self._keep(data, position, 2)
+                    return None
                 if data[position:position + 2] != b"\r\n":
                     raise WireError("chunk data not followed by CRLF")
                 position += 2
-                self.state = self.SIZE
+                self.state = SIZE
             else:  # TRAILER: header lines, none kept, until an empty one
                 newline = data.find(b"\r\n", position)
                 if newline < 0:
-                    return self._keep(data, position, MAX_TRAILERS)
+                    self._keep(data, position, MAX_TRAILERS)
+                    return None
                 empty = newline == position
                 position = newline + 2
                 if empty:
@@ -190,8 +221,9 @@ class ChunkedBody:
         return None
 
     def _keep(self, data: bytes, position: int, limit: int) -> None:
+        """Hold the bytes from ``position`` until more arrive, unless they are already
+        longer than the step waiting for them can be."""
         rest = data[position:]
         if len(rest) > limit:
             raise WireError("chunked framing line too long")
         self.buffer = rest
-        return None

@@ -25,7 +25,7 @@ from twisted.web.http_headers import Headers
 from twisted.web.iweb import UNKNOWN_LENGTH, IBodyProducer, IPolicyForHTTPS
 from zope.interface import implementer
 
-from nvpair_proxy.client import Client
+from nvpair_proxy.client import Client, State
 from nvpair_proxy.pool import ConnectionPool
 from nvpair_proxy.relay import clean_end
 from nvpair_proxy.requestbody import BytesProducer
@@ -537,3 +537,114 @@ class HostileEngineProperties(SynchronousTestCase):
             self.assertIsNotNone(bodies[0].reason, "the body never ended")
         else:
             self.assertIn(outcomes[0], (ResponseFailed, ResponseNeverReceived))
+
+
+class StateTests(ClientCase):
+    """Each move of a connection's ``State``, by what the caller and the server see."""
+
+    def connection(self, wire: Wire):
+        """The client's connection behind the endpoint's wrapping protocol."""
+        return wire.protocol._wrappedProtocol
+
+    def test_an_exchange_walks_waiting_head_body_idle_then_closed(self):
+        d = self.client.request(b"GET", URL)
+        wire = Wire(self.reactor)
+        connection = self.connection(wire)
+        self.assertIs(connection.state, State.WAITING, "the request went out on connect")
+        wire.reply(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\n")
+        self.assertIs(connection.state, State.HEAD, "interim answers are part of the head")
+        wire.reply(b"Content-Length: 5\r\n\r\nhe")
+        self.assertIs(connection.state, State.BODY)
+        body = self.body_of(self.successResultOf(d))
+        wire.reply(b"llo")
+        self.assertIs(connection.state, State.IDLE)
+        self.assertEqual((body.body, self.pool.idle_count()), (b"hello", 1))
+        wire.close()
+        self.assertIs(connection.state, State.CLOSED)
+        self.assertEqual(self.pool.idle_count(), 0)
+
+    def test_a_connection_is_pooled_only_once_idle_not_while_its_body_is_read(self):
+        response, wire = self.respond(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nhello")
+        body = self.body_of(response)
+        self.client.request(b"GET", URL)
+        self.assertEqual((len(self.reactor.tcpClients), self.pool.idle_count()), (2, 0),
+                         "a connection carrying a body is not lent to another request")
+        wire.reply(b"world")
+        self.assertTrue(body.reason.check(ResponseDone))
+        self.client.request(b"GET", URL)
+        self.assertEqual(len(self.reactor.tcpClients), 2, "idle again: reused, not dialled")
+        self.assertTrue(wire.sent().endswith(b"GET /api/chat HTTP/1.1\r\n"
+                                             b"Host: 10.0.0.1:11434\r\n\r\n"))
+
+    def test_closed_after_an_interim_answer_is_a_response_failure(self):
+        d = self.client.request(b"GET", URL)
+        wire = Wire(self.reactor)
+        wire.reply(b"HTTP/1.1 100 Continue\r\n\r\n")
+        wire.close(ierror.ConnectionLost)
+        failure = self.failureResultOf(d, ResponseFailed)
+        self.assertTrue(failure.value.reasons[0].check(ierror.ConnectionLost))
+
+    def test_a_reused_connection_that_closes_unanswered_is_response_never_received(self):
+        response, wire = self.respond(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
+        self.assertEqual(self.pool.idle_count(), 1)
+        d = self.client.request(b"GET", URL)
+        wire.close(ierror.ConnectionLost)
+        self.failureResultOf(d, ResponseNeverReceived)
+
+    def test_bytes_after_the_connection_was_aborted_are_refused(self):
+        for abort in ("cancel", "unframeable", "spoke out of turn"):
+            d = self.client.request(b"GET", URL)
+            wire = Wire(self.reactor)
+            if abort == "cancel":
+                d.cancel()
+            elif abort == "unframeable":
+                wire.reply(b"SSH-2.0-OpenSSH\r\n\r\n")
+            else:
+                wire.reply(OK)
+                self.body_of(self.successResultOf(d))
+                wire.reply(b"HTTP/1.1 408 Request Timeout\r\n\r\n")
+            if abort != "spoke out of turn":
+                self.failureResultOf(d)
+            self.assertIs(self.connection(wire).state, State.CLOSED, abort)
+            wire.reply(OK)
+            self.assertIs(self.connection(wire).state, State.CLOSED, abort)
+            self.assertEqual(self.pool.idle_count(), 0, abort)
+
+    def test_a_body_stopped_at_the_response_gets_none_of_the_bytes_beside_the_head(self):
+        d = self.client.request(b"GET", URL)
+        wire = Wire(self.reactor)
+        body = Collect()
+
+        def stop_at_once(response):
+            response.deliverBody(body)
+            body.transport.stopProducing()
+
+        d.addCallback(stop_at_once)
+        wire.reply(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nhello")
+        self.assertIs(self.connection(wire).state, State.STOPPED)
+        self.assertTrue(wire.transport.disconnected)
+        wire.reply(b"world")
+        wire.close(ierror.ConnectionAborted)
+        self.assertEqual(body.chunks, [])
+        self.assertTrue(body.reason.check(ResponseFailed))
+        self.assertIs(self.connection(wire).state, State.CLOSED)
+
+    def test_a_body_until_the_close_that_was_stopped_does_not_end_cleanly(self):
+        response, wire = self.respond(b"HTTP/1.1 200 OK\r\n\r\npart")
+        body = self.body_of(response)
+        body.transport.stopProducing()
+        wire.close()
+        self.assertEqual(body.body, b"part")
+        self.assertTrue(body.reason.check(ResponseFailed), "the close was ours, not the end")
+        self.assertFalse(clean_end(body.reason))
+
+    def test_a_stopped_body_no_longer_pauses_or_resumes_the_socket(self):
+        response, wire = self.respond(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nhello")
+        body = self.body_of(response)
+        body.transport.stopProducing()
+        body.transport.pauseProducing()
+        self.assertEqual(wire.transport.producerState, "producing")
+
+    def test_each_state_is_documented_with_what_moves_it_on(self):
+        for member in State:
+            self.assertIn(f"- ``{member.name}``:", State.__doc__, member)

@@ -7,8 +7,9 @@ from hypothesis import strategies as st
 from twisted.trial.unittest import SynchronousTestCase
 
 from nvpair_proxy.test.strategies import HEADS, splits
-from nvpair_proxy.responsewire import (CHUNKED, LENGTH, UNTIL_CLOSE, ChunkedBody, WireError,
-                                       body_framing, find_head_end, parse_head, persistent)
+from nvpair_proxy.responsewire import (CHUNKED, LENGTH, UNTIL_CLOSE, ChunkedBody, Chunking,
+                                       WireError, body_framing, find_head_end, parse_head,
+                                       persistent)
 
 
 def head(*lines: bytes, status: bytes = b"HTTP/1.1 200 OK"):
@@ -86,6 +87,23 @@ class ChunkedTests(SynchronousTestCase):
 
     def test_bytes_after_the_last_chunk_are_handed_back(self):
         self.assertEqual(self.decode([b"0\r\n\r\nHTTP/1.1"])[1], [b"HTTP/1.1"])
+
+    def test_each_step_moves_the_decoder_as_its_states_say(self):
+        out: list[bytes] = []
+        body = ChunkedBody(out.append)
+        for piece, state, rest in ((b"3\r\nabc\r\n", Chunking.SIZE, None),  # a whole chunk
+                                   (b"5\r\nhe", Chunking.DATA, None),
+                                   (b"llo", Chunking.DATA_END, None),
+                                   (b"\r", Chunking.DATA_END, None),     # half a CRLF waits
+                                   (b"\n", Chunking.SIZE, None),
+                                   (b"0\r\nX-T: 1\r\n", Chunking.TRAILER, None),
+                                   (b"\r\nafter", Chunking.TRAILER, b"after")):
+            self.assertEqual((body.feed(piece), body.state), (rest, state), piece)
+        self.assertEqual(out, [b"abc", b"he", b"llo"])
+
+    def test_each_state_is_documented_with_what_moves_it_on(self):
+        for member in Chunking:
+            self.assertIn(f"- ``{member.name}``:", Chunking.__doc__, member)
 
     def test_broken_framing_is_refused(self):
         for wire in (b"zz\r\n", b"5\r\nhelloXY", b"-1\r\n", b"\r\n", b"1" * 17 + b"\r\n",
