@@ -22,6 +22,20 @@ class IEmitter(Interface):
         """Send one notification; ``engine`` addresses a facade-scoped one (spec 4)."""
 
 
+class ITruthSink(Interface):
+    """Where the engine-truth poller (standalone mode) delivers what each engine reports, and
+    what it reads to pace itself."""
+
+    def routable() -> list:
+        """The nodes to ask, in id order."""
+
+    def set_truth(node_id: str, truth) -> None:
+        """A node's latest EngineTruth; None when the engine reports nothing (unknown)."""
+
+    def last_traffic() -> float | None:
+        """Clock seconds of the facade's last admitted request, None before any."""
+
+
 class IRouter(Interface):
     """One facade's routing state: the only way routing changes (issue 9).
 

@@ -29,7 +29,8 @@ from zope.interface import implementer
 from . import constants
 from .discovery import Diff, Node, NodeSet
 from .engines import Engine
-from .interfaces import IRouter, IWatchedAttempt
+from .enginetruth import EngineTruth
+from .interfaces import IRouter, ITruthSink, IWatchedAttempt
 from .logs import logger
 from .reservations import Reservation, ReservationMap
 from .selection import order, owners
@@ -42,7 +43,7 @@ log = logger()
 BUSY_STATUSES = frozenset({429, 503})
 
 
-@implementer(IRouter)
+@implementer(IRouter, ITruthSink)
 @attrs.define(eq=False)
 class Router:
     engine: Engine
@@ -57,6 +58,8 @@ class Router:
     _cooling: dict[str, float] = attrs.Factory(dict)
     _watched: set = attrs.Factory(set)
     _sweep: IDelayedCall | None = None
+    _truth: dict[str, EngineTruth] = attrs.Factory(dict)
+    _last_traffic: float | None = None
 
     # The node set.
 
@@ -111,6 +114,26 @@ class Router:
         """A probe's answer replaces the node's inventory (design 4): an empty list takes it
         out of every model's owners until the next success."""
         self.nodes.set_models(node_id, self.engine, models)
+
+    # What the engines report (standalone mode's poller).
+
+    def set_truth(self, node_id: str, truth: EngineTruth | None) -> None:
+        """A node's latest read; None forgets it (the engine reports nothing)."""
+        if truth is None:
+            self._truth.pop(node_id, None)
+        else:
+            self._truth[node_id] = truth
+
+    def truth_of(self, node_id: str) -> EngineTruth | None:
+        return self._truth.get(node_id)
+
+    def last_traffic(self) -> float | None:
+        return self._last_traffic
+
+    def admitted(self) -> None:
+        """A request was admitted now: the poller reads engines more often while traffic
+        flows."""
+        self._last_traffic = self.clock.seconds()
 
     # The pin.
 

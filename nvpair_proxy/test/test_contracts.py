@@ -37,7 +37,7 @@ from nvpair_proxy.events import LogEmitter
 from nvpair_proxy.testing import RecordingEmitter
 from nvpair_proxy.ingress import LocalBackendRoute
 from nvpair_proxy.interfaces import (IBodySink, IDispatchObserver, IEmitter, IRequestRecorder,
-                                     IRouter, IStatusSource)
+                                     IRouter, IStatusSource, ITruthSink)
 from nvpair_proxy.recorder import Recorder
 from nvpair_proxy.requestbody import BytesProducer
 from nvpair_proxy.router import Router
@@ -83,6 +83,7 @@ class Interfaces(SynchronousTestCase):
                 (IAgent, Client(MemoryReactorClock())),
                 (IEmitter, RecordingEmitter()), (IEmitter, LogEmitter()),
                 (IRouter, Router(engine=ENGINES["ollama"], clock=Clock())),
+                (ITruthSink, Router(engine=ENGINES["ollama"], clock=Clock())),
                 (IRouter, LocalBackendRoute(node)), (IReactorTime, Clock()),
                 (IBodySink, committed.stream), (IDispatchObserver, exchange),
                 (IDispatchObserver, SILENT), (IRequestRecorder, Recorder()),
