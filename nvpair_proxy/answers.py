@@ -70,6 +70,9 @@ class Reason(enum.Enum):
     NO_OWNER_RETURNED = ("no node advertising the requested model became available before "
                          "the retry deadline", "owner_never_returned")
     EVERY_ATTEMPT_FAILED = ("every dispatch attempt failed", "attempts_exhausted")
+    # Late binding: a request that waited in the queue for a free slot until its deadline.
+    NO_FREE_SLOT = ("no slot became free on a node advertising the requested model before "
+                    "the retry deadline; retry later", "queue_deadline")
     NO_CONTENT = ("upstream error: upstream sent no response body within the first-byte "
                   "budget", "no_content")
     TRANSPORT = ("upstream error: ", "transport")

@@ -57,3 +57,19 @@ MAX_RPC_LINE = 1024 * 1024
 # this long per facade; one that spent a whole first-content budget silent goes last this long.
 BUSY_HOLD = 1.0
 STALL_COOLDOWN = 30.0
+
+# Engine truth (standalone placement, docs/decisions.md#engine-truth): each node's engine is
+# asked about every TRUTH_ACTIVE_INTERVAL seconds while its facade admitted a request within
+# the last TRUTH_TRAFFIC_WINDOW seconds, else every TRUTH_IDLE_INTERVAL (never more than 10 s
+# apart), each interval jittered by TRUTH_JITTER either way; one read may take TRUTH_TIMEOUT.
+TRUTH_ACTIVE_INTERVAL = 1.0
+TRUTH_IDLE_INTERVAL = 8.0
+TRUTH_TRAFFIC_WINDOW = 60.0
+TRUTH_JITTER = 0.2
+TRUTH_TIMEOUT = 2.0
+TRUTH_MAX_BODY = 1024 * 1024
+# A llama.cpp router runs each model apart: at most this many loaded models' slots are asked
+# per read.
+TRUTH_MAX_MODEL_SLOTS = 8
+# Late binding: the requests one facade keeps waiting for a free slot (--queue-depth).
+QUEUE_DEPTH = 1000

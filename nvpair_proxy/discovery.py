@@ -45,6 +45,9 @@ class Node:
     cluster_uuid: str = ""
     txt: tuple[str, ...] | None = None
     local: bool = False
+    #: A nodes file's ``slots = N``: what the engine runs at once when it does not say
+    #: itself (Ollama with OLLAMA_NUM_PARALLEL), or a cap on what it says.
+    slots: int | None = None
     # Standalone TLS and key settings of this engine (engineaccess.py); never in a repr.
     access: object = attrs.field(default=None, repr=False)
     _dial: tuple[str, ...] = attrs.field(init=False, eq=False, repr=False)

@@ -26,6 +26,7 @@ from .interfaces import IDispatchObserver, IRouter
 from .loopguard import LoopGuard
 from .reservations import Reservation
 from .router import BUSY_STATUSES
+from .slotqueue import Waiter
 from .timers import cancel_pending
 
 # Protocol 5's texts, as the reasons carry them.
@@ -183,6 +184,8 @@ class Dispatch:
         self.reservation: Reservation | None = None
         self._queue: list[Node] = []
         self._timer: IDelayedCall | None = None
+        #: Waiting in the facade's queue for a free slot (late binding).
+        self._waiting: Waiter | None = None
         self._owner_missing = False
         self._failed_in_round = False
         self._done = False
@@ -191,6 +194,11 @@ class Dispatch:
     def waiting_for_owner(self) -> bool:
         """Backing off because no node advertises the model now (protocol 7), for status."""
         return self._owner_missing and not self._done
+
+    @property
+    def queued(self) -> bool:
+        """Waiting in the facade's queue for a free slot (late binding), for status."""
+        return self._waiting is not None
 
     def attempting(self) -> str | None:
         """The node the attempt in flight targets, None between attempts (for status)."""
@@ -236,6 +244,9 @@ class Dispatch:
                 self._back_off()
             return
         self._owner_missing = False
+        if self.reserve and self.router.all_full(candidates, self.model):
+            self._wait(ahead=self.dispatches > 0)
+            return
         if self.reserve:
             candidates, self.reservation = self.router.place(candidates)
         self._queue = list(candidates)
@@ -257,7 +268,11 @@ class Dispatch:
             self._finish(Answer(503, Reason.DEADLINE_PASSED, retry_after=1))
             return
         if self.reservation is not None and self._failed_in_round:
-            self._queue = self.router.fail_over(self._queue)
+            if self.router.all_full(self._queue, self.model):
+                # A failover that finds every owner full waits, ahead of new arrivals.
+                self._wait(ahead=True)
+                return
+            self._queue = self.router.fail_over(self._queue, self.model)
         node = self._queue.pop(0)
         self._queue = [n for n in self._queue if self.router.is_routable(n.id)]
         self._failed_in_round = True
@@ -323,6 +338,26 @@ class Dispatch:
         elif outcome.spent:
             self.router.stalled(node_id)
 
+    def _wait(self, ahead: bool) -> None:
+        """Every owner is full: wait in the facade's queue, costing no attempt and holding no
+        reservation, until a slot frees or the deadline passes (docs/decisions.md#late-binding)."""
+        assert self.model is not None
+        self._release()
+        self._queue = []
+        self.observer.cleared()
+        self._waiting = self.router.wait(self.model, self.deadline,
+                                         wake=lambda: self._guarded(self._woken),
+                                         expire=lambda: self._guarded(self._expired),
+                                         ahead=ahead)
+
+    def _woken(self) -> None:
+        self._waiting = None
+        self._round()
+
+    def _expired(self) -> None:
+        self._waiting = None
+        self._finish(Answer(503, Reason.NO_FREE_SLOT, retry_after=1))
+
     def _back_off(self) -> None:
         """Wait before the next round; also paces the wait for an owner (protocol 7)."""
         if not self.inference:
@@ -360,6 +395,9 @@ class Dispatch:
     def _cleanup(self) -> None:
         cancel_pending(self._timer)
         self._timer = None
+        if self._waiting is not None:
+            waiter, self._waiting = self._waiting, None
+            self.router.unwait(waiter)
         if self.attempt is not None:
             attempt, self.attempt = self.attempt, None
             if self.inference:

@@ -23,6 +23,9 @@ ROUTE_CLASSES = ("inference", "models")
 MODEL_RULES = ("implied-latest", "exact")
 INVENTORY_SOURCES = ("models", "loaded")
 ENVELOPES = ("openai", "ollama")
+# The keys of an engine file's ``[truth]`` table: the routes that say, without side effects,
+# what an engine is doing (enginetruth.py reads each shape).
+TRUTH_ROUTES = ("slots", "loaded", "models")
 METHODS = ("GET", "POST", "PUT", "DELETE", "PATCH", "HEAD", "OPTIONS")
 
 
@@ -63,6 +66,20 @@ class ModelList:
 
 
 @attrs.frozen
+class TruthRoutes:
+    """Where an engine says what it is doing; None where it cannot say.
+
+    ``slots``: llama.cpp's array of slots (``is_processing`` each); ``loaded``: the models
+    held in memory (Ollama's ``/api/ps``); ``models``: every model with its state (LM Studio's
+    ``state``, a llama.cpp router's ``status.value``). None of them loads a model.
+    """
+
+    slots: str | None = None
+    loaded: str | None = None
+    models: str | None = None
+
+
+@attrs.frozen
 class Engine:
     id: str
     service_key: str
@@ -73,6 +90,7 @@ class Engine:
     model_list: ModelList
     routes: tuple[Route, ...]
     host_variable: str | None = None
+    truth: TruthRoutes = TruthRoutes()
     _table: Mapping[tuple[str, str], Route] = attrs.field(
         init=False, repr=False, eq=False,
         default=attrs.Factory(lambda self: {(r.method, r.path): r for r in self.routes},
@@ -139,7 +157,7 @@ def _path(data: Mapping, key: str, where: str, required: bool = True) -> str | N
 def parse_engine(data: Mapping, source: str) -> Engine:
     """Build an Engine from a decoded engine file; ``source`` names it in errors."""
     known = {"id", "service_key", "persisted_port_file", "host_variable", "model_rule",
-             "inventory_source", "ports", "model_list", "routes"}
+             "inventory_source", "ports", "model_list", "routes", "truth"}
     for key in data:
         if key not in known:
             raise EngineFileError(f"{source}: unknown field {key!r}")
@@ -179,12 +197,19 @@ def parse_engine(data: Mapping, source: str) -> Engine:
         if not route.is_inference and route.terminal is not None:
             raise EngineFileError(f"{where}: field 'terminal' applies to inference routes only")
         routes.append(route)
+    truth_data = _field(data, "truth", dict, source, required=False) or {}
+    for key in truth_data:
+        if key not in TRUTH_ROUTES:
+            raise EngineFileError(f"{source}: truth: unknown field {key!r}")
+    truth = TruthRoutes(**{key: _path(truth_data, key, f"{source}: truth", required=False)
+                           for key in TRUTH_ROUTES})
     return Engine(id=engine_id, service_key=_field(data, "service_key", str, source),
                   ports=ports, persisted_port_file=_field(data, "persisted_port_file", str, source),
                   model_rule=_choice(data, "model_rule", MODEL_RULES, source),
                   inventory_source=_choice(data, "inventory_source", INVENTORY_SOURCES, source),
                   model_list=model_list, routes=tuple(routes),
-                  host_variable=_field(data, "host_variable", str, source, required=False))
+                  host_variable=_field(data, "host_variable", str, source, required=False),
+                  truth=truth)
 
 
 def load_engine_file(path: str) -> Engine:

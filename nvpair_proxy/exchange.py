@@ -129,6 +129,11 @@ class Exchange:
             # Issue 8: engines that just said they are full get no new work for a moment.
             self._answer(Answer(503, Reason.ALL_OWNERS_BUSY, retry_after=retry_after(held)))
             return
+        if wanted is not None and self.router.refuses(candidates, wanted):
+            # Late binding: every owner is full and the queue has no room left.
+            self._answer(Answer(503, Reason.ALL_OWNERS_BUSY, retry_after=1))
+            return
+        self.router.admitted()
         if model is not None:
             self.workload = self.reporter.new_workload(model, self.admitted_at)
             self.workload.admitted()
@@ -162,7 +167,8 @@ class Exchange:
         if node is None and dispatch is not None:
             node = dispatch.attempting()
         return InFlightView(node=node,
-                            waiting_for_owner=dispatch is not None and dispatch.waiting_for_owner)
+                            waiting_for_owner=dispatch is not None and dispatch.waiting_for_owner,
+                            queued=dispatch is not None and dispatch.queued)
 
     def _enter(self, phase: Phase) -> None:
         if phase not in PHASES[self.phase]:

@@ -31,6 +31,7 @@ from .interfaces import IEmitter, IRequestRecorder
 from .loopguard import LoopGuard
 from .reservations import ReservationMap
 from .router import Router
+from .slotqueue import SlotQueue
 from .server import BoundedRequest, BoundedSite
 from .views import FacadeView
 
@@ -90,16 +91,21 @@ def make_facade(engine: Engine, *, clock: IReactorTime, agent: IAgent, emitter: 
                 activity: ActivityThrottle | None = None,
                 recorder: IRequestRecorder | None = None,
                 agent_for_node: Callable[[Node], IAgent] | None = None,
-                loop_guard: LoopGuard | None = None) -> Facade:
+                loop_guard: LoopGuard | None = None, scheduling: bool = False,
+                queue_depth: int | None = None) -> Facade:
     """A facade from the parts every facade of a process shares (spec 3.1).
 
     ``agent_for_node`` dials nodes that need their own agent (nodes-file TLS or keys, pinned
-    peers); without it every node shares ``agent``.
+    peers); without it every node shares ``agent``. ``scheduling`` ranks owners by what their
+    engines report (standalone mode); ``queue_depth`` turns late binding on with that bound.
     """
     if activity is None:
         activity = ActivityThrottle(emitter, clock.seconds)
     return Facade(engine=engine,
-                  router=Router(engine=engine, clock=clock, reservations=reservations),
+                  router=Router(engine=engine, clock=clock, reservations=reservations,
+                                scheduling=scheduling,
+                                queue=None if queue_depth is None else SlotQueue(clock,
+                                                                                 queue_depth)),
                   reporter=Reporter(engine=engine.id, emitter=emitter, clock=clock.seconds,
                                     run_id=run_id, activity=activity, recorder=recorder),
                   upstreams=Upstreams(clock=clock, agent=agent, random=random, bounds=bounds,

@@ -67,7 +67,8 @@ class FacadeService(MultiService):
     """
 
     def __init__(self, facade: Facade, factory: DemuxFactory, listen: Callable, prober: Prober,
-                 clock, port: int, is_local: Callable[[str], bool] = is_local_address) -> None:
+                 clock, port: int, is_local: Callable[[str], bool] = is_local_address,
+                 poller: Service | None = None) -> None:
         super().__init__()
         self.listening = listen(port, factory, "::")
         self.port = port
@@ -75,6 +76,10 @@ class FacadeService(MultiService):
         self.facade, self.factory, self.listen, self.clock = facade, factory, listen, clock
         self.prober = prober
         prober.setServiceParent(self)
+        # Standalone mode: what each node's engine reports (truthpoller.py), also a child.
+        self.poller = poller
+        if poller is not None:
+            poller.setServiceParent(self)
         self.aliases: list = []
         self.alias_port: int | None = None
         # The local engine's parallel slots as the broker last relayed them (protocol 3),
@@ -139,6 +144,8 @@ class FacadeService(MultiService):
         closing = [maybeDeferred(listening.stopListening) for listening in self.ports]
         self.facade.shutdown()
         closing.append(maybeDeferred(self.prober.stopService))
+        if self.poller is not None:
+            closing.append(maybeDeferred(self.poller.stopService))
         closed = DeferredList(closing, consumeErrors=True)
         closed.addTimeout(constants.FACADE_SHUTDOWN_GRACE, self.clock)
         return closed.addBoth(lambda _: None)
@@ -151,12 +158,14 @@ class Facades(MultiService):
     def __init__(self, *, make_facade: Callable[[Engine], Facade], listen: Callable,
                  make_prober: Callable[[Facade, Callable[[Node], bool]], Prober], clock,
                  admission: bool = False, directory: ClusterDirectory | None = None,
-                 lan: LanGate | None = None) -> None:
+                 lan: LanGate | None = None,
+                 make_poller: Callable[[Facade], Service] | None = None) -> None:
         super().__init__()
         self.setName("facades")
         self.make_facade, self.listen, self.make_prober = make_facade, listen, make_prober
         self.clock, self.admission = clock, admission
         self.directory, self.lan = directory, lan
+        self.make_poller = make_poller
 
     def open(self, engine: Engine, port: int, should_probe: Callable[[Node], bool],
              local_backend: LocalBackend = lambda: None,
@@ -168,7 +177,8 @@ class Facades(MultiService):
                                    local_backend, self.lan)
         service = FacadeService(facade, factory, self.listen,
                                 self.make_prober(facade, should_probe), self.clock, port,
-                                is_local)
+                                is_local,
+                                self.make_poller(facade) if self.make_poller else None)
         if self.admission:
             admit_into(facade, self.directory, local_backend)
         return service

@@ -53,8 +53,23 @@ class LocalBackendRoute:
     def place(self, nodes: list[Node]) -> tuple[list[Node], None]:
         return list(nodes), None
 
-    def fail_over(self, remaining: list[Node]) -> list[Node]:
+    def fail_over(self, remaining: list[Node], model: str | None = None) -> list[Node]:
         return list(remaining)
+
+    def admitted(self) -> None:
+        pass
+
+    def all_full(self, nodes: list[Node], model: str | None) -> bool:
+        return False  # the backend's own queue is the one to wait in
+
+    def refuses(self, nodes: list[Node], model: str | None) -> bool:
+        return False
+
+    def wait(self, model: str, deadline: float, wake, expire, ahead: bool = False) -> None:
+        raise AssertionError("the local backend is never full")
+
+    def unwait(self, waiter) -> None:
+        pass
 
     def answered(self, node_id: str, status: int) -> None:
         pass

@@ -63,8 +63,24 @@ class IRouter(Interface):
     def place(nodes: list) -> tuple:
         """Reserve the chosen candidate and move it first: (nodes, reservation or None)."""
 
-    def fail_over(remaining: list) -> list:
-        """The remaining candidates with the next one to try first."""
+    def fail_over(remaining: list, model: str | None = None) -> list:
+        """The remaining candidates for ``model`` with the next one to try first."""
+
+    def admitted() -> None:
+        """A request was admitted now (the engine-truth poller reads faster with traffic)."""
+
+    def all_full(nodes: list, model: str | None) -> bool:
+        """Whether a request for the model should wait for a slot instead of going to nodes
+        (late binding: every owner full by its known slots)."""
+
+    def refuses(nodes: list, model: str | None) -> bool:
+        """Whether a new request would wait and the queue has no room for it."""
+
+    def wait(model: str, deadline: float, wake, expire, ahead: bool = False):
+        """Queue a request until a slot frees (``wake``) or its deadline (``expire``)."""
+
+    def unwait(waiter) -> None:
+        """Take a waiting request out of the queue: it ended."""
 
     def answered(node_id: str, status: int) -> None:
         """An attempt got a status from the node."""

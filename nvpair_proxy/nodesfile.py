@@ -24,7 +24,7 @@ from .engineaccess import (ACCESS_FIELDS, TLS_FILE_FIELDS, AccessError, EngineAc
 from .engines import Engine
 from .files import read_regular_file, stamp
 from .logs import logger
-from .validate import is_port
+from .validate import is_int, is_port
 
 log = logger()
 
@@ -92,7 +92,7 @@ def parse_nodes(text: str, engines: Mapping[str, Engine], source: str) -> Config
             if not isinstance(spec, dict):
                 raise NodesFileError(f"{ewhere}: must be a table")
             for key in spec:
-                if key not in ("port", "models") + ACCESS_FIELDS:
+                if key not in ("port", "models", "slots") + ACCESS_FIELDS:
                     raise NodesFileError(f"{ewhere}: unknown field {key!r}")
             try:
                 scheme, access = access_from(spec, os.path.dirname(source))
@@ -107,10 +107,14 @@ def parse_nodes(text: str, engines: Mapping[str, Engine], source: str) -> Config
                 raise NodesFileError(f"{ewhere}: field 'models' must be a list of strings")
             if models is None:
                 probed.add((engine_id, node_id))
+            slots = spec.get("slots")
+            if slots is not None and (not is_int(slots) or slots < 1):
+                raise NodesFileError(f"{ewhere}: field 'slots' must be a whole number of at "
+                                     f"least 1 (got {slots!r})")
             nodes[engine_id].append(make_node(engine, id=node_id, name=name, port=port,
                                               addresses=addresses, models=models,
                                               source="standalone", scheme=scheme,
-                                              access=access))
+                                              access=access, slots=slots))
     return ConfiguredNodes({k: tuple(v) for k, v in nodes.items()}, frozenset(probed))
 
 

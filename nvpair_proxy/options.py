@@ -109,6 +109,10 @@ class Config:
     api_keys: str | None = None
     api_keys_file: str = ""
     allowed_cidrs: tuple[Network, ...] = ()
+    #: Standalone late binding: requests wait in the facade's queue (at most ``queue_depth``)
+    #: when every owner is full; False sends them to the engines as before.
+    late_binding: bool = True
+    queue_depth: int = constants.QUEUE_DEPTH
 
     @property
     def standalone(self) -> bool:
@@ -121,7 +125,8 @@ class Options(usage.Options):
                 "[--upstream-keepalive DURATION] "
                 "[--state-dir DIR] [--api-keys-file FILE] [--allowed-cidrs LIST] "
                 "[--admin HOST:PORT] [--log-format text|json] [--access-log] [--version] "
-                "[--engine ENGINE[:PORT]]... [--nodes FILE] [--engines-dir DIR]")
+                "[--engine ENGINE[:PORT]]... [--nodes FILE] [--engines-dir DIR] "
+                "[--queue-depth N] [--no-late-binding]")
     longdesc = ("Broker mode (default): JSON-RPC on stdin/stdout or --ipc. Standalone mode: any "
                 "--engine; the fleet comes from --nodes, else this machine's engine.")
 
@@ -150,10 +155,15 @@ class Options(usage.Options):
         ["admin", None, None, "Admin listener HOST:PORT, loopback only: /metrics, /status, "
                               "/healthz and the status page at /."],
         ["log-format", None, "text", "text, or json: one JSON object per line."],
+        ["queue-depth", None, str(constants.QUEUE_DEPTH),
+         "Standalone: requests one facade keeps waiting for a free slot; one more gets the "
+         "busy 503."],
     ]
     optFlags = [
         ["access-log", None, "Log one line per HTTP request (method, path without query, "
                              "status, size; never bodies)."],
+        ["no-late-binding", None, "Standalone: send a request to an engine even when every "
+                                  "owner is full, instead of waiting in the proxy for a slot."],
     ]
 
     def __init__(self) -> None:
@@ -210,13 +220,21 @@ class Options(usage.Options):
         if self["ipc"] is not None and facades:
             raise ValueError("--ipc is for broker mode; it cannot be combined with --engine")
         api_keys, api_keys_file, allowed_cidrs = self._lan_keys(state_dir)
+        try:
+            queue_depth = int(self["queue-depth"])
+        except ValueError:
+            queue_depth = 0
+        if queue_depth < 1 or not str(self["queue-depth"]).strip().isdigit():
+            raise ValueError(f"--queue-depth must be a whole number of at least 1 "
+                             f"(got {self['queue-depth']!r})")
         return Config(engines=self.engines, log_level=level, log_format=self["log-format"],
                       access_log=bool(self["access-log"]), response_timeout=response_timeout,
                       stream_idle=stream_idle, upstream_keepalive=keepalive,
                       state_dir=state_dir, admin=admin, facades=tuple(facades),
                       nodes=self["nodes"], cluster_dir=self["cluster-dir"], ipc=self["ipc"],
                       api_keys=api_keys, api_keys_file=api_keys_file,
-                      allowed_cidrs=allowed_cidrs)
+                      allowed_cidrs=allowed_cidrs, late_binding=not self["no-late-binding"],
+                      queue_depth=queue_depth)
 
     def _lan_keys(self, state_dir: str) -> tuple[str | None, str, tuple[Network, ...]]:
         """Opt-in LAN keys: the environment's keys, the keys file and the allowed

@@ -13,7 +13,7 @@ import Twisted: it is plain bookkeeping that the dispatch loop drives.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import attrs
 
@@ -98,6 +98,9 @@ class ReservationMap:
     _listed: frozenset[str] = attrs.field(default=frozenset(), init=False)
     _scheduled: dict[str, float] = attrs.field(factory=dict, init=False)
     _held: dict[str, int] = attrs.field(factory=dict, init=False)
+    #: Told the node of every claim that ends or moves away: a slot there is free again
+    #: (standalone placement lets a waiting request go at once).
+    on_release: list[Callable[[str], None]] = attrs.field(factory=list, init=False)
 
     @property
     def generation(self) -> int:
@@ -205,10 +208,11 @@ class ReservationMap:
 
     def _release(self, reservation: Reservation) -> None:
         """Uncount a claim that still counts: only one stamped with the current generation."""
-        if reservation.generation != self._generation:
-            return
-        remaining = self._held[reservation.node_id] - 1
-        if remaining:
-            self._held[reservation.node_id] = remaining
-        else:
-            del self._held[reservation.node_id]
+        if reservation.generation == self._generation:
+            remaining = self._held[reservation.node_id] - 1
+            if remaining:
+                self._held[reservation.node_id] = remaining
+            else:
+                del self._held[reservation.node_id]
+        for listener in self.on_release:
+            listener(reservation.node_id)

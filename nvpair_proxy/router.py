@@ -32,10 +32,12 @@ from .engines import Engine
 from .enginetruth import EngineTruth
 from .interfaces import IRouter, ITruthSink, IWatchedAttempt
 from .logs import logger
+from .placement import Standing, standing
 from .reservations import Reservation, ReservationMap
 from .selection import order, owners
+from .slotqueue import SlotQueue, Waiter
 from .timers import cancel_pending
-from .views import RoutingView
+from .views import EngineView, RoutingView
 
 log = logger()
 
@@ -58,8 +60,20 @@ class Router:
     _cooling: dict[str, float] = attrs.Factory(dict)
     _watched: set = attrs.Factory(set)
     _sweep: IDelayedCall | None = None
+    #: Standalone placement (placement.py): owners ranked by what their engines report.
+    scheduling: bool = False
+    #: Late binding (slotqueue.py): where requests wait when every owner is full; None keeps
+    #: them going to the engines (broker mode, ``--no-late-binding``).
+    queue: SlotQueue | None = None
     _truth: dict[str, EngineTruth] = attrs.Factory(dict)
+    _ended_since_read: dict[str, int] = attrs.Factory(dict)
     _last_traffic: float | None = None
+    _offer: IDelayedCall | None = None
+
+    def __attrs_post_init__(self) -> None:
+        if self.scheduling and self.reservations is not None:
+            # Any of our dispatches ending frees a slot at once, whichever facade made it.
+            self.reservations.on_release.append(self._released)
 
     # The node set.
 
@@ -118,11 +132,14 @@ class Router:
     # What the engines report (standalone mode's poller).
 
     def set_truth(self, node_id: str, truth: EngineTruth | None) -> None:
-        """A node's latest read; None forgets it (the engine reports nothing)."""
+        """A node's latest read; None forgets it (the engine reports nothing). A read that
+        shows a free slot lets a waiting request go (within one poll of the slot freeing)."""
+        self._ended_since_read.pop(node_id, None)
         if truth is None:
             self._truth.pop(node_id, None)
         else:
             self._truth[node_id] = truth
+        self._offer_soon()
 
     def truth_of(self, node_id: str) -> EngineTruth | None:
         return self._truth.get(node_id)
@@ -154,16 +171,88 @@ class Router:
 
     def candidates(self, model: str | None) -> list[Node]:
         """The owners of ``model`` (normalized; None: every routable node) in the order a
-        round tries them: pin, priority, id, then cooling nodes, then held ones last."""
+        round tries them: pin, priority, id (standalone: ranked by what the engines report),
+        then cooling nodes, then held ones last."""
         nodes = self.routable()
         if model is not None:
             nodes = owners(nodes, model)
         ordered = order(nodes, self._pin, self.priority())
+        if self.scheduling:
+            return self._ranked(ordered, model)
         if not self._held and not self._cooling:
             return ordered
         now = self.clock.seconds()
         return sorted(ordered, key=lambda n: (self._is_held(n.id, now),
                                                self._is_cooling(n.id, now)))
+
+    def standings(self, nodes: Sequence[Node], model: str | None) -> list[Standing]:
+        """Each node's slots, busy count and warmth for ``model``, as placement weighs them."""
+        truth, ended = self._truth, self._ended_since_read
+        return [standing(node, model, truth.get(node.id), self._ours(node.id),
+                         ended.get(node.id, 0)) for node in nodes]
+
+    def _ranked(self, nodes: Sequence[Node], model: str | None) -> list[Node]:
+        """Free before full, warm before cold, fewer busy, node id; held and cooling last."""
+        now = self.clock.seconds()
+        keys = {s.node_id: s.key() for s in self.standings(nodes, model)}
+        return sorted(nodes, key=lambda n: (self._is_held(n.id, now),
+                                            self._is_cooling(n.id, now), keys[n.id], n.id))
+
+    def _ours(self, node_id: str) -> int:
+        return int(self.reservations.load(node_id)) if self.reservations is not None else 0
+
+    # Late binding (slotqueue.py).
+
+    def all_full(self, nodes: Sequence[Node], model: str | None) -> bool:
+        """Whether a request for ``model`` should wait rather than go to ``nodes``: late
+        binding is on and every owner is full by its known slots (a held one counts as full:
+        it just said so). An owner whose slots are unknown is never full."""
+        if self.queue is None or model is None or not nodes:
+            return False
+        now = self.clock.seconds()
+        known_full = False
+        for item in self.standings(nodes, model):
+            if item.full:
+                known_full = True
+            elif not self._is_held(item.node_id, now):
+                return False
+        return known_full
+
+    def refuses(self, nodes: Sequence[Node], model: str | None) -> bool:
+        """A new request would wait, and the queue has no room for it (the busy 503)."""
+        return self.queue is not None and self.queue.is_full() and self.all_full(nodes, model)
+
+    def wait(self, model: str, deadline: float, wake: Callable[[], None],
+             expire: Callable[[], None], ahead: bool = False) -> Waiter:
+        assert self.queue is not None
+        return self.queue.add(Waiter(model=model, deadline=deadline, since=self.clock.seconds(),
+                                     wake=wake, expire=expire, ahead=ahead))
+
+    def unwait(self, waiter: Waiter) -> None:
+        if self.queue is not None:
+            self.queue.remove(waiter)
+
+    def _released(self, node_id: str) -> None:
+        if node_id in self.nodes:
+            self._ended_since_read[node_id] = self._ended_since_read.get(node_id, 0) + 1
+            self._offer_soon()
+
+    def _offer_soon(self) -> None:
+        """Let waiting requests go once this turn's work is done: a slot freed inside an
+        attempt's or a stream's end must not start another request in the middle of it.
+        Nothing is scheduled while nobody waits."""
+        if self.queue is not None and len(self.queue) and self._offer is None:
+            self._offer = self.clock.callLater(0, self._offer_slots)
+
+    def _offer_slots(self) -> None:
+        self._offer = None
+        queue = self.queue
+        if queue is None:
+            return
+        for model in queue.models():
+            while not self.all_full(self.candidates(model), model):
+                if not queue.wake_first(model):
+                    break
 
     def busy_for(self, model: str) -> float | None:
         """Seconds until the longest hold ends when every owner of ``model`` is held, else
@@ -198,15 +287,20 @@ class Router:
         nodes = list(nodes)
         if self.reservations is None or not nodes or self._pinned_first(nodes):
             return nodes, None
+        if self.scheduling:
+            # The candidates come ranked (``candidates``): the first is the placement.
+            return nodes, self.reservations.reserve(nodes[0].id)
         reservation = self.reservations.choose(self._preferred_ids(nodes))
         if reservation is None:
             return nodes, None
         return sorted(nodes, key=lambda n: n.id != reservation.node_id), reservation
 
-    def fail_over(self, remaining: Sequence[Node]) -> list[Node]:
+    def fail_over(self, remaining: Sequence[Node], model: str | None = None) -> list[Node]:
         """Failover goes to the least loaded remaining owner, not the list's head."""
         if self.reservations is None or not remaining:
             return list(remaining)
+        if self.scheduling:
+            return self._ranked(remaining, model)
         chosen = self.reservations.pick(self._preferred_ids(remaining))
         return sorted(remaining, key=lambda n: n.id != chosen)
 
@@ -237,9 +331,30 @@ class Router:
 
     def view(self) -> RoutingView:
         """This facade's routing as the admin listener shows it, read now (views.py)."""
+        routable = self.routable()
+        queue = self.queue
+        oldest = queue.oldest_since() if queue is not None else None
+        now = self.clock.seconds()
         return RoutingView(pin=self._pin, nodes=tuple(node.view() for node in self.nodes.all()),
-                           routable=tuple(node.id for node in self.routable()),
-                           held=tuple(self.held()), cooling=tuple(self.cooling()))
+                           routable=tuple(node.id for node in routable),
+                           held=tuple(self.held()), cooling=tuple(self.cooling()),
+                           engines=self._engine_views(routable) if self.scheduling else (),
+                           queued=len(queue) if queue is not None else 0,
+                           oldest_wait=None if oldest is None else now - oldest)
+
+    def _engine_views(self, nodes: Sequence[Node]) -> tuple[EngineView, ...]:
+        now = self.clock.seconds()
+        views = []
+        for node, item in zip(nodes, self.standings(nodes, None)):
+            truth = self._truth.get(node.id)
+            slots = truth.slots_for(None) if truth is not None else None
+            warm = None if truth is None or truth.warm is None else tuple(sorted(truth.warm))
+            views.append(EngineView(node=node.id, slots_total=item.total, busy=item.busy,
+                                    ours=self._ours(node.id),
+                                    reported_busy=None if slots is None else slots.busy,
+                                    warm=warm,
+                                    read_age=None if truth is None else now - truth.read_at))
+        return tuple(views)
 
     # Spec 5.3: an attempt whose target left the routable set is abandoned.
 

@@ -49,6 +49,7 @@ from .loopguard import LoopGuard
 from .nodesfile import ConfiguredNodes, NodesFileError, NodesFileWatcher, tls_configs
 from .options import Config
 from .reservations import ReservationMap
+from .truthpoller import TruthPoller
 from .selfcheck import self_reason
 from .views import ProcessSnapshot
 from .trust import PeerAgents
@@ -82,6 +83,10 @@ class Runtime:
     peer_agents: PeerAgents | None = None
     # The agent per node, given to every facade when it is made (None: all share ``agent``).
     agent_for_node: Callable[[Node], IAgent] | None = None
+    # Standalone placement: rank by what engines report; late binding with its queue depth.
+    scheduling: bool = False
+    late_binding: bool = False
+    queue_depth: int = constants.QUEUE_DEPTH
 
     @classmethod
     def build(cls, config: Config, reactor: IReactorTime, emitter: IEmitter,
@@ -110,14 +115,22 @@ class Runtime:
                                  stream_idle=config.stream_idle), pool=pool,
                    agent=agent, activity=ActivityThrottle(emitter, reactor.seconds),
                    engine_agents=engine_agents, peer_agents=peer_agents,
-                   agent_for_node=agent_for_node)
+                   agent_for_node=agent_for_node, scheduling=config.standalone,
+                   late_binding=config.standalone and config.late_binding,
+                   queue_depth=config.queue_depth)
 
     def facade(self, engine) -> Facade:
         return make_facade(engine, clock=self.reactor, agent=self.agent, emitter=self.emitter,
                            run_id=self.run_id, random=self.rng.random, bounds=self.bounds,
                            reservations=self.reservations, activity=self.activity,
                            recorder=self.recorder, agent_for_node=self.agent_for_node,
-                           loop_guard=self.loop_guard)
+                           loop_guard=self.loop_guard, scheduling=self.scheduling,
+                           queue_depth=self.queue_depth if self.late_binding else None)
+
+    def poller(self, facade: Facade) -> TruthPoller:
+        """Standalone mode: what each node's engine reports, for placement."""
+        return TruthPoller(facade.engine, facade.router, facade.upstreams.agent_for,
+                           self.reactor, self.rng.random, loop_guard=facade.upstreams.loop_guard)
 
     def prober(self, facade: Facade, should_probe) -> Prober:
         return Prober(facade.engine, facade.router, self.agent, self.reactor, should_probe,
@@ -456,7 +469,8 @@ def standalone_tree(config: Config, reactor) -> ProcessService:
     RuntimeService(runtime).setServiceParent(root)
     add_admin(root, runtime, config, reactor, "standalone")
     facades = Facades(make_facade=runtime.facade, listen=listen_on(reactor),
-                      make_prober=runtime.prober, clock=reactor, lan=lan_gate(config, reactor))
+                      make_prober=runtime.prober, clock=reactor, lan=lan_gate(config, reactor),
+                      make_poller=runtime.poller)
     Standalone(config, reactor, facades, runtime.engine_agents).setServiceParent(root)
     facades.setServiceParent(root)
     root.runtime, root.facades = runtime, facades

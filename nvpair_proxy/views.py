@@ -45,6 +45,27 @@ class RoutingView:
     routable: tuple[str, ...]
     held: tuple[str, ...]
     cooling: tuple[str, ...]
+    #: Standalone placement: what each routable node's engine reported, in id order.
+    engines: tuple["EngineView", ...] = ()
+    #: Late binding: the requests waiting for a free slot, and the longest wait's seconds.
+    queued: int = 0
+    oldest_wait: float | None = None
+
+
+@attrs.frozen
+class EngineView:
+    """What one node's engine said it is doing (placement.py), and our own share of it:
+    ``slots_total`` as placement counts it (the engine's, capped by a nodes file's ``slots``;
+    None unknown), ``busy`` the larger of ``ours`` and ``reported_busy``, the warm models
+    (None: the engine does not say) and the seconds since the last read (None: never read)."""
+
+    node: str
+    slots_total: int | None
+    busy: int
+    ours: int
+    reported_busy: int | None
+    warm: tuple[str, ...] | None
+    read_age: float | None
 
 
 @attrs.frozen
@@ -55,6 +76,8 @@ class InFlightView:
 
     node: str | None
     waiting_for_owner: bool
+    #: Waiting in the facade's queue for a free slot (late binding).
+    queued: bool = False
 
 
 @attrs.frozen

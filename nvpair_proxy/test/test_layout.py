@@ -28,15 +28,15 @@ SCRIPT_FOLDERS = ("bench", "bin")
 
 ORDER = (
     # Foundations: no knowledge of engines, nodes or requests.
-    "constants", "enginetruth", "views", "interfaces", "timers", "logs", "logformat", "files", "validate",
+    "constants", "enginetruth", "views", "interfaces", "timers", "slotqueue", "logs", "logformat", "files", "validate",
     "hopbyhop", "loopguard", "selfcheck", "target",
     "requestbody", "relay", "frames", "tokens", "stats", "reservations", "twisted_workarounds", "sdnotify",
     "responsewire", "pool", "client",
     # The model: engines, nodes, the link's framing, events, trust.
-    "engines", "discovery", "selection", "slots", "ports", "rpc", "aliases", "answers",
+    "engines", "discovery", "selection", "placement", "slots", "ports", "rpc", "aliases", "answers",
     "events", "trust", "admission", "apikeys", "engineaccess",
     # Routing and one dispatch; the server side.
-    "router", "attempt", "inventory", "cors", "server", "listener", "nodesfile",
+    "router", "attempt", "inventory", "truthpoller", "cors", "server", "listener", "nodesfile",
     "options",
     # The request path, top to bottom.
     "dispatch", "recorder", "status", "metrics", "admin", "fleet", "stream", "exchange", "facade",
@@ -46,8 +46,8 @@ ORDER = (
 )
 
 # Plain bookkeeping the request path drives: no Twisted at all (design 1b).
-NO_TWISTED = ("constants", "enginetruth", "views", "files", "validate", "selfcheck", "target", "reservations", "engines", "selection", "slots",
-              "frames", "tokens", "stats", "responsewire")
+NO_TWISTED = ("constants", "enginetruth", "views", "files", "validate", "selfcheck", "target", "reservations", "engines", "selection", "placement",
+              "slots", "frames", "tokens", "stats", "responsewire")
 
 
 def product_modules() -> list[str]:

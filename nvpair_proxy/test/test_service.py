@@ -246,7 +246,18 @@ class TreeTests(SynchronousTestCase):
         self.assertEqual([(s.name, s.port) for s in facades],
                          [("ollama", 1300), ("lmstudio", 1301)])
         self.assertEqual([(t[0], t[3]) for t in reactor.tcpServers], [(1300, "::"), (1301, "::")])
-        self.assertEqual([list(s) for s in facades], [[s.prober] for s in facades])
+        self.assertEqual([list(s) for s in facades], [[s.prober, s.poller] for s in facades])
+        self.assertEqual([type(s.poller).__name__ for s in facades], ["TruthPoller"] * 2)
+        self.assertEqual([(s.facade.router.scheduling, s.facade.router.queue.depth)
+                          for s in facades], [(True, 1000), (True, 1000)])
+
+    def test_no_late_binding_leaves_the_queue_out_and_queue_depth_sets_it(self):
+        reactor = MemoryReactorClock()
+        off = standalone_tree(parsed("--engine", "ollama:1300", "--no-late-binding"), reactor)
+        deep = standalone_tree(parsed("--engine", "ollama:1300", "--queue-depth", "7"), reactor)
+        router_of = lambda root: root.getServiceNamed("facades")["ollama"].facade.router
+        self.assertEqual((router_of(off).scheduling, router_of(off).queue), (True, None))
+        self.assertEqual(router_of(deep).queue.depth, 7)
 
     def test_the_keepalive_flag_reaches_every_upstream_client(self):
         reactor = MemoryReactorClock()

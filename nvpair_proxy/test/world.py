@@ -121,7 +121,9 @@ class World:
     def __init__(self, engine: str = "ollama", *, response_timeout: float = 1800.0,
                  reservations: ReservationMap | None = None, clock: Clock | None = None,
                  agent: FakeAgent | None = None, emitter: RecordingEmitter | None = None,
-                 lan=None, recorder=None) -> None:
+                 lan=None, recorder=None, scheduling: bool = False,
+                 queue_depth: int | None = None) -> None:
+        """``scheduling`` and ``queue_depth`` are standalone placement and late binding."""
         self.engine = ENGINES[engine]
         self.clock = clock or Clock()
         self.site_clock = Clock()
@@ -131,14 +133,15 @@ class World:
         self.facade = make_facade(self.engine, clock=self.clock, agent=self.agent,
                              emitter=self.emitter, run_id="0123456789abcdef",
                              random=lambda: 0.5, bounds=Bounds(response_timeout=response_timeout),
-                             reservations=self.reservations, recorder=recorder)
+                             reservations=self.reservations, recorder=recorder,
+                             scheduling=scheduling, queue_depth=queue_depth)
         self.site = facade_site(self.facade, reactor=self.site_clock)
         self.factory = DemuxFactory(self.site, lan=lan)
 
     def add(self, node_id: str, models=("llama3:latest",), addresses=("10.0.0.1",),
-            port: int = 11434, manual: bool = True):
+            port: int = 11434, manual: bool = True, **extra):
         node = make_node(self.engine, id=node_id, port=port, addresses=list(addresses),
-                         models=models, source="manual" if manual else "discovered")
+                         models=models, source="manual" if manual else "discovered", **extra)
         if manual:
             self.facade.router.put_manual(node)
         else:
