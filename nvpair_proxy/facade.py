@@ -101,11 +101,14 @@ def make_facade(engine: Engine, *, clock: IReactorTime, agent: IAgent, emitter: 
     """
     if activity is None:
         activity = ActivityThrottle(emitter, clock.seconds)
+    queue = None
+    if queue_depth is not None:
+        waited = None if recorder is None else (
+            lambda waiter, seconds: recorder.queue_left(engine.id, seconds))
+        queue = SlotQueue(clock, queue_depth, on_leave=waited)
     return Facade(engine=engine,
                   router=Router(engine=engine, clock=clock, reservations=reservations,
-                                scheduling=scheduling,
-                                queue=None if queue_depth is None else SlotQueue(clock,
-                                                                                 queue_depth)),
+                                scheduling=scheduling, queue=queue),
                   reporter=Reporter(engine=engine.id, emitter=emitter, clock=clock.seconds,
                                     run_id=run_id, activity=activity, recorder=recorder),
                   upstreams=Upstreams(clock=clock, agent=agent, random=random, bounds=bounds,

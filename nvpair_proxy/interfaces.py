@@ -150,6 +150,10 @@ class IRequestRecorder(Interface):
     def dispatch_ended(engine: str, outcome) -> None:
         """One dispatch of the facade ``engine`` ended: ``Committed`` or ``Failed``."""
 
+    def queue_left(engine: str, waited: float) -> None:
+        """A request left the facade ``engine``'s queue after ``waited`` seconds (late
+        binding): dispatched, at its deadline, or gone."""
+
 
 class IStatusSource(Interface):
     """What the admin listener reads of the process: the service tree in a real process, a

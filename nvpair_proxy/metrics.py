@@ -77,6 +77,8 @@ class ProxyCollector(Collector):
                          ["engine", "node"], recorder.ttfb)
         yield _histogram("request_duration_seconds", "Time from admission to the end.",
                          ["engine", "route"], recorder.duration)
+        yield _histogram("queue_wait_seconds", "Time a request waited in the queue for a free "
+                         "slot (standalone late binding).", ["engine"], recorder.queue_wait)
         yield _counter("prompt_tokens", "Prompt tokens the engines reported.",
                        ["engine", "node"], recorder.prompt_tokens)
         yield _counter("generated_tokens", "Generated tokens the engines reported.",
@@ -98,6 +100,19 @@ class ProxyCollector(Collector):
                      {engine: len(r.held) for engine, r in routing.items()})
         yield _gauge("nodes_cooling", "Nodes cooling after a first-content stall (issue 8).",
                      ["engine"], {engine: len(r.cooling) for engine, r in routing.items()})
+        yield _gauge("queue_depth", "Requests waiting in the queue for a free slot "
+                     "(standalone late binding).", ["engine"],
+                     {engine: r.queued for engine, r in routing.items()})
+        slots = {}
+        for engine, r in routing.items():
+            for report in r.engines:
+                if report.node in fleet:
+                    slots[engine, report.node, "busy"] = report.busy
+                    if report.slots_total is not None:
+                        slots[engine, report.node, "total"] = report.slots_total
+        yield _gauge("node_slots", "A node's slots as standalone placement counts them: busy "
+                     "(ours or its engine's report, the larger) and total (when known).",
+                     ["engine", "node", "state"], slots)
         per_node = {key: count for key, count in in_flight_per_node(snapshot).items()
                     if key[1] in fleet}
         yield _gauge("node_requests_in_flight", "Requests in flight on a node.",

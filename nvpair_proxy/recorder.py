@@ -41,6 +41,8 @@ REASONS = LABELS
 # Seconds. First body byte: from a local engine's first token to a cold model load.
 TTFB_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 # Whole requests: up to the response cap (30 min).
+# Waiting in the queue for a free slot (late binding): up to the job deadline (10 min).
+QUEUE_WAIT_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
                     600.0, 1800.0)
 
@@ -93,6 +95,7 @@ class Recorder:
         self.completion_tokens: Counter = Counter()  # (engine, node)
         self.ttfb: dict[tuple[str, str], Histogram] = {}      # (engine, node)
         self.duration: dict[tuple[str, str], Histogram] = {}  # (engine, route)
+        self.queue_wait: dict[tuple[str], Histogram] = {}     # (engine,)
         self.last_request: dict[str, float] = {}  # node -> when a request on it last ended
         self.recent: deque[RequestEnded] = deque(maxlen=recent)
 
@@ -118,6 +121,9 @@ class Recorder:
         if ended.model is not None and len(ended.model) > MODEL_SHOWN:
             ended = attrs.evolve(ended, model=ended.model[:MODEL_SHOWN] + "…")
         self.recent.append(ended)
+
+    def queue_left(self, engine: str, waited: float) -> None:
+        self._histogram(self.queue_wait, (engine,), QUEUE_WAIT_BUCKETS).observe(waited)
 
     def dispatch_ended(self, engine: str, outcome) -> None:
         result = COMMITTED if isinstance(outcome, Committed) else DISPATCH_RESULTS[outcome.kind]

@@ -19,7 +19,7 @@ from .events import ms
 from .interfaces import IStatusSource
 from .recorder import Recorder
 from .selfcheck import self_reason
-from .views import FacadeView, InFlightView, ProcessSnapshot, RoutingView
+from .views import EngineView, FacadeView, InFlightView, ProcessSnapshot, RoutingView
 
 STATUS_SCHEMA = 1
 
@@ -96,6 +96,9 @@ def engine_status(facade: FacadeView, recorder: Recorder) -> dict:
         "nodes": len(routing.routable), "in_flight": len(facade.in_flight),
         "waiting_for_owner": waiting_for_owner(facade),
         "held": list(routing.held), "cooling": list(routing.cooling),
+        # Standalone late binding: the requests waiting for a free slot, the longest wait.
+        "queued": routing.queued,
+        "oldest_wait_s": None if routing.oldest_wait is None else round(routing.oldest_wait, 3),
         "requests": _by(recorder.requests, engine, 2),
         "reasons": _by(recorder.reasons, engine, 1),
         "dispatches": _by(recorder.dispatches, engine, 2),
@@ -116,6 +119,7 @@ def nodes_status(view: ProcessView, snapshot: ProcessSnapshot) -> list[dict]:
     for facade in snapshot.facades:
         engine, routing = facade.engine, facade.routing
         held, cooling, routable = set(routing.held), set(routing.cooling), set(routing.routable)
+        reports = {report.node: report for report in routing.engines}
         for node in routing.nodes:
             entry = nodes.setdefault(node.id, {
                 "id": node.id, "name": node.name, "addresses": [], "engines": [],
@@ -133,8 +137,21 @@ def nodes_status(view: ProcessView, snapshot: ProcessSnapshot) -> list[dict]:
             shown = {"engine": engine, "port": node.port, "models": models, "state": state}
             if state == "excluded":
                 shown["excluded"] = self_reason(engine, node.port)
+            report = reports.get(node.id)
+            if report is not None:
+                shown["engine_report"] = engine_report(report)
             entry["engines"].append(shown)
     return [nodes[node_id] for node_id in sorted(nodes)]
+
+
+def engine_report(report: EngineView) -> dict:
+    """What a node's engine said (standalone placement): slots as placement counts them
+    (``busy`` the larger of ``ours`` and ``reported_busy``), the warm models, and how long
+    ago the engine was last read; None where it did not say."""
+    return {"slots_total": report.slots_total, "slots_busy": report.busy,
+            "ours": report.ours, "reported_busy": report.reported_busy,
+            "warm": None if report.warm is None else list(report.warm),
+            "read_age_s": None if report.read_age is None else round(report.read_age, 3)}
 
 
 def recent_status(recorder: Recorder) -> list[dict]:

@@ -381,7 +381,7 @@ class ReasonTests(WorldTestCase):
                    if line.startswith("| `nvpair_proxy_request_errors_total`"))
         named = set(re.findall(r"`([a-z_]+)`", row.split("`reason`", 1)[1]))
         self.assertEqual(named, set(REASONS))
-        self.assertEqual(len(REASONS), 26)
+        self.assertEqual(len(REASONS), 27)
 
 
 class StatusTests(WorldTestCase):
@@ -400,8 +400,8 @@ class StatusTests(WorldTestCase):
         engine, = document["engines"]
         self.assertEqual(set(engine), {
             "engine", "port", "pin", "nodes", "in_flight", "waiting_for_owner", "held",
-            "cooling", "requests", "reasons", "dispatches", "failovers", "prompt_tokens",
-            "completion_tokens", "slots"})
+            "cooling", "queued", "oldest_wait_s", "requests", "reasons", "dispatches",
+            "failovers", "prompt_tokens", "completion_tokens", "slots"})
         self.assertEqual((engine["engine"], engine["port"], engine["requests"],
                           engine["dispatches"], engine["slots"]),
                          ("ollama", 11435, {"completed": 1}, {"committed": 1}, None))
@@ -449,7 +449,7 @@ class StatusTests(WorldTestCase):
             "engines": [{
                 "engine": "ollama", "port": 11435, "pin": "a", "nodes": 3, "in_flight": 2,
                 "waiting_for_owner": 0, "held": ["b"], "cooling": ["c"],
-                "requests": {"completed": 1}, "reasons": {}, "dispatches": {"committed": 2},
+                "queued": 0, "oldest_wait_s": None, "requests": {"completed": 1}, "reasons": {}, "dispatches": {"committed": 2},
                 "failovers": 0, "prompt_tokens": 3, "completion_tokens": 2, "slots": None}],
             "nodes": [
                 {"id": "a", "name": "a", "addresses": ["10.0.0.1", "10.0.1.1"],
@@ -746,3 +746,47 @@ class TreeTests(SynchronousTestCase):
         # A backend named without slots clears them, as nodes/list shows.
         call("ollama:node/set-local-backend", {"engine": "ollama", "port": 11434})
         self.assertIsNone(status(admin.view)["engines"][0]["slots"])
+
+
+class SchedulerStatusTests(WorldTestCase):
+    """Standalone placement on /status and /metrics: the queue per facade, each node's slots
+    and warm models as its engine reported them, and how long requests waited."""
+
+    def test_the_queue_and_each_engines_report_show_on_status_and_metrics(self):
+        from nvpair_proxy.enginetruth import EngineTruth, Slots
+        recorder = Recorder()
+        w = self.world(recorder=recorder, scheduling=True, queue_depth=10)
+        w.add("a", addresses=("10.0.0.1",))
+        w.add("b", addresses=("10.0.0.2",))
+        w.facade.router.set_truth("a", EngineTruth(read_at=0, slots=Slots(1, 0),
+                                                   warm=frozenset({"llama3:latest"})))
+        w.facade.router.set_truth("b", EngineTruth(read_at=0, slots=Slots(2, 2)))
+        first = w.chat()
+        stream = w.agent.last.respond(200, NDJSON)
+        waiting = w.chat()
+        w.clock.advance(2)
+        view = view_of(w, recorder)
+        document = json.loads(admin_get(view, "/status").body)
+        engine, = document["engines"]
+        self.assertEqual((engine["queued"], engine["oldest_wait_s"]), (1, 2.0))
+        reports = {node["id"]: node["engines"][0]["engine_report"] for node in document["nodes"]}
+        self.assertEqual(reports["a"], {"slots_total": 1, "slots_busy": 1, "ours": 1,
+                                        "reported_busy": 0, "warm": ["llama3:latest"],
+                                        "read_age_s": 2.0})
+        self.assertEqual(reports["b"], {"slots_total": 2, "slots_busy": 2, "ours": 0,
+                                        "reported_busy": 2, "warm": None, "read_age_s": 2.0})
+        samples = scraped(view)
+        self.assertEqual(total(samples, "nvpair_proxy_queue_depth", engine="ollama"), 1)
+        self.assertEqual(by_labels(samples, "nvpair_proxy_node_slots", "node", "state"),
+                         Counter({("a", "busy"): 1, ("a", "total"): 1, ("b", "busy"): 2,
+                                  ("b", "total"): 2}))
+        stream.write(b'{"done":true}\n')
+        stream.finish()
+        w.clock.advance(0)
+        w.agent.last.respond(200, NDJSON, b'{"done":true}\n', finish=True)
+        self.assertEqual((first.response().status, waiting.response().status), (200, 200))
+        samples = scraped(view)
+        self.assertEqual(total(samples, "nvpair_proxy_queue_wait_seconds_count"), 1)
+        self.assertEqual(total(samples, "nvpair_proxy_queue_wait_seconds_bucket", le="1.0"), 0)
+        self.assertEqual(total(samples, "nvpair_proxy_queue_wait_seconds_bucket", le="2.5"), 1)
+        self.assertEqual(total(samples, "nvpair_proxy_queue_depth"), 0)
