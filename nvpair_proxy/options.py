@@ -220,13 +220,11 @@ class Options(usage.Options):
         if self["ipc"] is not None and facades:
             raise ValueError("--ipc is for broker mode; it cannot be combined with --engine")
         api_keys, api_keys_file, allowed_cidrs = self._lan_keys(state_dir)
-        try:
-            queue_depth = int(self["queue-depth"])
-        except ValueError:
-            queue_depth = 0
-        if queue_depth < 1 or not str(self["queue-depth"]).strip().isdigit():
+        depth = str(self["queue-depth"]).strip()
+        if not depth.isdigit() or int(depth) < 1:
             raise ValueError(f"--queue-depth must be a whole number of at least 1 "
                              f"(got {self['queue-depth']!r})")
+        queue_depth = int(depth)
         return Config(engines=self.engines, log_level=level, log_format=self["log-format"],
                       access_log=bool(self["access-log"]), response_timeout=response_timeout,
                       stream_idle=stream_idle, upstream_keepalive=keepalive,

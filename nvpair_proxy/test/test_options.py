@@ -336,3 +336,24 @@ class LanKeyOptionsTests(OptionsCase):
                       self.refused("--allowed-cidrs", "10.0.0.0/33"))
         self.environ["NVPAIR_PROXY_ALLOWED_CIDRS"] = "lan"
         self.assertIn("NVPAIR_PROXY_ALLOWED_CIDRS", self.refused())
+
+
+class SchedulerFlagTests(SynchronousTestCase):
+    """Late binding is on by default in standalone mode; --queue-depth bounds it."""
+
+    def config(self, *args: str):
+        options = Options()
+        options.parseOptions(["--engine", "ollama", *args])
+        return options.config
+
+    def test_defaults_and_flags(self) -> None:
+        self.assertEqual((self.config().late_binding, self.config().queue_depth), (True, 1000))
+        self.assertFalse(self.config("--no-late-binding").late_binding)
+        self.assertEqual(self.config("--queue-depth", "3").queue_depth, 3)
+
+    def test_a_bad_queue_depth_stops_start_up_with_one_line(self) -> None:
+        for bad in ("0", "-1", "x", "2.5"):
+            with self.assertRaises(SystemExit) as raised:
+                self.config("--queue-depth", bad)
+            self.assertEqual(str(raised.exception), "nvpair-proxy: --queue-depth must be a "
+                             f"whole number of at least 1 (got {bad!r})")

@@ -254,9 +254,14 @@ class TreeTests(SynchronousTestCase):
     def test_no_late_binding_leaves_the_queue_out_and_queue_depth_sets_it(self):
         reactor = MemoryReactorClock()
         off = standalone_tree(parsed("--engine", "ollama:1300", "--no-late-binding"), reactor)
-        deep = standalone_tree(parsed("--engine", "ollama:1300", "--queue-depth", "7"), reactor)
-        router_of = lambda root: root.getServiceNamed("facades")["ollama"].facade.router
-        self.assertEqual((router_of(off).scheduling, router_of(off).queue), (True, None))
+        deep = standalone_tree(parsed("--engine", "ollama:1301", "--queue-depth", "7"), reactor)
+
+        def router_of(root):
+            root.privilegedStartService()
+            return root.getServiceNamed("facades")["ollama"].facade.router
+
+        router = router_of(off)
+        self.assertEqual((router.scheduling, router.queue), (True, None))
         self.assertEqual(router_of(deep).queue.depth, 7)
 
     def test_the_keepalive_flag_reaches_every_upstream_client(self):
