@@ -1,5 +1,5 @@
-"""The admin listener (``--admin HOST:PORT``, issue 12): ``/metrics``, ``/status``, ``/healthz``
-and the status page at ``/``, on a loopback address only.
+"""The admin listener (``--admin HOST:PORT``, docs/references.md#admin-listener): ``/metrics``,
+``/status``, ``/healthz`` and the status page at ``/``, on a loopback address only.
 
 Loopback only, because what it shows (fleet addresses, models, traffic) is for the operator of
 this machine; the Host header must name a loopback address or ``localhost`` too, so a web

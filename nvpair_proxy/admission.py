@@ -1,7 +1,8 @@
-"""Broker mode: how a discovered node is reached, or that it is not (spec 7, protocol 6).
+"""Broker mode: how a discovered node is reached, or that it is not
+(docs/references.md#listener-personalities, #peer-transport).
 
 The self node is reached through the local backend the broker named, whether it came in a
-snapshot or by ``add-manual`` (protocol 3: self by address, for every candidate); a peer only
+snapshot or by ``add-manual`` (docs/references.md#self-by-address); a peer only
 over pinned mutual TLS, and only while this node is a cluster member; any other manual node as
 written. Standalone mode admits every node but self as written, so it installs none of this.
 """
@@ -17,7 +18,8 @@ from twisted.web.iweb import IAgent
 from .discovery import Node
 from .trust import ClusterDirectory, PeerAgents
 
-# Pins are re-derived per request (spec 7); one stat pass serves a burst of resolutions.
+# Pins are re-derived per request (docs/references.md#pins-per-request); one stat pass serves a
+# burst of resolutions.
 TRUST_RECHECK = 0.1
 
 LocalBackend = Callable[[], "tuple[str, int] | None"]
@@ -33,7 +35,7 @@ class Admission:
     checked_at: float = float("-inf")
     # The node as admitted, per discovered node and what decided it (the backend, or that a
     # pin exists): the decision is made at every call, the admitted copy made once
-    # (issue 10: a copy per request re-parsed its addresses).
+    # (docs/references.md#bare-proxy-cpu: a copy per request re-parsed its addresses).
     _made: dict = attrs.field(factory=dict, init=False, repr=False)
 
     def __call__(self, node: Node) -> Node | None:
@@ -66,8 +68,9 @@ class Admission:
         return admitted
 
     def _recheck(self, directory: ClusterDirectory) -> None:
-        """A pin that appeared or vanished counts at once, not only on the 2 s watch (spec 7);
-        throttled so a burst of resolutions costs one stat pass."""
+        """A pin that appeared or vanished counts at once, not only on the 2 s watch
+        (docs/references.md#pins-per-request); throttled so a burst of resolutions costs one stat
+        pass."""
         now = self.clock.seconds()
         if now - self.checked_at >= TRUST_RECHECK:
             self.checked_at = now

@@ -1,4 +1,5 @@
-"""Loopback alias addresses for an engine with an inherited host variable (spec 7, protocol 3).
+"""Loopback alias addresses for an engine with an inherited host variable
+(docs/references.md#host-aliases).
 
 Clients already pointed at ``OLLAMA_HOST`` reach the same routing path through an alias.
 Only literal loopback addresses qualify, at most one per family, all on one port: an alias is

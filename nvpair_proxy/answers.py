@@ -1,4 +1,5 @@
-"""The HTTP answers the proxy generates itself (protocol 5), byte for byte in one place."""
+"""The HTTP answers the proxy generates itself (docs/references.md#proxy-answers), byte for byte in
+one place."""
 
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ SHUTTING_DOWN = "the proxy is shutting down"
 NO_PREFLIGHT_ANSWER = "no engine answered the preflight"
 LOOPBACK_ONLY = ("loopback-only", "plaintext requests are accepted only from loopback; "
                  "cluster peers must use the mTLS ingress")
-# Opt-in LAN keys (issue 11): the allowlist refusal, and the missing or wrong key.
+# Opt-in LAN keys (docs/references.md#lan-keys): the allowlist refusal, and the missing or wrong
+# key.
 SOURCE_NOT_ALLOWED = ("source-not-allowed", "this source address is not allowed to use "
                       "this proxy")
 UNAUTHORIZED = ("unauthorized", "a valid API key is required for non-loopback requests; "
@@ -33,7 +35,7 @@ CLUSTER_AUTH = ("cluster-auth", "client certificate is not a pinned member of th
 NO_LOCAL_BACKEND = "no-local-backend"
 # A request that already passed through this process (its own token in Via, loopguard.py).
 FORWARDING_LOOP = "forwarding loop: this request already passed through this proxy"
-# The identity probe's 409 (protocol 5): this text, then the engine's id.
+# The identity probe's 409 (docs/references.md#identity-probe): this text, then the engine's id.
 FACADE_FOR = "this port is the nvpair-proxy facade for "
 
 class Reason(enum.Enum):
@@ -60,7 +62,7 @@ class Reason(enum.Enum):
     INVENTORY_UNAVAILABLE = (INVENTORY_UNAVAILABLE, "inventory_unavailable")
     ORIGIN_DENIED = (ORIGIN_DENIED, "origin_denied")
     NO_PREFLIGHT_ANSWER = (NO_PREFLIGHT_ANSWER, "no_preflight_answer")
-    # Routing and dispatch (protocol 5's texts).
+    # Routing and dispatch (docs/references.md#proxy-answers).
     NO_OWNER = ("no available node advertises the requested model", "no_owner")
     NO_CANDIDATE = ("no active node selected or available", "no_candidate")
     ALL_OWNERS_BUSY = ("every node advertising the requested model is busy; retry shortly",
@@ -77,7 +79,7 @@ class Reason(enum.Enum):
                   "budget", "no_content")
     TRANSPORT = ("upstream error: ", "transport")
     UPSTREAM_STATUS = ("upstream returned HTTP ", "upstream_status")
-    # How a request in flight ended without an answer of its own (protocol 4's texts).
+    # How a request in flight ended without an answer of its own (docs/references.md#end-texts).
     CLIENT_GONE = ("client disconnected before completion", "client_gone")
     SHUTDOWN = ("request cancelled before completion", "shutdown")
     BACKSTOP = ("request handler exited before completion", "internal")
@@ -116,9 +118,9 @@ def send_error(request: Request, status: int, text: str, *, code: str | None = N
                retry_after: int = 0, headers: Headers | None = None) -> None:
     """Answer ``{"error": text}`` and finish.
 
-    A proxy error grants no CORS permission of its own (spec 5.8): ``headers`` carries only
-    what the engines themselves said (the combined permission of an invalid inventory, the
-    policy of the engine that refused an origin).
+    A proxy error grants no CORS permission of its own (docs/references.md#browser-policy):
+    ``headers`` carries only what the engines themselves said (the combined permission of an invalid
+    inventory, the policy of the engine that refused an origin).
     """
     body = error_body(text, code)
     # twisted.web knows no phrase for 508 (RFC 5842): without one the line says "Unknown Status".
@@ -154,10 +156,11 @@ def send_whole(request: Request, status: int, headers: Headers, body: bytes,
 
 
 def answer_internal_error(request: Request) -> None:
-    """Spec 3.2: 500 when nothing was sent yet; otherwise drop the connection, so the client
-    sees a broken response rather than a complete-looking one. ``request`` is a
-    ``server.BoundedRequest``: ``client_gone`` says the client already left (notifyFinish).
-    Typed as the Request it extends: server.py builds on this module, not the other way."""
+    """500 when nothing was sent yet; otherwise drop the connection, so the client sees a broken
+    response rather than a complete-looking one (docs/references.md#request-containment).
+    ``request`` is a ``server.BoundedRequest``: ``client_gone`` says the client already left
+    (notifyFinish). Typed as the Request it extends: server.py builds on this module, not the
+    other way."""
     if (not request.startedWriting and not request.finished
             and not request.client_gone):  # type: ignore[attr-defined]
         send_error(request, 500, "internal error")

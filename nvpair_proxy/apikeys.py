@@ -1,4 +1,4 @@
-"""Opt-in API keys for plaintext clients on the LAN (issue 11, protocol 5).
+"""Opt-in API keys for plaintext clients on the LAN (docs/references.md#lan-keys).
 
 Without keys the listener serves plaintext to loopback only. With keys, a LAN client that
 presents one (``Authorization: Bearer <key>`` or ``X-Api-Key: <key>``) is served as if it came
@@ -215,7 +215,8 @@ def parse_cidrs(text: str) -> list[ipaddress.IPv4Network | ipaddress.IPv6Network
 
 @attrs.define(eq=False)
 class LanGate:
-    """The decision for one plaintext request from a non-loopback peer (issue 11).
+    """The decision for one plaintext request from a non-loopback peer
+    (docs/references.md#lan-keys).
 
     The listener asks ``decide``; on SERVE it removes the credential headers (``admit``)
     and serves the request as it serves loopback. Failures are counted per source and a

@@ -1,4 +1,5 @@
-"""One dispatch to one node, as an explicit state machine (spec 5.2, 5.3).
+"""One dispatch to one node, as an explicit state machine (docs/references.md#first-byte-commit,
+#commit-cancel-claim).
 
 dialing -> peeking -> committed, or -> failed / cancelled. The state field is the single
 claim that decides commit versus cancel: the first transition out of ``dialing`` or
@@ -41,7 +42,8 @@ class State(enum.Enum):
 DIALING, PEEKING, COMMITTED, FAILED, CANCELLED = State
 
 # Every move an attempt can make; the three outcomes are final. Commit versus cancel is
-# decided by whichever leaves DIALING/PEEKING first (spec 5.3): the other finds no way out.
+# decided by whichever leaves DIALING/PEEKING first (docs/references.md#commit-cancel-claim): the
+# other finds no way out.
 TRANSITIONS: dict[State, frozenset[State]] = {
     DIALING: frozenset({PEEKING, COMMITTED, FAILED, CANCELLED}),
     PEEKING: frozenset({COMMITTED, FAILED, CANCELLED}),
@@ -57,7 +59,8 @@ class InvalidTransition(RuntimeError):
 # Failure kinds of an attempt that did not commit.
 STATUS, TRANSPORT, NO_CONTENT, ATTEMPT_CANCELLED = "status", "transport", "no-content", "cancelled"
 
-# Failures while connecting mean "try the node's next address" (design decision 4).
+# Failures while connecting mean "try the node's next address"
+# (docs/references.md#multi-homed-dial).
 _DIAL_ERRORS = (ierror.ConnectError, ierror.TimeoutError, ierror.DNSLookupError)
 
 # A failed-over response with a known body at most this long is read out so its connection
@@ -75,11 +78,14 @@ class UpstreamRequest:
     target: bytes
     headers: Headers
     body: bytes
-    #: A 2xx waits for its first body byte (spec 5.2); every other answer commits on headers.
+    #: A 2xx waits for its first body byte (docs/references.md#first-byte-commit); every other
+    #: answer commits on headers.
     inference: bool
-    #: Which statuses another node may fix (spec 5.4), unless the dispatch is the final one.
+    #: Which statuses another node may fix (docs/references.md#status-handling), unless the dispatch
+    #: is the final one.
     retryable: Callable[[int], bool]
-    #: The header cap, then the first-content cap (spec 5.1); 0 disables both.
+    #: The header cap, then the first-content cap (docs/references.md#attempt-caps); 0 disables
+    #: both.
     response_timeout: float
 
 
@@ -107,12 +113,13 @@ class Failed:
     reason: str
     status: int | None = None
     #: The attempt ran out its header or first-content cap: the node took a whole budget
-    #: and gave nothing for it (issue 8's stall cooldown).
+    #: and gave nothing for it (docs/decisions.md#stall-cooldown).
     spent: bool = False
 
 
 class AddressMemory:
-    """The address of each node that last answered, tried first next time (design 4)."""
+    """The address of each node that last answered, tried first next time
+    (docs/references.md#multi-homed-dial)."""
 
     def __init__(self) -> None:
         self._answered: dict[str, str] = {}
@@ -182,9 +189,11 @@ def origin_of(scheme: str, address: str, port: int) -> bytes:
 class Attempt:
     """One dispatch: dial the node's addresses, wait for headers, peek the first body byte.
 
-    ``request.inference`` makes a 2xx wait for its first body byte (spec 5.2); every other
-    answer commits on its headers (design decision 3). ``final``, the dispatch's question asked
-    when the answer arrives, says this answer is the client's whatever its status (spec 5.4).
+    ``request.inference`` makes a 2xx wait for its first body byte
+    (docs/references.md#first-byte-commit); every other answer commits on its headers
+    (docs/references.md#commit-on-headers). ``final``, the dispatch's question asked when the answer
+    arrives, says this answer is the client's whatever its status
+    (docs/references.md#final-attempt-answers).
     """
 
     def __init__(self, *, agent: IAgent, clock: IReactorTime, addresses: AddressMemory,
@@ -209,7 +218,7 @@ class Attempt:
 
         A plain callback, not a Deferred: the attempt is internal plumbing between the loop
         and one dispatch, and a Deferred per attempt was a measurable share of a request's
-        CPU (issue 10).
+        CPU (docs/references.md#bare-proxy-cpu).
         """
         self._on_end = on_end
         self._pending_addresses = self.addresses.order(self.node)
@@ -259,8 +268,8 @@ class Attempt:
         if self.request.inference and 200 <= status < 300:
             self._enter(PEEKING)
             if self._timer is not None and self._timer.active():
-                # The first-content cap starts with the headers (spec 5.1): the header cap's
-                # timer moves rather than a second one being made.
+                # The first-content cap starts with the headers (docs/references.md#attempt-caps):
+                # the header cap's timer moves rather than a second one being made.
                 self._timer.reset(self.response_timeout)
             response.deliverBody(relay)
             return
@@ -322,7 +331,8 @@ def _not_started(outcome: Committed | Failed) -> None:
 
 
 def _reason(failure: Failure) -> str:
-    """Short, body-free text for an upstream failure (spec 9: operational detail only)."""
+    """Short, body-free text for an upstream failure (docs/references.md#no-content-logging:
+    operational detail only)."""
     tls = tls_problem(failure)
     if tls is not None:
         return f"TLS: {tls}"

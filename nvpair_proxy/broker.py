@@ -1,10 +1,11 @@
-"""The broker's methods (protocol 2 and 3): addressing, validation, answers, notifications.
+"""The broker's methods (docs/references.md#rpc-addressing, #broker-methods): addressing,
+validation, answers, notifications.
 
 Each facade-scoped method names its engine (``ollama:nodes/list``), because one process hosts
-every facade (spec 4); an unaddressed one resolves to no facade rather than guessing. The
-notifications a method causes go out before its answer (design decision 8). Binding and
-running a facade is ``facadeservice.py``'s; how a discovered node is reached is
-``admission.py``'s.
+every facade (docs/references.md#facade-addressing); an unaddressed one resolves to no facade rather
+than guessing. The notifications a method causes go out before its answer
+(docs/references.md#notifications-before-answer). Binding and running a facade is
+``facadeservice.py``'s; how a discovered node is reached is ``admission.py``'s.
 """
 
 from __future__ import annotations
@@ -59,8 +60,9 @@ class Running:
         return self.service.facade
 
     def backend(self) -> tuple[str, int] | None:
-        """The local backend, unless it points at this facade itself (protocol 3): the
-        ingress and the self node would then send requests back to us."""
+        """The local backend, unless it points at this facade itself
+        (docs/references.md#self-by-address): the ingress and the self node would then send requests
+        back to us."""
         backend = self.local_backend
         if backend is None or self._service is None or backend[1] in self._service.own_ports():
             return None
@@ -105,7 +107,7 @@ class Broker:
                         "node/set-local-backend": self.set_local_backend,
                         "node/model-owners": self.model_owners}
 
-    # Addressing (protocol 2).
+    # Addressing (docs/references.md#rpc-addressing).
 
     def dispatch(self, method: str, params: Any) -> Any:
         engine_id, sep, bare = method.partition(":")
@@ -386,7 +388,7 @@ class Broker:
         return {"nodes": facade.router.model_owners(facade.engine.normalize_model(model))}
 
 
-# protocol 3: the order the unknown-engine message lists them in.
+# The order the unknown-engine message lists them in (docs/references.md#engine-order).
 ENGINE_ORDER = ("ollama", "lmstudio", "llamacpp")
 
 

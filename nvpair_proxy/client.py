@@ -1,11 +1,12 @@
 """The proxy's HTTP/1.1 client for engines and peers: an ``IAgent`` with its own keep-alive pool.
 
 Why not ``twisted.web.client.Agent``, which twisted-notes recommends and which served until
-issue 10: in a profile of a proxied JSON request (``bench/overhead``, C=16) Agent's own
-per-request machinery was about a third of the proxy's CPU, and its response parser another
-tenth: the URI parsed through ``urllib``, a fresh endpoint per request with the host
-IDNA-encoded, a chain of Deferreds, a timer per idle connection, and a head read line by line
-through a state dispatcher. This client does the same job for what engines and peers speak:
+the CPU work (docs/references.md#bare-proxy-cpu): in a profile of a proxied JSON request
+(``bench/overhead``, C=16) Agent's own per-request machinery was about a third of the proxy's CPU,
+and its response parser another tenth: the URI parsed through ``urllib``, a fresh endpoint per
+request with the host IDNA-encoded, a chain of Deferreds, a timer per idle connection, and a head
+read line by line through a state dispatcher. This client does the same job for what engines and
+peers speak:
 
 - an endpoint per origin, made once (TLS through the same ``IPolicyForHTTPS`` Agent takes,
   asked at every new connection; TCP keepalive on every connection, ``KeepAliveEndpoint``);

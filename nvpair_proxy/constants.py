@@ -3,7 +3,7 @@
 spec = ../shared/spec/engine-proxy.md, protocol = ../shared/protocol.md.
 """
 
-# spec 5.1, protocol 7: retry bounds.
+# Retry bounds (docs/references.md#retry-bounds, #attempt-caps).
 MAX_DISPATCH_ATTEMPTS = 5
 JOB_DEADLINE = 600.0
 DIAL_TIMEOUT = 10.0
@@ -15,46 +15,50 @@ UPSTREAM_KEEPALIVE = 15.0
 UPSTREAM_KEEPALIVE_PROBES = 4
 DEFAULT_RESPONSE_TIMEOUT = 30 * 60.0
 
-# protocol 7: backoff by dispatches so far (last repeating), with +-25% jitter.
+# Backoff by dispatches so far (last repeating), with +-25% jitter
+# (docs/references.md#backoff-schedule).
 BACKOFF_SCHEDULE = (1.0, 2.0, 4.0, 8.0)
 BACKOFF_JITTER = 0.25
 
-# spec 5.3, protocol 7: how often an attempt checks its target is still in discovery.
+# How often an attempt checks its target is still in discovery
+# (docs/references.md#discovery-check).
 TARGET_WATCH_INTERVAL = 0.5
 
-# protocol 7: a client that stops taking data for this long is gone (cancelled).
+# A client that stops taking data for this long is gone, cancelled
+# (docs/references.md#dead-client-deadline).
 DEAD_CLIENT_WRITE_DEADLINE = 30.0
 
-# protocol 5, 7: request body limit (exactly this much is accepted).
+# Request body limit, exactly this much is accepted (docs/references.md#body-limit).
 MAX_REQUEST_BODY = 32 * 1024 * 1024
 
-# protocol 7: model-list fan-out.
+# Model-list fan-out (docs/references.md#fan-out-limits).
 MODEL_LIST_TIMEOUT = 10.0
 MODEL_LIST_MAX_BODY = 16 * 1024 * 1024
 
-# protocol 7: preflight fan-out (spec 5.8).
+# Preflight fan-out (docs/references.md#fan-out-limits, #browser-policy).
 PREFLIGHT_WIDTH = 8
 PREFLIGHT_TIMEOUT = 10.0
 PREFLIGHT_MAX_AGE = 60
 
-# protocol 7: servers and pool.
+# Servers and pool (docs/references.md#server-timeouts).
 SERVER_HEADER_READ_TIMEOUT = 10.0
 SERVER_IDLE_TIMEOUT = 90.0
 POOL_IDLE_TIMEOUT = 90.0
 FACADE_SHUTDOWN_GRACE = 3.0
 
-# protocol 4, 7: node/activity throttle per node.
+# node/activity throttle per node (docs/references.md#node-activity).
 ACTIVITY_INTERVAL = 2.0
 
-# design 8.15: standalone nodes-file check and inventory probe periods.
+# Standalone nodes-file check and inventory probe periods (docs/references.md#probe-periods).
 NODES_FILE_CHECK_INTERVAL = 2.0
 INVENTORY_PROBE_INTERVAL = 5.0
 
-# protocol 1: JSON-RPC line limit.
+# JSON-RPC line limit (docs/references.md#rpc-transport).
 MAX_RPC_LINE = 1024 * 1024
 
-# issue 8 (the existing proxy's overload protection): a node that answered 429/503 is held
-# this long per facade; one that spent a whole first-content budget silent goes last this long.
+# The existing proxy's overload protection (docs/decisions.md#busy-hold, #stall-cooldown): a node
+# that answered 429/503 is held this long per facade; one that spent a whole first-content budget
+# silent goes last this long.
 BUSY_HOLD = 1.0
 STALL_COOLDOWN = 30.0
 

@@ -1,4 +1,5 @@
-"""Browser policy (spec 5.8): what a browser may do through a facade that fronts many engines.
+"""Browser policy (docs/references.md#browser-policy): what a browser may do through a facade that
+fronts many engines.
 
 Each engine has its own CORS policy, and a facade must not be more permissive than any of
 them. A preflight only one engine was asked is that engine's answer, passed through
@@ -18,14 +19,15 @@ from twisted.web.http_headers import Headers
 from . import constants
 from .inventory import Reply
 
-# protocol 7: preflight fan-out.
+# Preflight fan-out (docs/references.md#fan-out-limits).
 PREFLIGHT_WIDTH = constants.PREFLIGHT_WIDTH
 PREFLIGHT_TIMEOUT = constants.PREFLIGHT_TIMEOUT
 PREFLIGHT_MAX_AGE = b"%d" % constants.PREFLIGHT_MAX_AGE
 # A preflight answer is a few headers; anything this large is not one (treated as unavailable).
 PREFLIGHT_MAX_BODY = 64 * 1024
 
-# A preflight carries no credentials, and the fleet must not receive the caller's (spec 5.8).
+# A preflight carries no credentials, and the fleet must not receive the caller's
+# (docs/references.md#browser-policy).
 PREFLIGHT_STRIPPED = (b"host", b"content-length", b"authorization", b"cookie")
 
 ALLOW_ORIGIN = b"Access-Control-Allow-Origin"

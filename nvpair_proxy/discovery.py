@@ -2,8 +2,9 @@
 
 A facade's node set is the union of discovered nodes (broker snapshots, replaced wholesale),
 manual nodes (``node/add-manual``, which survive snapshots) and, in standalone mode, the
-nodes file. Every resolution reads this set as it is now (spec 5.1 "no memory of nodes seen
-in the past"), so the set is the single source of truth for "routable right now".
+nodes file. Every resolution reads this set as it is now ("no memory of nodes seen in the past":
+docs/references.md#no-node-memory), so the set is the single source of truth for "routable right
+now".
 """
 
 from __future__ import annotations
@@ -30,8 +31,9 @@ class Node:
 
     ``models`` holds normalized model ids; None means the inventory is not known yet
     (a probed node before its first probe), which advertises nothing. ``txt`` is the
-    node's ``key=value`` strings as the broker gave them, None when it gave none (protocol 4:
-    the existing implementation's node carries a string list, never an object).
+    node's ``key=value`` strings as the broker gave them, None when it gave none
+    (docs/references.md#node-shape: the existing implementation's node carries a string list, never
+    an object).
     """
 
     id: str
@@ -62,7 +64,7 @@ class Node:
     @_dial.default
     def _dial_default(self) -> tuple[str, ...]:
         # Computed once per node, not per dispatch: parsing addresses was a measurable share
-        # of a request (issue 10).
+        # of a request (docs/references.md#bare-proxy-cpu).
         seen: set[str] = set()
         ordered: list[str] = []
         for address in sorted(self.addresses, key=lambda a: not is_loopback(a)):
@@ -72,7 +74,7 @@ class Node:
         return tuple(ordered)
 
     def describe(self) -> dict:
-        """The Node object of ``nodes/list`` and the node diffs (protocol 3, 4)."""
+        """The Node object of ``nodes/list`` and the node diffs (docs/references.md#node-shape)."""
         out: dict = {"id": self.id, "host": self.name, "port": self.port,
                      "addresses": list(self.addresses),
                      "txt": None if self.txt is None else list(self.txt)}
@@ -135,9 +137,10 @@ class NodeSet:
 
     ``admit`` decides at read time how a node is reached, or that it is not (a peer without a
     live pin, self without a local backend), so a trust change needs no new snapshot to take
-    effect (design decision 11). Every node is asked, manual ones included: a manual node can
-    be this proxy too (protocol 3). ``Node.local`` says whether a node is this facade; it is
-    stamped on as nodes enter the set and again when the facade's ports move.
+    effect (docs/references.md#routable-set). Every node is asked, manual ones included: a manual
+    node can be this proxy too (docs/references.md#self-by-address). ``Node.local`` says whether a
+    node is this facade; it is stamped on as nodes enter the set and again when the facade's ports
+    move.
     """
 
     discovered: dict[str, Node] = attrs.field(factory=dict)
@@ -148,7 +151,8 @@ class NodeSet:
     is_self: Callable[[Node], bool] = never_self
     _observers: list[Callable[[], None]] = attrs.field(factory=list)
     # The routable set, kept between changes when admission is the plain "everything" (it
-    # is then a pure function of the tables); asked several times per request (issue 10).
+    # is then a pure function of the tables); asked several times per request
+    # (docs/references.md#bare-proxy-cpu).
     _routable: dict[str, Node] | None = attrs.field(default=None, init=False)
 
     def all(self) -> list[Node]:
@@ -246,7 +250,8 @@ class NodeSet:
 
 
 def project(engine: Engine, raw: Mapping) -> Node | None:
-    """A DirectoryNode as this engine sees it, or None when it offers no route (protocol 3)."""
+    """A DirectoryNode as this engine sees it, or None when it offers no route
+    (docs/references.md#directory-node)."""
     if not isinstance(raw, Mapping):
         return None
     node_id = raw.get("hostUuid")

@@ -1,4 +1,5 @@
-"""The attempt loop: resolve, order, reserve, dispatch, fail over, back off (spec 5, 5.1, 5.4).
+"""The attempt loop: resolve, order, reserve, dispatch, fail over, back off
+(docs/references.md#request-path, #retry-bounds, #final-attempt-answers).
 
 A caller is promised a persistent, bounded attempt to *start* its request: failures before
 the first body byte are absorbed while budget remains, and the budget is two bounds that
@@ -29,7 +30,7 @@ from .router import BUSY_STATUSES
 from .slotqueue import Waiter
 from .timers import cancel_pending
 
-# Protocol 5's texts, as the reasons carry them.
+# The proxy's own answer texts (docs/references.md#proxy-answers), as the reasons carry them.
 NO_OWNER = Reason.NO_OWNER.text
 NO_CANDIDATE = Reason.NO_CANDIDATE.text
 DEADLINE_PASSED = Reason.DEADLINE_PASSED.text
@@ -41,10 +42,12 @@ NO_CONTENT_TEXT = Reason.NO_CONTENT.text
 
 @attrs.frozen
 class Bounds:
-    """Spec 5.1. ``response_timeout`` 0 disables both the header and first-content caps.
+    """The bounds of docs/references.md#retry-bounds and #attempt-caps. ``response_timeout`` 0
+    disables both the header and first-content caps.
 
-    ``stream_idle`` closes the spec's known gap (5.2) opt-in: after commit, an upstream silent
-    that long is closed; 0 (the default) keeps the spec's behaviour.
+    ``stream_idle`` closes the spec's known gap (docs/references.md#silent-upstream-gap) opt-in:
+    after commit, an upstream silent that long is closed; 0 (the default) keeps the spec's
+    behaviour.
     """
 
     max_attempts: int = constants.MAX_DISPATCH_ATTEMPTS
@@ -58,7 +61,7 @@ class Bounds:
 @attrs.define(eq=False)
 class Upstreams:
     """How one facade reaches its nodes: the agent per node (pinned TLS for peers), the
-    address that last answered, the bounds of spec 5.1, time and chance."""
+    address that last answered, the bounds of docs/references.md#retry-bounds, time and chance."""
 
     clock: IReactorTime
     agent: IAgent
@@ -77,7 +80,8 @@ class Upstreams:
 
 @attrs.frozen
 class Answer:
-    """An answer the proxy generates itself (protocol 5): nothing upstream is relayed."""
+    """An answer the proxy generates itself (docs/references.md#proxy-answers): nothing upstream is
+    relayed."""
 
     status: int
     reason: Reason
@@ -114,13 +118,14 @@ class _Silent:
 SILENT = _Silent()
 
 
-# Design 16: a loop is configuration; another node or another try cannot fix it.
+# A loop is configuration (docs/references.md#forwarding-loop); another node or another try cannot
+# fix it.
 LOOP_DETECTED = 508
 
 
 def retryable_status(inference: bool) -> Callable[[int], bool]:
-    """Spec 5.4: 408, 429 and 5xx always (but 508, a forwarding loop); 404 only where
-    inventory may be stale (inference)."""
+    """408, 429 and 5xx always (but 508, a forwarding loop); 404 only where inventory may be stale
+    (inference): docs/references.md#status-handling."""
     def retryable(status: int) -> bool:
         return (status in (408, 429) or (status >= 500 and status != LOOP_DETECTED)
                 or (inference and status == 404))
@@ -128,7 +133,7 @@ def retryable_status(inference: bool) -> Callable[[int], bool]:
 
 
 def final_answer(failure: Failed) -> Answer:
-    """The final permitted attempt answers for itself (spec 5.4)."""
+    """The final permitted attempt answers for itself (docs/references.md#final-attempt-answers)."""
     if failure.kind == NO_CONTENT:
         return Answer(504, Reason.NO_CONTENT)
     return Answer(502, Reason.TRANSPORT, failure.reason)
@@ -192,7 +197,8 @@ class Dispatch:
 
     @property
     def waiting_for_owner(self) -> bool:
-        """Backing off because no node advertises the model now (protocol 7), for status."""
+        """Backing off because no node advertises the model now
+        (docs/references.md#backoff-schedule), for status."""
         return self._owner_missing and not self._done
 
     @property
@@ -213,8 +219,9 @@ class Dispatch:
         self._guarded(self._round, candidates)
 
     def _guarded(self, step: Callable[..., None], *args: object) -> None:
-        """Run one step of the loop; a bug ends this request only (spec 3.2), never the
-        reactor's other work, and leaves no timer or attempt behind."""
+        """Run one step of the loop; a bug ends this request only
+        (docs/references.md#request-containment), never the reactor's other work, and leaves no
+        timer or attempt behind."""
         try:
             step(*args)
         except Exception:
@@ -289,9 +296,10 @@ class Dispatch:
         attempt.start(self._attempt_outcome)
 
     def is_final(self) -> bool:
-        """Whether the attempt in flight is the last this request may make (spec 5.4): its
-        answer is then the client's whatever its status. Asked when the answer arrives: for a
-        single pass the other candidates may have left meanwhile."""
+        """Whether the attempt in flight is the last this request may make
+        (docs/references.md#final-attempt-answers): its answer is then the client's whatever its
+        status. Asked when the answer arrives: for a single pass the other candidates may have left
+        meanwhile."""
         if self.inference:
             return self.dispatches >= self.bounds.max_attempts
         return not any(self.router.is_routable(n.id) for n in self._queue)
@@ -359,7 +367,8 @@ class Dispatch:
         self._finish(Answer(503, Reason.NO_FREE_SLOT, retry_after=1))
 
     def _back_off(self) -> None:
-        """Wait before the next round; also paces the wait for an owner (protocol 7)."""
+        """Wait before the next round; also paces the wait for an owner
+        (docs/references.md#backoff-schedule)."""
         if not self.inference:
             self._finish(Answer(503, Reason.EVERY_ATTEMPT_FAILED, retry_after=1))
             return

@@ -1,4 +1,4 @@
-"""How a standalone fleet reaches an engine behind TLS or a key (issue 11).
+"""How a standalone fleet reaches an engine behind TLS or a key (docs/references.md#keyed-engines).
 
 A nodes-file engine entry may say ``scheme = "https"`` (verified against the system CA store
 or its ``ca_file``, the host name checked by ``optionsForClientTLS``, which uses

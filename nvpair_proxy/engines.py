@@ -1,8 +1,8 @@
 """Engine definitions loaded from the declarative files in ``engines/``.
 
-Everything engine-specific lives in those files (spec 10): adding an engine is adding a
-file, and this loader is the only code that reads them. It validates every field and names
-the file and field on error, because a typo in a route table would otherwise surface as
+Everything engine-specific lives in those files (docs/references.md#engine-files): adding an engine
+is adding a file, and this loader is the only code that reads them. It validates every field and
+names the file and field on error, because a typo in a route table would otherwise surface as
 silently unclassified (and so unretried) traffic.
 """
 
@@ -109,7 +109,7 @@ class Engine:
         return self._table.get((method.upper(), path.split("?", 1)[0]))
 
     def normalize_model(self, name: str) -> str:
-        """The id a model is compared by (spec 5 step 1)."""
+        """The id a model is compared by (docs/references.md#owner-filter)."""
         name = name.strip()
         if self.model_rule == "implied-latest" and name:
             last = name.rsplit("/", 1)[-1]

@@ -1,4 +1,5 @@
-"""Workload lifecycle and request events (spec 5.5, protocol 4, design 6 and decision 1).
+"""Workload lifecycle and request events (docs/references.md#workload-lifecycle, #notifications,
+#terminal-frames and #events-between-rounds).
 
 Every admitted request ends in exactly one terminal event: ``terminal`` is idempotent and
 anything after it is dropped, so the many paths that can end a request (commit and stream end,
@@ -31,13 +32,14 @@ log = logger()
 
 
 def new_run_id() -> str:
-    """16 hex digits, random per process start (protocol 4)."""
+    """16 hex digits, random per process start (docs/references.md#run-id)."""
     return os.urandom(8).hex()
 
 
 @implementer(IEmitter)
 class LogEmitter:
-    """Standalone mode: events to the log at debug, one line each (design decision 20)."""
+    """Standalone mode: events to the log at debug, one line each
+    (docs/references.md#standalone-events-log)."""
 
     @property
     def listening(self) -> bool:
@@ -45,7 +47,7 @@ class LogEmitter:
 
     def notify(self, method: str, params: dict, engine: str | None = None) -> None:
         if not enabled(LogLevel.debug):
-            return  # nobody reads it: do not encode it (issue 10)
+            return  # nobody reads it: do not encode it (docs/references.md#bare-proxy-cpu)
         name = f"{engine}:{method}" if engine else method
         log.debug("event {method} {params}", method=name, params=json.dumps(params, sort_keys=True),
                   engine=engine)
@@ -125,7 +127,8 @@ class Workload:
 
 def request_started(id: str, method: str, path: str, target: str,
                     node_id: str | None = None) -> dict:
-    """``proxy/request-started`` params (protocol 4), fields in the contract's order."""
+    """``proxy/request-started`` params (docs/references.md#request-events), fields in the
+    contract's order."""
     params = {"id": id}
     if node_id:
         params["node_id"] = node_id
@@ -136,7 +139,8 @@ def request_started(id: str, method: str, path: str, target: str,
 def request_finished(id: str, method: str, path: str, target: str, status: int,
                      duration: float, node_id: str | None = None, ttfb: float | None = None,
                      error: str | None = None) -> dict:
-    """``proxy/request`` params (protocol 4); ``duration`` and ``ttfb`` in seconds."""
+    """``proxy/request`` params (docs/references.md#request-events); ``duration`` and ``ttfb`` in
+    seconds."""
     params = request_started(id, method, path, target, node_id)
     params.update({"status": status, "duration_ms": ms(duration)})
     if ttfb is not None:
@@ -147,7 +151,8 @@ def request_finished(id: str, method: str, path: str, target: str, status: int,
 
 
 class ActivityThrottle:
-    """``node/activity`` on streamed bytes, at most once per node per 2 s (protocol 4)."""
+    """``node/activity`` on streamed bytes, at most once per node per 2 s
+    (docs/references.md#node-activity)."""
 
     def __init__(self, emitter: IEmitter, clock: Callable[[], float],
                  interval: float = constants.ACTIVITY_INTERVAL) -> None:
@@ -169,7 +174,8 @@ class ActivityThrottle:
         return dict(self._last)
 
 
-# Route classes and request outcomes: the fixed vocabularies of the admin listener (issue 12).
+# Route classes and request outcomes: the fixed vocabularies of the admin listener
+# (docs/references.md#bounded-labels).
 INFERENCE, MODELS, PREFLIGHT, OTHER = "inference", "models", "preflight", "other"
 REJECTED = "rejected"
 
@@ -184,7 +190,8 @@ def route_class(route) -> str:
 @attrs.frozen
 class RequestEnded:
     """What the admin listener learns of one finished request: operational metadata only
-    (spec 9: never a prompt, a body or a credential). Times in seconds on the facade clock."""
+    (docs/references.md#no-content-logging: never a prompt, a body or a credential). Times in
+    seconds on the facade clock."""
 
     engine: str
     at: float
@@ -202,7 +209,8 @@ class RequestEnded:
 
 @attrs.define(eq=False)
 class Reporter:
-    """One facade's voice on the link: request and workload ids, and the events of protocol 4.
+    """One facade's voice on the link: request and workload ids, and the events of
+    docs/references.md#notifications.
 
     The request path holds this rather than the facade, so what a request can say is exactly
     what it reports, addressed to its engine.

@@ -1,4 +1,4 @@
-"""One client request through a facade, top to bottom as spec 5 numbers it.
+"""One client request through a facade, top to bottom (docs/references.md#request-path).
 
 admit (classify, name the model, filter to owners: none is a local 502) -> dispatch (the loop
 in dispatch.py) -> commit (status, headers, the spliced first byte) -> stream with
@@ -37,7 +37,8 @@ log = logger()
 
 
 def requested_model(body: bytes) -> str | None:
-    """The ``model`` a body names, or None (design decision 7): not JSON, not a string, empty."""
+    """The ``model`` a body names, or None (docs/references.md#no-model-named): not JSON, not a
+    string, empty."""
     try:
         data = json.loads(body)
     except (ValueError, UnicodeDecodeError, RecursionError):
@@ -74,7 +75,8 @@ ENDED = Phase.ENDED
 
 
 class InvalidPhase(RuntimeError):
-    """A move the table does not allow: a bug, contained to its request (spec 3.2)."""
+    """A move the table does not allow: a bug, contained to its request
+    (docs/references.md#request-containment)."""
 
 
 @implementer(IDispatchObserver)
@@ -126,7 +128,8 @@ class Exchange:
             return
         held = None if wanted is None else self.router.busy_for(wanted)
         if held is not None:
-            # Issue 8: engines that just said they are full get no new work for a moment.
+            # Engines that just said they are full get no new work for a moment
+            # (docs/decisions.md#busy-hold).
             self._answer(Answer(503, Reason.ALL_OWNERS_BUSY, retry_after=retry_after(held)))
             return
         if wanted is not None and self.router.refuses(candidates, wanted):
@@ -175,7 +178,7 @@ class Exchange:
             raise InvalidPhase(f"request {self.id}: {self.phase.value} -> {phase.value}")
         self.phase = phase
 
-    # Dispatch observer (workload events, spec 5.5).
+    # Dispatch observer (workload events, docs/references.md#workload-lifecycle).
 
     def dispatched(self, node: Node) -> None:
         self.target = host_port(node.addresses[0] if node.addresses else "", node.port)
@@ -221,7 +224,8 @@ class Exchange:
                        retry_after=answer.retry_after)
 
     def _commit(self, committed: Committed) -> None:
-        """Spec 5.2: the first byte (or a non-retried answer's headers) made this node ours."""
+        """The first byte (or a non-retried answer's headers) made this node ours
+        (docs/references.md#first-byte-commit)."""
         self._enter(Phase.STREAMING)
         # From here the stream owns the relay and the reservation the commit handed over: a
         # crash below still aborts the one and releases the other.
@@ -289,8 +293,9 @@ class Exchange:
     # The client side going away.
 
     def _client_stalled(self) -> None:
-        """Design 11: a client that took nothing for 30 s is gone. It is cancelled even when
-        the terminal frame was relayed: a client that stopped reading never received it."""
+        """A client that took nothing for 30 s is gone (docs/references.md#dead-client-deadline). It
+        is cancelled even when the terminal frame was relayed: a client that stopped reading never
+        received it."""
         transport = self._client_transport()
         self._stop_upstream(CLIENT_GONE)
         self._end(CANCELLED, Reason.CLIENT_GONE)
@@ -313,7 +318,7 @@ class Exchange:
         return cast("ITCPTransport | None", channel.transport if channel else None)
 
     def shutdown(self) -> None:
-        """Our own shutdown cancels in-flight requests (design decision 13)."""
+        """Our own shutdown cancels in-flight requests (docs/references.md#shutdown-cancels)."""
         if self.ended:
             return
         self._stop_upstream(SHUTDOWN)
@@ -329,7 +334,8 @@ class Exchange:
             self.stream.abort()
 
     def crashed(self, failure: Failure) -> None:
-        """Spec 3.2: a bug costs this request only: logged with its traceback, answered 500."""
+        """A bug costs this request only: logged with its traceback, answered 500
+        (docs/references.md#request-containment)."""
         log.failure("unexpected error handling {method} {path}", failure, method=self.method,
                     path=self.path, engine=self.engine.id)
         if self.dispatch is not None:

@@ -3,8 +3,8 @@
 The facade speaks its engine's own dialect to clients and hands each request to an Exchange,
 or, for the answers the whole fleet gives together, to ``fleet.py``. Its router and reporter
 are per engine; the reservation map, the agent pool and the emitter are shared across facades
-because one process hosts them all (spec 3.1). Binding its ports and its place in the service
-tree are ``facadeservice.py``'s.
+because one process hosts them all (docs/references.md#one-process). Binding its ports and its place
+in the service tree are ``facadeservice.py``'s.
 """
 
 from __future__ import annotations
@@ -42,7 +42,8 @@ IDENTITY_PROBE = b"x-nvpair-engine-identity-probe"
 class Facade:
     """One engine's facade: its routing, its voice on the link, how it reaches nodes, and the
     requests in flight. The router, reporter and upstreams are the seams the request path
-    receives; nothing outside changes routing except through the router (issue 9)."""
+    receives; nothing outside changes routing except through the router
+    (docs/references.md#router-seam)."""
 
     engine: Engine
     router: Router
@@ -74,7 +75,8 @@ class Facade:
                           slots=slots)
 
     def shutdown(self) -> None:
-        """Cancel every request in flight; each reports ``cancelled`` once (protocol 1).
+        """Cancel every request in flight; each reports ``cancelled`` once
+        (docs/references.md#shutdown-order).
 
         From here on a request arriving on a connection still open (a client's pooled
         keep-alive) is refused, so nothing is admitted that the stopping reactor would cut off
@@ -93,7 +95,7 @@ def make_facade(engine: Engine, *, clock: IReactorTime, agent: IAgent, emitter: 
                 agent_for_node: Callable[[Node], IAgent] | None = None,
                 loop_guard: LoopGuard | None = None, scheduling: bool = False,
                 queue_depth: int | None = None) -> Facade:
-    """A facade from the parts every facade of a process shares (spec 3.1).
+    """A facade from the parts every facade of a process shares (docs/references.md#one-process).
 
     ``agent_for_node`` dials nodes that need their own agent (nodes-file TLS or keys, pinned
     peers); without it every node shares ``agent``. ``scheduling`` ranks owners by what their
@@ -118,7 +120,8 @@ def make_facade(engine: Engine, *, clock: IReactorTime, agent: IAgent, emitter: 
 
 def report_rejection(facade: Facade, method: bytes, path: bytes, status: int, reason: Reason,
                      detail: str = "") -> None:
-    """``proxy/request`` for an answer given before a request reached routing (protocol 4)."""
+    """``proxy/request`` for an answer given before a request reached routing
+    (docs/references.md#request-events)."""
     error = reason.says(detail)
     reporter = facade.reporter
     path = path.split(b"?", 1)[0]
@@ -140,7 +143,8 @@ def answered_stopping(facade: Facade, request: Request) -> bool:
 
 def answered_loop(facade: Facade, request: Request) -> bool:
     """A request carrying our own Via token came back to us: 508 at once, no dispatch and
-    no workload (design 16), whatever its route: a model list asked in a loop loops too."""
+    no workload (docs/references.md#forwarding-loop), whatever its route: a model list asked in a
+    loop loops too."""
     if not facade.upstreams.loop_guard.seen(request.requestHeaders):
         return False
     report_rejection(facade, request.method, request.path, 508, Reason.FORWARDING_LOOP)
@@ -157,7 +161,8 @@ def answered_before_routing(facade: Facade, request: Request) -> bool:
 
 def answered_identity_probe(facade: Facade, request: Request) -> bool:
     """A client asking whether this port is a proxy facade gets 409 naming the engine, on
-    every ingress, so nothing mistakes the proxy for the engine itself (protocol 5)."""
+    every ingress, so nothing mistakes the proxy for the engine itself
+    (docs/references.md#identity-probe)."""
     if request.getHeader(IDENTITY_PROBE) != b"1":
         return False
     text = FACADE_FOR + facade.engine.id
@@ -195,7 +200,8 @@ class FacadeResource(Resource):
 
 
 def facade_site(facade: Facade, reactor=None) -> BoundedSite:
-    """The Site serving one facade; idle timeout equal to the pool's (protocol 7)."""
+    """The Site serving one facade; idle timeout equal to the pool's
+    (docs/references.md#server-timeouts)."""
     return BoundedSite(FacadeResource(facade), reactor=reactor,
                        timeout=constants.SERVER_IDLE_TIMEOUT,
                        on_rejected=partial(report_rejection, facade))

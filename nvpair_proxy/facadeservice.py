@@ -6,8 +6,8 @@ tree.
 A FacadeService owns what one facade binds and runs: its listening port, the alias ports of
 its engine's host variable, its prober, and the facade (with its router). Both modes open
 them through ``Facades``: standalone mode once at start-up, broker mode on ``facade/enable``.
-Stopping one is the facade's part of protocol 1's shutdown: stop accepting, cancel the
-requests in flight, then wait at most the grace for the ports to close.
+Stopping one is the facade's part of the shutdown (docs/references.md#shutdown-order): stop
+accepting, cancel the requests in flight, then wait at most the grace for the ports to close.
 """
 
 from __future__ import annotations
@@ -82,8 +82,9 @@ class FacadeService(MultiService):
             poller.setServiceParent(self)
         self.aliases: list = []
         self.alias_port: int | None = None
-        # The local engine's parallel slots as the broker last relayed them (protocol 3),
-        # for nodes/list and the admin listener's /status; None when none are known.
+        # The local engine's parallel slots as the broker last relayed them
+        # (docs/references.md#local-slots), for nodes/list and the admin listener's /status; None
+        # when none are known.
         self.slots: Slots | None = None
         facade.router.check_self(SelfCheck(self.own_ports, is_local))
 
@@ -107,7 +108,8 @@ class FacadeService(MultiService):
 
     def bind_aliases(self, hosts: list[str], port: int) -> CannotListenError | None:
         """Both families bound together or neither: on failure nothing stays bound and the
-        refusal is returned (an occupied alias is only a warning, protocol 3)."""
+        refusal is returned (an occupied alias is only a warning,
+        docs/references.md#host-aliases)."""
         bound = []
         try:
             for host in hosts:
@@ -138,8 +140,9 @@ class FacadeService(MultiService):
 
     def stopService(self) -> Deferred:
         """Stop accepting, cancel in-flight requests (each reported cancelled), then give the
-        ports at most the grace to close (protocol 1); the pool is closed after this, by the
-        runtime, because in-flight requests hold its connections until they are cancelled."""
+        ports at most the grace to close (docs/references.md#shutdown-order); the pool is closed
+        after this, by the runtime, because in-flight requests hold its connections until they are
+        cancelled."""
         Service.stopService(self)
         closing = [maybeDeferred(listening.stopListening) for listening in self.ports]
         self.facade.shutdown()

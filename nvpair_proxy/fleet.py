@@ -1,4 +1,5 @@
-"""Answers the whole fleet gives together: the CORS preflight and the model list (spec 5, 5.8).
+"""Answers the whole fleet gives together: the CORS preflight and the model list
+(docs/references.md#fleet-model-list, #browser-policy).
 
 They are not requests routed to one node: every routable engine is asked at once, the replies
 are judged or merged, and there is no workload and no reservation. They live apart from the
@@ -61,7 +62,8 @@ class Fleet:
 
 class FleetAnswer:
     """A request the whole fleet answers together (model list, preflight): no workload, no
-    reservation, one ``proxy/request`` with target ``cluster`` (protocol 4)."""
+    reservation, one ``proxy/request`` with target ``cluster``
+    (docs/references.md#request-events)."""
 
     def __init__(self, fleet: Fleet, request: BoundedRequest, route: str) -> None:
         self.fleet, self.request, self.route = fleet, request, route
@@ -88,7 +90,8 @@ class FleetAnswer:
         answer(replies)
 
     def _crashed(self, failure: Failure) -> None:
-        """Spec 3.2: a bug costs this request only: logged with its traceback, answered 500."""
+        """A bug costs this request only: logged with its traceback, answered 500
+        (docs/references.md#request-containment)."""
         log.failure("unexpected error handling {method} {path}", failure, method=self._method(),
                     path=self._path(), engine=self.fleet.engine.id)
         answer_internal_error(self.request)
@@ -116,7 +119,8 @@ class FleetAnswer:
                                             node.id if node else None)
 
     def report(self, status: int, reason: Reason | None = None, node: Node | None = None) -> None:
-        """Protocol 4's ``proxy/request``; without a reason of ours the status is the engine's."""
+        """``proxy/request`` (docs/references.md#request-events); without a reason of ours the
+        status is the engine's."""
         error = reason.says() if reason is not None else None
         duration = self.fleet.clock.seconds() - self.started
         node_id = node.id if node else None
@@ -129,7 +133,8 @@ class FleetAnswer:
 
 
 def serve_preflight(fleet: Fleet, request: BoundedRequest) -> None:
-    """Spec 5.8: every routable engine is asked, and the browser gets what all of them allow.
+    """Every routable engine is asked, and the browser gets what all of them allow
+    (docs/references.md#browser-policy).
 
     Candidates are ordered as for any request (pin, priority, id), which decides whose
     denial is shown when several refuse. The caller's credentials never reach the fleet.
@@ -159,11 +164,13 @@ def serve_preflight(fleet: Fleet, request: BoundedRequest) -> None:
 
 
 def serve_model_list(fleet: Fleet, request: BoundedRequest, route) -> None:
-    """A model list covers the whole fleet, whatever the selection (spec 5).
+    """A model list covers the whole fleet, whatever the selection
+    (docs/references.md#fleet-model-list).
 
     Without an Origin, invalid and unavailable lists are skipped. With one, every engine
-    that answered must agree (spec 5.8): a refusal of the origin is a 403, and an answer
-    that is not a valid inventory makes the whole list a 502 rather than a partial one.
+    that answered must agree (docs/references.md#browser-policy): a refusal of the origin is a 403,
+    and an answer that is not a valid inventory makes the whole list a 502 rather than a partial
+    one.
     """
     answering = FleetAnswer(fleet, request, MODELS)
     origin = request.getHeader(b"origin")

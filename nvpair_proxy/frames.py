@@ -1,4 +1,5 @@
-"""Terminal frames: has a response body's terminal frame arrived (design 6)?
+"""Terminal frames: has a response body's terminal frame arrived
+(docs/references.md#terminal-frames)?
 
 A :class:`FrameReader` sees every relayed chunk of one body and keeps its last
 :data:`TAIL_LIMIT` bytes (the tail that :mod:`nvpair_proxy.tokens` reads figures from), the
@@ -8,7 +9,7 @@ first few bytes of the line in progress, and a handful of counters. It answers
 an estimated completion count falls back on.
 
 This module imports nothing of Twisted (engines.py takes the rule names from here) and logs
-nothing; a reader's ``repr`` never shows body bytes (spec 9).
+nothing; a reader's ``repr`` never shows body bytes (docs/references.md#no-content-logging).
 
 Framing
 -------
@@ -40,9 +41,9 @@ rule (the ``terminal`` field of the engine file, one of :data:`TERMINAL_FRAMES`)
   costs nothing per chunk.
 
 ``terminal_seen`` is sticky: once a terminal frame has arrived it stays true even if more
-frames follow, because what design 6 asks is whether it *arrived* before the client left. (The
-one exception is the incomplete last line, which is judged as it stands each time: a line that
-reads ``data: [DONE]`` but then continues was never a terminal frame.)
+frames follow, because what docs/references.md#terminal-frames asks is whether it *arrived* before
+the client left. (The one exception is the incomplete last line, which is judged as it stands each
+time: a line that reads ``data: [DONE]`` but then continues was never a terminal frame.)
 
 Stream events: an SSE ``data:`` line other than ``[DONE]``, or an NDJSON line reporting
 ``"done":false`` (Ollama's per-token frame; blank lines and ``{"error": ...}`` lines are not
@@ -201,7 +202,7 @@ class FrameReader:
         framing, sniff = _framing(terminal, content_type)
         rules = (terminal,) if terminal in SSE_TERMINALS else SSE_TERMINALS
         self.terminal = terminal
-        #: The last ``TAIL_LIMIT`` body bytes (never logged: spec 9).
+        #: The last ``TAIL_LIMIT`` body bytes (never logged: docs/references.md#no-content-logging).
         self.tail = bytearray()
         #: Body bytes fed so far.
         self.bytes_seen = 0
@@ -420,7 +421,8 @@ class FrameReader:
 
     @property
     def terminal_seen(self) -> bool:
-        """Whether the body's terminal frame has arrived (design 6). Sticky once true."""
+        """Whether the body's terminal frame has arrived (docs/references.md#terminal-frames).
+        Sticky once true."""
         if self._terminal_found:
             return True
         if self._mode == _JSON:

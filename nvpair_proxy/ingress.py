@@ -1,8 +1,8 @@
 """The mutual-TLS ingress: a pinned peer's request goes straight to this node's engine.
 
 The originating node already routed, retried and reported the job; here there is no routing,
-no failover and no workload event (protocol 6), only the per-request pin check and a plain
-forward to the local backend that ``node/set-local-backend`` named.
+no failover and no workload event (docs/references.md#mtls-ingress), only the per-request pin check
+and a plain forward to the local backend that ``node/set-local-backend`` named.
 """
 
 from __future__ import annotations

@@ -16,10 +16,12 @@ from zope.interface import Attribute, Interface
 class IEmitter(Interface):
     listening = Attribute(
         "Whether anything consumes notifications now. When False a producer may skip building "
-        "them (issue 10: no work for an event nobody reads); counters such as seq still count.")
+        "them (docs/references.md#bare-proxy-cpu: no work for an event nobody reads); counters "
+        "such as seq still count.")
 
     def notify(method: str, params: dict, engine: str | None = None) -> None:
-        """Send one notification; ``engine`` addresses a facade-scoped one (spec 4)."""
+        """Send one notification; ``engine`` addresses a facade-scoped one
+        (docs/references.md#facade-addressing)."""
 
 
 class ITruthSink(Interface):
@@ -37,7 +39,7 @@ class ITruthSink(Interface):
 
 
 class IRouter(Interface):
-    """One facade's routing state: the only way routing changes (issue 9).
+    """One facade's routing state: the only way routing changes (docs/references.md#router-seam).
 
     What the request path and the prober are handed. The node set's owners (the broker and
     standalone mode) hold the concrete Router and also replace, add and admit nodes.
@@ -49,7 +51,8 @@ class IRouter(Interface):
         """The nodes a request may go to now, in id order."""
 
     def set_models(node_id: str, models) -> None:
-        """Replace a node's model inventory with a probe's answer (design 4)."""
+        """Replace a node's model inventory with a probe's answer
+        (docs/references.md#probed-inventory)."""
 
     def candidates(model: str | None) -> list:
         """Owners of a normalized model (None: every routable node) in round order."""
@@ -95,7 +98,8 @@ class IRouter(Interface):
         """Pin a known node ("" clears); KeyError for an unknown one."""
 
     def watch(attempt: "IWatchedAttempt") -> None:
-        """Cancel the attempt if its target leaves the routable set (spec 5.3)."""
+        """Cancel the attempt if its target leaves the routable set
+        (docs/references.md#target-left-discovery)."""
 
     def unwatch(attempt: "IWatchedAttempt") -> None:
         """Stop watching the attempt."""
@@ -127,7 +131,8 @@ class IBodySink(Interface):
 
 class IDispatchObserver(Interface):
     """What the attempt loop (``dispatch.Dispatch``) tells its request: the workload events of
-    placement and each attempt's outcome (spec 5.5, design decision 1)."""
+    placement and each attempt's outcome (docs/references.md#workload-lifecycle,
+    #events-between-rounds)."""
 
     def dispatched(node) -> None:
         """An attempt is about to go to ``node`` (a Node)."""

@@ -3,7 +3,7 @@
 One parser serves both uses, so the ids a probe makes a node advertise are exactly the ids
 the aggregated list shows to clients. Bodies are capped (16 MiB) and time-boxed (10 s) because
 a model list comes from every node of the fleet and one bad node must not stall the rest.
-The same fan-out carries CORS preflights (spec 5.8), eight at a time.
+The same fan-out carries CORS preflights (docs/references.md#browser-policy), eight at a time.
 """
 
 from __future__ import annotations
@@ -190,13 +190,15 @@ def ask_fleet(nodes: Sequence[Node], ask: Callable[[Node, float], Deferred],
 
     Fires with the replies of the nodes that answered, in node order. A node that is
     unavailable (transport error, timeout, body over its cap, any 5xx) is skipped: it is
-    down or overloaded, and says nothing about the fleet's inventory or policy (spec 5.8).
+    down or overloaded, and says nothing about the fleet's inventory or policy
+    (docs/references.md#browser-policy).
     """
     return _FanOut(nodes, ask, clock, timeout, width).start()
 
 
 class Prober(TimerService):
-    """Keeps the inventory of nodes that came without ``models`` (design 4, decision 15).
+    """Keeps the inventory of nodes that came without ``models``
+    (docs/references.md#probed-inventory, #probe-periods).
 
     A failed probe empties the node's models until the next success: a node we cannot ask
     is not one we should route to. A TimerService, so it runs exactly while its facade does.
@@ -208,7 +210,8 @@ class Prober(TimerService):
                  agent_for: Callable[[Node], IAgent] | None = None,
                  loop_guard: LoopGuard | None = None) -> None:
         super().__init__(interval, self.probe_all)
-        # The router, not its node set: what a probe learns is a routing change (issue 9).
+        # The router, not its node set: what a probe learns is a routing change
+        # (docs/references.md#router-seam).
         self.engine, self.router, self.agent, self.clock = engine, router, agent, clock
         # The agent per node, as requests use it (TLS and key settings of the nodes file).
         self.agent_for = agent_for or (lambda node: agent)
@@ -275,7 +278,7 @@ def listed_models(reply: Reply, envelope: str) -> list[tuple[str, dict]] | None:
 def merged_list(inventories: Iterable[list[tuple[str, dict]]], envelope: str,
                 normalize: Callable[[str], str] = str) -> bytes:
     """One list in the engine's envelope: one record per model, the first occurrence winning,
-    in node order, passed through unchanged (design 21).
+    in node order, passed through unchanged (docs/references.md#model-list-merge).
 
     Ollama's native records are one model when their names normalise alike (``shared`` and
     ``shared:latest``), as routing treats them; OpenAI-envelope ids are compared exactly.

@@ -1,11 +1,12 @@
-"""One port per facade, demultiplexed on the connection's first byte (spec 7, design 1).
+"""One port per facade, demultiplexed on the connection's first byte
+(docs/references.md#listener-personalities).
 
 ``0x16`` (a TLS ClientHello) goes to the mutual-TLS ingress when this node is a cluster
 member; anything else is plaintext HTTP, served only to loopback peers. A LAN peer speaking
 plaintext still gets an HTTP answer (403 ``loopback-only``) rather than a silent close, so a
 misconfigured client learns why. The gate ships with the first listener: never an open relay.
 With opt-in API keys (``apikeys.py``) the gate serves a LAN request that presents a valid key
-as it serves loopback, and answers the others 403 or 401 (issue 11).
+as it serves loopback, and answers the others 403 or 401 (docs/references.md#lan-keys).
 """
 
 from __future__ import annotations
@@ -63,9 +64,9 @@ class LoopbackOnly(Resource):
 class _Demux(Protocol):
     """One accepted connection until its first byte, then the protocol that byte chose.
 
-    It runs the accept deadline (protocol 7: a complete request line within 10 s of accept,
-    a TLS handshake included) on the accepted transport, the only one that exists before the
-    handshake, and hands the HTTP channel it builds the callback that ends it.
+    It runs the accept deadline (docs/references.md#server-timeouts: a complete request line within
+    10 s of accept, a TLS handshake included) on the accepted transport, the only one that exists
+    before the handshake, and hands the HTTP channel it builds the callback that ends it.
     """
 
     transport: ITCPTransport  # the accepted TCP connection, before any TLS

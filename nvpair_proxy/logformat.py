@@ -27,7 +27,8 @@ from .logs import COMPONENT, PREDICATE
 def json_line(event: LogEvent) -> str:
     """One record as one JSON line: time, level, logger, engine when facade-scoped, message,
     and the traceback of a logged failure. Only the message's own fields are formatted in;
-    the rest of the event is not dumped (spec 9: nothing but what the line says)."""
+    the rest of the event is not dumped (docs/references.md#no-content-logging: nothing but what the
+    line says)."""
     at = event.get("log_time")
     level = event.get("log_level")
     record = {

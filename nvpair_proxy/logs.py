@@ -2,9 +2,10 @@
 
 The level (``--log-level``, ``log/set-level``) is applied twice: where our records are made
 (every module logs through ``logger()``, whose records below the level are dropped before
-formatting: spec 9 keeps routing detail at debug, so dropping it cheaply matters on the request
-path), and by the process's observer (logformat.py), whose ``FilteringLogObserver`` asks
-``PREDICATE``, so Twisted's own loggers and legacy ``log.msg`` obey it too.
+formatting: routing detail is kept at debug (docs/references.md#routing-detail-debug), so
+dropping it cheaply matters on the request path), and by the process's observer (logformat.py),
+whose ``FilteringLogObserver`` asks ``PREDICATE``, so Twisted's own loggers and legacy ``log.msg``
+obey it too.
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ class LeveledLogger(Logger):
         super().emit(level, format, **kwargs)
 
     def debug(self, format=None, **kwargs):
-        # The request path logs at debug (spec 9); dropped here, before Logger.debug's frame.
+        # The request path logs at debug (docs/references.md#routing-detail-debug); dropped here,
+        # before Logger.debug's frame.
         if _level["current"] > LogLevel.debug:
             return
         self.emit(LogLevel.debug, format, **kwargs)
@@ -77,7 +79,8 @@ def level_name() -> str:
     return next(name for name, level in LEVELS.items() if level == _level["current"])
 
 
-# twisted.web's access log: one line per request, off unless --access-log (issue 12).
+# twisted.web's access log: one line per request, off unless --access-log
+# (docs/references.md#access-log).
 
 _access_log = logger(COMPONENT + ".access")
 
@@ -88,7 +91,7 @@ def set_access_log(on: bool) -> None:
 
 def log_access(request) -> None:
     """The request line without its query (which may carry a key), status and size: never
-    a header value or a body (spec 9)."""
+    a header value or a body (docs/references.md#no-content-logging)."""
     if not _access["on"]:
         return
     client = request.getClientAddress()

@@ -1,4 +1,4 @@
-"""The forwarding-loop guard: ``Via`` (design 16, protocol 5's 508).
+"""The forwarding-loop guard: ``Via`` (docs/references.md#forwarding-loop).
 
 The self check (selfcheck.py) catches a node that is this facade by address. Every other loop
 (two standalone proxies whose nodes files name each other's facades, a chain through proxies

@@ -5,9 +5,10 @@ metric families at scrape time from our own counters (recorder.py) and from one 
 the tree (status.ProcessView, views.py), so nothing is kept twice and nothing runs on the
 request path.
 
-Labels are bounded (issue 12): ``engine`` (the engine files), ``node`` only for ids of the
-current fleet (counts of nodes that left are dropped, not shown), ``route``, ``outcome``,
-``result`` and ``reason`` from fixed vocabularies; never a model name, a path or a client.
+Labels are bounded (docs/references.md#bounded-labels): ``engine`` (the engine files), ``node`` only
+for ids of the current fleet (counts of nodes that left are dropped, not shown), ``route``,
+``outcome``, ``result`` and ``reason`` from fixed vocabularies; never a model name, a path or a
+client.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The standalone fleet: a TOML nodes file, re-read when it changes (design 4).
+"""The standalone fleet: a TOML nodes file, re-read when it changes (docs/references.md#nodes-file).
 
 An engine entry may reach its engine over https, with a client certificate or a key
 (``engineaccess.py``); the files it names are read with the nodes file.
@@ -129,7 +129,8 @@ def load_nodes_file(path: str, engines: Mapping[str, Engine]) -> ConfiguredNodes
 
 
 class NodesFileWatcher(TimerService):
-    """Checks the file every 2 s and applies a changed, valid file (design decision 15).
+    """Checks the file every 2 s and applies a changed, valid file
+    (docs/references.md#probe-periods).
 
     The TLS files its nodes name (``ca_file``, ``cert_file``, ``key_file``) are watched with
     it: a rotated CA or client certificate reloads the file, and the changed material is a

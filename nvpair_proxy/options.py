@@ -1,4 +1,4 @@
-"""The command line of ``twistd nvpair-proxy`` (design 3).
+"""The command line of ``twistd nvpair-proxy`` (docs/references.md#command-line).
 
 Every bad value stops start-up with one line naming the flag, never a usage dump: under
 systemd the journal shows the last line, and it must say what to fix. What the process runs

@@ -1,4 +1,5 @@
-"""Persisted per-engine ports (spec 8, protocol 7): the port a user chose through set-port.
+"""Persisted per-engine ports (docs/references.md#persisted-port): the port a user chose through
+set-port.
 
 The files keep the existing implementation's names and ``{"port": N}`` shape, so a node that
 switches to this proxy keeps its ports. A corrupt or out-of-range file counts as none.

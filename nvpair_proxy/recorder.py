@@ -1,4 +1,5 @@
-"""What the admin listener remembers of finished requests and dispatches (issue 12).
+"""What the admin listener remembers of finished requests and dispatches
+(docs/references.md#admin-listener).
 
 The facades' reporters tell a Recorder (their IRequestRecorder), when the admin listener is
 on, of every ended request and dispatch; it keeps counters and histograms keyed by fixed
@@ -7,8 +8,9 @@ updates and never a Prometheus call. Everything that is a state rather than an e
 flight, reservations, held nodes) is read from a snapshot of the process tree at scrape time
 instead (views.py, status.py).
 
-Only operational metadata is kept (spec 9): engine, node id, route class, outcome, status,
-times, token counts, and the model name for the recent-requests table, never a body.
+Only operational metadata is kept (docs/references.md#no-content-logging): engine, node id, route
+class, outcome, status, times, token counts, and the model name for the recent-requests table, never
+a body.
 """
 
 from __future__ import annotations

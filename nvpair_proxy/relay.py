@@ -1,4 +1,5 @@
-"""The committed body's way from the engine to the client (spec 5.2, design 6 and 11).
+"""The committed body's way from the engine to the client (docs/references.md#first-byte-commit,
+#terminal-frames, #dead-client-deadline).
 
 ``BodyRelay`` holds the upstream body until the stream attaches, which is what lets the
 first byte be peeked and spliced back; ``ClientWatch`` is the producer the client connection
@@ -84,7 +85,7 @@ class BodyRelay(Protocol):
 def clean_end(reason: Failure) -> bool:
     """A body that ended as the framing said it would (close-delimited counts)."""
     # isinstance, not Failure.check: check walks the class hierarchy of each name given,
-    # once per response (issue 10).
+    # once per response (docs/references.md#bare-proxy-cpu).
     return isinstance(reason.value, (ResponseDone, PotentialDataLoss))
 
 
@@ -97,7 +98,8 @@ class ClientWatch:
     """The upstream body as seen by the client connection, with the dead-client deadline.
 
     Registered as the request's producer, so a client that stops reading pauses the upstream
-    socket (backpressure) and starts the 30 s deadline; resuming stops it (design 11).
+    socket (backpressure) and starts the 30 s deadline; resuming stops it
+    (docs/references.md#dead-client-deadline).
     """
 
     def __init__(self, upstream: IPushProducer, clock, on_dead, deadline: float) -> None:
@@ -127,8 +129,9 @@ class ClientWatch:
 
 
 class StreamIdle:
-    """Closes a committed upstream that sent nothing for ``limit`` seconds (spec 5.2's known
-    gap, closed opt-in with ``--stream-idle-timeout``).
+    """Closes a committed upstream that sent nothing for ``limit`` seconds
+    (docs/references.md#silent-upstream-gap, the spec's known gap, closed opt-in with
+    ``--stream-idle-timeout``).
 
     One timer per stream, not per chunk: a chunk only stamps the time, and the timer, when it
     fires, re-arms for what is left. Time the client spends not reading does not count: the

@@ -1,14 +1,15 @@
-"""The process-wide reservation map and the chooser (spec 3.1, 5 step 3, 6).
+"""The process-wide reservation map and the chooser (docs/references.md#one-process,
+#reserve-least-loaded, #reservations).
 
 Between scheduler snapshots the scheduler cannot see what this process has just dispatched,
 so a burst would pile onto whichever node the last snapshot called idle. A reservation is the
-proxy's own count of that unseen work (spec 6): one entry per in-flight dispatch made since
-the last snapshot, added to the scheduler's figures when choosing a node. There is exactly one
-map per process, shared by every facade, because bursts arriving through Ollama, LM Studio and
-llama.cpp at once must see each other's claims (spec 3.1).
+proxy's own count of that unseen work (docs/references.md#reservations): one entry per in-flight
+dispatch made since the last snapshot, added to the scheduler's figures when choosing a node. There
+is exactly one map per process, shared by every facade, because bursts arriving through Ollama, LM
+Studio and llama.cpp at once must see each other's claims (docs/references.md#one-process).
 
-Everything here runs on the reactor thread (design 1), so the map needs no locks and must not
-import Twisted: it is plain bookkeeping that the dispatch loop drives.
+Everything here runs on the reactor thread (docs/references.md#reactor-thread), so the map needs no
+locks and must not import Twisted: it is plain bookkeeping that the dispatch loop drives.
 """
 
 from __future__ import annotations
@@ -17,13 +18,15 @@ from collections.abc import Callable, Mapping, Sequence
 
 import attrs
 
-# protocol 3, node/set-priority: the scheduler's gpuPressure is trusted only within 0..3.
+# node/set-priority (docs/references.md#priority-snapshot): the scheduler's gpuPressure is trusted
+# only within 0..3.
 MAX_GPU_PRESSURE = 3.0
 
 
 @attrs.frozen
 class Rank:
-    """One node's figures in a scheduler snapshot (protocol 3, ``ranks``), as received.
+    """One node's figures in a scheduler snapshot (docs/references.md#priority-snapshot, ``ranks``),
+    as received.
 
     Kept unclamped so the record says what the scheduler sent; the map clamps on applying it.
     """
@@ -48,9 +51,9 @@ def _clamp(value: float, low: float, high: float) -> float:
 class Reservation:
     """One dispatch's claim on a node, stamped with the generation it was counted against.
 
-    The stamp is what lets a snapshot supersede the claim (spec 6): the snapshot's ``pending``
-    already includes the work, so once the map has moved to a newer generation this claim no
-    longer counts and releasing it must not subtract anything.
+    The stamp is what lets a snapshot supersede the claim (docs/references.md#snapshot-generation):
+    the snapshot's ``pending`` already includes the work, so once the map has moved to a newer
+    generation this claim no longer counts and releasing it must not subtract anything.
     """
 
     node_id: str
@@ -59,7 +62,8 @@ class Reservation:
     released: bool = attrs.field(default=False, init=False)
 
     def move(self, node_id: str) -> None:
-        """Follow the node an attempt actually targets (spec 6).
+        """Follow the node an attempt actually targets
+        (docs/references.md#reservation-follows-attempt).
 
         The node that refused is not doing the work, and an attempt can hold its node for the
         whole first-content budget, so the claim moves with each dispatch rather than waiting
@@ -71,7 +75,8 @@ class Reservation:
         self._map._transfer(self, node_id)
 
     def release(self) -> None:
-        """End the claim: the request ended, or is about to back off (spec 6).
+        """End the claim: the request ended, or is about to back off
+        (docs/references.md#reservation-release).
 
         Idempotent, because the terminal path and the backoff path may both reach it. A claim
         from an older generation is dropped rather than subtracted: subtracting it would count
@@ -109,12 +114,14 @@ class ReservationMap:
 
     @property
     def priority(self) -> tuple[str, ...]:
-        """The snapshot's node order; empty means default order (protocol 3)."""
+        """The snapshot's node order; empty means default order
+        (docs/references.md#priority-snapshot)."""
         return self._priority
 
     @property
     def count(self) -> int:
-        """What ``node/set-priority`` answers as ``{"count": N}``, stale or not (protocol 3)."""
+        """What ``node/set-priority`` answers as ``{"count": N}``, stale or not
+        (docs/references.md#priority-snapshot)."""
         return len(self._priority)
 
     @property
@@ -125,7 +132,8 @@ class ReservationMap:
     def set_priority(
         self, generation: int, nodes: Sequence[str], ranks: Sequence[Rank] = ()
     ) -> bool:
-        """Apply a scheduler snapshot at most once (spec 6, protocol 3).
+        """Apply a scheduler snapshot at most once (docs/references.md#snapshot-generation,
+        #priority-snapshot).
 
         A stale or redelivered generation changes nothing and returns False: a redelivery
         clearing live reservations would make a busy burst read as idle again. A newer one
@@ -148,7 +156,8 @@ class ReservationMap:
         return True
 
     def load(self, node_id: str) -> float:
-        """pending + gpuPressure + reservations (spec 6); a node the snapshot omits has 0."""
+        """pending + gpuPressure + reservations (docs/references.md#estimated-load); a node the
+        snapshot omits has 0."""
         scheduled = self._scheduled.get(node_id, 0.0)
         if not self.enabled:
             return scheduled
@@ -164,10 +173,11 @@ class ReservationMap:
 
         ``ordered`` is the candidates already in pin, priority, id order, so a tie goes to the
         earlier one. Before any snapshot, or with an empty list, every candidate counts as
-        listed (design 8.6). When none is listed, the first of ``ordered``; None when it is
-        empty. This is the one rule for placing work: ``choose`` applies it at the start of a
-        round, and failover applies it to the round's remaining candidates before each
-        dispatch, so refusals spread instead of piling onto the head of the priority list.
+        listed (docs/references.md#reservations-before-priority). When none is listed, the first of
+        ``ordered``; None when it is empty. This is the one rule for placing work: ``choose``
+        applies it at the start of a round, and failover applies it to the round's remaining
+        candidates before each dispatch, so refusals spread instead of piling onto the head of the
+        priority list.
         """
         listed = [node_id for node_id in ordered if self._is_listed(node_id)]
         if listed:
@@ -175,7 +185,8 @@ class ReservationMap:
         return ordered[0] if ordered else None
 
     def choose(self, ordered: Sequence[str]) -> Reservation | None:
-        """Reserve the candidate ``pick`` names, if it is scheduler-listed (spec 5 step 3).
+        """Reserve the candidate ``pick`` names, if it is scheduler-listed
+        (docs/references.md#reserve-least-loaded).
 
         ``ordered`` is the eligible owners, so only they can be reserved. None, reserving
         nothing, when no candidate is listed (``pick`` then names an unlisted one, or none).

@@ -1,8 +1,9 @@
 """One facade's routing: who may serve a request, in which order, and who is left alone.
 
 Everything a routing decision reads lives here: the node set, the ``node/select`` pin, the
-scheduler's priority and the process-wide reservations (spec 5 steps 1-3, 6), and the two
-overload protections the existing proxy gained after production incidents (issue 8):
+scheduler's priority and the process-wide reservations (docs/references.md#owner-filter,
+#owner-order, #reserve-least-loaded, #reservations), and the two overload protections the existing
+proxy gained after production incidents (docs/decisions.md#busy-hold, #stall-cooldown):
 
 - **Busy hold.** A node that answered 429 or 503 is held for a second: a new request whose
   owners are all held is answered 503 at once instead of being queued into engines that just
@@ -41,7 +42,7 @@ from .views import EngineView, RoutingView
 
 log = logger()
 
-# issue 8: the statuses that mean "this engine's queue is full".
+# The statuses that mean "this engine's queue is full" (docs/decisions.md#busy-hold).
 BUSY_STATUSES = frozenset({429, 503})
 
 
@@ -81,11 +82,12 @@ class Router:
         return self.nodes.routable()
 
     def is_routable(self, node_id: str) -> bool:
-        """Design 11: in the routable set now, whatever made a node leave."""
+        """In the routable set now, whatever made a node leave (docs/references.md#routable-set)."""
         return node_id in self.nodes
 
     def replace_discovered(self, nodes: Iterable[Node]) -> Diff:
-        """A discovery snapshot; a pin on a discovered node that vanished is cleared (P3)."""
+        """A discovery snapshot; a pin on a discovered node that vanished is cleared
+        (docs/references.md#discovery-diff)."""
         previous = set(self.nodes.discovered)
         change = self.nodes.replace_discovered(nodes)
         if self._pin in previous and not self.nodes.known(self._pin):
@@ -96,7 +98,7 @@ class Router:
         return self.nodes.put_manual(node)
 
     def remove_manual(self, node_id: str) -> Node | None:
-        """Remove a manual node; a pin on it goes with it (protocol 3)."""
+        """Remove a manual node; a pin on it goes with it (docs/references.md#manual-nodes)."""
         node = self.nodes.remove_manual(node_id)
         if node is not None and self._pin == node_id:
             self._pin = ""
@@ -116,7 +118,7 @@ class Router:
 
     def recheck_self(self) -> None:
         """The facade's ports moved: a node that was self may no longer be, and another may
-        now be (protocol 3: re-checked on every change)."""
+        now be (docs/references.md#self-by-address: re-checked on every change)."""
         self.nodes.recheck_self()
 
     def admission_changed(self) -> None:
@@ -125,8 +127,8 @@ class Router:
         self.nodes.changed()
 
     def set_models(self, node_id: str, models: Iterable[str]) -> None:
-        """A probe's answer replaces the node's inventory (design 4): an empty list takes it
-        out of every model's owners until the next success."""
+        """A probe's answer replaces the node's inventory (docs/references.md#probed-inventory): an
+        empty list takes it out of every model's owners until the next success."""
         self.nodes.set_models(node_id, self.engine, models)
 
     # What the engines report (standalone mode's poller).
@@ -164,7 +166,7 @@ class Router:
             raise KeyError(node_id)
         self._pin = node_id
 
-    # Ordering (spec 5 steps 1-2).
+    # Ordering (docs/references.md#owner-filter, #owner-order).
 
     def priority(self) -> tuple[str, ...]:
         return self.reservations.priority if self.reservations is not None else ()
@@ -256,7 +258,7 @@ class Router:
 
     def busy_for(self, model: str) -> float | None:
         """Seconds until the longest hold ends when every owner of ``model`` is held, else
-        None: one free owner turns the gate off (issue 8)."""
+        None: one free owner turns the gate off (docs/decisions.md#busy-hold)."""
         if not self._held:
             return None  # the usual case: no owner worked out a second time per request
         now = self.clock.seconds()
@@ -276,13 +278,13 @@ class Router:
             nodes.sort(key=lambda n: n.id != chosen)
         return [n.id for n in nodes]
 
-    # Placement (spec 5 step 3, 6).
+    # Placement (docs/references.md#reserve-least-loaded, #reservations).
 
     def place(self, nodes: Sequence[Node]) -> tuple[list[Node], Reservation | None]:
         """Reserve the least loaded candidate and move it to the front.
 
         An eligible pin first takes no reservation. The chooser skips held and cooling nodes
-        unless all candidates are (issue 8).
+        unless all candidates are (docs/decisions.md#busy-hold, #stall-cooldown).
         """
         nodes = list(nodes)
         if self.reservations is None or not nodes or self._pinned_first(nodes):
@@ -356,13 +358,15 @@ class Router:
                                     read_age=None if truth is None else now - truth.read_at))
         return tuple(views)
 
-    # Spec 5.3: an attempt whose target left the routable set is abandoned.
+    # An attempt whose target left the routable set is abandoned
+    # (docs/references.md#target-left-discovery).
 
     def watch(self, attempt: IWatchedAttempt) -> None:
         """Check ``attempt``'s target every ``watch_interval`` until ``unwatch``.
 
         One timer per facade sweeps every attempt in flight, rather than one per attempt: a
-        timer per dispatch was a measurable share of a request's CPU (issue 10).
+        timer per dispatch was a measurable share of a request's CPU
+        (docs/references.md#bare-proxy-cpu).
         """
         self._watched.add(attempt)
         if self._sweep is None:
@@ -422,5 +426,5 @@ class Router:
 
 
 def retry_after(seconds: float) -> int:
-    """Whole seconds, rounded up, at least 1 (issue 8)."""
+    """Whole seconds, rounded up, at least 1 (docs/decisions.md#busy-hold)."""
     return max(1, math.ceil(seconds))

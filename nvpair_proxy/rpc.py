@@ -1,4 +1,4 @@
-"""Newline-delimited JSON-RPC 2.0 (protocol 1): framing, parsing, answering.
+"""Newline-delimited JSON-RPC 2.0 (docs/references.md#rpc-transport): framing, parsing, answering.
 
 Bad input never stops the link: a line that is not JSON, not an object or not 2.0 is logged
 and skipped, and an over-long line is discarded up to its newline (LineReceiver would drop
@@ -32,7 +32,7 @@ BIND_FAILED = -32010
 
 
 class RpcError(Exception):
-    """An error answer with a code and an exact message (protocol 3)."""
+    """An error answer with a code and an exact message (docs/references.md#exact-texts)."""
 
     def __init__(self, code: int, message: str) -> None:
         super().__init__(message)
@@ -62,7 +62,7 @@ def _int_or_infinity(text: str) -> int | float:
 
 
 # Made once: json.dumps with any option builds a new encoder per call, and a cluster sends
-# five or more notifications per request (issue 10).
+# five or more notifications per request (docs/references.md#bare-proxy-cpu).
 _STRICT = json.JSONEncoder(separators=(",", ":"), allow_nan=False)
 _LENIENT = json.JSONEncoder(separators=(",", ":"), allow_nan=True)
 
@@ -162,8 +162,8 @@ class RpcLink:
         if not line.strip():
             return
         try:
-            # UTF-8 only (protocol 1): json.loads(bytes) would also take UTF-16/32, and
-            # NaN / Infinity are not JSON.
+            # UTF-8 only (docs/references.md#rpc-transport): json.loads(bytes) would also take
+            # UTF-16/32, and NaN / Infinity are not JSON.
             message = json.loads(line.decode("utf-8"), parse_constant=_not_json,
                                  parse_int=_int_or_infinity)
         except (ValueError, UnicodeDecodeError, RecursionError):

@@ -1,4 +1,4 @@
-"""Who may serve a request and in which order (spec 5 steps 1 and 2).
+"""Who may serve a request and in which order (docs/references.md#owner-filter and #owner-order).
 
 The capability filter always runs first: a pin or a priority list can reorder owners but
 never widen the set, so failover never reaches a node that does not advertise the model.

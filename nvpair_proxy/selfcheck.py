@@ -1,4 +1,4 @@
-"""Which candidates are this proxy itself (protocol 3, "Self, by address, for every candidate").
+"""Which candidates are this proxy itself (docs/references.md#self-by-address).
 
 A node whose address is this machine and whose port is the facade's own port (or an alias
 port the facade bound) is the facade: dialling it sends the request back to us, which would
@@ -6,9 +6,9 @@ dial it again, without end. The engine's port and the facade's port are often on
 so this is a mistake anyone makes in a nodes file or an ``add-manual``.
 
 The check is by address, as the existing implementation does it: an address on one of this
-host's interfaces counts as ``127.0.0.1`` (design 17: a UDP socket can bind to it), and a
-loopback address on one of the facade's ports is self. It is asked again whenever the node set
-or the facade's ports change (``NodeSet.recheck_self``), never per request.
+host's interfaces counts as ``127.0.0.1`` (docs/references.md#self-detection: a UDP socket can bind
+to it), and a loopback address on one of the facade's ports is self. It is asked again whenever the
+node set or the facade's ports change (``NodeSet.recheck_self``), never per request.
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ from .validate import is_loopback
 
 
 def is_local_address(address: str) -> bool:
-    """An address on one of this machine's interfaces: a UDP socket can bind to it (design 17)."""
+    """An address on one of this machine's interfaces: a UDP socket can bind to it
+    (docs/references.md#self-detection)."""
     host = address.strip("[]")
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     try:

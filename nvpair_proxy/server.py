@@ -1,4 +1,5 @@
-"""The HTTP server side of every port, built on Twisted's public hooks (protocol 5 and 7).
+"""The HTTP server side of every port, built on Twisted's public hooks
+(docs/references.md#proxy-answers, #server-timeouts).
 
 A client gets no more time and no more memory than a well-behaved one needs, so a peer that
 trickles cannot hold a connection for the 90 s idle timeout and one that floods cannot fill
@@ -135,8 +136,9 @@ class BoundedChannel(HTTPChannel):
         return True
 
     def refuse(self, reason: Reason, detail: str) -> None:
-        """400 with protocol 5's body, reported, and the connection closed: nothing after a
-        head we will not read can be trusted to be where it seems."""
+        """400 with the body of the proxy's own answers (docs/references.md#proxy-answers),
+        reported, and the connection closed: nothing after a head we will not read can be trusted to
+        be where it seems."""
         self._refused = True
         self._stop_header_timer()
         method, target = self.request_line
@@ -167,7 +169,8 @@ class BoundedChannel(HTTPChannel):
 
 
 class BoundedRequest(Request):
-    """A request whose body may not exceed 32 MiB (protocol 5), chunked bodies included.
+    """A request whose body may not exceed 32 MiB (docs/references.md#body-limit), chunked bodies
+    included.
 
     twisted.web has no limit of its own and reads the body before ``render``; over the limit
     we answer 413 at once, close, and keep none of the excess.
@@ -186,7 +189,8 @@ class BoundedRequest(Request):
         self._rejected = False
 
     def connectionLost(self, reason: Failure) -> None:
-        # What notifyFinish reports as an error, without a Deferred per request (issue 10).
+        # What notifyFinish reports as an error, without a Deferred per request
+        # (docs/references.md#bare-proxy-cpu).
         if not self.finished:
             self.client_gone = True
         super().connectionLost(reason)
@@ -239,7 +243,8 @@ class BoundedSite(Site):
     def __init__(self, resource: IResource, *, reactor, timeout: float | None,
                  on_rejected: Rejected = _not_reported) -> None:
         # We never read request.args: parsing a POST's Content-Type through the email
-        # package cost a fifth of a request's CPU (issue 10's profile).
+        # package cost a fifth of a request's CPU (the profile behind
+        # docs/references.md#bare-proxy-cpu).
         super().__init__(resource, timeout=timeout, reactor=reactor,
                          parsePOSTFormSubmission=False)
         self.on_rejected = on_rejected

@@ -1,8 +1,8 @@
 """Wiring: the only module that touches the global reactor (imported inside functions).
 
 The process is a tree of Twisted services, built here for either mode; the tree's order is
-the order of protocol 1's shutdown (children stop in reverse order of addition, each after
-the one before it has finished):
+the shutdown order (docs/references.md#shutdown-order): children stop in reverse order of
+addition, each after the one before it has finished:
 
     process (ProcessService: READY, signals, STOPPING)
     ├── runtime          the shared pool and agent; added first, so it closes last
@@ -64,8 +64,8 @@ def make_pool(reactor) -> ConnectionPool:
 
 @attrs.define(eq=False)
 class Runtime:
-    """What every facade of the process shares (spec 3.1): one pool and agent, one
-    reservation map, one run id, one random source, one activity throttle."""
+    """What every facade of the process shares (docs/references.md#one-process): one pool and agent,
+    one reservation map, one run id, one random source, one activity throttle."""
 
     reactor: IReactorTime
     emitter: IEmitter
@@ -139,8 +139,9 @@ class Runtime:
 
 
 class RuntimeService(Service):
-    """The runtime's place in the tree: first in, so its pool closes last (protocol 1):
-    requests in flight hold pooled connections until the facades have cancelled them."""
+    """The runtime's place in the tree: first in, so its pool closes last
+    (docs/references.md#shutdown-order): requests in flight hold pooled connections until the
+    facades have cancelled them."""
 
     name = "runtime"  # type: ignore[assignment]  # Twisted leaves Service.name untyped (None)
 
@@ -162,8 +163,9 @@ class ProcessService(MultiService):
     """The root: systemd's view of the process, and children stopped one after another.
 
     A plain MultiService calls every child's ``stopService`` at once and only then waits;
-    protocol 1 needs each step finished before the next starts (the pool must not close
-    while the facades' grace runs), so here each child stops after the one added after it.
+    the shutdown order (docs/references.md#shutdown-order) needs each step finished before the
+    next starts (the pool must not close while the facades' grace runs), so here each child stops
+    after the one added after it.
     """
 
     name = "process"  # type: ignore[assignment]  # Twisted leaves Service.name untyped (None)
@@ -237,7 +239,7 @@ class ProcessService(MultiService):
 
 
 def local_fleet(config: Config) -> ConfiguredNodes:
-    """Without --nodes, this machine's engine is the fleet (design 3).
+    """Without --nodes, this machine's engine is the fleet (docs/references.md#standalone-fleet).
 
     The engine is looked for on its own client-facing port, or on its relocated port when the
     facade itself sits on the client-facing one.
@@ -254,7 +256,8 @@ def local_fleet(config: Config) -> ConfiguredNodes:
 
 
 class Standalone(MultiService):
-    """Standalone mode: the ``--engine`` facades and the fleet they route to (design 3, 4).
+    """Standalone mode: the ``--engine`` facades and the fleet they route to
+    (docs/references.md#standalone-fleet, #nodes-file).
 
     Facades are bound and the nodes file read before the reactor runs, so a taken port or a
     bad file stops start-up with one clear line; the nodes-file watch is a child.
@@ -319,7 +322,8 @@ class Standalone(MultiService):
 
 
     def warn_self(self) -> None:
-        """Name every node that is this proxy's own facade, once per change (protocol 3)."""
+        """Name every node that is this proxy's own facade, once per change
+        (docs/references.md#self-by-address)."""
         found = frozenset((service.name, node.id, node.port) for service in self.facades
                           for node in service.facade.router.nodes.all() if node.local)
         for engine_id, node_id, port in sorted(found - self.warned_self):
@@ -339,7 +343,7 @@ def stop_once(reactor) -> None:
 
 
 def stop_on_signals(reactor) -> None:
-    """SIGTERM and SIGINT are orderly stops here (protocol 1: exit 0).
+    """SIGTERM and SIGINT are orderly stops here (docs/references.md#shutdown-order: exit 0).
 
     The reactor's own handlers remember the signal, and twistd re-raises it once shutdown
     has finished, so the process would die by signal (status 143) after a clean shutdown.
@@ -356,7 +360,7 @@ def stop_on_signals(reactor) -> None:
 
 
 def claim_stdout() -> int:
-    """Give the link the real stdout and point fd 1 at stderr (design 3).
+    """Give the link the real stdout and point fd 1 at stderr (docs/references.md#stdout-for-link).
 
     After this, a stray print or a library writing to stdout lands in the log, never in the
     middle of a JSON-RPC line.
@@ -370,7 +374,8 @@ def claim_stdout() -> int:
 
 
 def connect_ipc(path: str):
-    """Connect to the broker's socket at start-up; failure is one clear line (decision 18)."""
+    """Connect to the broker's socket at start-up; failure is one clear line
+    (docs/references.md#ready-and-ipc)."""
     import socket
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
@@ -383,7 +388,8 @@ def connect_ipc(path: str):
 
 
 class LinkService(Service):
-    """The broker link: stdio (the claimed fd 1) or the ``--ipc`` socket (protocol 1)."""
+    """The broker link: stdio (the claimed fd 1) or the ``--ipc`` socket
+    (docs/references.md#rpc-transport)."""
 
     name = "link"  # type: ignore[assignment]  # Twisted leaves Service.name untyped (None)
 
@@ -420,7 +426,7 @@ class LinkService(Service):
         return bool(self.running and self.link.is_open())
 
     def _closed(self) -> None:
-        """EOF ends the process (protocol 1), unless it is already ending."""
+        """EOF ends the process (docs/references.md#shutdown-order), unless it is already ending."""
         if self.running and self.parent is not None and self.parent.running:
             log.info("broker link closed; shutting down")
             stop_once(self.reactor)
@@ -444,7 +450,8 @@ class LinkService(Service):
 
 
 def lan_gate(config: Config, reactor):
-    """The opt-in LAN keys every facade's listener asks (issue 11), the same in both modes."""
+    """The opt-in LAN keys every facade's listener asks (docs/references.md#lan-keys), the same in
+    both modes."""
     from .apikeys import KeyStore, LanGate
     return LanGate(KeyStore(reactor, env=config.api_keys, path=config.api_keys_file),
                    allowed=list(config.allowed_cidrs))
@@ -452,8 +459,8 @@ def lan_gate(config: Config, reactor):
 
 def add_admin(root: ProcessService, runtime: Runtime, config: Config, reactor,
               mode: str) -> None:
-    """The admin listener (issue 12), when ``--admin`` asks for it: it reads the tree's
-    snapshots and the runtime's recorder (made whenever ``--admin`` is given)."""
+    """The admin listener (docs/references.md#admin-listener), when ``--admin`` asks for it: it
+    reads the tree's snapshots and the runtime's recorder (made whenever ``--admin`` is given)."""
     if config.admin is not None:
         from .admin import AdminService
         from .recorder import Recorder

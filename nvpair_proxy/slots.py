@@ -1,4 +1,5 @@
-"""The local engine's parallel slots, as a newer broker relays them (protocol 3).
+"""The local engine's parallel slots, as a newer broker relays them
+(docs/references.md#local-slots).
 
 ``node/set-local-backend`` may carry ``slots: {"default": n, "models": {"<model>": n}}``:
 how many requests the engine on this node runs at once, overall and per model, as the engine

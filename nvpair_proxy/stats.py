@@ -1,19 +1,20 @@
-"""Tail-only reading of a response body as it streams to the client (design 6 and 7).
+"""Tail-only reading of a response body as it streams to the client
+(docs/references.md#terminal-frames, #stats-sources).
 
 The proxy hands every relayed chunk to a :class:`BodyObserver`, the composition of two ideas,
 each in its own module:
 
 * :mod:`nvpair_proxy.frames`: the framing, the terminal frame and the stream events, and the
   bounded tail the body leaves behind. :attr:`BodyObserver.terminal_seen` answers whether the
-  stream's terminal frame has arrived (design 6): a client that closes after it is
-  ``completed``, not ``cancelled``.
+  stream's terminal frame has arrived (docs/references.md#terminal-frames): a client that closes
+  after it is ``completed``, not ``cancelled``.
 * :mod:`nvpair_proxy.tokens`: the token figures read from that tail.
   :meth:`BodyObserver.measure` gives the ``stats`` block of the terminal workload event
-  (spec 5.5, design 7, decision 12) when the response ends.
+  (docs/references.md#stats-block, #stats-sources, #engine-decode-rate) when the response ends.
 
 The observer never keeps the body: the last :data:`TAIL_LIMIT` bytes at most. Reading the tail
-of a body is allowed; logging it is not (spec 9). These modules log nothing, and an observer's
-``repr`` never shows body bytes.
+of a body is allowed; logging it is not (docs/references.md#no-content-logging). These modules log
+nothing, and an observer's ``repr`` never shows body bytes.
 """
 
 from __future__ import annotations
@@ -63,7 +64,8 @@ class BodyObserver:
 
     @property
     def terminal_seen(self) -> bool:
-        """Whether the body's terminal frame has arrived (design 6). Sticky once true."""
+        """Whether the body's terminal frame has arrived (docs/references.md#terminal-frames).
+        Sticky once true."""
         return self._frames.terminal_seen
 
     @property

@@ -2,9 +2,9 @@
 
 A ProcessView asks its source (the service tree, IStatusSource) for one frozen snapshot per
 read (views.py) and joins it with the Recorder's counts, so nothing here runs on the request
-path or reaches into a live object. ``/status`` carries operational metadata only (spec 9):
-node ids, addresses and advertised models, counts and times, and for recent requests the
-engine, model, node, outcome and timings, never a body.
+path or reaches into a live object. ``/status`` carries operational metadata only
+(docs/references.md#no-content-logging): node ids, addresses and advertised models, counts and
+times, and for recent requests the engine, model, node, outcome and timings, never a body.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""A committed response on its way to the client (spec 5.2, design 6, 7 and 11).
+"""A committed response on its way to the client (docs/references.md#first-byte-commit,
+#terminal-frames, #stats-sources and #dead-client-deadline).
 
 Built once a node commits, a :class:`Stream` owns everything that lives only while a body
 streams: the producer the client connection sees (backpressure and the dead-client deadline),
@@ -38,9 +39,11 @@ class Happened(enum.Enum):
     #: The upstream was silent for the idle limit; it is closed next, and the stream then
     #: reports UPSTREAM_DONE with :attr:`Stream.idle_note` set.
     UPSTREAM_IDLE = "upstream idle"
-    #: The client took nothing for the dead-client deadline (design 11).
+    #: The client took nothing for the dead-client deadline
+    #: (docs/references.md#dead-client-deadline).
     CLIENT_STALLED = "client stalled"
-    #: A bug while relaying a chunk; ``failure`` has its traceback (spec 3.2).
+    #: A bug while relaying a chunk; ``failure`` has its traceback
+    #: (docs/references.md#request-containment).
     CRASHED = "crashed"
 
 
@@ -58,8 +61,8 @@ class Stream:
 
     ``terminal`` is the route's terminal frame rule (None: no rule); ``idle_limit`` 0 keeps
     a silent upstream open (the spec's behaviour); ``activity`` reports bytes from the node and
-    answers the time before which reporting again is moot (protocol 4); ``report`` hears every
-    :class:`StreamEvent`.
+    answers the time before which reporting again is moot (docs/references.md#node-activity);
+    ``report`` hears every :class:`StreamEvent`.
     """
 
     def __init__(self, request: Request, committed: Committed, *, clock: IReactorTime,
@@ -115,14 +118,15 @@ class Stream:
             self.bytes_written += len(data)
             self.request.write(data)
             if now >= self.activity_due:
-                # The throttle says when this node may next be reported (protocol 4): until
-                # then a chunk costs only this comparison.
+                # The throttle says when this node may next be reported
+                # (docs/references.md#node-activity): until then a chunk costs only this comparison.
                 self.activity_due = self.activity(self.node_id)
         except Exception:
             self.report(StreamEvent(Happened.CRASHED, Failure()))
 
     def upstream_done(self, reason: Failure) -> None:
-        """The body ended; cleanly or not, a committed request is the caller's (spec 1.1)."""
+        """The body ended; cleanly or not, a committed request is the caller's
+        (docs/references.md#caller-promise)."""
         if self.stopped:
             return
         self.request.unregisterProducer()
@@ -137,15 +141,16 @@ class Stream:
     # What the stream knows when the request ends.
 
     def delivered_terminal(self) -> bool:
-        """Design 6: the stream's terminal frame, or its declared length, reached the client."""
+        """The stream's terminal frame, or its declared length, reached the client
+        (docs/references.md#terminal-frames)."""
         if self.observer is not None and self.observer.terminal_seen:
             return True
         length = self.committed.response.length
         return isinstance(length, int) and self.bytes_written >= length
 
     def measure(self, admitted_at: float) -> dict | None:
-        """The terminal event's ``stats`` (design 7), None without an observer; may raise on a
-        body the reader cannot measure."""
+        """The terminal event's ``stats`` (docs/references.md#stats-sources), None without an
+        observer; may raise on a body the reader cannot measure."""
         if self.observer is None:
             return None
         return self.observer.measure(admitted_at=admitted_at, first_byte_at=self.first_byte_at,
@@ -173,7 +178,8 @@ class Stream:
 
     def _upstream_idle(self) -> None:
         """A committed engine went silent: close it; the client sees a truncated body and
-        the workload stays completed (spec 1.1), with the note on ``proxy/request``."""
+        the workload stays completed (docs/references.md#caller-promise), with the note on
+        ``proxy/request``."""
         self.idle_note = f"upstream sent nothing for {self.idle_limit:g}s after commit"
         self.report(StreamEvent(Happened.UPSTREAM_IDLE))
         self.committed.relay.abort()

@@ -1,8 +1,10 @@
-"""Token figures: the ``stats`` block of a workload, read from the tail of its body (design 7).
+"""Token figures: the ``stats`` block of a workload, read from the tail of its body
+(docs/references.md#stats-sources).
 
 :func:`measure` reads once, when the response ends, from the bounded tail that
 :class:`nvpair_proxy.frames.FrameReader` kept, plus its count of stream events. Reading the
-tail of a body is allowed; logging it is not (spec 9): this module logs nothing.
+tail of a body is allowed; logging it is not (docs/references.md#no-content-logging): this module
+logs nothing.
 
 * ``completionTokens``: OpenAI ``usage.completion_tokens``, else Anthropic and OpenAI Responses
   ``usage.output_tokens``, else Ollama ``eval_count``, else llama.cpp ``timings.predicted_n``,
@@ -18,10 +20,10 @@ tail of a body is allowed; logging it is not (spec 9): this module logs nothing.
   OpenAI Responses stream reports both counts once, in ``response.usage`` of its last event
   (``response.completed``), and a non-streaming Responses object in its top-level ``usage``:
   the same keys, so the same reading; the ``"usage": null`` of ``response.created`` is skipped.
-* ``tokensPerSecond``: the engine's own decode rate when it reports one (decision 12): Ollama
-  ``eval_count / (eval_duration / 1e9)``, llama.cpp ``timings.predicted_per_second``; else
-  completion tokens over first body byte to end. Rounded to one decimal; omitted when neither
-  is available (no first byte, or a zero interval).
+* ``tokensPerSecond``: the engine's own decode rate when it reports one
+  (docs/references.md#engine-decode-rate): Ollama ``eval_count / (eval_duration / 1e9)``, llama.cpp
+  ``timings.predicted_per_second``; else completion tokens over first body byte to end. Rounded to
+  one decimal; omitted when neither is available (no first byte, or a zero interval).
 * ``ttftMs``: ``round((first_byte_at - admitted_at) * 1000)``, omitted without a first byte.
 * ``estimated``: present, and ``True``, only for a counted completion figure.
 

@@ -1,4 +1,5 @@
-"""The cluster directory and the pinned mutual TLS built on it (spec 7, protocol 6).
+"""The cluster directory and the pinned mutual TLS built on it
+(docs/references.md#listener-personalities, #cluster-pins).
 
 The proxy builds no trust of its own: the cluster manager writes this node's identity and
 one pin per peer, and this module only reads them. A peer is trusted when its certificate is
@@ -83,7 +84,8 @@ class ClusterDirectory:
 
     @property
     def member(self) -> bool:
-        """Protocol 6: an identity, and either an admission with a cluster and epoch or a pin."""
+        """An identity, and either an admission with a cluster and epoch or a pin
+        (docs/references.md#cluster-membership)."""
         if self.identity is None:
             return False
         admitted = bool(self.admission.get("clusterId")) and bool(self.admission.get("epoch"))
@@ -97,7 +99,8 @@ class ClusterDirectory:
         return len(self.pins) if self.member else 0
 
     def trusts(self, der: bytes) -> bool:
-        """A client certificate is a pinned member's, or our own (per request, protocol 6)."""
+        """A client certificate is a pinned member's, or our own (per request,
+        docs/references.md#cluster-pins)."""
         if not self.member or not der or self.identity is None:  # no identity: no member
             return False
         candidates = list(self.pins.values()) + [self.identity.der]
@@ -229,7 +232,8 @@ class ClusterDirectory:
         return certificate.public_bytes(Encoding.DER)
 
     def check(self) -> None:
-        """Re-derive now if any file changed (spec 7: per request as well as on the watch).
+        """Re-derive now if any file changed (docs/references.md#pins-per-request: per request as
+        well as on the watch).
 
         A handful of stat calls; the files are read again only when one of them changed.
         """
@@ -337,7 +341,8 @@ def tls_ingress(directory: ClusterDirectory, site, clock: IReactorTime) -> Calla
 
 
 class PeerAgents:
-    """One pooled HTTPS transport per pinned peer (protocol 6), closed at shutdown."""
+    """One pooled HTTPS transport per pinned peer (docs/references.md#peer-transport), closed at
+    shutdown."""
 
     def __init__(self, reactor, directory: ClusterDirectory, connect_timeout: float,
                  idle_timeout: float, keepalive: float = 0.0) -> None:
@@ -347,7 +352,8 @@ class PeerAgents:
 
     def for_node(self, node):
         """The peer's agent for its current pin: a rotated pin gets a fresh pool, so no
-        connection verified against the old pin is ever reused (protocol 6)."""
+        connection verified against the old pin is ever reused
+        (docs/references.md#peer-transport)."""
         pin = self.directory.pin(node.cluster_uuid)
         entry = self._agents.get(node.cluster_uuid)
         if entry is not None and entry[1] != pin:

@@ -1,4 +1,5 @@
-"""The one place the proxy touches a private Twisted attribute, and why (issue 9).
+"""The one place the proxy touches a private Twisted attribute, and why
+(docs/references.md#twisted-workarounds).
 
 The upstream behaviour worked around, in ``twisted.web.http.HTTPChannel`` (Twisted 26.10):
 ``pauseProducing`` sets ``_waitingForTransport`` and pauses only the producer registered at that
