@@ -1,10 +1,11 @@
 """Late binding: requests wait here, in the proxy, for a free slot on any owner.
 
 A request sent to an engine whose slots are all busy waits inside that engine, where nothing
-can move it even when another node frees first (spec 5.7 calls those queues invisible and
-un-retargetable). One queue in front of several servers beats a queue per server, so when
-every owner with a known slot count is full a request waits in its facade's queue instead,
-and is dispatched to the first owner that frees (docs/decisions.md#late-binding).
+can move it even when another node frees first (those queues are invisible and
+un-retargetable: docs/references.md#engine-queues). One queue in front of several servers
+beats a queue per server, so when every owner with a known slot count is full a request waits
+in its facade's queue instead, and is dispatched to the first owner that frees
+(docs/decisions.md#late-binding).
 
 Waiting costs no attempt and holds no reservation. Requests wait in arrival order per model,
 with failovers ahead of new arrivals. The whole queue keeps one timer, for the earliest
