@@ -137,6 +137,23 @@ class TargetAndFramingTests(WorldTestCase):
         body = self.refused(w, b"CONNECT 127.0.0.1:2000 HTTP/1.1\r\nHost: x\r\n\r\n")
         self.assertEqual(body, {"error": "invalid request target: CONNECT is not supported"})
 
+    def test_an_escaped_slash_or_backslash_in_the_path_is_refused(self):
+        # Gin and cpp-httplib decode the path before routing: /api%2Fchat would be served as
+        # /api/chat while we classified it as no route (no model filter, workload or gate).
+        w = self.world()
+        w.add("a")
+        for target in (b"/api%2Fchat", b"/api%2fchat", b"/api%5Cchat", b"/api%5cchat",
+                       b"http://x/v1%2Fchat/completions", b"/x/..%2Fapi/chat?q=1"):
+            body = self.refused(w, request_bytes("POST", target.decode(), {"model": "llama3"}))
+            self.assertEqual(body, {"error": "invalid request target: an escaped / or \\ in "
+                                             "the path"}, target)
+        # In the query it is data, not a separator: sent as it came.
+        client = w.connect()
+        client.protocol.dataReceived(request_bytes("GET", "/api/tags?next=%2Fa%5Cb"))
+        self.assertEqual(w.agent.last.uri, b"http://10.0.0.1:11434/api/tags?next=%2Fa%5Cb")
+        w.agent.last.respond(200, body=b'{"models":[]}', finish=True)
+        self.assertEqual(client.response().status, 200)
+
     def test_an_absolute_form_target_sends_its_path_to_the_nodes_own_origin(self):
         w = self.world()
         w.add("a", port=2000)
@@ -151,7 +168,9 @@ class TargetAndFramingTests(WorldTestCase):
     def test_the_path_classified_is_the_path_sent(self):
         w = self.world()
         w.add("a")
-        for target, sent in ((b"/api/%63hat", b"/api/chat"), (b"/x/../api/./chat", b"/api/chat")):
+        for target, sent in ((b"/api/%63hat", b"/api/chat"), (b"/x/../api/./chat", b"/api/chat"),
+                             (b"/x/%2e%2E/api/%2e/chat", b"/api/chat"),
+                             (b"/x/.%2e/api/chat", b"/api/chat")):
             w.emitter.sent.clear()
             client = w.connect()
             client.protocol.dataReceived(request_bytes("POST", target.decode(),

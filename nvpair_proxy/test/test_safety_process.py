@@ -165,6 +165,9 @@ class TargetAndFramingTests(ProcessCase):
             b"POST /api/chat#x HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s"
             % (len(CHAT), CHAT),
             b"GET /api/\xc3\xa9 HTTP/1.1\r\nHost: x\r\n\r\n",
+            b"POST /api%%2Fchat HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s"
+            % (len(CHAT), CHAT),
+            b"GET /api%5cversion HTTP/1.1\r\nHost: x\r\n\r\n",
             b"POST /api/chat HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: identity\r\n\r\n"
             b"GET /api/smuggled HTTP/1.1\r\nHost: x\r\n\r\n",
         ]
@@ -185,6 +188,11 @@ class TargetAndFramingTests(ProcessCase):
                                         b"Content-Length: %d\r\n\r\n%s" % (len(CHAT), CHAT))
         self.assertEqual(received.split(b"\r\n")[0], b"POST /api/chat HTTP/1.1")
         self.assertTrue(received.endswith(b"\r\n\r\n" + CHAT))
+        # Dot segments, escaped or not, are resolved before we classify: none reaches the engine.
+        received, answer = self.through(b"POST /x/%%2e%%2E/api/./chat HTTP/1.1\r\nHost: x\r\n"
+                                        b"Content-Length: %d\r\n\r\n%s" % (len(CHAT), CHAT))
+        self.assertEqual(received.split(b"\r\n")[0], b"POST /api/chat HTTP/1.1")
+        self.assertEqual(status_of(answer), 200)
 
     def test_connection_close_with_other_tokens_closes_and_serves_no_pipelined_request(self):
         received, answer = self.through(
