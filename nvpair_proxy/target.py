@@ -3,15 +3,24 @@
 Every upstream URL is the node's origin followed by what this returns, so the target can never
 move where we dial: ``GET 7/api/version`` appended to ``http://host:2000`` would have dialled
 port 20007. And the path we classify is exactly the path we send, so no spelling of a route
-(a fragment, a dot segment, a percent-encoded letter) can reach an engine's inference route
-without the model filter, the workload and the busy gate.
+(a fragment, a dot segment, a percent-encoded letter or slash) can reach an engine's inference
+route without the model filter, the workload and the busy gate.
 
 - origin-form (``/path?query``): kept, with dot segments removed and percent-encoded
   unreserved characters decoded (RFC 3986 6.2.2: the same resource, the form engines route);
+  a dot segment spelled with escapes (``/x/%2e%2E/api/chat``) is decoded first and so removed
+  like a literal one: the path sent has no ``.`` or ``..`` segment left for an engine to
+  resolve another way, so these are served by the path they name rather than refused;
 - absolute-form (``http://authority/path?query``): its path and query, as RFC 9112 3.2.2
   requires a server to accept; the authority is never dialled;
 - asterisk-form, authority-form (``CONNECT``), anything else, a fragment, or a byte outside
-  printable ASCII: refused (400).
+  printable ASCII: refused (400);
+- a path with an encoded ``/`` or ``\\`` (``%2F``, ``%5C``, any case): refused (400). Unlike
+  the escapes above, these have no single meaning to normalise to: RFC 3986 makes ``%2F`` a
+  data octet, not a separator, but Ollama's Gin and llama.cpp's cpp-httplib decode the path
+  before routing, so ``/api%2Fchat`` (classified by us as no route, so no model filter, no
+  workload, no busy gate) would be served as ``/api/chat``. Decoding it ourselves would
+  change the resource for an engine that does not; so neither spelling is sent.
 """
 
 from __future__ import annotations
@@ -21,6 +30,8 @@ import re
 # Bytes allowed in a target: printable ASCII, no space (RFC 9112 3.2; RFC 3986 2).
 _OUTSIDE = re.compile(rb"[^\x21-\x7e]")
 _ABSOLUTE = re.compile(rb"(?i)https?://[^/?]*")
+# An escaped path separator: a slash, or a backslash (which some servers read as a slash).
+_ESCAPED_SEPARATOR = re.compile(rb"%(?:2[fF]|5[cC])")
 _UNRESERVED_ESCAPE = re.compile(rb"%(?:[46][1-9a-fA-F]|[57][0-9aA]|3[0-9]|2[dDeE]|5[fF]|7[eE])")
 
 
@@ -47,6 +58,8 @@ def origin_form(method: bytes, target: bytes) -> bytes:
             target = b"/" + target
     path, mark, query = target.partition(b"?")
     if b"%" in path:
+        if _ESCAPED_SEPARATOR.search(path):
+            raise BadTarget("an escaped / or \\ in the path")
         path = _UNRESERVED_ESCAPE.sub(lambda m: bytes([int(m.group()[1:], 16)]), path)
     if b"/." in path:
         path = remove_dot_segments(path)

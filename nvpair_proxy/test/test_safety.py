@@ -1,17 +1,45 @@
 """Safety (README "Routing: self and loops"): no request comes back to us without end, the
 target we are sent never moves where we dial, and one model is one record.
 
-In memory, through a facade's real listener and channel, on fakes; the same cases against the
-running process, with what a raw engine received, are in ``test_safety_process``.
+In memory, through a facade's real listener and channel, on fakes; standalone mode's self
+node through the tree the plugin builds, on a MemoryReactorClock, with the real address check;
+the same cases against the running process, with what a raw engine received, are in
+``test_safety_process``.
 """
 
 from __future__ import annotations
 
+import os
+import socket
 
-from nvpair_proxy.selfcheck import SelfCheck
+from twisted.internet.testing import MemoryReactorClock
+from twisted.logger import formatEvent
+from twisted.trial.unittest import SkipTest, SynchronousTestCase
+
+from nvpair_proxy import logs
+from nvpair_proxy.options import Options
+from nvpair_proxy.selfcheck import SelfCheck, is_local_address
+from nvpair_proxy.service import standalone_tree
+from nvpair_proxy.test.support import LogCapture
 from nvpair_proxy.test.world import WorldTestCase, request_bytes
 
 OWN_PORT = 11435
+
+
+def primary_ipv4() -> str:
+    """This host's primary IPv4 address: the source of a route to TEST-NET-1 (a UDP connect
+    sends nothing); SkipTest when there is no such route or it is loopback."""
+    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        probe.connect(("192.0.2.1", 9))
+        address = probe.getsockname()[0]
+    except OSError as exc:
+        raise SkipTest(f"no IPv4 route off this host: {exc}")
+    finally:
+        probe.close()
+    if address == "0.0.0.0" or address.startswith("127."):
+        raise SkipTest(f"no IPv4 address off loopback (route source {address})")
+    return address
 
 
 class LoopGuardTests(WorldTestCase):
@@ -91,6 +119,89 @@ class SelfNodeTests(WorldTestCase):
         self.assertEqual([n.id for n in w.facade.router.routable()], ["me"])
 
 
+class LocalAddressTests(SynchronousTestCase):
+    """The real check (selfcheck.is_local_address), which the other tests replace by a stub."""
+
+    def test_loopback_is_local_and_test_net_is_not(self):
+        self.assertIs(is_local_address("127.0.0.1"), True)
+        self.assertIs(is_local_address("192.0.2.1"), False)  # TEST-NET-1: never on a host
+
+    def test_the_hosts_primary_address_is_local(self):
+        self.assertIs(is_local_address(primary_ipv4()), True)
+
+
+def node_toml(node_id: str, address: str, port: int) -> str:
+    return (f'[[node]]\nid = "{node_id}"\naddress = "{address}"\n'
+            f'[node.engines.ollama]\nport = {port}\nmodels = ["llama3:latest"]\n')
+
+
+class StandaloneSelfTests(SynchronousTestCase):
+    """Standalone mode as the plugin builds it (standalone_tree on a MemoryReactorClock, the
+    real self check and nodes-file watch): which nodes-file nodes are this facade, and the
+    warning that names them, once per change."""
+
+    def setUp(self) -> None:
+        self.addCleanup(logs.set_level, logs.level_name())
+        self.folder = os.path.abspath(self.mktemp())
+        os.makedirs(self.folder)
+        self.nodes = os.path.join(self.folder, "nodes.toml")
+        self.stamp = 10**18
+
+    def write(self, *nodes: str) -> None:
+        """The nodes file, with a new mtime each time (so every write is a change)."""
+        with open(self.nodes, "w") as handle:
+            handle.write("".join(nodes))
+        self.stamp += 10**9
+        os.utime(self.nodes, ns=(self.stamp, self.stamp))
+
+    def start(self):
+        options = Options()
+        options.parseOptions(["--engine", f"ollama:{OWN_PORT}", "--nodes", self.nodes,
+                              "--state-dir", self.folder])
+        self.reactor = MemoryReactorClock()
+        root = standalone_tree(options.config, self.reactor)
+        root.privilegedStartService()
+        return root
+
+    def test_a_node_at_this_hosts_address_on_the_facades_port_is_dropped(self):
+        address = primary_ipv4()
+        self.write(node_toml("me-by-lan", address, OWN_PORT), node_toml("engine", address, 11434))
+        router = self.start().facades["ollama"].facade.router
+        self.assertEqual([n.id for n in router.routable()], ["engine"])
+        self.assertEqual([(n.id, n.local) for n in router.nodes.all()],
+                         [("engine", False), ("me-by-lan", True)])
+
+    def test_the_self_node_is_warned_about_once_per_change(self):
+        me, other = node_toml("me", "127.0.0.1", OWN_PORT), node_toml("other", "10.0.0.9", 11434)
+        self.write(me)
+        log = LogCapture(self, level="info")
+        root = self.start()
+        watcher = root.getServiceNamed("standalone").watcher
+        watcher.startService()
+        self.addCleanup(watcher.stopService)
+
+        def warnings() -> list[str]:
+            return [formatEvent(e) for e in log.at("warn")]
+
+        def reloads() -> int:
+            return sum("nodes file reloaded" in formatEvent(e) for e in log.at("info"))
+
+        once = [f"node me is left out of the ollama fleet: it is this proxy's own ollama facade "
+                f"(port {OWN_PORT}); a request sent there would come back here"]
+        self.assertEqual(warnings(), once)
+        self.write(me, other)  # another node: the self node did not change
+        self.reactor.advance(2)
+        self.assertEqual(reloads(), 1)
+        self.assertEqual(warnings(), once)
+        self.write(node_toml("me", "127.0.0.1", 11434), other)  # moved away: not self
+        self.reactor.advance(2)
+        self.assertEqual(warnings(), once)
+        self.write(me, other)  # and back: a change, warned again
+        self.reactor.advance(2)
+        self.assertEqual(reloads(), 3)
+        self.assertEqual(warnings(), once * 2)
+
+
 class ModelListDedupeTests(WorldTestCase):
     def test_ollama_native_list_is_one_record_per_normalised_name(self):
         w = self.world()
@@ -137,6 +248,23 @@ class TargetAndFramingTests(WorldTestCase):
         body = self.refused(w, b"CONNECT 127.0.0.1:2000 HTTP/1.1\r\nHost: x\r\n\r\n")
         self.assertEqual(body, {"error": "invalid request target: CONNECT is not supported"})
 
+    def test_an_escaped_slash_or_backslash_in_the_path_is_refused(self):
+        # Gin and cpp-httplib decode the path before routing: /api%2Fchat would be served as
+        # /api/chat while we classified it as no route (no model filter, workload or gate).
+        w = self.world()
+        w.add("a")
+        for target in (b"/api%2Fchat", b"/api%2fchat", b"/api%5Cchat", b"/api%5cchat",
+                       b"http://x/v1%2Fchat/completions", b"/x/..%2Fapi/chat?q=1"):
+            body = self.refused(w, request_bytes("POST", target.decode(), {"model": "llama3"}))
+            self.assertEqual(body, {"error": "invalid request target: an escaped / or \\ in "
+                                             "the path"}, target)
+        # In the query it is data, not a separator: sent as it came.
+        client = w.connect()
+        client.protocol.dataReceived(request_bytes("GET", "/api/tags?next=%2Fa%5Cb"))
+        self.assertEqual(w.agent.last.uri, b"http://10.0.0.1:11434/api/tags?next=%2Fa%5Cb")
+        w.agent.last.respond(200, body=b'{"models":[]}', finish=True)
+        self.assertEqual(client.response().status, 200)
+
     def test_an_absolute_form_target_sends_its_path_to_the_nodes_own_origin(self):
         w = self.world()
         w.add("a", port=2000)
@@ -151,7 +279,9 @@ class TargetAndFramingTests(WorldTestCase):
     def test_the_path_classified_is_the_path_sent(self):
         w = self.world()
         w.add("a")
-        for target, sent in ((b"/api/%63hat", b"/api/chat"), (b"/x/../api/./chat", b"/api/chat")):
+        for target, sent in ((b"/api/%63hat", b"/api/chat"), (b"/x/../api/./chat", b"/api/chat"),
+                             (b"/x/%2e%2E/api/%2e/chat", b"/api/chat"),
+                             (b"/x/.%2e/api/chat", b"/api/chat")):
             w.emitter.sent.clear()
             client = w.connect()
             client.protocol.dataReceived(request_bytes("POST", target.decode(),

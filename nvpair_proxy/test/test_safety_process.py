@@ -9,6 +9,7 @@ import http.client
 import json
 import os
 import socket
+import time
 
 from twisted.trial.unittest import SynchronousTestCase
 
@@ -21,6 +22,19 @@ LOOP = {"error": "forwarding loop: this request already passed through this prox
 
 def descriptors(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+# "An immediate answer": a loop that ran until the client gave up would take the client's 20 s.
+# A generous bound on a hang, not a benchmark: the answer takes milliseconds; 5 s leaves room
+# for a loaded machine.
+IMMEDIATE = 5.0
+
+
+def timed_chat(port: int) -> tuple[tuple[int, dict], float]:
+    """post_chat's answer, and the seconds it took."""
+    started = time.monotonic()
+    answer = post_chat(port)
+    return answer, time.monotonic() - started
 
 
 def post_chat(port: int, path: str = "/api/chat") -> tuple[int, dict]:
@@ -49,8 +63,10 @@ class SelfAndLoopTests(ProcessCase):
         proc = start_standalone(self, ["--engine", f"ollama:{port}", "--nodes", nodes,
                                        "--admin", f"127.0.0.1:{admin}"], logfile=log)
         resting = descriptors(proc.pid)
-        self.assertEqual(post_chat(port), (502, {
+        answer, took = timed_chat(port)
+        self.assertEqual(answer, (502, {
             "error": "no available node advertises the requested model"}))
+        self.assertLess(took, IMMEDIATE)
         self.assertLessEqual(descriptors(proc.pid), resting + 2)
         conn = http.client.HTTPConnection("127.0.0.1", admin, timeout=10)
         conn.request("GET", "/status")
@@ -71,7 +87,9 @@ class SelfAndLoopTests(ProcessCase):
         a = start_standalone(self, ["--engine", f"ollama:{port_a}", "--nodes", nodes_a])
         b = start_standalone(self, ["--engine", f"ollama:{port_b}", "--nodes", nodes_b])
         resting = descriptors(a.pid) + descriptors(b.pid)
-        self.assertEqual(post_chat(port_a), (508, LOOP))
+        answer, took = timed_chat(port_a)
+        self.assertEqual(answer, (508, LOOP))
+        self.assertLess(took, IMMEDIATE)
         conn = http.client.HTTPConnection("127.0.0.1", port_b, timeout=20)
         conn.request("GET", "/api/tags")
         self.assertEqual(conn.getresponse().status, 503)  # B's only node is A: a loop, skipped
@@ -165,6 +183,9 @@ class TargetAndFramingTests(ProcessCase):
             b"POST /api/chat#x HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s"
             % (len(CHAT), CHAT),
             b"GET /api/\xc3\xa9 HTTP/1.1\r\nHost: x\r\n\r\n",
+            b"POST /api%%2Fchat HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s"
+            % (len(CHAT), CHAT),
+            b"GET /api%5cversion HTTP/1.1\r\nHost: x\r\n\r\n",
             b"POST /api/chat HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: identity\r\n\r\n"
             b"GET /api/smuggled HTTP/1.1\r\nHost: x\r\n\r\n",
         ]
@@ -185,6 +206,11 @@ class TargetAndFramingTests(ProcessCase):
                                         b"Content-Length: %d\r\n\r\n%s" % (len(CHAT), CHAT))
         self.assertEqual(received.split(b"\r\n")[0], b"POST /api/chat HTTP/1.1")
         self.assertTrue(received.endswith(b"\r\n\r\n" + CHAT))
+        # Dot segments, escaped or not, are resolved before we classify: none reaches the engine.
+        received, answer = self.through(b"POST /x/%%2e%%2E/api/./chat HTTP/1.1\r\nHost: x\r\n"
+                                        b"Content-Length: %d\r\n\r\n%s" % (len(CHAT), CHAT))
+        self.assertEqual(received.split(b"\r\n")[0], b"POST /api/chat HTTP/1.1")
+        self.assertEqual(status_of(answer), 200)
 
     def test_connection_close_with_other_tokens_closes_and_serves_no_pipelined_request(self):
         received, answer = self.through(
