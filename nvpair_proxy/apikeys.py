@@ -270,11 +270,6 @@ class LanGate:
         while len(self._failures) >= MAX_SOURCES:
             del self._failures[next(iter(self._failures))]
 
-    def failures(self, host: str) -> int:
-        """Failed attempts from ``host`` in its current window."""
-        entry = self._failures.get(host)
-        return 0 if entry is None else entry[1]
-
 
 def _any_matches(offered: list[bytes], digests: list[bytes]) -> bool:
     """Every presented key against every configured key, without stopping at a match."""

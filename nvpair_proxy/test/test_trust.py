@@ -214,6 +214,7 @@ class PinnedTLSTests(TestCase):
     @inlineCallbacks
     def test_lan_keys_leave_mtls_peers_alone(self):
         from nvpair_proxy.apikeys import KeyStore, LanGate
+        from nvpair_proxy.test.support import failures
         gate = LanGate(KeyStore(Clock(), env="lan-key-" + "K" * 32))
         self.serve(lan=gate)
         response = yield self.post(self.agent(self.a_dir))  # no key: a pinned peer needs none
@@ -222,7 +223,7 @@ class PinnedTLSTests(TestCase):
         self.assertEqual(self.engine.served, [("POST", "/api/chat")])
         response, body = yield self.post_as_stranger()
         self.assertEqual((response.code, body["code"]), (403, "cluster-auth"))
-        self.assertEqual(gate.failures("127.0.0.1"), 0)
+        self.assertEqual(failures(gate, "127.0.0.1"), 0)
         # Real peers are not loopback: from a LAN address a handshake still goes to the TLS
         # ingress (the pin decides), and only plaintext meets the key gate.
         peer = IPv4Address("TCP", "192.168.1.20", 40000)
