@@ -30,7 +30,7 @@ ORDER = (
     # Foundations: no knowledge of engines, nodes or requests.
     "constants", "enginetruth", "views", "interfaces", "timers", "logs", "logformat", "files", "validate",
     "hopbyhop", "loopguard", "selfcheck", "target",
-    "requestbody", "relay", "frames", "tokens", "stats", "reservations", "twisted_workarounds", "sdnotify",
+    "requestbody", "relay", "frames", "tokens", "reservations", "twisted_workarounds", "sdnotify",
     "responsewire", "pool", "client",
     # The model: engines, nodes, the link's framing, events, trust.
     "engines", "discovery", "selection", "slots", "ports", "rpc", "aliases", "answers",
@@ -47,7 +47,7 @@ ORDER = (
 
 # Plain bookkeeping the request path drives: no Twisted at all (design 1b).
 NO_TWISTED = ("constants", "enginetruth", "views", "files", "validate", "selfcheck", "target", "reservations", "engines", "selection", "slots",
-              "frames", "tokens", "stats", "responsewire")
+              "frames", "tokens", "responsewire")
 
 
 def product_modules() -> list[str]:
