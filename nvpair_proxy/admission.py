@@ -15,6 +15,7 @@ from twisted.internet.interfaces import IReactorTime
 from twisted.web.iweb import IAgent
 
 from .discovery import Node
+from .memo import Memo
 from .trust import ClusterDirectory, PeerAgents
 
 # Pins are re-derived per request (spec 7); one stat pass serves a burst of resolutions.
@@ -34,7 +35,8 @@ class Admission:
     # The node as admitted, per discovered node and what decided it (the backend, or that a
     # pin exists): the decision is made at every call, the admitted copy made once
     # (issue 10: a copy per request re-parsed its addresses).
-    _made: dict = attrs.field(factory=dict, init=False, repr=False)
+    _made: Memo[str, tuple[Node, object, Node]] = attrs.field(
+        factory=lambda: Memo(4096), init=False, repr=False)
 
     def __call__(self, node: Node) -> Node | None:
         if node.local:
@@ -60,9 +62,7 @@ class Admission:
         else:
             host, port = decided
             admitted = attrs.evolve(node, addresses=(host,), port=port, scheme="http")
-        if len(self._made) > 4096:
-            self._made.clear()
-        self._made[node.id] = (node, decided, admitted)
+        self._made.remember(node.id, (node, decided, admitted))
         return admitted
 
     def _recheck(self, directory: ClusterDirectory) -> None:
