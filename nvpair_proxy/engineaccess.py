@@ -36,6 +36,7 @@ from .client import Client
 from .pool import ConnectionPool
 from .files import read_regular_file
 from .logs import logger
+from .warnonce import WarnOnce
 
 if TYPE_CHECKING:  # what platformTrust and trustRootFromCertificates build; not in ssl's API
     from twisted.internet._sslverify import IOpenSSLTrustRoot
@@ -223,7 +224,7 @@ class EngineAgents:
         self.connect_timeout, self.idle_timeout = connect_timeout, idle_timeout
         self.max_idle_per_host = max_idle_per_host
         self._agents: dict[EngineTLS, Client] = {}
-        self._problems: dict[str, str] = {}
+        self._warned: WarnOnce[str] = WarnOnce()
 
     def for_node(self, node) -> IAgent:
         access = node.access
@@ -252,12 +253,11 @@ class EngineAgents:
     def tls_failed(self, node_id: str, problem: str) -> None:
         """Once per node per change of the reason: an engine whose certificate stays bad
         does not fill the log, and a new problem is still seen."""
-        if self._problems.get(node_id) != problem:
-            self._problems[node_id] = problem
+        if self._warned.new(node_id, problem):
             log.warn("TLS to node {node} failed, failing over: {why}", node=node_id, why=problem)
 
     def tls_worked(self, node_id: str) -> None:
-        if self._problems.pop(node_id, None) is not None:
+        if self._warned.clear(node_id):
             log.info("TLS to node {node} works again", node=node_id)
 
     def close(self) -> Deferred:

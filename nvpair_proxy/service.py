@@ -51,6 +51,7 @@ from .options import Config
 from .reservations import ReservationMap
 from .selfcheck import self_reason
 from .views import ProcessSnapshot
+from .warnonce import WarnOnce
 from .trust import PeerAgents
 
 log = logger()
@@ -254,9 +255,9 @@ class Standalone(MultiService):
         super().__init__()
         self.config, self.facades, self.engine_agents = config, facades, engine_agents
         self.probed: frozenset = frozenset()
-        # (engine, node, port) of the nodes last warned about as this proxy: one warning per
+        # The nodes last warned about as this proxy, per (engine, node): one warning per
         # change, not one per reload of an unchanged file.
-        self.warned_self: frozenset = frozenset()
+        self.warned_self: WarnOnce[tuple[str, str]] = WarnOnce()
         self.watcher: NodesFileWatcher | None = None
         if config.nodes:
             self.watcher = NodesFileWatcher(config.nodes, config.engines, reactor, self.apply)
@@ -309,10 +310,12 @@ class Standalone(MultiService):
         """Name every node that is this proxy's own facade, once per change (protocol 3)."""
         found = frozenset((service.name, node.id, node.port) for service in self.facades
                           for node in service.facade.router.nodes.all() if node.local)
-        for engine_id, node_id, port in sorted(found - self.warned_self):
-            log.warn("node {node} is left out of the {engine} fleet: {why}", node=node_id,
-                     engine=engine_id, why=self_reason(engine_id, port))
-        self.warned_self = found
+        for engine_id, node_id, port in sorted(found):
+            why = self_reason(engine_id, port)
+            if self.warned_self.new((engine_id, node_id), why):
+                log.warn("node {node} is left out of the {engine} fleet: {why}", node=node_id,
+                         engine=engine_id, why=why)
+        self.warned_self.retain({(e, n) for e, n, _ in found}.__contains__)
 
 
 def stop_once(reactor) -> None:

@@ -28,6 +28,7 @@ from .client import Client
 from .pool import ConnectionPool
 from .files import read_regular_file, stamp
 from .logs import logger
+from .warnonce import WarnOnce
 
 log = logger()
 
@@ -79,7 +80,7 @@ class ClusterDirectory:
     admission: dict = attrs.Factory(dict)
     pins: dict[str, bytes] = attrs.Factory(dict)
     _seen: tuple | None = None
-    _problems: dict[str, str] = attrs.Factory(dict)
+    _warned: WarnOnce[str] = attrs.Factory(WarnOnce)
 
     @property
     def member(self) -> bool:
@@ -117,9 +118,8 @@ class ClusterDirectory:
         """One line when a file goes bad (or bad in another way), none on every re-read of
         the watch while it stays so; ``None``: the file reads fine again."""
         if problem is None:
-            self._problems.pop(name, None)
-        elif self._problems.get(name) != problem:
-            self._problems[name] = problem
+            self._warned.clear(name)
+        elif self._warned.new(name, problem):
             log.warn("cluster directory {path}: {problem}", path=self.path, problem=problem)
 
     def _read_or_keep(self, name: str, read: Callable, unreadable: Callable[[OSError], str]):
@@ -206,9 +206,8 @@ class ClusterDirectory:
                 self._warn_once(f"trusted/{name}", None)
             if der is not None:
                 pins[node_uuid] = der
-        for name in [n for n in self._problems if n.startswith("trusted/")]:
-            if name[len("trusted/"):] not in names:
-                self._warn_once(name, None)
+        self._warned.retain(
+            lambda name: not name.startswith("trusted/") or name[len("trusted/"):] in names)
         self.pins = pins
 
     @staticmethod

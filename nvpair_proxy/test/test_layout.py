@@ -28,7 +28,7 @@ SCRIPT_FOLDERS = ("bench", "bin")
 
 ORDER = (
     # Foundations: no knowledge of engines, nodes or requests.
-    "constants", "enginetruth", "views", "interfaces", "timers", "logs", "logformat", "files", "validate", "memo",
+    "constants", "enginetruth", "views", "interfaces", "timers", "logs", "logformat", "files", "validate", "memo", "warnonce",
     "hopbyhop", "loopguard", "selfcheck", "target",
     "requestbody", "relay", "frames", "tokens", "reservations", "twisted_workarounds", "sdnotify",
     "responsewire", "pool", "client",
@@ -46,7 +46,7 @@ ORDER = (
 )
 
 # Plain bookkeeping the request path drives: no Twisted at all (design 1b).
-NO_TWISTED = ("constants", "enginetruth", "views", "files", "validate", "memo", "selfcheck", "target", "reservations", "engines", "selection", "slots",
+NO_TWISTED = ("constants", "enginetruth", "views", "files", "validate", "memo", "warnonce", "selfcheck", "target", "reservations", "engines", "selection", "slots",
               "frames", "tokens", "responsewire")
 
 
