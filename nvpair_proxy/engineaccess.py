@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import attrs
 from cryptography import x509
 from cryptography.hazmat.primitives.serialization import Encoding
-from OpenSSL import SSL, crypto
+from OpenSSL import SSL
 from service_identity import VerificationError
 from twisted.internet import ssl
 from twisted.internet.defer import Deferred, DeferredList
@@ -35,6 +35,7 @@ from zope.interface import implementer
 from .client import Client
 from .pool import ConnectionPool
 from .files import read_regular_file
+from .keypair import KeyPairError, load_key_pair
 from .logs import logger
 from .warnonce import WarnOnce
 
@@ -103,20 +104,13 @@ def load_tls(ca_file: str | None, cert_file: str | None, key_file: str | None) -
         cert_pem, key_pem = _read("cert_file", cert_file), _read("key_file", key_file)
         digest.update(cert_pem + key_pem)
         try:
-            certificate = crypto.load_certificate(crypto.FILETYPE_PEM, cert_pem)
-        except (crypto.Error, ValueError):
-            raise AccessError(f"cert_file {cert_file}: not a PEM certificate") from None
-        try:
-            key = crypto.load_privatekey(crypto.FILETYPE_PEM, key_pem)
-        except (crypto.Error, ValueError, TypeError):
-            raise AccessError(f"key_file {key_file}: not an unencrypted PEM private key") from None
-        try:
-            check = SSL.Context(SSL.TLS_METHOD)
-            check.use_certificate(certificate)
-            check.use_privatekey(key)
-            check.check_privatekey()
-        except SSL.Error:
-            raise AccessError(f"key_file {key_file}: does not match cert_file {cert_file}") from None
+            certificate, key = load_key_pair(cert_pem, key_pem)
+        except KeyPairError as exc:
+            raise AccessError({
+                "certificate": f"cert_file {cert_file}: not a PEM certificate",
+                "key": f"key_file {key_file}: not an unencrypted PEM private key",
+                "match": f"key_file {key_file}: does not match cert_file {cert_file}",
+            }[exc.part]) from None
         client = ssl.PrivateCertificate.fromCertificateAndKeyPair(ssl.Certificate(certificate),
                                                                   ssl.KeyPair(key))
     return EngineTLS(ca_file, cert_file, key_file, digest.digest(), trust, client)

@@ -27,6 +27,7 @@ from zope.interface import implementer
 from .client import Client
 from .pool import ConnectionPool
 from .files import read_regular_file, stamp
+from .keypair import KeyPairError, load_key_pair
 from .logs import logger
 from .warnonce import WarnOnce
 
@@ -148,13 +149,8 @@ class ClusterDirectory:
             return
         cert_pem, key_pem = pems
         try:
-            cert = crypto.load_certificate(crypto.FILETYPE_PEM, cert_pem)
-            key = crypto.load_privatekey(crypto.FILETYPE_PEM, key_pem)
-            check = SSL.Context(SSL.TLS_METHOD)
-            check.use_certificate(cert)
-            check.use_privatekey(key)
-            check.check_privatekey()
-        except (crypto.Error, SSL.Error, ValueError):
+            cert, key = load_key_pair(cert_pem, key_pem)
+        except KeyPairError:
             # Mid-rotation the manager may have replaced one file and not yet the other.
             self._warn_once("identity", "node.crt or node.key does not load or the key does "
                                         "not match; keeping the previous identity")

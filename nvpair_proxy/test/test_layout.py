@@ -34,7 +34,7 @@ ORDER = (
     "responsewire", "pool", "client",
     # The model: engines, nodes, the link's framing, events, trust.
     "engines", "discovery", "selection", "slots", "ports", "rpc", "aliases", "answers",
-    "events", "trust", "admission", "apikeys", "engineaccess",
+    "events", "keypair", "trust", "admission", "apikeys", "engineaccess",
     # Routing and one dispatch; the server side.
     "router", "attempt", "inventory", "cors", "server", "listener", "nodesfile",
     "options",
