@@ -26,14 +26,13 @@ from cryptography.hazmat.primitives.serialization import Encoding
 from OpenSSL import SSL
 from service_identity import VerificationError
 from twisted.internet import ssl
-from twisted.internet.defer import Deferred, DeferredList
+from twisted.internet.defer import Deferred
 from twisted.python.failure import Failure
 from twisted.web.http_headers import Headers
 from twisted.web.iweb import IAgent, IPolicyForHTTPS
 from zope.interface import implementer
 
-from .client import Client
-from .pool import ConnectionPool
+from .agentpools import AgentPools
 from .files import read_regular_file
 from .keypair import KeyPairError, load_key_pair
 from .logs import logger
@@ -214,10 +213,9 @@ class EngineAgents:
 
     def __init__(self, reactor, agent: IAgent, connect_timeout: float, idle_timeout: float,
                  max_idle_per_host: int = 256, keepalive: float = 0.0) -> None:
-        self.reactor, self.agent, self.keepalive = reactor, agent, keepalive
-        self.connect_timeout, self.idle_timeout = connect_timeout, idle_timeout
-        self.max_idle_per_host = max_idle_per_host
-        self._agents: dict[EngineTLS, Client] = {}
+        self.agent = agent
+        self._pools: AgentPools[EngineTLS] = AgentPools(reactor, connect_timeout, idle_timeout,
+                                                        max_idle_per_host, keepalive)
         self._warned: WarnOnce[str] = WarnOnce()
 
     def for_node(self, node) -> IAgent:
@@ -227,22 +225,19 @@ class EngineAgents:
         agent = self.agent if access.tls is None else self._tls_agent(access.tls)
         return _NodeAgent(agent, node.id, access.api_key, self)
 
+    @property
+    def keepalive(self) -> float:
+        """The TCP keepalive its clients' connections probe with (0: none)."""
+        return self._pools.keepalive
+
     def _tls_agent(self, tls: EngineTLS) -> IAgent:
-        agent = self._agents.get(tls)
-        if agent is None:
-            pool = ConnectionPool(self.reactor, max_idle_per_host=self.max_idle_per_host,
-                                  idle_timeout=self.idle_timeout)
-            agent = self._agents[tls] = Client(self.reactor, pool,
-                                               connect_timeout=self.connect_timeout,
-                                               tls=EnginePolicy(tls), keepalive=self.keepalive)
-        return agent
+        return self._pools.get(tls, lambda: EnginePolicy(tls))
 
     def retain(self, configs) -> None:
         """Forget the clients of TLS configurations no node uses any more (a node removed, a
         CA rotated): their idle connections close now; requests still on one finish, and
         their connections close as they come back."""
-        for tls in [tls for tls in self._agents if tls not in configs]:
-            self._agents.pop(tls).pool.retire()
+        self._pools.retain(lambda tls: tls in configs)
 
     def tls_failed(self, node_id: str, problem: str) -> None:
         """Once per node per change of the reason: an engine whose certificate stays bad
@@ -255,5 +250,4 @@ class EngineAgents:
             log.info("TLS to node {node} works again", node=node_id)
 
     def close(self) -> Deferred:
-        return DeferredList([agent.pool.closeCachedConnections()
-                             for agent in self._agents.values()])
+        return self._pools.close()

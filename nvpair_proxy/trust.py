@@ -24,8 +24,7 @@ from twisted.internet.interfaces import (IOpenSSLClientConnectionCreator,
 from twisted.web.iweb import IPolicyForHTTPS
 from zope.interface import implementer
 
-from .client import Client
-from .pool import ConnectionPool
+from .agentpools import AgentPools
 from .files import read_regular_file, stamp
 from .keypair import KeyPairError, load_key_pair
 from .logs import logger
@@ -336,27 +335,20 @@ class PeerAgents:
 
     def __init__(self, reactor, directory: ClusterDirectory, connect_timeout: float,
                  idle_timeout: float, keepalive: float = 0.0) -> None:
-        self.reactor, self.directory, self.keepalive = reactor, directory, keepalive
-        self.connect_timeout, self.idle_timeout = connect_timeout, idle_timeout
-        self._agents: dict[str, tuple] = {}
+        self.directory = directory
+        self._pools: AgentPools[str] = AgentPools(reactor, connect_timeout, idle_timeout,
+                                                  max_idle_per_host=16, keepalive=keepalive)
+        self._pins: dict[str, bytes | None] = {}  # per peer, the pin its pool was made for
 
     def for_node(self, node):
         """The peer's agent for its current pin: a rotated pin gets a fresh pool, so no
         connection verified against the old pin is ever reused (protocol 6)."""
-        pin = self.directory.pin(node.cluster_uuid)
-        entry = self._agents.get(node.cluster_uuid)
-        if entry is not None and entry[1] != pin:
-            entry[0].pool.retire()
-            entry = None
-        if entry is None:
-            pool = ConnectionPool(self.reactor, max_idle_per_host=16, idle_timeout=self.idle_timeout)
-            agent = Client(self.reactor, pool, connect_timeout=self.connect_timeout,
-                           tls=PinnedPolicy(self.directory, node.cluster_uuid),
-                           keepalive=self.keepalive)
-            entry = self._agents[node.cluster_uuid] = (agent, pin)
-        return entry[0]
+        uuid = node.cluster_uuid
+        pin = self.directory.pin(uuid)
+        if self._pins.get(uuid, pin) != pin:
+            self._pools.retire(uuid)
+        self._pins[uuid] = pin
+        return self._pools.get(uuid, lambda: PinnedPolicy(self.directory, uuid))
 
     def close(self):
-        from twisted.internet.defer import DeferredList
-        return DeferredList([agent.pool.closeCachedConnections()
-                             for agent, _ in self._agents.values()])
+        return self._pools.close()

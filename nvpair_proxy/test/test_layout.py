@@ -31,7 +31,7 @@ ORDER = (
     "constants", "enginetruth", "views", "interfaces", "timers", "logs", "logformat", "files", "validate", "memo", "warnonce",
     "hopbyhop", "loopguard", "selfcheck", "target",
     "requestbody", "relay", "frames", "tokens", "reservations", "twisted_workarounds", "sdnotify",
-    "responsewire", "pool", "client",
+    "responsewire", "pool", "client", "agentpools",
     # The model: engines, nodes, the link's framing, events, trust.
     "engines", "discovery", "selection", "slots", "ports", "rpc", "aliases", "answers",
     "events", "keypair", "trust", "admission", "apikeys", "engineaccess",
