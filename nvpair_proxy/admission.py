@@ -31,7 +31,6 @@ class Admission:
     directory: ClusterDirectory | None
     clock: IReactorTime
     local_backend: LocalBackend
-    checked_at: float = float("-inf")
     # The node as admitted, per discovered node and what decided it (the backend, or that a
     # pin exists): the decision is made at every call, the admitted copy made once
     # (issue 10: a copy per request re-parsed its addresses).
@@ -68,10 +67,7 @@ class Admission:
     def _recheck(self, directory: ClusterDirectory) -> None:
         """A pin that appeared or vanished counts at once, not only on the 2 s watch (spec 7);
         throttled so a burst of resolutions costs one stat pass."""
-        now = self.clock.seconds()
-        if now - self.checked_at >= TRUST_RECHECK:
-            self.checked_at = now
-            directory.check()
+        directory.check(self.clock.seconds(), TRUST_RECHECK)
 
 
 def admit_into(facade, directory: ClusterDirectory | None, local_backend: LocalBackend) -> None:

@@ -25,7 +25,7 @@ from twisted.web.iweb import IPolicyForHTTPS
 from zope.interface import implementer
 
 from .agentpools import AgentPools
-from .files import read_regular_file, stamp
+from .files import FileWatch, Stamps, read_regular_file
 from .keypair import KeyPairError, load_key_pair
 from .logs import logger
 from .warnonce import WarnOnce
@@ -79,8 +79,12 @@ class ClusterDirectory:
     identity: Identity | None = None
     admission: dict = attrs.Factory(dict)
     pins: dict[str, bytes] = attrs.Factory(dict)
-    _seen: tuple | None = None
     _warned: WarnOnce[str] = attrs.Factory(WarnOnce)
+    _watch: FileWatch = attrs.field(init=False)
+
+    @_watch.default
+    def _watch_the_directory(self) -> FileWatch:
+        return FileWatch(self._watched)
 
     @property
     def member(self) -> bool:
@@ -104,15 +108,16 @@ class ClusterDirectory:
         candidates = list(self.pins.values()) + [self.identity.der]
         return any(hmac.compare_digest(der, pinned) for pinned in candidates)
 
-    def refresh(self, seen=None) -> None:
-        """Read every file again; ``seen`` is their stamp when the caller just took it."""
-        seen = self._stamp() if seen is None else seen
+    def refresh(self, seen: Stamps | None = None) -> None:
+        """Read every file again; ``seen`` is their stamps when the caller just took them."""
+        self._watch.read(seen, self._read_all)
+
+    def _read_all(self) -> None:
         for read in (self._read_identity, self._read_admission, self._read_pins):
             try:
                 read()
             except Exception:
                 log.failure("could not read the cluster directory {path}", path=self.path)
-        self._seen = seen
 
     def _warn_once(self, name: str, problem: str | None) -> None:
         """One line when a file goes bad (or bad in another way), none on every re-read of
@@ -222,25 +227,25 @@ class ClusterDirectory:
             return None
         return certificate.public_bytes(Encoding.DER)
 
-    def check(self) -> None:
+    def check(self, now: float | None = None, every: float = 0.0) -> None:
         """Re-derive now if any file changed (spec 7: per request as well as on the watch).
 
-        A handful of stat calls; the files are read again only when one of them changed.
+        A handful of stat calls; the files are read again only when one of them changed. With
+        a clock's ``now``, at most once per ``every`` seconds.
         """
-        current = self._stamp()
-        if current != self._seen:
+        current = self._watch.changed(now, every)
+        if current is not None:
             self.refresh(current)
 
-    def _stamp(self):
-        entries = []
-        for name in ("node.crt", "node.key", "admission.json", "trusted"):
-            entries.append(stamp(os.path.join(self.path, name)))
+    def _watched(self) -> list[str]:
+        """Every file the directory holds, each pin included."""
+        paths = [os.path.join(self.path, name)
+                 for name in ("node.crt", "node.key", "admission.json", "trusted")]
         try:
             names = sorted(os.listdir(os.path.join(self.path, "trusted")))
         except OSError:
             names = []
-        entries.extend((name, stamp(os.path.join(self.path, "trusted", name))) for name in names)
-        return tuple(entries)
+        return paths + [os.path.join(self.path, "trusted", name) for name in names]
 
 
 def trust_watch(directory: ClusterDirectory, clock: IReactorTime,

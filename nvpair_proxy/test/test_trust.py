@@ -442,6 +442,17 @@ class RobustDirectoryTests(SynchronousTestCase):
         self.assertEqual(reads, [1])
         self.assertEqual(list(self.directory.pins), ["node-b"])
 
+    def test_a_check_on_a_clock_stats_at_most_once_per_interval(self):
+        from nvpair_proxy.admission import TRUST_RECHECK
+        clock = Clock()
+        self.directory.check(clock.seconds(), TRUST_RECHECK)
+        write_pin(self.folder, "node-b", make_certificate("node-b")[0])
+        self.directory.check(clock.seconds(), TRUST_RECHECK)  # a burst: one stat pass
+        self.assertEqual(list(self.directory.pins), [])
+        clock.advance(TRUST_RECHECK)
+        self.directory.check(clock.seconds(), TRUST_RECHECK)
+        self.assertEqual(list(self.directory.pins), ["node-b"])
+
     def test_a_rotated_pin_gets_a_fresh_peer_pool(self):
         write_pin(self.folder, "node-b", make_certificate("node-b")[0])
         self.directory.refresh()
@@ -469,7 +480,7 @@ class AdmissionCopiesTests(SynchronousTestCase):
             def pin(self, uuid):
                 return self.pins.get(uuid)
 
-            def check(self):
+            def check(self, now=None, every=0.0):
                 pass
 
         backend = [("127.0.0.1", 11434)]
