@@ -274,7 +274,8 @@ class BodyObserver:
 
     @property
     def terminal_seen(self) -> bool:
-        """Whether the body's terminal frame has arrived (design 6). Sticky once true."""
+        """Whether the body's terminal frame has arrived (docs/references.md#terminal-frames).
+        Sticky once true."""
         return self._frames.terminal_seen
 
     def measure(
