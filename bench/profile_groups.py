@@ -7,7 +7,7 @@ Usage: .venv/bin/python bench/profile_groups.py PROFILE.txt [--top 25]
 Each sample goes to the first frame, from the leaf up, whose file or function names a group:
   events/logging        nvpair_proxy/events.py, logs.py, twisted/logger, twisted/python/log
                         (not callWithLogger), json encoding reached from there
-  stats observer        nvpair_proxy/stats.py, frames.py, tokens.py
+  stats observer        nvpair_proxy/frames.py, tokens.py
   our exchange/dispatch nvpair_proxy/{exchange,dispatch,attempt,facade,reservations,selection,
                         discovery,deadline,hopbyhop,requestbody,answers,listener,...}.py
   twisted.web request   twisted/web/http.py, server.py, resource.py, http_headers.py, cgi/email
@@ -22,12 +22,12 @@ import collections
 import re
 import sys
 
-OURS = re.compile(r"nvpair_proxy/(?!events|logs|stats|frames|tokens)\w+\.py")
+OURS = re.compile(r"nvpair_proxy/(?!events|logs|frames|tokens)\w+\.py")
 RULES = [
     ("events/logging", re.compile(r"nvpair_proxy/(events|logs)\.py|twisted/logger/|"
                                   r"twisted/python/log\.py:(?!98|82)|"
                                   r"twisted/python/(context|failure)\.py")),
-    ("stats observer", re.compile(r"nvpair_proxy/(stats|frames|tokens)\.py")),
+    ("stats observer", re.compile(r"nvpair_proxy/(frames|tokens)\.py")),
     ("our exchange/dispatch/attempt", OURS),
     ("twisted.web request parsing/serving",
      re.compile(r"twisted/web/(http|server|resource|http_headers|_abnf)\.py|email/|cgi\.py|"

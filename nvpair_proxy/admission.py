@@ -16,6 +16,7 @@ from twisted.internet.interfaces import IReactorTime
 from twisted.web.iweb import IAgent
 
 from .discovery import Node
+from .memo import Memo
 from .trust import ClusterDirectory, PeerAgents
 
 # Pins are re-derived per request (docs/references.md#pins-per-request); one stat pass serves a
@@ -32,11 +33,11 @@ class Admission:
     directory: ClusterDirectory | None
     clock: IReactorTime
     local_backend: LocalBackend
-    checked_at: float = float("-inf")
     # The node as admitted, per discovered node and what decided it (the backend, or that a
     # pin exists): the decision is made at every call, the admitted copy made once
     # (docs/references.md#bare-proxy-cpu: a copy per request re-parsed its addresses).
-    _made: dict = attrs.field(factory=dict, init=False, repr=False)
+    _made: Memo[str, tuple[Node, object, Node]] = attrs.field(
+        factory=lambda: Memo(4096), init=False, repr=False)
 
     def __call__(self, node: Node) -> Node | None:
         if node.local:
@@ -62,19 +63,14 @@ class Admission:
         else:
             host, port = decided
             admitted = attrs.evolve(node, addresses=(host,), port=port, scheme="http")
-        if len(self._made) > 4096:
-            self._made.clear()
-        self._made[node.id] = (node, decided, admitted)
+        self._made.remember(node.id, (node, decided, admitted))
         return admitted
 
     def _recheck(self, directory: ClusterDirectory) -> None:
         """A pin that appeared or vanished counts at once, not only on the 2 s watch
         (docs/references.md#pins-per-request); throttled so a burst of resolutions costs one stat
         pass."""
-        now = self.clock.seconds()
-        if now - self.checked_at >= TRUST_RECHECK:
-            self.checked_at = now
-            directory.check()
+        directory.check(self.clock.seconds(), TRUST_RECHECK)
 
 
 def admit_into(facade, directory: ClusterDirectory | None, local_backend: LocalBackend) -> None:

@@ -28,7 +28,7 @@ from twisted.internet.interfaces import IReactorTime
 from twisted.web.http_headers import Headers
 
 from .answers import LOOPBACK_ONLY, SOURCE_NOT_ALLOWED, UNAUTHORIZED, Reason
-from .files import stamp as file_stamp
+from .files import FileWatch
 from .logs import logger
 from .validate import ip_of
 
@@ -107,8 +107,11 @@ class KeyStore:
     _env_error: str | None = None
     _file_digests: list[bytes] | None = None
     _file_error: str | None = None
-    _stamp: object = ()
-    _checked_at: float = float("-inf")
+    _watch: FileWatch = attrs.field(init=False)
+
+    @_watch.default
+    def _watch_the_file(self) -> FileWatch:
+        return FileWatch(lambda: () if self.path is None else (self.path,))
 
     def __attrs_post_init__(self) -> None:
         """Read at start-up too, so a bad key source is reported before any client comes."""
@@ -130,19 +133,14 @@ class KeyStore:
         return keys or None
 
     def _recheck(self) -> None:
-        if self.path is None:
+        path = self.path
+        if path is None:
             return
-        now = self.clock.seconds()
-        if now - self._checked_at < RECHECK_INTERVAL:
-            return
-        self._checked_at = now
-        stamp = file_stamp(self.path)
-        if stamp == self._stamp:
-            return
-        self._stamp = stamp
-        self._load(self.path, stamp)
+        before = self._watch.changed(self.clock.seconds(), RECHECK_INTERVAL)
+        if before is not None:
+            self._watch.read(before, lambda: self._load(path, before[path]))
 
-    def _load(self, path: str, stamp) -> None:
+    def _load(self, path: str, stamp: object) -> None:
         digests: list[bytes] | None = None
         error = None
         if stamp is not None:
@@ -270,11 +268,6 @@ class LanGate:
         ended, if any has): many sources at once cannot grow the map past the bound."""
         while len(self._failures) >= MAX_SOURCES:
             del self._failures[next(iter(self._failures))]
-
-    def failures(self, host: str) -> int:
-        """Failed attempts from ``host`` in its current window."""
-        entry = self._failures.get(host)
-        return 0 if entry is None else entry[1]
 
 
 def _any_matches(offered: list[bytes], digests: list[bytes]) -> bool:

@@ -26,6 +26,7 @@ from zope.interface import implementer
 from .discovery import Node, host_port
 from .engineaccess import tls_problem
 from .interfaces import IWatchedAttempt
+from .memo import Memo
 from .relay import BodyRelay, clean_end
 from .reservations import Reservation
 from .requestbody import BytesProducer
@@ -171,7 +172,7 @@ def discard(response: IResponse, clock: IReactorTime) -> None:
         drain.timer = clock.callLater(_DRAIN_TIMEOUT, drain.abort)
 
 
-_ORIGINS: dict[tuple[str, str, int], bytes] = {}
+_ORIGINS: Memo[tuple[str, str, int], bytes] = Memo(4096)
 
 
 def origin_of(scheme: str, address: str, port: int) -> bytes:
@@ -179,9 +180,7 @@ def origin_of(scheme: str, address: str, port: int) -> bytes:
     key = (scheme, address, port)
     origin = _ORIGINS.get(key)
     if origin is None:
-        if len(_ORIGINS) >= 4096:
-            _ORIGINS.clear()
-        origin = _ORIGINS[key] = f"{scheme}://{host_port(address, port)}".encode()
+        origin = _ORIGINS.remember(key, f"{scheme}://{host_port(address, port)}".encode())
     return origin
 
 

@@ -46,6 +46,7 @@ from twisted.web.iweb import (UNKNOWN_LENGTH, IAgent, IBodyProducer, IClientRequ
 from zope.interface import implementer
 
 from . import constants
+from .memo import Memo
 from .pool import ConnectionPool
 from .requestbody import BytesProducer
 from .responsewire import (CHUNKED, LENGTH, MAX_HEAD, UNTIL_CLOSE, ChunkedBody, WireError,
@@ -131,8 +132,8 @@ class Client:
         self.reactor, self.connect_timeout, self.keepalive = reactor, connect_timeout, keepalive
         self.pool = pool if pool is not None else ConnectionPool(reactor)
         self.tls = tls
-        self._origins: dict[bytes, Origin] = {}
-        self._routes: dict[bytes, tuple[Origin, bytes]] = {}
+        self._origins: Memo[bytes, Origin] = Memo(_MAX_ORIGINS)
+        self._routes: Memo[bytes, tuple[Origin, bytes]] = Memo(_MAX_ROUTES)
 
     def request(self, method: bytes, uri: bytes, headers: Headers | None = None,
                 bodyProducer: IBodyProducer | None = None) -> Deferred:
@@ -197,9 +198,7 @@ class Client:
         go to a handful of nodes on a handful of routes."""
         routed = self._routes.get(uri)
         if routed is None:
-            if len(self._routes) >= _MAX_ROUTES:
-                self._routes.clear()
-            routed = self._routes[uri] = self._split(uri)
+            routed = self._routes.remember(uri, self._split(uri))
         return routed
 
     def _split(self, uri: bytes) -> tuple[Origin, bytes]:
@@ -243,10 +242,7 @@ class Client:
         origin = Origin((parsed.scheme, host, port), host, port,
                         named if default else b"%b:%d" % (named, port), endpoint, policy,
                         self.pool)
-        if len(self._origins) >= _MAX_ORIGINS:
-            self._origins.clear()
-        self._origins[base] = origin
-        return origin
+        return self._origins.remember(base, origin)
 
 
 @implementer(IStreamClientEndpoint)

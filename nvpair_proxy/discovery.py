@@ -209,13 +209,6 @@ class NodeSet:
             self.changed()
         return node
 
-    def replace_manual(self, nodes: Iterable[Node]) -> Diff:
-        new = {n.id: self._stamp(n) for n in nodes}
-        change = diff(self.manual, new)
-        self.manual = new
-        self.changed()
-        return change
-
     def set_models(self, node_id: str, engine: Engine, models: Iterable[str]) -> None:
         """Replace a node's inventory (a probe result), wherever the node came from."""
         for table in (self.discovered, self.manual):

@@ -23,19 +23,20 @@ from typing import TYPE_CHECKING
 import attrs
 from cryptography import x509
 from cryptography.hazmat.primitives.serialization import Encoding
-from OpenSSL import SSL, crypto
+from OpenSSL import SSL
 from service_identity import VerificationError
 from twisted.internet import ssl
-from twisted.internet.defer import Deferred, DeferredList
+from twisted.internet.defer import Deferred
 from twisted.python.failure import Failure
 from twisted.web.http_headers import Headers
 from twisted.web.iweb import IAgent, IPolicyForHTTPS
 from zope.interface import implementer
 
-from .client import Client
-from .pool import ConnectionPool
+from .agentpools import AgentPools
 from .files import read_regular_file
+from .keypair import KeyPairError, load_key_pair
 from .logs import logger
+from .warnonce import WarnOnce
 
 if TYPE_CHECKING:  # what platformTrust and trustRootFromCertificates build; not in ssl's API
     from twisted.internet._sslverify import IOpenSSLTrustRoot
@@ -102,20 +103,13 @@ def load_tls(ca_file: str | None, cert_file: str | None, key_file: str | None) -
         cert_pem, key_pem = _read("cert_file", cert_file), _read("key_file", key_file)
         digest.update(cert_pem + key_pem)
         try:
-            certificate = crypto.load_certificate(crypto.FILETYPE_PEM, cert_pem)
-        except (crypto.Error, ValueError):
-            raise AccessError(f"cert_file {cert_file}: not a PEM certificate") from None
-        try:
-            key = crypto.load_privatekey(crypto.FILETYPE_PEM, key_pem)
-        except (crypto.Error, ValueError, TypeError):
-            raise AccessError(f"key_file {key_file}: not an unencrypted PEM private key") from None
-        try:
-            check = SSL.Context(SSL.TLS_METHOD)
-            check.use_certificate(certificate)
-            check.use_privatekey(key)
-            check.check_privatekey()
-        except SSL.Error:
-            raise AccessError(f"key_file {key_file}: does not match cert_file {cert_file}") from None
+            certificate, key = load_key_pair(cert_pem, key_pem)
+        except KeyPairError as exc:
+            raise AccessError({
+                "certificate": f"cert_file {cert_file}: not a PEM certificate",
+                "key": f"key_file {key_file}: not an unencrypted PEM private key",
+                "match": f"key_file {key_file}: does not match cert_file {cert_file}",
+            }[exc.part]) from None
         client = ssl.PrivateCertificate.fromCertificateAndKeyPair(ssl.Certificate(certificate),
                                                                   ssl.KeyPair(key))
     return EngineTLS(ca_file, cert_file, key_file, digest.digest(), trust, client)
@@ -219,11 +213,10 @@ class EngineAgents:
 
     def __init__(self, reactor, agent: IAgent, connect_timeout: float, idle_timeout: float,
                  max_idle_per_host: int = 256, keepalive: float = 0.0) -> None:
-        self.reactor, self.agent, self.keepalive = reactor, agent, keepalive
-        self.connect_timeout, self.idle_timeout = connect_timeout, idle_timeout
-        self.max_idle_per_host = max_idle_per_host
-        self._agents: dict[EngineTLS, Client] = {}
-        self._problems: dict[str, str] = {}
+        self.agent = agent
+        self._pools: AgentPools[EngineTLS] = AgentPools(reactor, connect_timeout, idle_timeout,
+                                                        max_idle_per_host, keepalive)
+        self._warned: WarnOnce[str] = WarnOnce()
 
     def for_node(self, node) -> IAgent:
         access = node.access
@@ -232,34 +225,29 @@ class EngineAgents:
         agent = self.agent if access.tls is None else self._tls_agent(access.tls)
         return _NodeAgent(agent, node.id, access.api_key, self)
 
+    @property
+    def keepalive(self) -> float:
+        """The TCP keepalive its clients' connections probe with (0: none)."""
+        return self._pools.keepalive
+
     def _tls_agent(self, tls: EngineTLS) -> IAgent:
-        agent = self._agents.get(tls)
-        if agent is None:
-            pool = ConnectionPool(self.reactor, max_idle_per_host=self.max_idle_per_host,
-                                  idle_timeout=self.idle_timeout)
-            agent = self._agents[tls] = Client(self.reactor, pool,
-                                               connect_timeout=self.connect_timeout,
-                                               tls=EnginePolicy(tls), keepalive=self.keepalive)
-        return agent
+        return self._pools.get(tls, lambda: EnginePolicy(tls))
 
     def retain(self, configs) -> None:
         """Forget the clients of TLS configurations no node uses any more (a node removed, a
         CA rotated): their idle connections close now; requests still on one finish, and
         their connections close as they come back."""
-        for tls in [tls for tls in self._agents if tls not in configs]:
-            self._agents.pop(tls).pool.retire()
+        self._pools.retain(lambda tls: tls in configs)
 
     def tls_failed(self, node_id: str, problem: str) -> None:
         """Once per node per change of the reason: an engine whose certificate stays bad
         does not fill the log, and a new problem is still seen."""
-        if self._problems.get(node_id) != problem:
-            self._problems[node_id] = problem
+        if self._warned.new(node_id, problem):
             log.warn("TLS to node {node} failed, failing over: {why}", node=node_id, why=problem)
 
     def tls_worked(self, node_id: str) -> None:
-        if self._problems.pop(node_id, None) is not None:
+        if self._warned.clear(node_id):
             log.info("TLS to node {node} works again", node=node_id)
 
     def close(self) -> Deferred:
-        return DeferredList([agent.pool.closeCachedConnections()
-                             for agent in self._agents.values()])
+        return self._pools.close()

@@ -1,8 +1,13 @@
-"""Reading the files operators and the cluster manager write, without ever blocking.
+"""Reading the files operators and the cluster manager write, without ever blocking, and
+watching them for changes.
 
 The nodes file and the cluster directory are re-read on the reactor's thread; a FIFO or a
 device put where a file belongs would block that read (and with it every connection) or
 never end. Only a regular file is read; anything else is an OSError like a missing one.
+
+The nodes file, the API-key file and the cluster directory are watched one way
+(:class:`FileWatch`): a few stat calls say whether anything changed since the last read, and
+only then are the files read again.
 """
 
 from __future__ import annotations
@@ -10,6 +15,14 @@ from __future__ import annotations
 import errno
 import os
 import stat
+from typing import Callable, Iterable, Mapping, TypeVar
+
+import attrs
+
+T = TypeVar("T")
+
+# Per watched path, its stamp (see ``stamp``).
+Stamps = Mapping[str, object]
 
 
 def stamp(path: str) -> tuple | None:
@@ -43,3 +56,46 @@ def read_regular_file(path: str) -> bytes:
         return b"".join(chunks)
     finally:
         os.close(fd)
+
+
+@attrs.define(eq=False)
+class FileWatch:
+    """The stamps the watched files had when last read, so a watch reads them again only when
+    one changed.
+
+    ``paths()`` names the files; it may name others after a read (the TLS files a nodes file
+    names, the pins in the cluster directory). :meth:`changed` is the cheap question, asked on
+    a timer or per request, and with a clock's ``now`` at most once per ``every`` seconds, so
+    a burst of requests costs one round of stat calls. :meth:`read` wraps the actual reading.
+    """
+
+    paths: Callable[[], Iterable[str]]
+    _seen: Stamps | None = None
+    _checked_at: float = float("-inf")
+
+    def stamps(self) -> dict[str, object]:
+        """The watched files' stamps now."""
+        return {path: stamp(path) for path in self.paths()}
+
+    def changed(self, now: float | None = None, every: float = 0.0) -> Stamps | None:
+        """The stamps now if they differ from those last read, else None (also when asked again
+        within ``every`` seconds of ``now``)."""
+        if now is not None:
+            if now - self._checked_at < every:
+                return None
+            self._checked_at = now
+        current = self.stamps()
+        return None if current == self._seen else current
+
+    def read(self, before: Stamps | None, read: Callable[[], T]) -> T:
+        """``read()``, the files then remembered as they were ``before`` it (the stamps
+        :meth:`changed` gave, or taken now), so an edit saved while they are read is seen by
+        the next check. A file the read names for the first time is stamped after it (its
+        first reading happened inside). Remembered even when ``read`` raises: a failed read is
+        not retried until something changes."""
+        before = self.stamps() if before is None else before
+        try:
+            return read()
+        finally:
+            self._seen = {path: before[path] if path in before else stamp(path)
+                          for path in self.paths()}

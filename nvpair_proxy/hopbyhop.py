@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from twisted.web.http_headers import Headers
 
+from .memo import Memo
+
 HOP_BY_HOP = frozenset(name.lower() for name in (
     b"Connection", b"Keep-Alive", b"Proxy-Authenticate", b"Proxy-Authorization",
     b"Proxy-Connection", b"TE", b"Trailer", b"Transfer-Encoding", b"Upgrade"))
@@ -29,9 +31,9 @@ def _canonical(names) -> frozenset[bytes]:
 # value is the client's: at most MAX_CACHED are kept, and only values of at most
 # MAX_CACHED_VALUE bytes, so hostile values cannot pin much memory; a longer value is worked
 # out for its own request only.
-_SKIP: dict[tuple, frozenset[bytes]] = {}
 MAX_CACHED = 1024
 MAX_CACHED_VALUE = 256
+_SKIP: Memo[tuple, frozenset[bytes]] = Memo(MAX_CACHED)
 
 
 def end_to_end(headers: Headers, drop: tuple[bytes, ...] = ()) -> Headers:
@@ -48,8 +50,8 @@ def copy_end_to_end(headers: Headers, into: Headers, drop: tuple[bytes, ...] = (
         named = (token.strip() for value in connection or ()
                  for token in value.split(b",") if token.strip())
         skip = _canonical([*HOP_BY_HOP, *drop, *named])
-        if len(_SKIP) < MAX_CACHED and sum(map(len, connection or ())) <= MAX_CACHED_VALUE:
-            _SKIP[key] = skip
+        if sum(map(len, connection or ())) <= MAX_CACHED_VALUE:
+            _SKIP.remember(key, skip)
     for name, values in headers.getAllRawHeaders():
         if name not in skip:
             into.setRawHeaders(name, values)

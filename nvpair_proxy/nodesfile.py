@@ -22,7 +22,7 @@ from .discovery import Node, make_node
 from .engineaccess import (ACCESS_FIELDS, TLS_FILE_FIELDS, AccessError, EngineAccess, EngineTLS,
                            access_from, resolve_path)
 from .engines import Engine
-from .files import read_regular_file, stamp
+from .files import FileWatch, Stamps, read_regular_file
 from .logs import logger
 from .validate import is_int, is_port
 
@@ -144,8 +144,8 @@ class NodesFileWatcher(TimerService):
                  interval: float = constants.NODES_FILE_CHECK_INTERVAL) -> None:
         super().__init__(interval, self.check)
         self.path, self.engines, self.clock, self.apply = path, engines, clock, apply
-        self._stamp = None
         self._tls_files: tuple[str, ...] = ()
+        self._watch = FileWatch(lambda: (self.path, *self._tls_files))
 
     def load(self) -> ConfiguredNodes:
         """The first load: errors propagate, because a bad file must stop start-up."""
@@ -154,8 +154,8 @@ class NodesFileWatcher(TimerService):
         return configured
 
     def check(self) -> None:
-        before = self._stamps()
-        if self._stamp_of(before) == self._stamp:
+        before = self._watch.changed()
+        if before is None:
             return
         try:
             configured = self._read(before)
@@ -165,33 +165,23 @@ class NodesFileWatcher(TimerService):
         log.info("nodes file reloaded: {path}", path=self.path)
         self.apply(configured)
 
-    def _read(self, before: dict | None = None) -> ConfiguredNodes:
-        """Load the file and remember what it was read from.
+    def _read(self, before: Stamps | None = None) -> ConfiguredNodes:
+        """Load the file, watching it and the TLS files it names (see ``FileWatch.read``).
 
-        The stamps are taken before the files are read, so an edit saved while they are
-        read is seen by the next check (the file named for the first time is stamped after:
-        its first reading happens inside the load). When the load fails, the TLS files the
-        file names are watched all the same: a nodes file that names a CA file not yet in
-        place is loaded once that file arrives, without another edit.
+        When the load fails, the TLS files the file names are watched all the same: a nodes
+        file that names a CA file not yet in place is loaded once that file arrives, without
+        another edit.
         """
-        before = before if before is not None else self._stamps()
+        return self._watch.read(before, self._load)
+
+    def _load(self) -> ConfiguredNodes:
         try:
             configured = load_nodes_file(self.path, self.engines)
         except (NodesFileError, ValueError, TypeError):
-            self._watch(named_tls_files(self.path), before)
+            self._tls_files = named_tls_files(self.path)
             raise
-        self._watch(tls_files(configured), before)
+        self._tls_files = tls_files(configured)
         return configured
-
-    def _watch(self, files: tuple[str, ...], before: dict) -> None:
-        self._tls_files = files
-        self._stamp = self._stamp_of({**{path: stamp(path) for path in files}, **before})
-
-    def _stamps(self) -> dict:
-        return {path: stamp(path) for path in (self.path, *self._tls_files)}
-
-    def _stamp_of(self, stamps: dict):
-        return stamps[self.path], tuple(stamps[path] for path in self._tls_files)
 
 
 def named_tls_files(path: str) -> tuple[str, ...]:

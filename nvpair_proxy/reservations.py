@@ -197,14 +197,6 @@ class ReservationMap:
             return None
         return self.reserve(node_id)
 
-    def reorder(self, ordered: Sequence[str]) -> tuple[list[str], Reservation | None]:
-        """``choose``, then move the chosen node to the front so it is dispatched first."""
-        reservation = self.choose(ordered)
-        if reservation is None:
-            return list(ordered), None
-        chosen = reservation.node_id
-        return [chosen] + [node_id for node_id in ordered if node_id != chosen], reservation
-
     def _is_listed(self, node_id: str) -> bool:
         return not self._listed or node_id in self._listed
 

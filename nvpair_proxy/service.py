@@ -52,6 +52,7 @@ from .reservations import ReservationMap
 from .truthpoller import TruthPoller
 from .selfcheck import self_reason
 from .views import ProcessSnapshot
+from .warnonce import WarnOnce
 from .trust import PeerAgents
 
 log = logger()
@@ -270,9 +271,9 @@ class Standalone(MultiService):
         super().__init__()
         self.config, self.facades, self.engine_agents = config, facades, engine_agents
         self.probed: frozenset = frozenset()
-        # (engine, node, port) of the nodes last warned about as this proxy: one warning per
+        # The nodes last warned about as this proxy, per (engine, node): one warning per
         # change, not one per reload of an unchanged file.
-        self.warned_self: frozenset = frozenset()
+        self.warned_self: WarnOnce[tuple[str, str]] = WarnOnce()
         self.watcher: NodesFileWatcher | None = None
         if config.nodes:
             self.watcher = NodesFileWatcher(config.nodes, config.engines, reactor, self.apply)
@@ -326,10 +327,12 @@ class Standalone(MultiService):
         (docs/references.md#self-by-address)."""
         found = frozenset((service.name, node.id, node.port) for service in self.facades
                           for node in service.facade.router.nodes.all() if node.local)
-        for engine_id, node_id, port in sorted(found - self.warned_self):
-            log.warn("node {node} is left out of the {engine} fleet: {why}", node=node_id,
-                     engine=engine_id, why=self_reason(engine_id, port))
-        self.warned_self = found
+        for engine_id, node_id, port in sorted(found):
+            why = self_reason(engine_id, port)
+            if self.warned_self.new((engine_id, node_id), why):
+                log.warn("node {node} is left out of the {engine} fleet: {why}", node=node_id,
+                         engine=engine_id, why=why)
+        self.warned_self.retain({(e, n) for e, n, _ in found}.__contains__)
 
 
 def stop_once(reactor) -> None:

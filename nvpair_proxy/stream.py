@@ -28,7 +28,7 @@ from . import constants
 from .attempt import Committed
 from .interfaces import IBodySink
 from .relay import ClientWatch, StreamIdle, StreamIdleTimeout, clean_end
-from .stats import BodyObserver
+from .tokens import BodyObserver
 from .twisted_workarounds import channel_paused
 
 

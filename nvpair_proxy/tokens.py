@@ -6,6 +6,11 @@
 tail of a body is allowed; logging it is not (docs/references.md#no-content-logging): this module
 logs nothing.
 
+:class:`BodyObserver` is what the proxy hands every relayed chunk to: a frame reader (the
+terminal frame and the bounded tail, :mod:`nvpair_proxy.frames`) whose tail is measured here
+when the response ends. It never keeps the body, only the last
+:data:`~nvpair_proxy.frames.TAIL_LIMIT` bytes at most, and its ``repr`` never shows body bytes.
+
 * ``completionTokens``: OpenAI ``usage.completion_tokens``, else Anthropic and OpenAI Responses
   ``usage.output_tokens``, else Ollama ``eval_count``, else llama.cpp ``timings.predicted_n``,
   else llama.cpp ``tokens_predicted``; failing all of them, the number of stream events counted
@@ -49,7 +54,9 @@ from typing import Any, Iterator
 
 import attrs
 
-__all__ = ["Figures", "measure", "read_figures"]
+from .frames import FrameReader
+
+__all__ = ["BodyObserver", "Figures", "measure", "read_figures"]
 
 # Text patterns, tried where their key's literal occurs in the decoded tail. A key matches only
 # with its own, unescaped quotes: quoted inside a JSON string it reads \"key\" and never matches.
@@ -230,3 +237,57 @@ def measure(tail: bytes | bytearray, events: int, *, admitted_at: float,
     if estimated:
         stats["estimated"] = True
     return stats
+
+
+class BodyObserver:
+    """Watch a response body go by: its terminal frame and its stats, from a bounded tail.
+
+    ``terminal`` is the route's terminal frame rule from the engine file (``sse-done``,
+    ``sse-message-stop``, ``sse-response-completed``, ``ndjson-done``) or ``None``;
+    ``content_type`` is the response's ``Content-Type`` (``str`` or ``bytes``), which wins over
+    the rule when it names a framing. Unknown rules raise ``ValueError``.
+
+    :meth:`feed` is the frame reader's own, bound once here, so a chunk costs no extra call.
+    """
+
+    def __init__(self, terminal: str | None, content_type: str | bytes | None = None) -> None:
+        self._frames = FrameReader(terminal, content_type)
+        self.terminal = terminal
+        self.feed = self._frames.feed  # type: ignore[method-assign]  # bound once: no extra call
+
+    def __repr__(self) -> str:
+        frames = self._frames
+        return (f"<BodyObserver terminal={self.terminal!r} bytes_seen={frames.bytes_seen} "
+                f"events_seen={frames.events_seen} terminal_seen={frames.terminal_seen}>")
+
+    def feed(self, data: bytes) -> None:  # replaced per instance by the reader's feed
+        """Observe the next relayed chunk (split anywhere)."""
+        self._frames.feed(data)
+
+    @property
+    def bytes_seen(self) -> int:
+        """Body bytes fed so far."""
+        return self._frames.bytes_seen
+
+    @property
+    def events_seen(self) -> int:
+        """Stream events counted so far (see :mod:`nvpair_proxy.frames`); 0 for a JSON document."""
+        return self._frames.events_seen
+
+    @property
+    def terminal_seen(self) -> bool:
+        """Whether the body's terminal frame has arrived (docs/references.md#terminal-frames).
+        Sticky once true."""
+        return self._frames.terminal_seen
+
+    def measure(
+        self, *, admitted_at: float, first_byte_at: float | None, ended_at: float
+    ) -> dict[str, Any] | None:
+        """The ``stats`` block of the terminal workload event, or ``None`` if nothing was measured.
+
+        Times are seconds on one clock: ``admitted_at`` the workload's admission,
+        ``first_byte_at`` the first body byte (``None`` if there was none), ``ended_at`` the end.
+        """
+        frames = self._frames
+        return measure(frames.tail, frames.events_seen, admitted_at=admitted_at,
+                       first_byte_at=first_byte_at, ended_at=ended_at)

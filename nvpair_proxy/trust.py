@@ -25,10 +25,11 @@ from twisted.internet.interfaces import (IOpenSSLClientConnectionCreator,
 from twisted.web.iweb import IPolicyForHTTPS
 from zope.interface import implementer
 
-from .client import Client
-from .pool import ConnectionPool
-from .files import read_regular_file, stamp
+from .agentpools import AgentPools
+from .files import FileWatch, Stamps, read_regular_file
+from .keypair import KeyPairError, load_key_pair
 from .logs import logger
+from .warnonce import WarnOnce
 
 log = logger()
 
@@ -79,8 +80,12 @@ class ClusterDirectory:
     identity: Identity | None = None
     admission: dict = attrs.Factory(dict)
     pins: dict[str, bytes] = attrs.Factory(dict)
-    _seen: tuple | None = None
-    _problems: dict[str, str] = attrs.Factory(dict)
+    _warned: WarnOnce[str] = attrs.Factory(WarnOnce)
+    _watch: FileWatch = attrs.field(init=False)
+
+    @_watch.default
+    def _watch_the_directory(self) -> FileWatch:
+        return FileWatch(self._watched)
 
     @property
     def member(self) -> bool:
@@ -106,23 +111,23 @@ class ClusterDirectory:
         candidates = list(self.pins.values()) + [self.identity.der]
         return any(hmac.compare_digest(der, pinned) for pinned in candidates)
 
-    def refresh(self, seen=None) -> None:
-        """Read every file again; ``seen`` is their stamp when the caller just took it."""
-        seen = self._stamp() if seen is None else seen
+    def refresh(self, seen: Stamps | None = None) -> None:
+        """Read every file again; ``seen`` is their stamps when the caller just took them."""
+        self._watch.read(seen, self._read_all)
+
+    def _read_all(self) -> None:
         for read in (self._read_identity, self._read_admission, self._read_pins):
             try:
                 read()
             except Exception:
                 log.failure("could not read the cluster directory {path}", path=self.path)
-        self._seen = seen
 
     def _warn_once(self, name: str, problem: str | None) -> None:
         """One line when a file goes bad (or bad in another way), none on every re-read of
         the watch while it stays so; ``None``: the file reads fine again."""
         if problem is None:
-            self._problems.pop(name, None)
-        elif self._problems.get(name) != problem:
-            self._problems[name] = problem
+            self._warned.clear(name)
+        elif self._warned.new(name, problem):
             log.warn("cluster directory {path}: {problem}", path=self.path, problem=problem)
 
     def _read_or_keep(self, name: str, read: Callable, unreadable: Callable[[OSError], str]):
@@ -151,13 +156,8 @@ class ClusterDirectory:
             return
         cert_pem, key_pem = pems
         try:
-            cert = crypto.load_certificate(crypto.FILETYPE_PEM, cert_pem)
-            key = crypto.load_privatekey(crypto.FILETYPE_PEM, key_pem)
-            check = SSL.Context(SSL.TLS_METHOD)
-            check.use_certificate(cert)
-            check.use_privatekey(key)
-            check.check_privatekey()
-        except (crypto.Error, SSL.Error, ValueError):
+            cert, key = load_key_pair(cert_pem, key_pem)
+        except KeyPairError:
             # Mid-rotation the manager may have replaced one file and not yet the other.
             self._warn_once("identity", "node.crt or node.key does not load or the key does "
                                         "not match; keeping the previous identity")
@@ -209,9 +209,8 @@ class ClusterDirectory:
                 self._warn_once(f"trusted/{name}", None)
             if der is not None:
                 pins[node_uuid] = der
-        for name in [n for n in self._problems if n.startswith("trusted/")]:
-            if name[len("trusted/"):] not in names:
-                self._warn_once(name, None)
+        self._warned.retain(
+            lambda name: not name.startswith("trusted/") or name[len("trusted/"):] in names)
         self.pins = pins
 
     @staticmethod
@@ -231,26 +230,26 @@ class ClusterDirectory:
             return None
         return certificate.public_bytes(Encoding.DER)
 
-    def check(self) -> None:
+    def check(self, now: float | None = None, every: float = 0.0) -> None:
         """Re-derive now if any file changed (docs/references.md#pins-per-request: per request as
         well as on the watch).
 
-        A handful of stat calls; the files are read again only when one of them changed.
+        A handful of stat calls; the files are read again only when one of them changed. With
+        a clock's ``now``, at most once per ``every`` seconds.
         """
-        current = self._stamp()
-        if current != self._seen:
+        current = self._watch.changed(now, every)
+        if current is not None:
             self.refresh(current)
 
-    def _stamp(self):
-        entries = []
-        for name in ("node.crt", "node.key", "admission.json", "trusted"):
-            entries.append(stamp(os.path.join(self.path, name)))
+    def _watched(self) -> list[str]:
+        """Every file the directory holds, each pin included."""
+        paths = [os.path.join(self.path, name)
+                 for name in ("node.crt", "node.key", "admission.json", "trusted")]
         try:
             names = sorted(os.listdir(os.path.join(self.path, "trusted")))
         except OSError:
             names = []
-        entries.extend((name, stamp(os.path.join(self.path, "trusted", name))) for name in names)
-        return tuple(entries)
+        return paths + [os.path.join(self.path, "trusted", name) for name in names]
 
 
 def trust_watch(directory: ClusterDirectory, clock: IReactorTime,
@@ -346,28 +345,21 @@ class PeerAgents:
 
     def __init__(self, reactor, directory: ClusterDirectory, connect_timeout: float,
                  idle_timeout: float, keepalive: float = 0.0) -> None:
-        self.reactor, self.directory, self.keepalive = reactor, directory, keepalive
-        self.connect_timeout, self.idle_timeout = connect_timeout, idle_timeout
-        self._agents: dict[str, tuple] = {}
+        self.directory = directory
+        self._pools: AgentPools[str] = AgentPools(reactor, connect_timeout, idle_timeout,
+                                                  max_idle_per_host=16, keepalive=keepalive)
+        self._pins: dict[str, bytes | None] = {}  # per peer, the pin its pool was made for
 
     def for_node(self, node):
         """The peer's agent for its current pin: a rotated pin gets a fresh pool, so no
         connection verified against the old pin is ever reused
         (docs/references.md#peer-transport)."""
-        pin = self.directory.pin(node.cluster_uuid)
-        entry = self._agents.get(node.cluster_uuid)
-        if entry is not None and entry[1] != pin:
-            entry[0].pool.retire()
-            entry = None
-        if entry is None:
-            pool = ConnectionPool(self.reactor, max_idle_per_host=16, idle_timeout=self.idle_timeout)
-            agent = Client(self.reactor, pool, connect_timeout=self.connect_timeout,
-                           tls=PinnedPolicy(self.directory, node.cluster_uuid),
-                           keepalive=self.keepalive)
-            entry = self._agents[node.cluster_uuid] = (agent, pin)
-        return entry[0]
+        uuid = node.cluster_uuid
+        pin = self.directory.pin(uuid)
+        if self._pins.get(uuid, pin) != pin:
+            self._pools.retire(uuid)
+        self._pins[uuid] = pin
+        return self._pools.get(uuid, lambda: PinnedPolicy(self.directory, uuid))
 
     def close(self):
-        from twisted.internet.defer import DeferredList
-        return DeferredList([agent.pool.closeCachedConnections()
-                             for agent, _ in self._agents.values()])
+        return self._pools.close()

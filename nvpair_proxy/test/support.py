@@ -62,6 +62,13 @@ def gate(clock: Clock, env: str | None = KEY, path: str | None = None, cidrs: st
     return LanGate(KeyStore(clock, env=env, path=path), allowed=parse_cidrs(cidrs))
 
 
+
+def failures(gate: LanGate, host: str) -> int:
+    """Failed attempts from ``host`` in its current window, as the gate counts them."""
+    entry = gate._failures.get(host)
+    return 0 if entry is None else entry[1]
+
+
 class Collect(Protocol):
     """A response body delivered whole: its chunks, then why it ended."""
 

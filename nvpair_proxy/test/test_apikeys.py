@@ -12,7 +12,7 @@ from twisted.web.http_headers import Headers
 
 from nvpair_proxy import apikeys
 from nvpair_proxy.apikeys import KeyStore, Verdict
-from nvpair_proxy.test.support import KEY, LogCapture, gate, rewrite
+from nvpair_proxy.test.support import KEY, LogCapture, failures, gate, rewrite
 from nvpair_proxy.test.world import World, WorldTestCase
 from nvpair_proxy.testing import lan, loopback
 
@@ -140,7 +140,7 @@ class GateDecisionTests(SynchronousTestCase):
         for _ in range(20):
             g.decide("192.168.1.20", Headers())
             clock.advance(1)
-        self.assertEqual(g.failures("192.168.1.20"), 20)
+        self.assertEqual(failures(g, "192.168.1.20"), 20)
         [warn] = logs.at("warn")
         self.assertEqual(warn["address"], "192.168.1.20")
         clock.advance(60)
@@ -158,7 +158,7 @@ class GateDecisionTests(SynchronousTestCase):
         for source in sources:
             g.decide(source, Headers())
             clock.advance(1)  # every window still open when the last source fails
-        self.assertEqual([g.failures(s) for s in sources], [0] * 6 + [1] * 4)
+        self.assertEqual([failures(g, s) for s in sources], [0] * 6 + [1] * 4)
 
     def test_the_source_forgotten_is_the_one_whose_window_began_first(self):
         self.patch(apikeys, "MAX_SOURCES", 3)
@@ -171,7 +171,7 @@ class GateDecisionTests(SynchronousTestCase):
         g.decide("192.0.2.1", Headers())  # a new window for .1, begun after that of .2
         g.decide("192.0.2.3", Headers())
         g.decide("192.0.2.4", Headers())  # the map is full: .2 goes
-        self.assertEqual([g.failures(f"192.0.2.{n}") for n in (1, 2, 3, 4)], [1, 0, 1, 1])
+        self.assertEqual([failures(g, f"192.0.2.{n}") for n in (1, 2, 3, 4)], [1, 0, 1, 1])
 
 
 class GateAnswerTests(WorldTestCase):

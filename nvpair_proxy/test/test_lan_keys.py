@@ -23,7 +23,7 @@ from nvpair_proxy.apikeys import KeyStore, LanGate, parse_cidrs
 from nvpair_proxy.dispatch import Bounds
 from nvpair_proxy.events import LogEmitter
 from nvpair_proxy.logs import level_name, set_level
-from nvpair_proxy.test.support import LogCapture, rewrite
+from nvpair_proxy.test.support import LogCapture, failures, rewrite
 from nvpair_proxy.test.tlsfleet import CALLER_KEY, ENGINE_KEY, TLSFleet, write
 
 KEY = "lan-key-" + "A1b2C3d4" * 4          # 40 characters of the key alphabet
@@ -124,7 +124,7 @@ class LanKeyTests(TestCase):
         self.assertEqual((code, body["models"][0]["name"]), (200, "llama3:latest"))
         [(_, _, headers)] = lan.engine.seen
         self.assertIsNone(headers.getRawHeaders(b"authorization"))
-        self.assertEqual(lan.gate.failures(ADDRESS), 2)
+        self.assertEqual(failures(lan.gate, ADDRESS), 2)
 
     @inlineCallbacks
     def test_x_api_key_is_accepted_and_not_forwarded(self):

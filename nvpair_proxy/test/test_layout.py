@@ -28,13 +28,13 @@ SCRIPT_FOLDERS = ("bench", "bin")
 
 ORDER = (
     # Foundations: no knowledge of engines, nodes or requests.
-    "constants", "enginetruth", "views", "interfaces", "timers", "slotqueue", "logs", "logformat", "files", "validate",
+    "constants", "enginetruth", "views", "interfaces", "timers", "slotqueue", "logs", "logformat", "files", "validate", "memo", "warnonce",
     "hopbyhop", "loopguard", "selfcheck", "target",
-    "requestbody", "relay", "frames", "tokens", "stats", "reservations", "twisted_workarounds", "sdnotify",
-    "responsewire", "pool", "client",
+    "requestbody", "relay", "frames", "tokens", "reservations", "twisted_workarounds", "sdnotify",
+    "responsewire", "pool", "client", "agentpools",
     # The model: engines, nodes, the link's framing, events, trust.
     "engines", "discovery", "selection", "placement", "slots", "ports", "rpc", "aliases", "answers",
-    "events", "trust", "admission", "apikeys", "engineaccess",
+    "events", "keypair", "trust", "admission", "apikeys", "engineaccess",
     # Routing and one dispatch; the server side.
     "router", "attempt", "inventory", "truthpoller", "cors", "server", "listener", "nodesfile",
     "options",
@@ -46,8 +46,8 @@ ORDER = (
 )
 
 # Plain bookkeeping the request path drives: no Twisted at all (design 1b).
-NO_TWISTED = ("constants", "enginetruth", "views", "files", "validate", "selfcheck", "target", "reservations", "engines", "selection", "placement",
-              "slots", "frames", "tokens", "stats", "responsewire")
+NO_TWISTED = ("constants", "enginetruth", "views", "files", "validate", "memo", "warnonce", "selfcheck", "target", "reservations", "engines", "selection", "placement",
+              "slots", "frames", "tokens", "responsewire")
 
 
 def product_modules() -> list[str]:

@@ -199,16 +199,15 @@ class ChoiceTests(SynchronousTestCase):
         reservations.reserve("b")
         self.assertEqual(burst(reservations, ["c", "b", "a"], 1), ["c"])
 
-    def test_reorder_moves_the_chosen_node_to_the_front(self) -> None:
+    def test_choose_reserves_the_least_loaded_node_against_the_current_generation(self) -> None:
         reservations = snapshotted(ranks=[Rank("a", pending=1)])
-        ordered, reservation = reservations.reorder(["a", "b", "c"])
-        self.assertEqual(ordered, ["b", "a", "c"])
+        reservation = reservations.choose(["a", "b", "c"])
         assert reservation is not None
         self.assertEqual((reservation.node_id, reservation.generation), ("b", 1))
 
-    def test_reorder_keeps_the_order_when_no_candidate_is_listed(self) -> None:
+    def test_choose_reserves_nothing_when_no_candidate_is_listed(self) -> None:
         reservations = snapshotted(nodes=["z"])
-        self.assertEqual(reservations.reorder(["b", "a"]), (["b", "a"], None))
+        self.assertIsNone(reservations.choose(["b", "a"]))
         self.assertEqual(reservations.reservations, {})
 
 

@@ -214,6 +214,7 @@ class PinnedTLSTests(TestCase):
     @inlineCallbacks
     def test_lan_keys_leave_mtls_peers_alone(self):
         from nvpair_proxy.apikeys import KeyStore, LanGate
+        from nvpair_proxy.test.support import failures
         gate = LanGate(KeyStore(Clock(), env="lan-key-" + "K" * 32))
         self.serve(lan=gate)
         response = yield self.post(self.agent(self.a_dir))  # no key: a pinned peer needs none
@@ -222,7 +223,7 @@ class PinnedTLSTests(TestCase):
         self.assertEqual(self.engine.served, [("POST", "/api/chat")])
         response, body = yield self.post_as_stranger()
         self.assertEqual((response.code, body["code"]), (403, "cluster-auth"))
-        self.assertEqual(gate.failures("127.0.0.1"), 0)
+        self.assertEqual(failures(gate, "127.0.0.1"), 0)
         # Real peers are not loopback: from a LAN address a handshake still goes to the TLS
         # ingress (the pin decides), and only plaintext meets the key gate.
         peer = IPv4Address("TCP", "192.168.1.20", 40000)
@@ -441,6 +442,17 @@ class RobustDirectoryTests(SynchronousTestCase):
         self.assertEqual(reads, [1])
         self.assertEqual(list(self.directory.pins), ["node-b"])
 
+    def test_a_check_on_a_clock_stats_at_most_once_per_interval(self):
+        from nvpair_proxy.admission import TRUST_RECHECK
+        clock = Clock()
+        self.directory.check(clock.seconds(), TRUST_RECHECK)
+        write_pin(self.folder, "node-b", make_certificate("node-b")[0])
+        self.directory.check(clock.seconds(), TRUST_RECHECK)  # a burst: one stat pass
+        self.assertEqual(list(self.directory.pins), [])
+        clock.advance(TRUST_RECHECK)
+        self.directory.check(clock.seconds(), TRUST_RECHECK)
+        self.assertEqual(list(self.directory.pins), ["node-b"])
+
     def test_a_rotated_pin_gets_a_fresh_peer_pool(self):
         write_pin(self.folder, "node-b", make_certificate("node-b")[0])
         self.directory.refresh()
@@ -468,7 +480,7 @@ class AdmissionCopiesTests(SynchronousTestCase):
             def pin(self, uuid):
                 return self.pins.get(uuid)
 
-            def check(self):
+            def check(self, now=None, every=0.0):
                 pass
 
         backend = [("127.0.0.1", 11434)]

@@ -1,4 +1,5 @@
-"""Tests for nvpair_proxy.stats: terminal frames and the stats block, read from a bounded tail."""
+"""Tests for nvpair_proxy.tokens' BodyObserver: terminal frames and the stats block, read from a
+bounded tail."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ import json
 
 from twisted.trial.unittest import SynchronousTestCase
 
-from nvpair_proxy import stats
-from nvpair_proxy.stats import LINE_LIMIT, TAIL_LIMIT, BodyObserver
+from nvpair_proxy import frames, tokens
+from nvpair_proxy.frames import LINE_LIMIT, TAIL_LIMIT
+from nvpair_proxy.tokens import BodyObserver
 from nvpair_proxy.test.recorded import (ANTHROPIC_SSE, JSON, LLAMACPP_ANTHROPIC_SSE,
                                         LLAMACPP_NATIVE_SSE, LLAMACPP_NATIVE_STATS, LLAMACPP_SSE,
                                         NDJSON, OLLAMA_JSON, OLLAMA_JSON_STATS, OLLAMA_STREAM,
@@ -262,7 +264,7 @@ class BoundedMemoryTests(SynchronousTestCase):
         observer = BodyObserver(terminal, content_type)
         for chunk in chunked(body, size):
             observer.feed(chunk)
-            self.assertLessEqual(len(observer._tail), TAIL_LIMIT)
+            self.assertLessEqual(len(observer._frames.tail), TAIL_LIMIT)
         self.assertEqual(observer.bytes_seen, len(body))
         return observer
 
@@ -431,15 +433,16 @@ class HygieneTests(SynchronousTestCase):
         self.assertNotIn("SECRET", str(observer))
 
     def test_no_twisted_and_no_logging(self):
-        tree = ast.parse(inspect.getsource(stats))
-        imported = set()
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Import):
-                imported.update(alias.name.split(".")[0] for alias in node.names)
-            elif isinstance(node, ast.ImportFrom):
-                imported.add((node.module or "").split(".")[0])
-        self.assertEqual(imported & {"twisted", "logging", "treq"}, set())
-        self.assertNotIn("print(", inspect.getsource(stats))
+        for module in (frames, tokens):
+            tree = ast.parse(inspect.getsource(module))
+            imported = set()
+            for node in ast.walk(tree):
+                if isinstance(node, ast.Import):
+                    imported.update(alias.name.split(".")[0] for alias in node.names)
+                elif isinstance(node, ast.ImportFrom):
+                    imported.add((node.module or "").split(".")[0])
+            self.assertEqual(imported & {"twisted", "logging", "treq"}, set(), module.__name__)
+            self.assertNotIn("print(", inspect.getsource(module), module.__name__)
 
     def test_unknown_rule_rejected(self):
         self.assertRaises(ValueError, BodyObserver, "sse-finished")
@@ -463,7 +466,6 @@ class HygieneTests(SynchronousTestCase):
 
 class HostileNumbersTests(SynchronousTestCase):
     def test_an_absurd_count_is_not_a_count_and_does_not_raise(self):
-        from nvpair_proxy.stats import BodyObserver
         observer = BodyObserver("ndjson-done", "application/x-ndjson")
         observer.feed(b'{"done":true,"eval_count":' + b"9" * 400 + b',"eval_duration":1}\n')
         self.assertTrue(observer.terminal_seen)
