@@ -31,6 +31,7 @@ import time
 import urllib.error
 import urllib.request
 from types import ModuleType
+from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -38,7 +39,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WARM_MODEL = "llama-3.2-3b-instruct"
 COLD_LOAD = 3.0
 
-FLEET = {
+FLEET: dict[str, dict[str, dict[str, Any]]] = {
     "gpu-a": {"ollama": {"models": ["llama3:latest"], "status": 503},
               "lmstudio": {"models": ["qwen2.5-7b-instruct", WARM_MODEL],
                            "loaded": ["qwen2.5-7b-instruct"], "cold_load_delay": COLD_LOAD},
@@ -336,7 +337,7 @@ def main(argv: list[str]) -> int:
         print("proxy facades: " + ", ".join(f"{e} on :{p}" for e, p in facades.items()))
         print(f"status page: http://127.0.0.1:{admin}/  (metrics: /metrics, JSON: /status)")
         chat = [{"role": "user", "content": "Say hello"}]
-        cases = [
+        cases: list[tuple[Any, ...]] = [
             ("ollama", "POST", "/api/chat", {"model": "llama3", "messages": chat}, True,
              200, "gpu-b", "gpu-a answers 503: fails over to gpu-b"),
             ("ollama", "POST", "/api/generate", {"model": "llama3", "prompt": "hi", "stream": False},
