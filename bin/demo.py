@@ -5,6 +5,12 @@ Three simulated GPU nodes each run Ollama, LM Studio and llama.cpp; gpu-a's Olla
 with all three facades, the nodes file below and the admin listener (its status page URL is
 printed); every request goes through it. ``--hold`` keeps everything running afterwards.
 
+Then two scheduling demonstrations, on what the simulated engines report (their truth
+routes): a warm owner chosen over a cold one (``llama-3.2-3b-instruct`` is advertised by the
+LM Studio of gpu-a and gpu-b and loaded only on gpu-b; gpu-a would load it first), and late
+binding (gpu-a's and gpu-c's llama.cpp run one request at a time; while both stream, a third
+request waits in the proxy, not inside an engine, and goes to the node that frees first).
+
 The fleet and the proxy are started and stopped by ``nvpair_proxy.testing.processes``, as the
 process tests start them. It is imported only once something starts, so that ``--help`` (and
 bin/status_screenshot.py's) needs nothing but the standard library.
@@ -20,23 +26,31 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
 from types import ModuleType
+from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-FLEET = {
+# The model of the warm-versus-cold demonstration: nothing else asks for it.
+WARM_MODEL = "llama-3.2-3b-instruct"
+COLD_LOAD = 3.0
+
+FLEET: dict[str, dict[str, dict[str, Any]]] = {
     "gpu-a": {"ollama": {"models": ["llama3:latest"], "status": 503},
-              "lmstudio": {"models": ["qwen2.5-7b-instruct"]},
-              "llamacpp": {"models": ["phi-3-mini"], "loaded": ["phi-3-mini"]}},
+              "lmstudio": {"models": ["qwen2.5-7b-instruct", WARM_MODEL],
+                           "loaded": ["qwen2.5-7b-instruct"], "cold_load_delay": COLD_LOAD},
+              "llamacpp": {"models": ["phi-3-mini"], "loaded": ["phi-3-mini"], "slots": 1}},
     "gpu-b": {"ollama": {"models": ["llama3:latest"]},
-              "lmstudio": {"models": ["qwen2.5-7b-instruct"]},
+              "lmstudio": {"models": ["qwen2.5-7b-instruct", WARM_MODEL],
+                           "cold_load_delay": COLD_LOAD},
               "llamacpp": {"models": ["phi-3-mini"], "loaded": []}},
     "gpu-c": {"ollama": {"models": ["llama3:latest", "mistral:latest"]},
               "lmstudio": {"models": ["gemma-3-4b"]},
-              "llamacpp": {"models": ["phi-3-mini"], "loaded": ["phi-3-mini"]}},
+              "llamacpp": {"models": ["phi-3-mini"], "loaded": ["phi-3-mini"], "slots": 1}},
 }
 
 
@@ -98,8 +112,9 @@ def write_files(workdir: str) -> str:
                      f"models = {toml_list(spec['models'])}", "tokens = 5", "token_delay = 0.02"]
             if "loaded" in spec:
                 lines.append(f"loaded = {toml_list(spec['loaded'])}")
-            if "status" in spec:
-                lines.append(f"status = {spec['status']}")
+            for key in ("status", "slots", "cold_load_delay"):
+                if key in spec:
+                    lines.append(f"{key} = {spec[key]}")
             fleet.append("\n".join(lines) + "\n")
     fleet_path = os.path.join(workdir, "fleet.toml")
     with open(fleet_path, "w") as handle:
@@ -109,13 +124,17 @@ def write_files(workdir: str) -> str:
 
 def write_nodes(workdir: str, ports: dict[str, int]) -> str:
     """The proxy's nodes file: each node's three engines on their simulated ports. Ollama and
-    LM Studio list their models when probed; for llama.cpp the file names the loaded ones."""
+    LM Studio list their models when probed; for llama.cpp the file names the loaded ones,
+    and the slots each runs (which its ``/slots`` also reports, once read)."""
     entries = [(node_id, engine, ports[f"{node_id}-{engine}"],
                 spec["loaded"] if engine == "llamacpp" else None)
                for node_id, engines in FLEET.items() for engine, spec in engines.items()]
+    slots = {(node_id, engine): spec["slots"]
+             for node_id, engines in FLEET.items() for engine, spec in engines.items()
+             if "slots" in spec}
     path = os.path.join(workdir, "nodes.toml")
     with open(path, "w") as handle:
-        handle.write(processes().nodes_toml(entries))
+        handle.write(processes().nodes_toml(entries, slots))
     return path
 
 
@@ -142,9 +161,133 @@ def call(port: int, method: str, path: str, body: dict | None = None):
         return error.code, error.headers.get("X-Sim-Node", ""), error.read()
 
 
+def sim(fleet_ports: dict[str, int], sim_id: str, path: str = "/_sim/state",
+        change: dict | None = None):
+    """A simulated engine's answer to ``path`` (its admin or truth routes), decoded."""
+    data = json.dumps(change).encode() if change is not None else None
+    with urllib.request.urlopen(f"http://127.0.0.1:{fleet_ports[sim_id]}{path}", data=data,
+                                timeout=10) as response:
+        return json.load(response)
+
+
 def served(fleet_ports: dict[str, int], sim_id: str) -> int:
-    with urllib.request.urlopen(f"http://127.0.0.1:{fleet_ports[sim_id]}/_sim/state") as response:
-        return len(json.load(response)["served"])
+    return len(sim(fleet_ports, sim_id)["served"])
+
+
+def wait_for(ready, timeout: float) -> bool:
+    """Poll ``ready()`` every 50 ms until it is true or ``timeout`` passes."""
+    end = time.monotonic() + timeout
+    while not ready():
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def node_of(response) -> str:
+    return (response.headers.get("X-Sim-Node") or "proxy").rsplit("-", 1)[0]
+
+
+def open_stream(port: int, model: str):
+    """A streaming chat through the llama.cpp facade, open once its headers arrived."""
+    body = {"model": model, "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions",
+                                     data=json.dumps(body).encode(), method="POST",
+                                     headers={"Content-Type": "application/json"})
+    return urllib.request.urlopen(request, timeout=30)
+
+
+def queued_in(status: object) -> list[int]:
+    """Every ``queued`` count in the proxy's /status JSON (none while it does not show one)."""
+    if isinstance(status, dict):
+        found = [v for k, v in status.items() if k == "queued" and isinstance(v, int)]
+        return found + [n for v in status.values() for n in queued_in(v)]
+    if isinstance(status, list):
+        return [n for v in status for n in queued_in(v)]
+    return []
+
+
+def demo_warm_over_cold(fleet_ports: dict[str, int], facades: dict[str, int]) -> bool:
+    """Two owners advertise WARM_MODEL, only gpu-b has it loaded: the proxy picks gpu-b,
+    though gpu-a comes first by node id, and gpu-a never loads it."""
+    print()
+    print(f"warm before cold: {WARM_MODEL} is advertised by gpu-a and gpu-b (LM Studio)")
+    owners = ("gpu-a-lmstudio", "gpu-b-lmstudio")
+    # The proxy reads each engine's /api/v0/models about a second after start-up.
+    read = wait_for(lambda: all(sim(fleet_ports, o)["truth_reads"] for o in owners), 15.0)
+    time.sleep(0.3)  # the read's answer reaches the router
+    for owner in owners:
+        states = {m["id"]: m["state"] for m in sim(fleet_ports, owner, "/api/v0/models")["data"]}
+        print(f"  {owner[:5]} reports {WARM_MODEL}: {states[WARM_MODEL]}"
+              + (f" (a request there would wait {COLD_LOAD:.0f} s for it to load)"
+                 if states[WARM_MODEL] != "loaded" else ""))
+    started = time.monotonic()
+    status, node, body = call(facades["lmstudio"], "POST", "/v1/chat/completions",
+                              {"model": WARM_MODEL, "messages": [{"role": "user", "content": "hi"}]})
+    took = time.monotonic() - started
+    still_cold = all(m["state"] == "not-loaded"
+                     for m in sim(fleet_ports, "gpu-a-lmstudio", "/api/v0/models")["data"]
+                     if m["id"] == WARM_MODEL)
+    ok = read and status == 200 and node.startswith("gpu-b") and still_cold
+    print(f"  one request: {status}, served by {node.rsplit('-', 1)[0] or 'proxy'} in "
+          f"{took:.2f} s; gpu-a still has it {'not loaded' if still_cold else 'LOADED'}"
+          f"{'' if ok else '  <- UNEXPECTED'}")
+    return ok
+
+
+def demo_late_binding(fleet_ports: dict[str, int], facades: dict[str, int],
+                      admin: int) -> bool:
+    """gpu-a and gpu-c run one llama.cpp request at a time; both stream (gpu-a for 2 s,
+    gpu-c for 0.8 s); a third request waits in the proxy and goes to gpu-c, which frees
+    first, although gpu-a comes first by node id."""
+    long, short = ("gpu-a-llamacpp", 40), ("gpu-c-llamacpp", 16)
+    for sim_id, tokens in (long, short):
+        sim(fleet_ports, sim_id, "/_sim/fault", {"tokens": tokens, "token_delay": 0.05})
+    port = facades["llamacpp"]
+    print()
+    print("late binding: gpu-a and gpu-c run one llama.cpp request at a time "
+          "(slots = 1, their /slots says so too)")
+    results: dict[str, object] = {}
+    readers = []
+    try:
+        t0 = time.monotonic()
+        for name in ("first", "second"):
+            response = open_stream(port, "phi-3-mini")
+            results[name] = node_of(response)
+            reader = threading.Thread(target=response.read, daemon=True)
+            reader.start()
+            readers.append(reader)
+        print(f"  stream 1 on {results['first']} (40 tokens, 2.0 s), stream 2 on "
+              f"{results['second']} (16 tokens, 0.8 s): every owner is full")
+
+        def third() -> None:
+            sent = time.monotonic()
+            with open_stream(port, "phi-3-mini") as response:
+                results["third"] = node_of(response)
+                results["waited"] = time.monotonic() - sent
+                response.read()
+
+        waiter = threading.Thread(target=third, daemon=True)
+        waiter.start()
+        time.sleep(0.3)
+        inside = {sim_id[:5]: sim(fleet_ports, sim_id)["queued"] for sim_id, _ in (long, short)}
+        with urllib.request.urlopen(f"http://127.0.0.1:{admin}/status", timeout=10) as response:
+            queued = queued_in(json.load(response))
+        shown = f"proxy /status queued = {max(queued)}" if queued else             "waiting in the proxy (its /status does not show the queue yet)"
+        print(f"  request 3 at {time.monotonic() - t0:.1f} s: {shown}; inside the engines: "
+              + ", ".join(f"{node} {count}" for node, count in inside.items()))
+        waiter.join(30)
+        for reader in readers:
+            reader.join(30)
+    finally:
+        for sim_id, _ in (long, short):
+            sim(fleet_ports, sim_id, "/_sim/fault", {"tokens": 5, "token_delay": 0.02})
+    ok = (results.get("first"), results.get("second"), results.get("third")) == \
+        ("gpu-a", "gpu-c", "gpu-c") and not any(inside.values())
+    print(f"  request 3 served by {results.get('third')} when its stream ended, after waiting "
+          f"{results.get('waited', 0.0):.2f} s (gpu-a stayed busy until 2.0 s)"
+          f"{'' if ok else '  <- UNEXPECTED'}")
+    return ok
 
 
 def outcome(status: int, body: bytes, stream: bool) -> str:
@@ -194,7 +337,7 @@ def main(argv: list[str]) -> int:
         print("proxy facades: " + ", ".join(f"{e} on :{p}" for e, p in facades.items()))
         print(f"status page: http://127.0.0.1:{admin}/  (metrics: /metrics, JSON: /status)")
         chat = [{"role": "user", "content": "Say hello"}]
-        cases = [
+        cases: list[tuple[Any, ...]] = [
             ("ollama", "POST", "/api/chat", {"model": "llama3", "messages": chat}, True,
              200, "gpu-b", "gpu-a answers 503: fails over to gpu-b"),
             ("ollama", "POST", "/api/generate", {"model": "llama3", "prompt": "hi", "stream": False},
@@ -244,6 +387,8 @@ def main(argv: list[str]) -> int:
             print(f"{engine:9} {method + ' ' + path:28} {model:20} {status:<6} "
                   f"{(node.rsplit('-', 1)[0] if node else 'proxy'):16} "
                   f"{outcome(status, content, stream)}{extra}  [{note}]{'' if ok else '  <- UNEXPECTED'}")
+        failures += not demo_warm_over_cold(fleet_ports, facades)
+        failures += not demo_late_binding(fleet_ports, facades, admin)
         print()
         print("all requests behaved as expected" if not failures else f"{failures} unexpected results")
         if hold:

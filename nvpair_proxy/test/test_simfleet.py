@@ -272,6 +272,194 @@ class TimingAndFaultTests(SynchronousTestCase):
                          (503, {"error": "simulated fault on gpu-a: HTTP 503"}))
 
 
+class EngineTruthTests(SynchronousTestCase):
+    """Slots, warm models and cold loads, and the truth routes that report them, in memory."""
+
+    def setUp(self):
+        self.clock = MemoryReactorClock()
+
+    def get(self, node: SimNode, path: str) -> tuple[int, object]:
+        wire = _Wire(node, self.clock)
+        wire.send("GET", path)
+        status, _, (body,), complete = wire.response()
+        self.assertTrue(complete)
+        return status, json.loads(body)
+
+    def chat(self, node: SimNode, model: str, path: str = "/v1/chat/completions") -> _Wire:
+        wire = _Wire(node, self.clock)
+        wire.send("POST", path, {"model": model, "stream": True, **CHAT})
+        return wire
+
+    def processing(self, node: SimNode, path: str = "/slots") -> list[bool]:
+        status, slots = self.get(node, path)
+        self.assertEqual(status, 200)
+        assert isinstance(slots, list)
+        self.assertEqual([slot["id"] for slot in slots], list(range(len(slots))))
+        return [slot["is_processing"] for slot in slots]
+
+    def test_llamacpp_slots_report_the_requests_in_progress(self):
+        node = SimNode("gpu-c", "llamacpp", models=["m"], slots=2, tokens=2, token_delay=1.0)
+        self.assertEqual(self.processing(node), [False, False])
+        first = self.chat(node, "m")
+        self.assertEqual((self.processing(node), node.busy), ([True, False], 1))
+        second = self.chat(node, "m")
+        self.assertEqual(self.processing(node), [True, True])
+        self.clock.advance(2.0)
+        self.assertTrue(first.response()[3] and second.response()[3])
+        self.assertEqual((self.processing(node), node.busy), ([False, False], 0))
+
+    def test_without_a_slot_count_slots_is_501_as_with_no_slots(self):
+        node = SimNode("gpu-c", "llamacpp", models=["m"])
+        self.assertEqual(self.get(node, "/slots"), (501, {"error": {
+            "code": 501, "type": "not_supported_error",
+            "message": "This server does not support slots endpoint. Start it with `--slots`"}}))
+        for dialect, path in (("ollama", "/slots"), ("lmstudio", "/slots"),
+                              ("llamacpp", "/api/ps"), ("ollama", "/api/v0/models")):
+            wire = _Wire(SimNode("n", dialect, models=["m"]), self.clock)
+            wire.send("GET", path)
+            self.assertEqual(wire.response()[0], 404)
+
+    def test_a_full_engine_queues_inside_in_arrival_order(self):
+        node = SimNode("gpu-c", "llamacpp", models=["m"], slots=1, tokens=1, token_delay=1.0)
+        first = self.chat(node, "m")
+        second, third, gone = self.chat(node, "m"), self.chat(node, "m"), self.chat(node, "m")
+        self.assertEqual((node.busy, node.queued), (1, 3))
+        gone.client_leaves()
+        self.assertEqual(node.queued, 2)
+        self.assertEqual([w.transport.value() for w in (second, third)], [b"", b""])
+        self.clock.advance(1.0)  # the first ends; the second starts at once, the third waits
+        self.assertTrue(first.response()[3])
+        self.assertEqual(len(second.response()[2]), 1)
+        self.assertEqual((third.transport.value(), node.busy, node.queued), (b"", 1, 1))
+        self.clock.advance(1.0)
+        self.assertTrue(second.response()[3])
+        self.assertEqual(len(third.response()[2]), 1)
+        self.clock.advance(1.0)
+        self.assertTrue(third.response()[3])
+        self.assertEqual((gone.transport.value(), node.busy, node.queued), (b"", 0, 0))
+        self.assertEqual(self.clock.getDelayedCalls(), [])
+
+    def test_more_slots_through_sim_fault_start_waiting_requests(self):
+        node = SimNode("gpu-b", "lmstudio", models=["q"], slots=1, tokens=1, token_delay=1.0)
+        self.chat(node, "q")
+        waiting = self.chat(node, "q")
+        admin = _Wire(node, self.clock)
+        admin.send("POST", "/_sim/fault", {"slots": 2})
+        self.assertEqual(admin.response()[0], 200)
+        self.assertEqual(len(waiting.response()[2]), 1)
+        self.assertEqual((node.busy, node.queued), (2, 0))
+
+    def test_a_cold_model_loads_on_first_use_then_is_warm(self):
+        node = SimNode("gpu-a", "ollama", models=["llama3", "mistral"], loaded=["mistral"],
+                       tokens=1, token_delay=1.0, cold_load_delay=5.0)
+        self.assertEqual([m["name"] for m in self.get(node, "/api/ps")[1]["models"]],
+                         ["mistral:latest"])
+        cold = self.chat(node, "llama3", "/api/chat")
+        also = self.chat(node, "llama3:latest", "/api/chat")  # waits for the same load
+        self.clock.advance(4.999)
+        self.assertEqual((cold.transport.value(), also.transport.value(), node.busy), (b"", b"", 2))
+        self.assertEqual([m["name"] for m in self.get(node, "/api/ps")[1]["models"]],
+                         ["mistral:latest"])
+        self.clock.advance(0.001)
+        self.assertEqual((len(cold.response()[2]), len(also.response()[2])), (1, 1))
+        self.assertEqual(node.loaded, ["mistral", "llama3:latest"])
+        ps = self.get(node, "/api/ps")[1]["models"]
+        self.assertEqual([(m["name"], m["model"]) for m in ps],
+                         [("llama3:latest", "llama3:latest"), ("mistral:latest", "mistral:latest")])
+        self.clock.advance(1.0)
+        warm = self.chat(node, "llama3", "/api/chat")
+        self.assertEqual(len(warm.response()[2]), 1)  # its first byte at once
+        self.clock.advance(1.0)
+        self.assertEqual(self.clock.getDelayedCalls(), [])
+
+    def test_a_cold_load_holds_its_slot(self):
+        node = SimNode("gpu-b", "lmstudio", models=["q"], loaded=[], slots=1, tokens=1,
+                       cold_load_delay=3.0)
+        loading = self.chat(node, "q")
+        behind = self.chat(node, "q")
+        self.assertEqual((node.busy, node.queued), (1, 1))
+        self.clock.advance(3.0)
+        self.assertTrue(loading.response()[3])
+        self.assertTrue(behind.response()[3])
+        self.assertEqual((node.busy, node.queued, node.loaded), (0, 0, ["q"]))
+
+    def test_a_client_leaving_a_cold_load_frees_its_slot_and_the_load_goes_on(self):
+        node = SimNode("gpu-b", "lmstudio", models=["q"], loaded=[], slots=1,
+                       cold_load_delay=3.0)
+        gone = self.chat(node, "q")
+        gone.client_leaves()
+        self.assertEqual(node.busy, 0)
+        self.clock.advance(3.0)
+        self.assertEqual((gone.transport.value(), node.loaded), (b"", ["q"]))
+
+    def test_lmstudio_v0_models_gives_every_model_a_state(self):
+        node = SimNode("gpu-b", "lmstudio", models=["q", "g"], loaded=["g"],
+                       cold_load_delay=2.0, tokens=0)
+        status, listed = self.get(node, "/api/v0/models")
+        self.assertEqual(status, 200)
+        assert isinstance(listed, dict)
+        self.assertEqual(listed["object"], "list")
+        self.assertEqual([(m["id"], m["state"], m["type"]) for m in listed["data"]],
+                         [("q", "not-loaded", "llm"), ("g", "loaded", "llm")])
+        self.chat(node, "q")
+        self.assertEqual([m["state"] for m in self.get(node, "/api/v0/models")[1]["data"]],
+                         ["not-loaded", "loaded"])  # loading is not loaded yet
+        self.clock.advance(2.0)
+        self.assertEqual([m["state"] for m in self.get(node, "/api/v0/models")[1]["data"]],
+                         ["loaded", "loaded"])
+        # The OpenAI list names every model, loaded or not.
+        self.assertEqual([m["id"] for m in self.get(node, "/v1/models")[1]["data"]], ["q", "g"])
+
+    def test_truth_routes_never_load_a_model(self):
+        fleet = [SimNode("o", "ollama", models=["a"], loaded=[], cold_load_delay=1.0),
+                 SimNode("l", "lmstudio", models=["a"], loaded=[], cold_load_delay=1.0),
+                 SimNode("r", "llamacpp", models=["a"], loaded=[], router=True, slots=1,
+                         cold_load_delay=1.0)]
+        paths = {"o": ["/api/ps", "/api/tags", "/v1/models"],
+                 "l": ["/api/v0/models", "/v1/models"],
+                 "r": ["/slots", "/slots?model=a", "/models", "/v1/models"]}
+        for node in fleet:
+            for _ in range(3):
+                for path in paths[node.node_id]:
+                    self.get(node, path)
+            self.assertEqual((node.loaded, node.busy, node.served), ([], 0, []))
+        self.assertEqual(self.clock.getDelayedCalls(), [])
+        self.assertEqual([n.truth_reads for n in fleet], [3, 3, 9])
+
+    def test_llamacpp_router_reports_each_model_and_its_own_slots(self):
+        node = SimNode("gpu-c", "llamacpp", models=["a", "b"], loaded=["b"], router=True,
+                       slots=1, tokens=1, token_delay=1.0, cold_load_delay=2.0)
+        def statuses() -> list[tuple[str, str]]:
+            return [(m["id"], m["status"]["value"]) for m in self.get(node, "/models")[1]["data"]]
+        self.assertEqual(statuses(), [("a", "unloaded"), ("b", "loaded")])
+        self.assertEqual(self.get(node, "/slots")[0], 400)  # a router needs ?model=
+        self.assertEqual(self.get(node, "/slots?model=a"),
+                         (400, {"error": {"code": 400, "type": "invalid_request_error",
+                                          "message": 'model "a" is not loaded'}}))
+        on_b = self.chat(node, "b")
+        on_a = self.chat(node, "a")  # each model has its own slot: neither waits for the other
+        self.assertEqual(statuses(), [("a", "loading"), ("b", "loaded")])
+        self.assertEqual(self.processing(node, "/slots?model=b"), [True])
+        self.assertEqual((len(on_b.response()[2]), on_a.transport.value()), (1, b""))
+        self.clock.advance(2.0)
+        self.assertEqual(statuses(), [("a", "loaded"), ("b", "loaded")])
+        self.assertEqual(len(on_a.response()[2]), 1)
+        self.assertEqual(self.processing(node, "/slots?model=a"), [True])
+        self.assertEqual(self.processing(node, "/slots?model=b"), [False])
+
+    def test_defaults_keep_every_model_warm_and_slots_unlimited(self):
+        node = SimNode("gpu-a", "ollama", models=["llama3"], tokens=1, token_delay=1.0)
+        wires = [self.chat(node, "llama3", "/api/chat") for _ in range(5)]
+        self.assertEqual([len(w.response()[2]) for w in wires], [1] * 5)
+        self.assertEqual((node.busy, node.queued), (5, 0))
+        self.assertEqual([m["name"] for m in self.get(node, "/api/ps")[1]["models"]],
+                         ["llama3:latest"])
+        state = self.get(node, "/_sim/state")[1]
+        assert isinstance(state, dict)
+        self.assertEqual((state["busy"], state["queued"], state["truth_reads"], state["slots"]),
+                         (5, 0, 1, None))
+
+
 class SimNodeTests(SynchronousTestCase):
     def test_set_faults_is_all_or_nothing(self):
         node = SimNode("gpu-a", "ollama")
@@ -710,6 +898,19 @@ class FleetFileTests(SynchronousTestCase):
         self.assertEqual(node, SimNode("gpu-c", "llamacpp", models=["a", "b"], loaded=["b"],
                                        port=18080, tokens=3, token_delay=1.0, status=503,
                                        die_after_tokens=2, hang_after_headers=True))
+
+    def test_engine_truth_keys(self):
+        (node,) = parse_fleet({"node": [{
+            "id": "gpu-c", "dialect": "llamacpp", "models": ["a"], "loaded": [], "slots": 2,
+            "cold_load_delay": 5, "router": True}]}, "fleet.toml")
+        self.assertEqual((node.slots, node.cold_load_delay, node.router), (2, 5.0, True))
+        for table, message in (
+                ({"slots": 0}, "slots must be an integer >= 1 (got 0)"),
+                ({"cold_load_delay": -1}, "cold_load_delay must be a number of seconds >= 0"),
+                ({"router": True}, "router is for llamacpp nodes only")):
+            with self.assertRaises(FleetFileError) as caught:
+                parse_fleet({"node": [{"id": "a", "dialect": "ollama", **table}]}, "f.toml")
+            self.assertIn(message, str(caught.exception))
 
     def test_errors_name_the_file_node_and_field(self):
         cases = [

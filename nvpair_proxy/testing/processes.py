@@ -18,7 +18,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Protocol, TypeVar
 
 # twistd of this interpreter's environment, whatever the PATH holds.
@@ -254,14 +254,18 @@ class BrokerChannel:
         raise AssertionError(f"no matching message; got {self.lines}")
 
 
-def nodes_toml(entries: Iterable[tuple[str, str, int, list[str] | None]]) -> str:
+def nodes_toml(entries: Iterable[tuple[str, str, int, list[str] | None]],
+               slots: Mapping[tuple[str, str], int] | None = None) -> str:
     """A nodes file on loopback from (node id, engine, port, models): one ``[[node]]`` per id,
-    in first-seen order, with a table per engine; models ``None`` leaves them to the probe."""
+    in first-seen order, with a table per engine; models ``None`` leaves them to the probe.
+    ``slots`` gives ``slots = N`` to the (node id, engine) entries it names."""
     tables: dict[str, list[str]] = {}
     for node_id, engine, port, models in entries:
         table = f"[node.engines.{engine}]\nport = {port}\n"
         if models is not None:
             table += f"models = {json.dumps(models)}\n"
+        if slots and (node_id, engine) in slots:
+            table += f"slots = {slots[node_id, engine]}\n"
         tables.setdefault(node_id, []).append(table)
     return "\n".join(f'[[node]]\nid = "{node_id}"\naddress = "127.0.0.1"\n' + "".join(engines)
                      for node_id, engines in tables.items())

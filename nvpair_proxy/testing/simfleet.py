@@ -8,6 +8,31 @@ mid-stream. Time comes from the injected reactor, so tests drive token spacing w
 
 Every response carries ``X-Sim-Node: <id>`` so a demo or a test can see which node answered.
 
+Engine truth: each node answers its dialect's side-effect-free truth routes (the ``[truth]``
+of its engine file) with the real shapes: llama.cpp ``GET /slots`` (an array, one object per
+slot with ``id`` and ``is_processing``; 501 as with ``--no-slots`` when the node has no slot
+count), Ollama ``GET /api/ps`` (the loaded models) and LM Studio ``GET /api/v0/models`` (every
+model with ``state`` ``loaded`` or ``not-loaded``). A llama.cpp node with ``router = true``
+runs like ``llama-server --models-dir``: it serves every model in ``models``, reports each one's
+``status`` on ``/models``, runs ``slots`` per model, and answers ``/slots`` only with
+``?model=<a loaded one>`` (400 without). No truth route ever loads a model.
+
+Knobs (SimNode fields, fleet-file keys, most also ``/_sim/fault`` fields):
+
+- ``slots`` (default None: unlimited, no ``/slots``): requests run at once. Busy slots are the
+  inference requests in progress; when all are busy a new one waits inside the engine, in
+  arrival order, and starts when one ends (a real engine's own queue).
+- ``loaded`` (default None: every model is warm): for Ollama, LM Studio and a llama.cpp router
+  the warm subset of ``models``; a model outside it is cold. For plain llama.cpp (no
+  autoload) the only models it answers for at all.
+- ``cold_load_delay`` (default 0): seconds the first inference request for a cold model holds
+  its slot before its first byte; then the model counts as loaded. Requests for a model that
+  is loading wait for the same load.
+- ``router`` (llama.cpp only, default false): see above.
+
+``/_sim/state`` also reports ``busy`` and ``queued`` (inference requests running, and waiting
+inside the engine) and ``truth_reads`` (requests to the truth routes).
+
 Admin routes: ``POST /_sim/fault`` (a JSON object of ``FAULT_FIELDS``) changes a node at
 runtime, ``GET /_sim/state`` reports its fields and what it served, and
 ``GET /_sim/stalled?count=N`` answers once N streams have been paused by a slow reader. They are loopback
@@ -20,6 +45,7 @@ CLI: ``python -m nvpair_proxy.testing.simfleet FLEET.toml`` (the file format is 
 from __future__ import annotations
 
 import hashlib
+from collections import deque
 import json
 import math
 import sys
@@ -40,7 +66,8 @@ DIALECTS = ("ollama", "lmstudio", "llamacpp")
 
 # The fields POST /_sim/fault may change; identity (id, dialect, port) and records may not.
 FAULT_FIELDS = ("models", "loaded", "tokens", "token_delay", "chunk_size", "status",
-                "hang_before_headers", "headers_delay", "hang_after_headers", "die_after_tokens")
+                "hang_before_headers", "headers_delay", "hang_after_headers", "die_after_tokens",
+                "slots", "cold_load_delay")
 
 _FILLER = "abcdefghijklmnopqrstuvwxyz0123456789"
 
@@ -135,7 +162,8 @@ class SimNode:
     node_id: str = attrs.field(validator=_node_id)
     dialect: str = attrs.field(validator=_dialect)
     models: list[str] = attrs.field(factory=list, validator=_names)
-    # llama.cpp runs without model autoload: only these make it answer. None: all of models.
+    # Plain llama.cpp runs without model autoload: only these make it answer. Ollama, LM
+    # Studio and a llama.cpp router: the warm ones (the rest load on first use). None: all.
     loaded: list[str] | None = attrs.field(default=None, validator=_optional(_names))
     port: int = attrs.field(default=0, validator=_int_in(0, 65535))
     tokens: int = attrs.field(default=6, validator=_int_in(0))
@@ -150,6 +178,21 @@ class SimNode:
                                        validator=_non_negative_seconds)
     hang_after_headers: bool = attrs.field(default=False, validator=_flag)
     die_after_tokens: int | None = attrs.field(default=None, validator=_optional(_int_in(0)))
+    # Inference requests run at once (per model for a llama.cpp router); None: unlimited.
+    slots: int | None = attrs.field(default=None, validator=_optional(_int_in(1)))
+    # Seconds the first request for a cold model waits before its first byte.
+    cold_load_delay: float = attrs.field(default=0.0, converter=_seconds,
+                                         validator=_non_negative_seconds)
+    # llama.cpp only: a router (``--models-dir``) that loads any of models on first use.
+    router: bool = attrs.field(default=False, validator=_flag)
+    # Inference requests running now, and waiting inside the engine for a slot.
+    busy: int = 0
+    queued: int = 0
+    # Requests to the truth routes (/slots, /api/ps, /api/v0/models, llama.cpp /models).
+    truth_reads: int = 0
+    # What runs, waits and loads now, shared by every resource serving this node.
+    engine: _EngineState = attrs.field(init=False, factory=lambda: _EngineState(),
+                                       eq=False, repr=False)
     # Every inference request that reached this node, whatever it was answered.
     served: list[tuple[str, str]] = attrs.field(factory=list)
     # The last non-admin request's headers: lower-case name -> values in arrival order
@@ -158,16 +201,38 @@ class SimNode:
     # Streams a slow reader paused (the transport's backpressure reached this engine).
     stalled: int = 0
 
+    def __attrs_post_init__(self) -> None:
+        if self.router and self.dialect != "llamacpp":
+            raise ValueError("router is for llamacpp nodes only")
+
+    @property
+    def loads_on_demand(self) -> bool:
+        """Whether a model outside ``loaded`` is cold (loads on first use) rather than absent."""
+        return self.dialect != "llamacpp" or self.router
+
     def available(self) -> list[str]:
         """The models this node answers for (and lists, for llama.cpp)."""
-        if self.dialect == "llamacpp" and self.loaded is not None:
+        if not self.loads_on_demand and self.loaded is not None:
             return list(self.loaded)
         return list(self.models)
 
+    def model_key(self, model: str) -> str:
+        """The name a model is known by here (Ollama's implied ``:latest``)."""
+        return ollama_name(model) if self.dialect == "ollama" else model
+
     def has_model(self, model: str) -> bool:
-        if self.dialect == "ollama":
-            return ollama_name(model) in {ollama_name(m) for m in self.available()}
-        return model in self.available()
+        return self.model_key(model) in {self.model_key(m) for m in self.available()}
+
+    def is_warm(self, model: str) -> bool:
+        """Whether ``model`` is loaded (a model this node answers for)."""
+        if self.loaded is None or not self.loads_on_demand:
+            return True
+        return self.model_key(model) in {self.model_key(m) for m in self.loaded}
+
+    def mark_loaded(self, model: str) -> None:
+        if not self.is_warm(model):
+            assert self.loaded is not None
+            self.loaded.append(self.model_key(model))
 
     def set_faults(self, changes: Mapping[str, Any]) -> None:
         """Apply a ``/_sim/fault`` body all or nothing; ValueError names the bad field."""
@@ -181,7 +246,18 @@ class SimNode:
 
     def state(self) -> dict[str, Any]:
         """The node as ``/_sim/state`` reports it."""
-        return {**attrs.asdict(self), "served_count": len(self.served)}
+        fields = attrs.asdict(self, filter=lambda attribute, value: attribute.name != "engine")
+        return {**fields, "served_count": len(self.served)}
+
+
+class _EngineState:
+    """A node's requests in progress: per slot group (a router's model, else None) the count
+    running and the queue waiting, and per model loading now, who waits for it."""
+
+    def __init__(self) -> None:
+        self.busy: dict[str | None, int] = {}
+        self.waiting: dict[str | None, deque[tuple[Request, str, dict, str]]] = {}
+        self.loading: dict[str, list[tuple[Request, Callable[[], None]]]] = {}
 
 
 # -- wire helpers --------------------------------------------------------------------------
@@ -647,6 +723,11 @@ _MODEL_LISTS = {"ollama": {"/api/tags": "ollama", "/v1/models": "openai"},
 
 _OWNED_BY = {"ollama": "library", "lmstudio": "organization_owner", "llamacpp": "llamacpp"}
 
+# The side-effect-free routes each engine file's [truth] names (llama.cpp's /models is also a
+# model list, counted there).
+_TRUTH = {"ollama": {"/api/ps": "ps"}, "lmstudio": {"/api/v0/models": "v0-models"},
+          "llamacpp": {"/slots": "slots"}}
+
 
 def _error_style(dialect: str, kind: str) -> str:
     """llama.cpp answers every route's errors in its own shape; the others follow the route."""
@@ -681,6 +762,7 @@ class SimNodeResource(Resource):
         self._clock = reactor
         self._serial = 0
         self._stall_waiters: list[tuple[int, Request]] = []
+        self._engine = node.engine
 
     def _stalled(self) -> None:
         """A stream was paused: answer the ``/_sim/stalled`` waits this count satisfies."""
@@ -710,8 +792,14 @@ class SimNodeResource(Resource):
         if kind is not None:
             self.node.served.append((method, path))
             return self._infer(request, kind)
+        truth = _TRUTH[self.node.dialect].get(path) if method == "GET" else None
+        if truth is not None:
+            self.node.truth_reads += 1
+            return self._truth(request, truth)
         envelope = _MODEL_LISTS[self.node.dialect].get(path) if method == "GET" else None
         if envelope is not None:
+            if self.node.dialect == "llamacpp" and path == "/models":
+                self.node.truth_reads += 1
             return self._model_list(request, envelope)
         return self._no_route(request, method, path)
 
@@ -753,6 +841,8 @@ class SimNodeResource(Resource):
                 self.node.set_faults(changes)
             except (TypeError, ValueError) as exc:
                 return self._json(request, {"error": str(exc)}, 400)
+            for key in list(self._engine.waiting):
+                self._start_waiting(key)  # more slots take waiting requests at once
             return self._json(request, self.node.state())
         return self._json(request, {"error": f"no admin route {method} {path}"}, 404)
 
@@ -775,8 +865,56 @@ class SimNodeResource(Resource):
             if node.dialect != "lmstudio":
                 entry["created"] = int(now)
             entry["owned_by"] = _OWNED_BY[node.dialect]
+            if node.router:
+                entry["status"] = {"value": self._load_state(name, "unloaded")}
             entries.append(entry)
         return self._json(request, {"object": "list", "data": entries})
+
+    def _load_state(self, model: str, cold: str) -> str:
+        if self.node.model_key(model) in self._engine.loading:
+            return "loading" if self.node.router else cold
+        return "loaded" if self.node.is_warm(model) else cold
+
+    def _truth(self, request: Request, route: str) -> bytes:
+        """A truth route: what the engine runs and holds now. Reads only: nothing loads."""
+        node = self.node
+        now = self._clock.seconds()
+        if route == "ps":
+            names = [ollama_name(m) for m in dict.fromkeys(node.available())
+                     if node.is_warm(m) and node.model_key(m) not in self._engine.loading]
+            return self._json(request, {"models": [
+                {"name": name, "model": name, "size": 1_000_000_000 + len(name),
+                 "digest": hashlib.sha256(name.encode("utf-8")).hexdigest(),
+                 "details": {"format": "gguf", "family": "llama"},
+                 "expires_at": _rfc3339(now + 300), "size_vram": 1_000_000_000 + len(name)}
+                for name in dict.fromkeys(names)]})
+        if route == "v0-models":
+            return self._json(request, {"object": "list", "data": [
+                {"id": name, "object": "model", "type": "llm", "publisher": "sim",
+                 "arch": "llama", "compatibility_type": "gguf", "quantization": "Q4_K_M",
+                 "state": self._load_state(name, "not-loaded"), "max_context_length": 4096}
+                for name in node.available()]})
+        # llama.cpp /slots: one server's slots; a router's for the model named in the query.
+        key: str | None = None
+        if node.router:
+            args: dict[bytes, list[bytes]] = request.args or {}
+            wanted = args.get(b"model", [b""])[0].decode("utf-8", "replace")
+            if not wanted:
+                return self._error(request, "llamacpp", 400,
+                                   "model name is missing from the request")
+            if not node.has_model(wanted) or not node.is_warm(wanted):
+                # A real router would load it to answer; the simulation never does.
+                return self._error(request, "llamacpp", 400, f'model "{wanted}" is not loaded')
+            key = wanted
+        if node.slots is None:
+            return self._error(request, "llamacpp", 501,
+                               "This server does not support slots endpoint. "
+                               "Start it with `--slots`")
+        busy = self._engine.busy.get(key, 0)
+        return self._json(request, [
+            {"id": index, "id_task": index if index < busy else -1, "n_ctx": 4096,
+             "speculative": False, "is_processing": index < busy}
+            for index in range(node.slots)])
 
     def _infer(self, request: Request, kind: str):
         node = self.node
@@ -802,8 +940,12 @@ class SimNodeResource(Resource):
         return self._answer(request, kind, body)
 
     def _answer_later(self, request: Request, kind: str, body: dict) -> None:
-        result = self._answer(request, kind, body)
+        self._deliver(request, self._answer(request, kind, body))
+
+    def _deliver(self, request: Request, result: bytes | int) -> None:
+        """Finish a request answered outside ``render`` (whose return value Site writes)."""
         if result is not NOT_DONE_YET:
+            assert isinstance(result, bytes)
             request.write(result)
             request.finish()
 
@@ -822,6 +964,79 @@ class SimNodeResource(Resource):
         elif not node.has_model(model):
             return self._error(request, style, 404,
                                f'model "{model}" not found on {node.node_id}')
+        return self._admit(request, kind, body, model)
+
+    def _admit(self, request: Request, kind: str, body: dict, model: str):
+        """Run the request in a free slot, or queue it inside the engine (FIFO) for one."""
+        node = self.node
+        key = node.model_key(model) if node.router else None
+        if node.slots is not None and self._engine.busy.get(key, 0) >= node.slots:
+            waiting = self._engine.waiting.setdefault(key, deque())
+            entry = (request, kind, body, model)
+            waiting.append(entry)
+            node.queued += 1
+
+            def gone(reason: Failure) -> None:
+                for index, other in enumerate(waiting):
+                    if other is entry:
+                        del waiting[index]
+                        node.queued -= 1
+                        return
+
+            request.notifyFinish().addErrback(gone)
+            return NOT_DONE_YET
+        return self._run(request, kind, body, model, key)
+
+    def _start_waiting(self, key: str | None) -> None:
+        """Start the requests queued for ``key`` that free slots now take, oldest first."""
+        node = self.node
+        waiting = self._engine.waiting.get(key)
+        while waiting and (node.slots is None or self._engine.busy.get(key, 0) < node.slots):
+            request, kind, body, model = waiting.popleft()
+            node.queued -= 1
+            self._deliver(request, self._run(request, kind, body, model, key))
+        if not waiting:
+            self._engine.waiting.pop(key, None)
+
+    def _run(self, request: Request, kind: str, body: dict, model: str, key: str | None):
+        """Hold a slot until the answer ends (or its client leaves); a cold model loads first."""
+        node = self.node
+        self._engine.busy[key] = self._engine.busy.get(key, 0) + 1
+        node.busy += 1
+
+        def release(result: object) -> None:
+            self._engine.busy[key] -= 1
+            node.busy -= 1
+            self._start_waiting(key)
+
+        request.notifyFinish().addBoth(release)
+        if not node.is_warm(model):
+            if not node.cold_load_delay:
+                node.mark_loaded(model)
+            else:
+                self._load(model, request,
+                           lambda: self._deliver(request, self._generate(request, kind, body, model)))
+                return NOT_DONE_YET
+        return self._generate(request, kind, body, model)
+
+    def _load(self, model: str, request: Request, then: Callable[[], None]) -> None:
+        """Load ``model`` (one load however many wait for it), then call ``then``."""
+        name = self.node.model_key(model)
+        waiters = self._engine.loading.get(name)
+        if waiters is None:
+            waiters = self._engine.loading[name] = []
+            self._clock.callLater(self.node.cold_load_delay, self._loaded, name, model)
+        waiters.append((request, then))
+
+    def _loaded(self, name: str, model: str) -> None:
+        waiters = self._engine.loading.pop(name, [])
+        self.node.mark_loaded(model)
+        for request, then in waiters:
+            if not request.finished and request.channel is not None:  # its client is still there
+                then()
+
+    def _generate(self, request: Request, kind: str, body: dict, model: str):
+        node = self.node
         streaming = _wants_stream(kind, body)
         fmt = _GENERATION.get(kind)
         if node.hang_after_headers:
@@ -898,7 +1113,8 @@ _FILE_KEYS = {"id": "node_id", "dialect": "dialect", "port": "port", "models": "
               "loaded": "loaded", "tokens": "tokens", "token_delay": "token_delay",
               "chunk_size": "chunk_size", "status": "status",
               "hang_before_headers": "hang_before_headers", "headers_delay": "headers_delay",
-              "hang_after_headers": "hang_after_headers", "die_after_tokens": "die_after_tokens"}
+              "hang_after_headers": "hang_after_headers", "die_after_tokens": "die_after_tokens",
+              "slots": "slots", "cold_load_delay": "cold_load_delay", "router": "router"}
 
 
 def parse_fleet(data: Mapping[str, Any], source: str) -> list[SimNode]:
@@ -909,7 +1125,11 @@ def parse_fleet(data: Mapping[str, Any], source: str) -> list[SimNode]:
         dialect = "ollama"      # required: ollama, lmstudio or llamacpp
         port = 11434            # optional, 0 (default): ephemeral
         models = ["llama3:latest"]
-        loaded = ["llama3"]     # llama.cpp: the loaded subset (default: all of models)
+        loaded = ["llama3"]     # the loaded (warm) subset of models (default: all); for
+                                # llama.cpp without router, the only ones it answers for
+        slots = 1               # requests run at once (default: unlimited); more wait inside
+        cold_load_delay = 5.0   # seconds a cold model takes to load on first use
+        router = false          # llama.cpp only: a router that loads any of models on demand
         tokens = 6
         token_delay = 0.05      # seconds between streamed tokens
         chunk_size = 0          # pad each token to about this many bytes
