@@ -79,6 +79,14 @@ class RankingTests(WorldTestCase):
             read_at=w.clock.seconds(), slots=slots,
             warm=None if warm is None else frozenset(warm)))
 
+    def served_by(self, w) -> str:
+        """One chat, answered at once: the node it was sent to."""
+        client = w.chat()
+        node = node_of(w.agent.last)
+        w.agent.last.respond(200, NDJSON, b'{"done":true}\n', finish=True)
+        self.assertEqual(client.response().status, 200)
+        return node
+
     def order(self, w) -> list[str]:
         return [n.id for n in w.facade.router.candidates("llama3:latest")]
 
@@ -91,10 +99,7 @@ class RankingTests(WorldTestCase):
         self.tell(w, "a", warm=["other:latest"])
         self.tell(w, "b", warm=["llama3:latest"])
         self.assertEqual(self.order(w), ["b", "a"])
-        client = w.chat()
-        self.assertEqual(node_of(w.agent.last), "b")
-        w.agent.last.respond(200, NDJSON, b'{"done":true}\n', finish=True)
-        self.assertEqual(client.response().status, 200)
+        self.assertEqual(self.served_by(w), "b")
 
     def test_a_node_that_does_not_say_goes_between_warm_and_cold(self):
         w = self.scheduled("a", "b", "c")
@@ -249,27 +254,18 @@ class LateBindingTests(RankingTests):
     def test_an_owner_with_an_unknown_slot_count_takes_work_as_before(self):
         w = self.scheduled("a", "b", queue_depth=10)
         self.tell(w, "a", total=1, busy=1)
-        client = w.chat()
-        self.assertEqual(node_of(w.agent.last), "b")
-        w.agent.last.respond(200, NDJSON, b'{"done":true}\n', finish=True)
-        self.assertEqual(client.response().status, 200)
+        self.assertEqual(self.served_by(w), "b")
 
     def test_a_free_cold_owner_is_used_before_waiting(self):
         w = self.scheduled("a", "b", queue_depth=10)
         self.tell(w, "a", total=1, busy=1, warm=["llama3:latest"])
         self.tell(w, "b", total=1, busy=0, warm=[])
-        client = w.chat()
-        self.assertEqual(node_of(w.agent.last), "b")
-        w.agent.last.respond(200, NDJSON, b'{"done":true}\n', finish=True)
-        self.assertEqual(client.response().status, 200)
+        self.assertEqual(self.served_by(w), "b")
 
     def test_without_late_binding_a_request_goes_into_a_full_engine(self):
         w = self.scheduled("a")
         self.tell(w, "a", total=1, busy=1)
-        client = w.chat()
-        self.assertEqual(node_of(w.agent.last), "a")
-        w.agent.last.respond(200, NDJSON, b'{"done":true}\n', finish=True)
-        self.assertEqual(client.response().status, 200)
+        self.assertEqual(self.served_by(w), "a")
 
     def test_a_failover_that_finds_every_owner_full_waits_ahead_of_new_arrivals(self):
         w = self.scheduled("a", "b", queue_depth=10)
