@@ -5,9 +5,9 @@ Usage: .venv/bin/python bench/profile_groups.py PROFILE.txt [--top 25]
 (record one with: py-spy record -p PID -d 30 -r 250 -f raw -o PROFILE.txt)
 
 Each sample goes to the first frame, from the leaf up, whose file or function names a group:
-  events/logging        nvpair_proxy/events.py, logs.py, twisted/logger, twisted/python/log
+  events/logging        nvpair_proxy/request/events.py, logs.py, twisted/logger, twisted/python/log
                         (not callWithLogger), json encoding reached from there
-  stats observer        nvpair_proxy/frames.py, tokens.py
+  stats observer        nvpair_proxy/body/frames.py, tokens.py
   our exchange/dispatch nvpair_proxy/{exchange,dispatch,attempt,facade,reservations,selection,
                         discovery,deadline,hopbyhop,requestbody,answers,listener,...}.py
   twisted.web request   twisted/web/http.py, server.py, resource.py, http_headers.py, cgi/email

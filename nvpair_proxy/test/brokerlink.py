@@ -14,13 +14,13 @@ from twisted.internet.testing import MemoryReactorClock, StringTransport
 from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase
 
-from nvpair_proxy.broker import Broker
-from nvpair_proxy.engines import load_engines
-from nvpair_proxy.facade import make_facade
-from nvpair_proxy.facadeservice import Facades
-from nvpair_proxy.inventory import Prober
-from nvpair_proxy.reservations import ReservationMap
-from nvpair_proxy.rpc import RpcLink
+from nvpair_proxy.broker.broker import Broker
+from nvpair_proxy.nodes.engines import load_engines
+from nvpair_proxy.facade.facade import make_facade
+from nvpair_proxy.facade.facadeservice import Facades
+from nvpair_proxy.fleet.inventory import Prober
+from nvpair_proxy.routing.reservations import ReservationMap
+from nvpair_proxy.broker.rpc import RpcLink
 from nvpair_proxy.test.world import assert_answered, connect, request_bytes
 from nvpair_proxy.testing import FakeAgent
 

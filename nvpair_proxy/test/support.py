@@ -15,8 +15,8 @@ from twisted.python.failure import Failure
 from twisted.internet.testing import EventLoggingObserver
 from twisted.logger import globalLogPublisher
 
-from nvpair_proxy import logs
-from nvpair_proxy.apikeys import KeyStore, LanGate, parse_cidrs
+from nvpair_proxy.core import logs
+from nvpair_proxy.lan.apikeys import KeyStore, LanGate, parse_cidrs
 from nvpair_proxy.testing import processes
 
 KEY = "k" * 24 + "-._~+/=0123"           # 35 characters of the LAN keys' alphabet

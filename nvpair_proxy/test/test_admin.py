@@ -14,18 +14,20 @@ from twisted.internet.task import Clock
 from twisted.internet.testing import StringTransport
 from twisted.trial.unittest import SynchronousTestCase
 
-from nvpair_proxy import __version__, answers, dispatch, events
-from nvpair_proxy.admin import AdminResource, loopback_host, status_page
-from nvpair_proxy.constants import MAX_REQUEST_BODY
-from nvpair_proxy.options import admin_address
-from nvpair_proxy.metrics import registry, scrape
-from nvpair_proxy.options import Options
-from nvpair_proxy.recorder import REASONS, Recorder, reason
-from nvpair_proxy.selfcheck import self_reason
-from nvpair_proxy.server import BoundedSite
-from nvpair_proxy.status import ProcessView, status
+from nvpair_proxy import __version__
+from nvpair_proxy.http import answers
+from nvpair_proxy.request import dispatch, events
+from nvpair_proxy.admin.admin import AdminResource, loopback_host, status_page
+from nvpair_proxy.core.constants import MAX_REQUEST_BODY
+from nvpair_proxy.process.options import admin_address
+from nvpair_proxy.admin.metrics import registry, scrape
+from nvpair_proxy.process.options import Options
+from nvpair_proxy.admin.recorder import REASONS, Recorder, reason
+from nvpair_proxy.nodes.selfcheck import self_reason
+from nvpair_proxy.http.server import BoundedSite
+from nvpair_proxy.admin.status import ProcessView, status
 from nvpair_proxy.testing import lan, loopback
-from nvpair_proxy.views import InFlightView
+from nvpair_proxy.core.views import InFlightView
 from nvpair_proxy.test.support import gate
 from nvpair_proxy.test.world import (Response, WorldStatus, WorldTestCase, request_bytes,
                                      serve_all)
@@ -633,13 +635,13 @@ class TreeTests(SynchronousTestCase):
     """The admin listener in both trees, on a MemoryReactorClock."""
 
     def setUp(self):
-        from nvpair_proxy import logs
+        from nvpair_proxy.core import logs
         self.addCleanup(logs.set_level, logs.level_name())
         self.addCleanup(logs.set_access_log, False)
 
     def test_standalone_tree_binds_the_admin_listener_on_loopback(self):
         from twisted.internet.testing import MemoryReactorClock
-        from nvpair_proxy.service import standalone_tree
+        from nvpair_proxy.process.service import standalone_tree
         options = Options()
         options.parseOptions(["--engine", "ollama:1300", "--admin", "127.0.0.1:9464"])
         reactor = MemoryReactorClock()
@@ -652,7 +654,7 @@ class TreeTests(SynchronousTestCase):
 
     def test_without_admin_there_is_no_recorder(self):
         from twisted.internet.testing import MemoryReactorClock
-        from nvpair_proxy.service import standalone_tree
+        from nvpair_proxy.process.service import standalone_tree
         options = Options()
         options.parseOptions(["--engine", "ollama:1300"])
         root = standalone_tree(options.config, MemoryReactorClock())
@@ -663,7 +665,7 @@ class TreeTests(SynchronousTestCase):
     def broker_tree(self, *arguments: str):
         """A broker tree with the admin listener bound on a MemoryReactorClock."""
         from twisted.internet.testing import MemoryReactorClock
-        from nvpair_proxy import service
+        from nvpair_proxy.process import service
         self.patch(service, "claim_stdout", lambda: 99)
         options = Options()
         options.parseOptions(["--admin", "[::1]:9464", *arguments])
@@ -753,7 +755,7 @@ class SchedulerStatusTests(WorldTestCase):
     and warm models as its engine reported them, and how long requests waited."""
 
     def test_the_queue_and_each_engines_report_show_on_status_and_metrics(self):
-        from nvpair_proxy.enginetruth import EngineTruth, Slots
+        from nvpair_proxy.routing.enginetruth import EngineTruth, Slots
         recorder = Recorder()
         w = self.world(recorder=recorder, scheduling=True, queue_depth=10)
         w.add("a", addresses=("10.0.0.1",))

@@ -6,7 +6,7 @@ from twisted.internet.defer import succeed
 from twisted.internet.testing import MemoryReactorClock
 from twisted.trial.unittest import SynchronousTestCase
 
-from nvpair_proxy.agentpools import AgentPools
+from nvpair_proxy.http.agentpools import AgentPools
 
 
 class Idle:

@@ -10,8 +10,8 @@ from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 from twisted.web.http_headers import Headers
 
-from nvpair_proxy import apikeys
-from nvpair_proxy.apikeys import KeyStore, Verdict
+from nvpair_proxy.lan import apikeys
+from nvpair_proxy.lan.apikeys import KeyStore, Verdict
 from nvpair_proxy.test.support import KEY, LogCapture, failures, gate, rewrite
 from nvpair_proxy.test.world import World, WorldTestCase
 from nvpair_proxy.testing import lan, loopback

@@ -16,7 +16,8 @@ from twisted.internet.error import ConnectionDone
 from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase
 
-from nvpair_proxy import __version__, constants, logs
+from nvpair_proxy import __version__
+from nvpair_proxy.core import constants, logs
 from nvpair_proxy.test.brokerlink import ENGINES, Listening, Proxy
 from nvpair_proxy.test.world import connect, request_bytes
 

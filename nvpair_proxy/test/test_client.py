@@ -25,11 +25,11 @@ from twisted.web.http_headers import Headers
 from twisted.web.iweb import UNKNOWN_LENGTH, IBodyProducer, IPolicyForHTTPS
 from zope.interface import implementer
 
-from nvpair_proxy.client import Client, State
-from nvpair_proxy.pool import ConnectionPool
-from nvpair_proxy.relay import clean_end
-from nvpair_proxy.requestbody import BytesProducer
-from nvpair_proxy.responsewire import WireError
+from nvpair_proxy.http.client import Client, State
+from nvpair_proxy.http.pool import ConnectionPool
+from nvpair_proxy.http.relay import clean_end
+from nvpair_proxy.http.requestbody import BytesProducer
+from nvpair_proxy.http.responsewire import WireError
 from nvpair_proxy.test.strategies import HEADS, splits
 from nvpair_proxy.test.support import Collect, Wire
 

@@ -28,20 +28,20 @@ from twisted.web.server import NOT_DONE_YET, Site
 from treq.testing import RequestTraversalAgent
 from zope.interface.verify import verifyObject
 
-from nvpair_proxy.client import Client
+from nvpair_proxy.http.client import Client
 from nvpair_proxy.test.support import Collect, Wire
-from nvpair_proxy.relay import clean_end
-from nvpair_proxy.discovery import Node
-from nvpair_proxy.dispatch import SILENT
-from nvpair_proxy.events import LogEmitter
+from nvpair_proxy.http.relay import clean_end
+from nvpair_proxy.nodes.discovery import Node
+from nvpair_proxy.request.dispatch import SILENT
+from nvpair_proxy.request.events import LogEmitter
 from nvpair_proxy.testing import RecordingEmitter
-from nvpair_proxy.ingress import LocalBackendRoute
-from nvpair_proxy.interfaces import (IBodySink, IDispatchObserver, IEmitter, IRequestRecorder,
+from nvpair_proxy.facade.ingress import LocalBackendRoute
+from nvpair_proxy.core.interfaces import (IBodySink, IDispatchObserver, IEmitter, IRequestRecorder,
                                      IRouter, IStatusSource, ITruthSink)
-from nvpair_proxy.recorder import Recorder
-from nvpair_proxy.requestbody import BytesProducer
-from nvpair_proxy.router import Router
-from nvpair_proxy.service import ProcessService
+from nvpair_proxy.admin.recorder import Recorder
+from nvpair_proxy.http.requestbody import BytesProducer
+from nvpair_proxy.routing.router import Router
+from nvpair_proxy.process.service import ProcessService
 from nvpair_proxy.test.world import ENGINES, World, WorldStatus
 from nvpair_proxy.testing import FakeAgent, FakeResponse
 

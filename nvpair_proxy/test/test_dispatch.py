@@ -556,7 +556,7 @@ class RobustnessTests(WorldTestCase):
         self.assertEqual(dict(w.reservations.reservations), {})
 
     def test_a_bug_inside_the_loop_ends_that_request_with_500_and_one_terminal(self):
-        from nvpair_proxy.exchange import Exchange
+        from nvpair_proxy.request.exchange import Exchange
         calls = []
         original = Exchange.dispatched
 

@@ -12,11 +12,11 @@ from twisted.internet import reactor
 from twisted.internet.defer import inlineCallbacks
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 
-from nvpair_proxy.client import Client
-from nvpair_proxy.dispatch import Bounds
-from nvpair_proxy.engineaccess import EngineAgents
-from nvpair_proxy.inventory import Prober
-from nvpair_proxy.nodesfile import NodesFileError, load_nodes_file
+from nvpair_proxy.http.client import Client
+from nvpair_proxy.request.dispatch import Bounds
+from nvpair_proxy.standalone.engineaccess import EngineAgents
+from nvpair_proxy.fleet.inventory import Prober
+from nvpair_proxy.standalone.nodesfile import NodesFileError, load_nodes_file
 from nvpair_proxy.testing.certs import TestCA
 from nvpair_proxy.test.support import LogCapture
 from nvpair_proxy.test.tlsfleet import CALLER_KEY, ENGINE_KEY, ENGINES, TLSFleet, write
@@ -177,7 +177,7 @@ class NodesFileAccessTests(SynchronousTestCase):
     def test_load_tls_refuses_a_certificate_without_its_key_before_reading_it(self):
         # The nodes file refuses the pair half-given; so does loading it, rather than trying
         # to open no key file.
-        from nvpair_proxy.engineaccess import AccessError, load_tls
+        from nvpair_proxy.standalone.engineaccess import AccessError, load_tls
         with self.assertRaises(AccessError) as caught:
             load_tls(None, os.path.join(self.folder, "nowhere.pem"), None)
         self.assertEqual(str(caught.exception), "fields 'cert_file' and 'key_file' go together")
@@ -199,8 +199,8 @@ class RetainTests(SynchronousTestCase):
     def test_clients_of_configurations_no_node_uses_are_dropped(self):
         from twisted.internet.defer import succeed
         from twisted.internet.testing import MemoryReactorClock
-        from nvpair_proxy.discovery import Node
-        from nvpair_proxy.engineaccess import EngineAccess, load_tls
+        from nvpair_proxy.nodes.discovery import Node
+        from nvpair_proxy.standalone.engineaccess import EngineAccess, load_tls
         folder = tempfile.mkdtemp()
         self.addCleanup(shutil.rmtree, folder, True)
         configs = [load_tls(write(folder, f"ca{i}.pem", TestCA(f"ca{i}").pem), None, None)

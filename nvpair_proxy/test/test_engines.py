@@ -1,4 +1,4 @@
-"""Tests for nvpair_proxy.engines: the engine files, route classification, model naming, loader.
+"""Tests for nvpair_proxy.nodes.engines: the engine files, route classification, model naming, loader.
 
 Behaviours "Engines and routes"; design 5; protocol 7 (the engine list).
 """
@@ -10,7 +10,7 @@ import os
 from twisted.trial.unittest import SynchronousTestCase
 
 from nvpair_proxy.test.support import VLLM
-from nvpair_proxy.engines import (
+from nvpair_proxy.nodes.engines import (
     Engine, EngineFileError, ModelList, Ports, Route, load_engine_file, load_engines)
 
 ENGINES = load_engines()

@@ -6,7 +6,7 @@ import json
 
 from twisted.logger import formatEvent
 
-from nvpair_proxy import logs
+from nvpair_proxy.core import logs
 from nvpair_proxy.test.recorded import (LLAMACPP_ANTHROPIC_SSE, LLAMACPP_ANTHROPIC_SSE_STATS,
                                         LLAMACPP_RESPONSES_SSE, LLAMACPP_RESPONSES_SSE_STATS,
                                         RESPONSES_SSE, RESPONSES_SSE_STATS)
@@ -149,7 +149,7 @@ class PrivacyTests(WorldTestCase):
         seen = LogCapture(self).events
         logs.set_level("debug")
         self.addCleanup(logs.set_level, "info")
-        from nvpair_proxy.events import LogEmitter
+        from nvpair_proxy.request.events import LogEmitter
         w = self.world()
         w.facade.reporter.emitter = LogEmitter()
         w.facade.reporter.activity.emitter = w.facade.reporter.emitter

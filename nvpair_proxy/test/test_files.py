@@ -10,7 +10,7 @@ import tempfile
 from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 
-from nvpair_proxy.files import FileWatch, stamp
+from nvpair_proxy.core.files import FileWatch, stamp
 from nvpair_proxy.test.support import rewrite
 
 

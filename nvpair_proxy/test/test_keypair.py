@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from twisted.trial.unittest import SynchronousTestCase
 
-from nvpair_proxy.keypair import KeyPairError, load_key_pair
+from nvpair_proxy.http.keypair import KeyPairError, load_key_pair
 from nvpair_proxy.testing.certs import make_certificate
 
 

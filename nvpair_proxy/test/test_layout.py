@@ -2,9 +2,9 @@
 
 Data flows one way: a connection enters the listener, the facade turns it into a request,
 dispatch finds it a node and runs attempts, the response streams back, events leave by the
-link. Each product module may import only modules before it in ``ORDER``, so the core can
-never reach up into the broker, the service tree or the plugin, and no import cycle can form.
-A new module must be placed here, which is the moment to decide where it belongs.
+link. The product modules live in layered subpackages (``LAYERS``): a module imports only
+earlier layers and the modules listed before it in its own, and never a private name from
+another layer.
 
 Test support has one home too: a test module imports no other test module (what several
 share lives in a support module beside them or in ``nvpair_proxy.testing``), and the scripts
@@ -26,68 +26,110 @@ TESTS = os.path.join(PACKAGE, "test")
 CHECKOUT = os.path.dirname(PACKAGE)
 SCRIPT_FOLDERS = ("bench", "bin")
 
-ORDER = (
+# The layers, in import order, each a subpackage of ``nvpair_proxy`` with its modules in
+# order: a module may import any module of an earlier layer, and of its own layer only those
+# listed before it. So the core can never reach up into the broker, the service tree or the
+# plugin, no import cycle can form, and a new module is placed here, which is the moment to
+# decide where it belongs.
+LAYERS = (
     # Foundations: no knowledge of engines, nodes or requests.
-    "constants", "enginetruth", "views", "interfaces", "timers", "slotqueue", "logs", "logformat", "files", "validate", "memo", "warnonce",
-    "hopbyhop", "loopguard", "selfcheck", "target",
-    "requestbody", "relay", "frames", "tokens", "reservations", "twisted_workarounds", "sdnotify",
-    "responsewire", "pool", "client", "agentpools",
-    # The model: engines, nodes, the link's framing, events, trust.
-    "engines", "discovery", "selection", "placement", "slots", "ports", "rpc", "aliases", "answers",
-    "events", "keypair", "trust", "admission", "apikeys", "engineaccess",
-    # Routing and one dispatch; the server side.
-    "router", "attempt", "inventory", "truthpoller", "cors", "server", "listener", "nodesfile",
-    "options",
+    ("core", ("constants", "views", "interfaces", "timers", "logs", "logformat", "files",
+              "validate", "memo", "warnonce", "sdnotify", "twisted_workarounds")),
+    # HTTP on the wire, both sides, and the proxy's own answers.
+    ("http", ("hopbyhop", "loopguard", "target", "requestbody", "relay", "responsewire", "pool",
+              "client", "agentpools", "keypair", "answers", "server")),
+    ("body", ("frames", "tokens")),
+    # The model: engines and nodes.
+    ("nodes", ("engines", "selfcheck", "discovery", "selection", "slots")),
+    ("routing", ("reservations", "enginetruth", "placement", "slotqueue", "router")),
+    ("standalone", ("engineaccess", "nodesfile")),
     # The request path, top to bottom.
-    "dispatch", "recorder", "status", "metrics", "admin", "fleet", "stream", "exchange", "facade",
-    "ingress",
-    # Lifecycle and the broker's methods; wiring last.
-    "facadeservice", "broker", "vitals", "service", "tap", "cli",
+    ("request", ("attempt", "dispatch", "events", "stream", "exchange")),
+    ("fleet", ("inventory", "cors", "fleet", "truthpoller")),
+    ("lan", ("apikeys",)),
+    ("cluster", ("trust", "admission")),
+    ("facade", ("facade", "listener", "ingress", "facadeservice")),
+    ("admin", ("recorder", "status", "metrics", "admin")),
+    # The broker's link and methods; the process and its wiring last.
+    ("broker", ("rpc", "aliases", "ports", "broker")),
+    ("process", ("options", "vitals", "service", "tap", "cli")),
 )
+ORDER = tuple(f"{layer}.{module}" for layer, modules in LAYERS for module in modules)
+NOT_PRODUCT = ("test", "testing", "engine_files")
 
-# Plain bookkeeping the request path drives: no Twisted at all (design 1b).
-NO_TWISTED = ("constants", "enginetruth", "views", "files", "validate", "memo", "warnonce", "selfcheck", "target", "reservations", "engines", "selection", "placement",
-              "slots", "frames", "tokens", "responsewire")
+# Plain bookkeeping the request path drives: no Twisted at all.
+NO_TWISTED = ("core.constants", "core.views", "core.files", "core.validate", "core.memo",
+              "core.warnonce", "http.target", "http.responsewire", "body.frames", "body.tokens",
+              "nodes.engines", "nodes.selfcheck", "nodes.selection", "nodes.slots",
+              "routing.reservations", "routing.enginetruth", "routing.placement")
 
 
 def product_modules() -> list[str]:
-    return sorted(name[:-3] for name in os.listdir(PACKAGE)
-                  if name.endswith(".py") and name != "__init__.py")
+    """Every product module as ``layer.module``; a module left at the top level of the
+    package is ``.module``, which no layer holds."""
+    found = [f".{name[:-3]}" for name in os.listdir(PACKAGE)
+             if name.endswith(".py") and name != "__init__.py"]
+    for layer in sorted(os.listdir(PACKAGE)):
+        folder = os.path.join(PACKAGE, layer)
+        if layer in NOT_PRODUCT or not os.path.isfile(os.path.join(folder, "__init__.py")):
+            continue
+        found += [f"{layer}.{name[:-3]}" for name in os.listdir(folder)
+                  if name.endswith(".py") and name != "__init__.py"]
+    return sorted(found)
+
+
+def source_of(module: str) -> str:
+    layer, name = module.split(".")
+    return read(os.path.join(PACKAGE, layer, name + ".py"))
 
 
 def imports_of(module: str) -> tuple[set[str], set[str]]:
-    """(sibling modules, top-level packages) a module imports, wherever in the file."""
-    with open(os.path.join(PACKAGE, module + ".py"), encoding="utf-8") as handle:
-        return imports_in(handle.read())
+    """(product modules as ``layer.module``, top-level packages) a product module imports."""
+    return imports_in(source_of(module), "nvpair_proxy." + module.split(".")[0])
 
 
-def imports_in(source: str) -> tuple[set[str], set[str]]:
-    """Every spelling counts: ``from . import x``, ``from .x import y``,
-    ``from nvpair_proxy import x``, ``from nvpair_proxy.x import y`` and ``import
-    nvpair_proxy.x``; a name that is not a module (``__version__``) is no sibling."""
-    siblings, packages = set(), set()
-
-    def package_names(names) -> set[str]:
-        return {a.name for a in names if a.name != "__version__"}
-
-    for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.ImportFrom) and node.level == 1:
-            if node.module:
-                siblings.add(node.module.split(".")[0])
-            else:
-                siblings.update(package_names(node.names))
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            parts = node.module.split(".")
-            if parts[0] == "nvpair_proxy":
-                siblings.update(parts[1:2] or package_names(node.names))
+def imports_in(source: str, package: str) -> tuple[set[str], set[str]]:
+    """Every spelling counts, relative or absolute, wherever in the file: ``from ..core import
+    constants``, ``from .router import Router``, ``from nvpair_proxy.core.logs import x``,
+    ``import nvpair_proxy.process.service``; ``nvpair_proxy.testing`` and ``nvpair_proxy.test``
+    count as the layers ``testing`` and ``test``; a name that is not a module
+    (``__version__``, ``Router``) is none."""
+    modules, packages = set(), set()
+    for name in modules_imported(source, package):
+        parts = name.split(".")
+        if parts[0] != "nvpair_proxy":
             packages.add(parts[0])
-        elif isinstance(node, ast.Import):
-            for alias in node.names:
-                parts = alias.name.split(".")
-                if parts[0] == "nvpair_proxy" and len(parts) > 1:
-                    siblings.add(parts[1])
-                packages.add(parts[0])
-    return siblings, packages
+            continue
+        packages.add("nvpair_proxy")
+        if len(parts) >= 2 and parts[1] in NOT_PRODUCT:
+            modules.add(parts[1])
+        elif len(parts) == 3 and f"{parts[1]}.{parts[2]}" in ORDER:
+            modules.add(f"{parts[1]}.{parts[2]}")
+    return modules, packages
+
+
+def private_names_across_layers(source: str, package: str) -> list[str]:
+    """Names with a leading underscore imported from another layer: a reach-in across a
+    package's boundary (its public names are its contract)."""
+    layer = package.split(".")[1]
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom):
+            target = _from_base(node, package)
+            parts = target.split(".")
+            if parts[0] != "nvpair_proxy" or len(parts) < 2 or parts[1] == layer:
+                continue
+            found += [f"{target}.{a.name}" for a in node.names if a.name.startswith("_")
+                      and not a.name.startswith("__")]
+    return found
+
+
+def _from_base(node: ast.ImportFrom, package: str) -> str:
+    base = node.module or ""
+    if node.level:
+        parent = package.split(".")[:len(package.split(".")) - (node.level - 1)]
+        base = ".".join(parent + ([node.module] if node.module else []))
+    return base
 
 
 def modules_imported(source: str, package: str) -> set[str]:
@@ -97,10 +139,7 @@ def modules_imported(source: str, package: str) -> set[str]:
     names = set()
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                parent = package.split(".")[:len(package.split(".")) - (node.level - 1)]
-                base = ".".join(parent + ([node.module] if node.module else []))
+            base = _from_base(node, package)
             names.add(base)
             names.update(f"{base}.{alias.name}" for alias in node.names)
         elif isinstance(node, ast.Import):
@@ -143,41 +182,75 @@ def read(path: str) -> str:
 
 
 class ImportsOfTests(SynchronousTestCase):
-    def test_every_spelling_of_a_sibling_import_counts(self):
+    def test_every_spelling_of_an_import_counts(self):
         source = """
-from nvpair_proxy import broker, __version__
-import nvpair_proxy.service
+from nvpair_proxy import __version__
+from nvpair_proxy.broker import broker
+import nvpair_proxy.process.service
 import nvpair_proxy
-from nvpair_proxy.facade import Facade
+from nvpair_proxy.facade.facade import Facade
 from . import router
-from .engines import Engine
+from .placement import standing
+from ..nodes import engines
+from ..core.views import RoutingView
+from .. import __version__ as version
 import json, twisted.web.server
 from zope.interface import implementer
 
 def late():
-    from nvpair_proxy import tap as t
+    from nvpair_proxy.process import tap as t
+    from ..testing import fakes
 """
-        self.assertEqual(imports_in(source),
-                         ({"broker", "service", "facade", "router", "engines", "tap"},
+        self.assertEqual(imports_in(source, "nvpair_proxy.routing"),
+                         ({"broker.broker", "process.service", "facade.facade", "routing.router",
+                           "routing.placement", "nodes.engines", "core.views", "process.tap",
+                           "testing"},
                           {"nvpair_proxy", "json", "twisted", "zope"}))
+
+    def test_a_private_name_from_another_layer_is_a_reach_in(self):
+        source = """
+from ..core.timers import cancel_pending, _private
+from .placement import _rank
+from nvpair_proxy.http.client import _State
+"""
+        self.assertEqual(private_names_across_layers(source, "nvpair_proxy.routing"),
+                         ["nvpair_proxy.core.timers._private", "nvpair_proxy.http.client._State"])
 
 
 class LayoutTests(SynchronousTestCase):
-    def test_every_product_module_has_its_place(self):
+    def test_every_product_module_has_its_place_in_a_layer(self):
         self.assertEqual(sorted(set(product_modules()) - set(ORDER)), [],
-                         "place new modules in ORDER")
+                         "place new modules in LAYERS (a module at the top level has none)")
         self.assertEqual(sorted(set(ORDER) - set(product_modules())), [],
-                         "ORDER names a module that is gone")
+                         "LAYERS names a module that is gone")
 
-    def test_modules_import_only_what_comes_before_them(self):
+    def test_each_layer_is_a_documented_package(self):
+        for layer, _ in LAYERS:
+            with open(os.path.join(PACKAGE, layer, "__init__.py"), encoding="utf-8") as handle:
+                self.assertTrue(handle.read().startswith('"""'), f"{layer} says what it holds")
+        architecture = read(os.path.join(CHECKOUT, "docs", "architecture.md"))
+        self.assertEqual([layer for layer, _ in LAYERS
+                          if f"`nvpair_proxy/{layer}/`" not in architecture], [],
+                         "docs/architecture.md names every layer")
+
+    def test_modules_import_only_earlier_layers_and_earlier_modules_of_their_own(self):
         rank = {name: index for index, name in enumerate(ORDER)}
         upward = []
         for module in product_modules():
-            siblings, _ = imports_of(module)
-            for sibling in sorted(siblings - {"testing", "test"}):
-                if rank.get(sibling, len(ORDER)) >= rank[module]:
-                    upward.append(f"{module} -> {sibling}")
+            imported, _ = imports_of(module)
+            for other in sorted(imported - set(NOT_PRODUCT)):
+                if rank.get(other, len(ORDER)) >= rank[module]:
+                    upward.append(f"{module} -> {other}")
         self.assertEqual(upward, [])
+
+    def test_no_private_name_is_imported_across_layers(self):
+        found = {}
+        for module in product_modules():
+            names = private_names_across_layers(source_of(module),
+                                                "nvpair_proxy." + module.split(".")[0])
+            if names:
+                found[module] = names
+        self.assertEqual(found, {})
 
     def test_product_modules_never_import_the_tests_or_their_fakes(self):
         offending = [m for m in product_modules() if imports_of(m)[0] & {"testing", "test"}]
@@ -190,7 +263,7 @@ class LayoutTests(SynchronousTestCase):
 
 # The admin listener's readers see the process only as the values its owners hand out
 # (views.py, IStatusSource): each reads one attribute of what it is given, never through it.
-VIEW_READERS = ("status", "metrics", "admin")
+VIEW_READERS = ("admin.status", "admin.metrics", "admin.admin")
 # A mapping's own reading methods, at the end of a chain, read the value the chain reached.
 MAPPING_READS = frozenset({"items", "keys", "values", "get"})
 
@@ -274,8 +347,7 @@ class C:
     def test_the_admin_listener_reads_only_the_values_it_is_handed(self):
         found = {}
         for module in VIEW_READERS:
-            with open(os.path.join(PACKAGE, module + ".py"), encoding="utf-8") as handle:
-                chains = reach_ins(handle.read())
+            chains = reach_ins(source_of(module))
             if chains:
                 found[module] = chains
         self.assertEqual(found, {})

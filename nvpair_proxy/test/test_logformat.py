@@ -14,9 +14,9 @@ from twisted.python import log as legacy
 from twisted.trial.unittest import SynchronousTestCase
 from twisted.web.resource import Resource
 
-from nvpair_proxy import logs
-from nvpair_proxy.logformat import json_line, observer, offer
-from nvpair_proxy.server import BoundedSite
+from nvpair_proxy.core import logs
+from nvpair_proxy.core.logformat import json_line, observer, offer
+from nvpair_proxy.http.server import BoundedSite
 from nvpair_proxy.testing import loopback
 from nvpair_proxy.testing.processes import free_port, stop
 from nvpair_proxy.test.world import request_bytes
@@ -74,7 +74,7 @@ class LevelTests(SynchronousTestCase):
         self.assertEqual(captured.lines(), ["- none"])
 
     def test_the_broker_method_sets_the_same_level(self):
-        from nvpair_proxy.broker import Broker
+        from nvpair_proxy.broker.broker import Broker
         captured = Captured("text")
         Broker.set_level(None, {"level": "error"})
         captured.logger("twisted.web.server").warn("dropped")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from twisted.trial.unittest import SynchronousTestCase
 
-from nvpair_proxy.memo import Memo
+from nvpair_proxy.core.memo import Memo
 
 
 class MemoTests(SynchronousTestCase):

@@ -1,4 +1,4 @@
-"""Tests for nvpair_proxy.nodesfile: the standalone fleet file and its watcher (design 4, 8.15)."""
+"""Tests for nvpair_proxy.standalone.nodesfile: the standalone fleet file and its watcher (design 4, 8.15)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ from twisted.logger import LogLevel, formatEvent
 from twisted.trial.unittest import SynchronousTestCase
 
 from nvpair_proxy.test.support import LogCapture
-from nvpair_proxy import logs
-from nvpair_proxy.discovery import Node
-from nvpair_proxy.engines import load_engines
-from nvpair_proxy.nodesfile import (
+from nvpair_proxy.core import logs
+from nvpair_proxy.nodes.discovery import Node
+from nvpair_proxy.nodes.engines import load_engines
+from nvpair_proxy.standalone.nodesfile import (
     ConfiguredNodes, NodesFileError, NodesFileWatcher, load_nodes_file, parse_nodes)
 from nvpair_proxy.test.support import ONE_NODE, TWO_NODES
 
@@ -306,7 +306,7 @@ class WatcherTests(SynchronousTestCase):
         self.assertEqual(self.applied[1].nodes["ollama"][0].access.tls.ca_file, ca_path)
 
     def test_an_edit_saved_while_the_file_is_read_is_seen_by_the_next_check(self) -> None:
-        from nvpair_proxy import nodesfile
+        from nvpair_proxy.standalone import nodesfile
         original = nodesfile.load_nodes_file
 
         def load_then_edit(path, engines):

@@ -11,9 +11,9 @@ from twisted.application.service import IServiceMaker
 from twisted.plugin import getPlugins
 from twisted.trial.unittest import SynchronousTestCase
 
-from nvpair_proxy import options as options_module
+from nvpair_proxy.process import options as options_module
 from nvpair_proxy.test.support import VLLM
-from nvpair_proxy.options import DEFAULT_STATE_DIR, Config, Options, parse_duration
+from nvpair_proxy.process.options import DEFAULT_STATE_DIR, Config, Options, parse_duration
 
 HOME = "/home/tester"
 DEFAULT_STATE = "/home/tester/.config/Nvidia Corporation/Personal AI Router"
@@ -303,10 +303,10 @@ class PluginTests(SynchronousTestCase):
         self.assertEqual(parsed.config.facades, (("ollama", 11435),))
 
     def test_dropin_makes_services_with_the_tap_module(self) -> None:
-        from nvpair_proxy import tap
+        from nvpair_proxy.process import tap
         (maker,) = [m for m in getPlugins(IServiceMaker) if m.tapname == "nvpair-proxy"]
         self.assertIs(maker.options, tap.Options)
-        self.assertEqual(maker.module, "nvpair_proxy.tap")
+        self.assertEqual(maker.module, "nvpair_proxy.process.tap")
 
 
 class LanKeyOptionsTests(OptionsCase):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from nvpair_proxy.reservations import Rank
+from nvpair_proxy.routing.reservations import Rank
 from nvpair_proxy.test.world import NDJSON, WorldTestCase, serve, serve_all
 
 BUSY_TEXT = "every node advertising the requested model is busy; retry shortly"

@@ -145,7 +145,7 @@ class StartupTests(SynchronousTestCase):
                                  "'soon' (use seconds or e.g. 90s, 30m, 1h30m)"])
 
     def test_a_stray_print_cannot_reach_the_link(self):
-        code = ("import os\nfrom nvpair_proxy.service import claim_stdout\n"
+        code = ("import os\nfrom nvpair_proxy.process.service import claim_stdout\n"
                 "fd = claim_stdout()\nprint('stray output', flush=True)\n"
                 "os.write(1, b'raw fd 1 write\\n')\nos.write(fd, b'{\"jsonrpc\":\"2.0\"}\\n')\n")
         result = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=60)

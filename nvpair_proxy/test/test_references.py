@@ -42,9 +42,9 @@ LINKED = re.compile(r"\]\((?:docs/)?(?P<file>[\w-]+)\.md#(?P<anchor>[\w-]+)\)")
 # Help texts the /metrics endpoint sends as they are (the wire stays byte-exact): the only
 # places a numbered citation may stay. Each must still be found, so the list stays honest.
 WIRE_TEXTS = (
-    ("nvpair_proxy/metrics.py", "Nodes held after a 429 or 503 (issue 8)."),
-    ("nvpair_proxy/metrics.py", "Nodes cooling after a first-content stall (issue 8)."),
-    ("nvpair_proxy/metrics.py", "Reservations counted against a node (spec 6)."),
+    ("nvpair_proxy/admin/metrics.py", "Nodes held after a 429 or 503 (issue 8)."),
+    ("nvpair_proxy/admin/metrics.py", "Nodes cooling after a first-content stall (issue 8)."),
+    ("nvpair_proxy/admin/metrics.py", "Reservations counted against a node (spec 6)."),
 )
 
 # The page that maps the outside numbers to anchors may name them; nothing else may.
@@ -116,7 +116,7 @@ class ReferencesTests(SynchronousTestCase):
     def test_the_scan_sees_the_tree(self):
         """The file list covers the product, the scripts and the docs (a wrong root scans nothing)."""
         files = cited_files()
-        for expected in ("nvpair_proxy/attempt.py", "nvpair_proxy/testing/simfleet.py",
+        for expected in ("nvpair_proxy/request/attempt.py", "nvpair_proxy/testing/simfleet.py",
                          "bench/burst", "bin/test", "docs/decisions.md", "README.md",
                          "twisted/plugins/nvpair_proxy_plugin.py"):
             self.assertIn(expected, files)

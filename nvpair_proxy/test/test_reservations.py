@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from twisted.trial.unittest import SynchronousTestCase
 
-from nvpair_proxy.reservations import Rank, Reservation, ReservationMap
+from nvpair_proxy.routing.reservations import Rank, Reservation, ReservationMap
 
 NODES = ("a", "b", "c", "d")
 

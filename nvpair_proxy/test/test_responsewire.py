@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 from twisted.trial.unittest import SynchronousTestCase
 
 from nvpair_proxy.test.strategies import HEADS, splits
-from nvpair_proxy.responsewire import (CHUNKED, LENGTH, UNTIL_CLOSE, ChunkedBody, Chunking,
+from nvpair_proxy.http.responsewire import (CHUNKED, LENGTH, UNTIL_CLOSE, ChunkedBody, Chunking,
                                        WireError, body_framing, find_head_end, parse_head,
                                        persistent)
 

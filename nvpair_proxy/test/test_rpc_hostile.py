@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from twisted.logger import LogLevel, globalLogPublisher
 from twisted.trial.unittest import SynchronousTestCase
 
-from nvpair_proxy import constants, logs
+from nvpair_proxy.core import constants, logs
 from nvpair_proxy.test.brokerlink import Proxy
 
 # protocol 1 and 3: every error code a request can be answered with, short of a handler

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from twisted.trial.unittest import SynchronousTestCase
 
-from nvpair_proxy.answers import Reason
-from nvpair_proxy.discovery import make_node
-from nvpair_proxy.enginetruth import EngineTruth, Slots
-from nvpair_proxy.placement import standing
+from nvpair_proxy.http.answers import Reason
+from nvpair_proxy.nodes.discovery import make_node
+from nvpair_proxy.routing.enginetruth import EngineTruth, Slots
+from nvpair_proxy.routing.placement import standing
 
 from .world import ENGINES, NDJSON, WorldTestCase
 

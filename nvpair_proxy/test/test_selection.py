@@ -9,12 +9,12 @@ import attrs
 from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 
-from nvpair_proxy.discovery import Diff, Node, NodeSet, diff, host_port, is_loopback, make_node
-from nvpair_proxy.engines import load_engines
-from nvpair_proxy.exchange import requested_model
-from nvpair_proxy.router import Router
-from nvpair_proxy.selection import order, owners
-from nvpair_proxy.selfcheck import SelfCheck
+from nvpair_proxy.nodes.discovery import Diff, Node, NodeSet, diff, host_port, is_loopback, make_node
+from nvpair_proxy.nodes.engines import load_engines
+from nvpair_proxy.request.exchange import requested_model
+from nvpair_proxy.routing.router import Router
+from nvpair_proxy.nodes.selection import order, owners
+from nvpair_proxy.nodes.selfcheck import SelfCheck
 
 ENGINES = load_engines()
 OLLAMA = ENGINES["ollama"]

@@ -11,8 +11,8 @@ from twisted.internet.ssl import CertificateOptions
 from twisted.protocols.tls import TLSMemoryBIOFactory
 from twisted.test.iosim import FakeTransport, connect
 
-from nvpair_proxy.constants import MAX_REQUEST_BODY
-from nvpair_proxy.listener import DemuxFactory
+from nvpair_proxy.core.constants import MAX_REQUEST_BODY
+from nvpair_proxy.facade.listener import DemuxFactory
 from nvpair_proxy.testing.certs import make_certificate
 from nvpair_proxy.test.world import WorldTestCase, request_bytes
 from nvpair_proxy.testing import lan, loopback

@@ -11,14 +11,14 @@ from twisted.internet.task import Clock
 from twisted.internet.testing import MemoryReactorClock
 from twisted.trial.unittest import SynchronousTestCase
 
-from nvpair_proxy import constants, logs
-from nvpair_proxy.discovery import make_node
-from nvpair_proxy.engines import load_engines
-from nvpair_proxy.facadeservice import Facades, FacadeService
-from nvpair_proxy.inventory import Prober
-from nvpair_proxy.options import Config, Options
-from nvpair_proxy.router import Router
-from nvpair_proxy.service import (ProcessService, Runtime, RuntimeService, broker_tree,
+from nvpair_proxy.core import constants, logs
+from nvpair_proxy.nodes.discovery import make_node
+from nvpair_proxy.nodes.engines import load_engines
+from nvpair_proxy.facade.facadeservice import Facades, FacadeService
+from nvpair_proxy.fleet.inventory import Prober
+from nvpair_proxy.process.options import Config, Options
+from nvpair_proxy.routing.router import Router
+from nvpair_proxy.process.service import (ProcessService, Runtime, RuntimeService, broker_tree,
                                   local_fleet, make_pool, standalone_tree)
 from nvpair_proxy.test.support import Wire
 from nvpair_proxy.test.world import Client, connect, request_bytes
@@ -182,7 +182,7 @@ class PeriodicTaskTests(SynchronousTestCase):
         self.assertEqual(clock.getDelayedCalls(), [])
 
     def test_watchdog_every_half_watchdog_usec(self):
-        from nvpair_proxy import sdnotify
+        from nvpair_proxy.core import sdnotify
         calls = []
         self.patch(sdnotify, "notify", lambda state, environ: calls.append(state))
         service = sdnotify.watchdog(Clock(), {"WATCHDOG_USEC": "3000000"})
@@ -190,13 +190,13 @@ class PeriodicTaskTests(SynchronousTestCase):
         self.assertEqual(set(calls), {"WATCHDOG=1"})
 
     def test_trust_watch_every_two_seconds(self):
-        from nvpair_proxy.trust import ClusterDirectory, trust_watch
+        from nvpair_proxy.cluster.trust import ClusterDirectory, trust_watch
         calls = []
         self.patch(ClusterDirectory, "refresh", lambda self: calls.append(self.path))
         self.assertRunsEvery(trust_watch(ClusterDirectory("/nonexistent"), Clock()), 2.0, calls)
 
     def test_nodes_file_watch_every_two_seconds(self):
-        from nvpair_proxy.nodesfile import NodesFileWatcher
+        from nvpair_proxy.standalone.nodesfile import NodesFileWatcher
         calls = []
         self.patch(NodesFileWatcher, "check", lambda self: calls.append(self.path))
         service = NodesFileWatcher("nodes.toml", ENGINES, Clock(), lambda fleet: None)
@@ -204,7 +204,7 @@ class PeriodicTaskTests(SynchronousTestCase):
         self.assertEqual(constants.NODES_FILE_CHECK_INTERVAL, 2.0)
 
     def test_inventory_probing_every_five_seconds(self):
-        from nvpair_proxy.discovery import NodeSet
+        from nvpair_proxy.nodes.discovery import NodeSet
         calls = []
         self.patch(Prober, "probe_all", lambda self: calls.append(self.engine.id))
         service = Prober(ENGINES["ollama"], NodeSet(), None, Clock(), lambda node: True)
@@ -212,7 +212,7 @@ class PeriodicTaskTests(SynchronousTestCase):
         self.assertEqual(constants.INVENTORY_PROBE_INTERVAL, 5.0)
 
     def test_a_probe_in_flight_is_cancelled_when_probing_stops(self):
-        from nvpair_proxy.discovery import NodeSet, make_node
+        from nvpair_proxy.nodes.discovery import NodeSet, make_node
         from nvpair_proxy.testing import FakeAgent
         nodes, agent, clock = NodeSet(), FakeAgent(), Clock()
         nodes.put_manual(make_node(ENGINES["ollama"], id="silent", port=11434,
@@ -229,7 +229,8 @@ class TreeTests(SynchronousTestCase):
     """The trees the plugin builds, on a MemoryReactorClock."""
 
     def setUp(self):
-        from nvpair_proxy import sdnotify, service
+        from nvpair_proxy.core import sdnotify
+        from nvpair_proxy.process import service
         self.notified: list[str] = []
         self.signals: list[object] = []
         self.patch(sdnotify, "notify", lambda state, environ=None: self.notified.append(state))
@@ -298,7 +299,7 @@ class TreeTests(SynchronousTestCase):
         self.assertFalse(root.getServiceNamed("watchdog").running)
 
     def test_broker_tree(self):
-        from nvpair_proxy import service
+        from nvpair_proxy.process import service
         self.patch(service, "claim_stdout", lambda: 99)
         cluster = self.mktemp()
         os.makedirs(cluster)
@@ -307,7 +308,7 @@ class TreeTests(SynchronousTestCase):
         self.assertEqual(list(root.getServiceNamed("facades")), [])
 
     def test_a_broker_facade_dials_pinned_peers_on_their_pool_and_the_rest_on_the_shared(self):
-        from nvpair_proxy import service
+        from nvpair_proxy.process import service
         self.patch(service, "claim_stdout", lambda: 99)
         cluster = self.mktemp()
         os.makedirs(cluster)
@@ -376,7 +377,7 @@ class WiredTreeTests(SynchronousTestCase):
             self.assertAsksTheEnvironmentsKeys(service)
 
     def test_broker_facades_ask_the_lan_keys_of_the_environment(self):
-        from nvpair_proxy import service
+        from nvpair_proxy.process import service
         self.patch(service, "claim_stdout", lambda: 99)
         root = broker_tree(parsed("--state-dir", self.folder), MemoryReactorClock())
         for engine_id, port in (("ollama", 1300), ("llamacpp", 1301)):
@@ -419,7 +420,7 @@ class StopOnceTests(SynchronousTestCase):
     def test_a_second_stop_is_quiet(self):
         from twisted.internet.error import ReactorNotRunning
 
-        from nvpair_proxy.service import stop_once
+        from nvpair_proxy.process.service import stop_once
 
         class Reactor:
             stops = 0

@@ -6,7 +6,7 @@ from collections import Counter
 
 from twisted.internet.task import Clock
 
-from nvpair_proxy.reservations import Rank, ReservationMap
+from nvpair_proxy.routing.reservations import Rank, ReservationMap
 from nvpair_proxy.test.world import WorldTestCase
 from nvpair_proxy.testing import FakeAgent
 

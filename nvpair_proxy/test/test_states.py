@@ -9,11 +9,11 @@ from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 from twisted.web.http_headers import Headers
 
-from nvpair_proxy.attempt import (CANCELLED, COMMITTED, DIALING, FAILED, PEEKING, TRANSITIONS,
+from nvpair_proxy.request.attempt import (CANCELLED, COMMITTED, DIALING, FAILED, PEEKING, TRANSITIONS,
                                   AddressMemory, Attempt, Committed, InvalidTransition, State,
                                   UpstreamRequest)
-from nvpair_proxy.discovery import Node
-from nvpair_proxy.exchange import PHASES, InvalidPhase, Phase
+from nvpair_proxy.nodes.discovery import Node
+from nvpair_proxy.request.exchange import PHASES, InvalidPhase, Phase
 from nvpair_proxy.test.world import WorldTestCase
 from nvpair_proxy.testing import FakeAgent
 

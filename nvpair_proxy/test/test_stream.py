@@ -3,8 +3,8 @@ the reservation) and reports to the exchange through one callback."""
 
 from __future__ import annotations
 
-from nvpair_proxy.attempt import Committed
-from nvpair_proxy.stream import Happened, Stream
+from nvpair_proxy.request.attempt import Committed
+from nvpair_proxy.request.stream import Happened, Stream
 from nvpair_proxy.test.world import WorldTestCase
 
 NDJSON = {"Content-Type": "application/x-ndjson"}

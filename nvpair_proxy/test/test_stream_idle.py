@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 
-from nvpair_proxy.dispatch import Bounds
+from nvpair_proxy.request.dispatch import Bounds
 from nvpair_proxy.test.world import WorldTestCase
 from nvpair_proxy.test.support import LogCapture
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 
-from nvpair_proxy.timers import cancel_pending
+from nvpair_proxy.core.timers import cancel_pending
 
 
 class CancelPendingTests(SynchronousTestCase):

@@ -1,4 +1,4 @@
-"""Tests for nvpair_proxy.tokens' BodyObserver: terminal frames and the stats block, read from a
+"""Tests for nvpair_proxy.body.tokens' BodyObserver: terminal frames and the stats block, read from a
 bounded tail."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import json
 
 from twisted.trial.unittest import SynchronousTestCase
 
-from nvpair_proxy import frames, tokens
-from nvpair_proxy.frames import LINE_LIMIT, TAIL_LIMIT
-from nvpair_proxy.tokens import BodyObserver
+from nvpair_proxy.body import frames, tokens
+from nvpair_proxy.body.frames import LINE_LIMIT, TAIL_LIMIT
+from nvpair_proxy.body.tokens import BodyObserver
 from nvpair_proxy.test.recorded import (ANTHROPIC_SSE, JSON, LLAMACPP_ANTHROPIC_SSE,
                                         LLAMACPP_NATIVE_SSE, LLAMACPP_NATIVE_STATS, LLAMACPP_SSE,
                                         NDJSON, OLLAMA_JSON, OLLAMA_JSON_STATS, OLLAMA_STREAM,
@@ -448,7 +448,7 @@ class HygieneTests(SynchronousTestCase):
         self.assertRaises(ValueError, BodyObserver, "sse-finished")
 
     def test_every_rule_an_engine_file_may_name_is_understood(self):
-        from nvpair_proxy.engines import TERMINAL_FRAMES
+        from nvpair_proxy.nodes.engines import TERMINAL_FRAMES
         for terminal in TERMINAL_FRAMES:
             self.assertEqual(BodyObserver(terminal).terminal, terminal)
 

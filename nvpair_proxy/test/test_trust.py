@@ -18,21 +18,21 @@ from twisted.web.http_headers import Headers
 from twisted.web.resource import Resource
 from twisted.web.server import Site
 
-from nvpair_proxy.admission import peer_dialler
-from nvpair_proxy.discovery import make_node
-from nvpair_proxy.dispatch import Bounds
-from nvpair_proxy.engines import load_engines
+from nvpair_proxy.cluster.admission import peer_dialler
+from nvpair_proxy.nodes.discovery import make_node
+from nvpair_proxy.request.dispatch import Bounds
+from nvpair_proxy.nodes.engines import load_engines
 from nvpair_proxy.testing import RecordingEmitter
-from nvpair_proxy.facade import make_facade, facade_site
-from nvpair_proxy.ingress import IngressResource
-from nvpair_proxy.listener import DemuxFactory
-from nvpair_proxy.requestbody import BytesProducer
-from nvpair_proxy.server import BoundedSite
-from nvpair_proxy.recorder import Recorder
-from nvpair_proxy.reservations import ReservationMap
+from nvpair_proxy.facade.facade import make_facade, facade_site
+from nvpair_proxy.facade.ingress import IngressResource
+from nvpair_proxy.facade.listener import DemuxFactory
+from nvpair_proxy.http.requestbody import BytesProducer
+from nvpair_proxy.http.server import BoundedSite
+from nvpair_proxy.admin.recorder import Recorder
+from nvpair_proxy.routing.reservations import ReservationMap
 from nvpair_proxy.testing.simfleet import SimNode, SimNodeResource
 from nvpair_proxy.testing.certs import make_certificate, write_admission, write_identity, write_pin
-from nvpair_proxy.trust import (ClusterDirectory, PeerAgents, PinnedPolicy, der_of, tls_ingress,
+from nvpair_proxy.cluster.trust import (ClusterDirectory, PeerAgents, PinnedPolicy, der_of, tls_ingress,
                                  trust_watch)
 
 from OpenSSL import SSL, crypto
@@ -213,7 +213,7 @@ class PinnedTLSTests(TestCase):
 
     @inlineCallbacks
     def test_lan_keys_leave_mtls_peers_alone(self):
-        from nvpair_proxy.apikeys import KeyStore, LanGate
+        from nvpair_proxy.lan.apikeys import KeyStore, LanGate
         from nvpair_proxy.test.support import failures
         gate = LanGate(KeyStore(Clock(), env="lan-key-" + "K" * 32))
         self.serve(lan=gate)
@@ -394,7 +394,7 @@ class RobustDirectoryTests(SynchronousTestCase):
         self.directory.refresh()
 
     def test_a_certificate_whose_extensions_do_not_parse_names_nobody(self):
-        from nvpair_proxy.trust import principal
+        from nvpair_proxy.cluster.trust import principal
 
         class Broken:
             @property
@@ -443,7 +443,7 @@ class RobustDirectoryTests(SynchronousTestCase):
         self.assertEqual(list(self.directory.pins), ["node-b"])
 
     def test_a_check_on_a_clock_stats_at_most_once_per_interval(self):
-        from nvpair_proxy.admission import TRUST_RECHECK
+        from nvpair_proxy.cluster.admission import TRUST_RECHECK
         clock = Clock()
         self.directory.check(clock.seconds(), TRUST_RECHECK)
         write_pin(self.folder, "node-b", make_certificate("node-b")[0])
@@ -471,8 +471,8 @@ class AdmissionCopiesTests(SynchronousTestCase):
 
     def test_the_decision_is_per_call_the_copy_is_made_once(self):
         from twisted.internet.task import Clock
-        from nvpair_proxy.admission import Admission
-        from nvpair_proxy.discovery import Node
+        from nvpair_proxy.cluster.admission import Admission
+        from nvpair_proxy.nodes.discovery import Node
 
         class Directory:
             pins = {"peer-cluster": "pin"}

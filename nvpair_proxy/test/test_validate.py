@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from twisted.trial.unittest import SynchronousTestCase
 
-from nvpair_proxy.validate import (BRACKETS_FOR_IPV6, PORT_OUT_OF_RANGE, WANT_HOST_PORT, ip_of,
+from nvpair_proxy.core.validate import (BRACKETS_FOR_IPV6, PORT_OUT_OF_RANGE, WANT_HOST_PORT, ip_of,
                                    is_int, is_loopback, is_port, parse_port, split_host_port)
 
 

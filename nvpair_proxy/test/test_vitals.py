@@ -9,9 +9,9 @@ import signal
 from twisted.internet.testing import MemoryReactorClock
 from twisted.trial.unittest import SynchronousTestCase
 
-from nvpair_proxy import vitals
-from nvpair_proxy.pool import ConnectionPool
-from nvpair_proxy.reservations import ReservationMap
+from nvpair_proxy.process import vitals
+from nvpair_proxy.http.pool import ConnectionPool
+from nvpair_proxy.routing.reservations import ReservationMap
 from nvpair_proxy.test.support import LogCapture
 
 
@@ -79,8 +79,8 @@ class WiringTests(SynchronousTestCase):
     def test_the_facades_of_the_tree(self) -> None:
         from twisted.application.service import MultiService, Service
 
-        from nvpair_proxy import tap
-        from nvpair_proxy.service import ProcessService
+        from nvpair_proxy.process import tap
+        from nvpair_proxy.process.service import ProcessService
         root = ProcessService(MemoryReactorClock())
         root.runtime, root.facades = self.runtime(), MultiService()
         for count in (2, 1):
@@ -91,7 +91,7 @@ class WiringTests(SynchronousTestCase):
         self.assertEqual((got["in_flight"], got["pooled"]), (3, 1))
 
     def test_before_start_up_there_is_nothing_to_report(self) -> None:
-        from nvpair_proxy import tap
-        from nvpair_proxy.service import ProcessService
+        from nvpair_proxy.process import tap
+        from nvpair_proxy.process.service import ProcessService
         self.assertIsNone(tap._vitals(ProcessService(MemoryReactorClock()),
                                       MemoryReactorClock()))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from twisted.trial.unittest import SynchronousTestCase
 
-from nvpair_proxy.warnonce import WarnOnce
+from nvpair_proxy.core.warnonce import WarnOnce
 
 
 class WarnOnceTests(SynchronousTestCase):

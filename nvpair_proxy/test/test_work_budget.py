@@ -14,10 +14,10 @@ from twisted.logger import globalLogPublisher
 
 from twisted.internet.testing import MemoryReactorClock
 
-from nvpair_proxy import logs
-from nvpair_proxy.client import Client
+from nvpair_proxy.core import logs
+from nvpair_proxy.http.client import Client
 from nvpair_proxy.test.support import Wire
-from nvpair_proxy.events import LogEmitter
+from nvpair_proxy.request.events import LogEmitter
 from nvpair_proxy.test.world import WorldTestCase
 
 NDJSON = {"Content-Type": "application/x-ndjson"}

@@ -19,14 +19,14 @@ from twisted.web.http_headers import Headers
 from twisted.web.resource import Resource
 from twisted.web.server import Site
 
-from nvpair_proxy.client import Client
-from nvpair_proxy.pool import ConnectionPool
-from nvpair_proxy.dispatch import Bounds
-from nvpair_proxy.engineaccess import EngineAgents
-from nvpair_proxy.engines import load_engines
-from nvpair_proxy.facade import make_facade, facade_site
-from nvpair_proxy.listener import DemuxFactory
-from nvpair_proxy.nodesfile import load_nodes_file
+from nvpair_proxy.http.client import Client
+from nvpair_proxy.http.pool import ConnectionPool
+from nvpair_proxy.request.dispatch import Bounds
+from nvpair_proxy.standalone.engineaccess import EngineAgents
+from nvpair_proxy.nodes.engines import load_engines
+from nvpair_proxy.facade.facade import make_facade, facade_site
+from nvpair_proxy.facade.listener import DemuxFactory
+from nvpair_proxy.standalone.nodesfile import load_nodes_file
 from nvpair_proxy.testing.certs import TestCA
 from nvpair_proxy.testing import RecordingEmitter
 

@@ -13,16 +13,16 @@ from twisted.internet.testing import StringTransport
 from twisted.trial.unittest import SynchronousTestCase
 from zope.interface import implementer
 
-from nvpair_proxy.discovery import make_node
-from nvpair_proxy.dispatch import Bounds
-from nvpair_proxy.engines import load_engines
+from nvpair_proxy.nodes.discovery import make_node
+from nvpair_proxy.request.dispatch import Bounds
+from nvpair_proxy.nodes.engines import load_engines
 from nvpair_proxy.testing import RecordingEmitter
-from nvpair_proxy.facade import make_facade, facade_site
-from nvpair_proxy.interfaces import IStatusSource
-from nvpair_proxy.listener import DemuxFactory
-from nvpair_proxy.reservations import ReservationMap
+from nvpair_proxy.facade.facade import make_facade, facade_site
+from nvpair_proxy.core.interfaces import IStatusSource
+from nvpair_proxy.facade.listener import DemuxFactory
+from nvpair_proxy.routing.reservations import ReservationMap
 from nvpair_proxy.testing import FakeAgent, loopback
-from nvpair_proxy.views import ProcessSnapshot
+from nvpair_proxy.core.views import ProcessSnapshot
 
 ENGINES = load_engines()
 

@@ -20,7 +20,7 @@ from twisted.web.http_headers import Headers
 from twisted.web.iweb import UNKNOWN_LENGTH, IAgent, IResponse
 from zope.interface import implementer
 
-from ..interfaces import IEmitter
+from ..core.interfaces import IEmitter
 
 
 class FakeBodyTransport:

@@ -4,7 +4,7 @@ from twisted.application.service import ServiceMaker
 
 nvpairProxy = ServiceMaker(
     "nvpair-proxy",
-    "nvpair_proxy.tap",
+    "nvpair_proxy.process.tap",
     "Inference data plane for GPU clusters running local LLM engines.",
     "nvpair-proxy",
 )

@@ -1,0 +1,2 @@
+"""The admin listener: the recorder, /status, /metrics and the status page.
+"""

@@ -1,0 +1,2 @@
+"""A response body read by its tail: terminal frames and token figures.
+"""

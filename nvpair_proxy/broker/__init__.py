@@ -1,0 +1,2 @@
+"""The broker link: JSON-RPC framing, aliases, persisted ports and the broker's methods.
+"""

@@ -1,0 +1,2 @@
+"""The cluster directory: node identity, pins, pinned TLS, and how discovered nodes are admitted.
+"""

@@ -1,0 +1,139 @@
+"""The mutual-TLS ingress: a pinned peer's request goes straight to this node's engine.
+
+The originating node already routed, retried and reported the job; here there is no routing,
+no failover and no workload event (docs/references.md#mtls-ingress), only the per-request pin check
+and a plain forward to the local backend that ``node/set-local-backend`` named.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable, cast
+
+import attrs
+from twisted.internet.interfaces import ISSLTransport
+from twisted.python.failure import Failure
+from twisted.web.resource import Resource
+from twisted.web.server import NOT_DONE_YET, Request
+from zope.interface import implementer
+
+from ..cluster.trust import ClusterDirectory, der_of
+from ..core.interfaces import IRouter
+from ..http.answers import CLUSTER_AUTH, NO_LOCAL_BACKEND, Reason, send_error
+from ..nodes.discovery import Node
+from ..request.exchange import Exchange
+from .facade import Facade, answered_before_routing, report_rejection
+
+if TYPE_CHECKING:
+    from OpenSSL.crypto import X509
+
+
+@implementer(IRouter)
+@attrs.frozen
+class LocalBackendRoute:
+    """The ingress's routing: this node's engine, nothing to choose and nothing to learn."""
+
+    backend: Node
+    pin = ""
+
+    def routable(self) -> list[Node]:
+        return [self.backend]
+
+    def set_models(self, node_id: str, models) -> None:
+        """Nothing probes the backend: every model is sent to it."""
+
+    def candidates(self, model: str | None) -> list[Node]:
+        return [self.backend]
+
+    def is_routable(self, node_id: str) -> bool:
+        return True
+
+    def busy_for(self, model: str) -> float | None:
+        return None
+
+    def place(self, nodes: list[Node]) -> tuple[list[Node], None]:
+        return list(nodes), None
+
+    def fail_over(self, remaining: list[Node], model: str | None = None) -> list[Node]:
+        return list(remaining)
+
+    def admitted(self) -> None:
+        pass
+
+    def all_full(self, nodes: list[Node], model: str | None) -> bool:
+        return False  # the backend's own queue is the one to wait in
+
+    def refuses(self, nodes: list[Node], model: str | None) -> bool:
+        return False
+
+    def wait(self, model: str, deadline: float, wake, expire, ahead: bool = False) -> None:
+        raise AssertionError("the local backend is never full")
+
+    def unwait(self, waiter) -> None:
+        pass
+
+    def answered(self, node_id: str, status: int) -> None:
+        pass
+
+    def first_byte(self, node_id: str) -> None:
+        pass
+
+    def stalled(self, node_id: str) -> None:
+        pass
+
+    def set_pin(self, node_id: str) -> None:
+        raise KeyError(node_id)
+
+    def watch(self, attempt) -> None:
+        pass
+
+    def unwatch(self, attempt) -> None:
+        pass
+
+
+def ingress_exchange(facade: Facade, request: Request, backend: Node) -> Exchange:
+    """A forward to the local backend: one pass, no workload, backend errors coded."""
+    return Exchange(request, engine=facade.engine, router=LocalBackendRoute(backend),
+                    reporter=facade.reporter, upstreams=facade.upstreams,
+                    in_flight=facade.in_flight, inference=False,
+                    bad_gateway_code="backend-error")
+
+
+class IngressResource(Resource):
+    isLeaf = True
+
+    def __init__(self, facade: Facade, directory: ClusterDirectory,
+                 backend: Callable[[], tuple[str, int] | None]) -> None:
+        super().__init__()
+        self.facade, self.directory, self.backend = facade, directory, backend
+        self._node: Node | None = None  # the backend as a node, made again only when it moves
+
+    def render(self, request: Request):
+        if answered_before_routing(self.facade, request):
+            return NOT_DONE_YET
+        self.directory.check()
+        # The ingress listens on TLS only; pyOpenSSL's certificate, None without a peer's.
+        transport = cast(ISSLTransport, request.channel.transport)
+        certificate = cast("X509 | None", transport.getPeerCertificate())
+        if certificate is None or not self.directory.trusts(der_of(certificate)):
+            code, text = CLUSTER_AUTH
+            report_rejection(self.facade, request.method, request.path, 403, Reason.CLUSTER_AUTH)
+            send_error(request, 403, text, code=code)
+            return NOT_DONE_YET
+        backend = self.backend()
+        if backend is None:
+            text = f"no local {self.facade.engine.id} backend is available on this node"
+            report_rejection(self.facade, request.method, request.path, 503,
+                             Reason.NO_LOCAL_BACKEND)
+            send_error(request, 503, text, code=NO_LOCAL_BACKEND)
+            return NOT_DONE_YET
+        host, port = backend
+        node = self._node
+        if node is None or (node.port, node.addresses) != (port, (host,)):
+            node = self._node = Node(id="local-backend", name="local-backend", port=port,
+                                     addresses=(host,))
+        exchange = ingress_exchange(self.facade, request, node)
+        try:
+            exchange.start()
+        except Exception:
+            exchange.crashed(Failure())
+        return NOT_DONE_YET

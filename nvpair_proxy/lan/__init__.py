@@ -1,0 +1,2 @@
+"""LAN clients: API keys and the allowed sources.
+"""

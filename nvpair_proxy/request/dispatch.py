@@ -1,0 +1,420 @@
+"""The attempt loop: resolve, order, reserve, dispatch, fail over, back off
+(docs/references.md#request-path, #retry-bounds, #final-attempt-answers).
+
+A caller is promised a persistent, bounded attempt to *start* its request: failures before
+the first body byte are absorbed while budget remains, and the budget is two bounds that
+each end a different kind of job (five dispatches for fast failures, the ten-minute
+"no new attempts after" line for slow failures and for waiting on an owner). Both are checked
+before each dispatch and neither ever cuts an attempt in flight.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import attrs
+from twisted.internet.interfaces import IDelayedCall, IReactorTime
+from twisted.python.failure import Failure
+from twisted.web.iweb import IAgent
+from zope.interface import implementer
+
+from ..core import constants
+from ..core.interfaces import IDispatchObserver, IRouter
+from ..core.timers import cancel_pending
+from ..http.answers import Reason
+from ..http.loopguard import LoopGuard
+from ..nodes.discovery import Node
+from ..routing.reservations import Reservation
+from ..routing.router import BUSY_STATUSES
+from ..routing.slotqueue import Waiter
+from .attempt import (NO_CONTENT, STATUS, AddressMemory, Attempt, Committed, Failed,
+                      UpstreamRequest)
+
+# The proxy's own answer texts (docs/references.md#proxy-answers), as the reasons carry them.
+NO_OWNER = Reason.NO_OWNER.text
+NO_CANDIDATE = Reason.NO_CANDIDATE.text
+DEADLINE_PASSED = Reason.DEADLINE_PASSED.text
+NO_OWNER_RETURNED = Reason.NO_OWNER_RETURNED.text
+EVERY_ATTEMPT_FAILED = Reason.EVERY_ATTEMPT_FAILED.text
+ALL_OWNERS_BUSY = Reason.ALL_OWNERS_BUSY.text
+NO_CONTENT_TEXT = Reason.NO_CONTENT.text
+
+
+@attrs.frozen
+class Bounds:
+    """The bounds of docs/references.md#retry-bounds and #attempt-caps. ``response_timeout`` 0
+    disables both the header and first-content caps.
+
+    ``stream_idle`` closes the spec's known gap (docs/references.md#silent-upstream-gap) opt-in:
+    after commit, an upstream silent that long is closed; 0 (the default) keeps the spec's
+    behaviour.
+    """
+
+    max_attempts: int = constants.MAX_DISPATCH_ATTEMPTS
+    deadline: float = constants.JOB_DEADLINE
+    response_timeout: float = constants.DEFAULT_RESPONSE_TIMEOUT
+    backoff: tuple[float, ...] = constants.BACKOFF_SCHEDULE
+    jitter: float = constants.BACKOFF_JITTER
+    stream_idle: float = 0.0
+
+
+@attrs.define(eq=False)
+class Upstreams:
+    """How one facade reaches its nodes: the agent per node (pinned TLS for peers), the
+    address that last answered, the bounds of docs/references.md#retry-bounds, time and chance."""
+
+    clock: IReactorTime
+    agent: IAgent
+    random: Callable[[], float]
+    bounds: Bounds = Bounds()
+    addresses: AddressMemory = attrs.Factory(AddressMemory)
+    agent_for_node: Callable[[Node], IAgent] | None = None
+    # The process's Via hop: on every request sent to a node, and how a loop is recognised.
+    loop_guard: LoopGuard = attrs.Factory(LoopGuard)
+
+    def agent_for(self, node: Node) -> IAgent:
+        if self.agent_for_node is not None:
+            return self.agent_for_node(node)
+        return self.agent
+
+
+@attrs.frozen
+class Answer:
+    """An answer the proxy generates itself (docs/references.md#proxy-answers): nothing upstream is
+    relayed."""
+
+    status: int
+    reason: Reason
+    detail: str = ""
+    retry_after: int = 0
+    code: str | None = None
+
+    @property
+    def text(self) -> str:
+        return self.reason.says(self.detail)
+
+
+@attrs.frozen
+class Gone:
+    """The loop stopped because the requester left or we are shutting down."""
+
+    reason: str
+
+
+@implementer(IDispatchObserver)
+class _Silent:
+    """The observer of a loop nobody watches: the default when none is given."""
+
+    def dispatched(self, node: Node) -> None:
+        pass
+
+    def cleared(self) -> None:
+        pass
+
+    def attempt_ended(self, outcome: Committed | Failed) -> None:
+        pass
+
+
+SILENT = _Silent()
+
+
+# A loop is configuration (docs/references.md#forwarding-loop); another node or another try cannot
+# fix it.
+LOOP_DETECTED = 508
+
+
+def retryable_status(inference: bool) -> Callable[[int], bool]:
+    """408, 429 and 5xx always (but 508, a forwarding loop); 404 only where inventory may be stale
+    (inference): docs/references.md#status-handling."""
+    def retryable(status: int) -> bool:
+        return (status in (408, 429) or (status >= 500 and status != LOOP_DETECTED)
+                or (inference and status == 404))
+    return retryable
+
+
+def final_answer(failure: Failed) -> Answer:
+    """The final permitted attempt answers for itself (docs/references.md#final-attempt-answers)."""
+    if failure.kind == NO_CONTENT:
+        return Answer(504, Reason.NO_CONTENT)
+    return Answer(502, Reason.TRANSPORT, failure.reason)
+
+
+@attrs.frozen
+class Job:
+    """What is fixed for one request at admission: what it sends, what it routes on and the
+    facade's collaborators the loop works with. Built once; every dispatch reads it."""
+
+    request: UpstreamRequest
+    router: IRouter
+    upstreams: Upstreams
+    #: The normalized model routed on; None routes to every routable node.
+    model: str | None
+    created_at: float
+    #: What an empty first round answers: the body named no model, or one nobody serves.
+    no_candidate: Reason
+    #: Hold a reservation while dispatching (a workload's request; inference only).
+    reserve: bool = False
+    observer: IDispatchObserver = SILENT
+
+    @property
+    def inference(self) -> bool:
+        return self.request.inference
+
+
+def _unset(result: object) -> None:
+    raise RuntimeError("Dispatch.run was not called")
+
+
+class Dispatch:
+    """One request's loop. ``run``'s ``on_done`` gets Committed, Answer or Gone, once.
+
+    ``inference`` selects the full budget (re-resolve, back off, deadline, discovery watch);
+    otherwise a single pass over the candidates resolved once, each tried at most once,
+    because non-inference routes can change state (``POST /api/pull``) and must not repeat.
+    """
+
+    def __init__(self, job: Job):
+        upstreams = job.upstreams
+        self.job, self.upstreams = job, upstreams
+        self.clock, self.random, self.router, self.model = (
+            upstreams.clock, upstreams.random, job.router, job.model)
+        self.inference, self.bounds = job.inference, upstreams.bounds
+        self.deadline = job.created_at + self.bounds.deadline
+        self.no_candidate = job.no_candidate
+        self.reserve, self.observer = job.reserve and job.inference, job.observer
+        self.dispatches = 0
+        self._on_done: Callable[[Committed | Answer | Gone], None] = _unset
+        self._on_error: Callable[[Failure], None] = _unset
+        self.attempt: Attempt | None = None
+        self.reservation: Reservation | None = None
+        self._queue: list[Node] = []
+        self._timer: IDelayedCall | None = None
+        #: Waiting in the facade's queue for a free slot (late binding).
+        self._waiting: Waiter | None = None
+        self._owner_missing = False
+        self._failed_in_round = False
+        self._done = False
+
+    @property
+    def waiting_for_owner(self) -> bool:
+        """Backing off because no node advertises the model now
+        (docs/references.md#backoff-schedule), for status."""
+        return self._owner_missing and not self._done
+
+    @property
+    def queued(self) -> bool:
+        """Waiting in the facade's queue for a free slot (late binding), for status."""
+        return self._waiting is not None
+
+    def attempting(self) -> str | None:
+        """The node the attempt in flight targets, None between attempts (for status)."""
+        return self.attempt.node.id if self.attempt is not None else None
+
+    def run(self, on_done: Callable[[Committed | Answer | Gone], None],
+            on_error: Callable[[Failure], None], candidates: list[Node] | None = None) -> None:
+        """Start. Exactly one of ``on_done`` (Committed, Answer or Gone) and ``on_error`` (a
+        bug in the loop) is called, once. ``candidates``: the first round's, when the caller
+        just resolved them."""
+        self._on_done, self._on_error = on_done, on_error
+        self._guarded(self._round, candidates)
+
+    def _guarded(self, step: Callable[..., None], *args: object) -> None:
+        """Run one step of the loop; a bug ends this request only
+        (docs/references.md#request-containment), never the reactor's other work, and leaves no
+        timer or attempt behind."""
+        try:
+            step(*args)
+        except Exception:
+            if self._done:
+                raise
+            failure = Failure()
+            self._done = True
+            self._cleanup()
+            self._on_error(failure)
+
+    def stop(self, reason: str) -> None:
+        """The requester left (or we shut down): end at once, no further dispatch."""
+        if self._done:
+            return
+        self._finish(Gone(reason))
+
+    # The loop, in the spec's order.
+
+    def _round(self, candidates: list[Node] | None = None) -> None:
+        if candidates is None:
+            candidates = self.router.candidates(self.model)
+        if not candidates:
+            if self.dispatches == 0:
+                self._finish(Answer(502, self.no_candidate))
+            else:
+                self._owner_missing = True
+                self._back_off()
+            return
+        self._owner_missing = False
+        if self.reserve and self.router.all_full(candidates, self.model):
+            self._wait(ahead=self.dispatches > 0)
+            return
+        if self.reserve:
+            candidates, self.reservation = self.router.place(candidates)
+        self._queue = list(candidates)
+        self._failed_in_round = False
+        self._dispatch_next()
+
+    def _dispatch_next(self) -> None:
+        while self._queue and not self.router.is_routable(self._queue[0].id):
+            self._queue.pop(0)
+        if not self._queue:
+            self._release()
+            self.observer.cleared()
+            self._back_off()
+            return
+        if self.inference and self.dispatches >= self.bounds.max_attempts:
+            self._finish(Answer(503, Reason.EVERY_ATTEMPT_FAILED, retry_after=1))
+            return
+        if self.inference and self.clock.seconds() >= self.deadline:
+            self._finish(Answer(503, Reason.DEADLINE_PASSED, retry_after=1))
+            return
+        if self.reservation is not None and self._failed_in_round:
+            if self.router.all_full(self._queue, self.model):
+                # A failover that finds every owner full waits, ahead of new arrivals.
+                self._wait(ahead=True)
+                return
+            self._queue = self.router.fail_over(self._queue, self.model)
+        node = self._queue.pop(0)
+        self._queue = [n for n in self._queue if self.router.is_routable(n.id)]
+        self._failed_in_round = True
+        self.dispatches += 1
+        if self.reservation is not None:
+            self.reservation.move(node.id)
+        self.observer.dispatched(node)
+        upstreams = self.upstreams
+        attempt = self.attempt = Attempt(agent=upstreams.agent_for(node), clock=self.clock,
+                                         addresses=upstreams.addresses, node=node,
+                                         request=self.job.request, final=self.is_final)
+        if self.inference:
+            self.router.watch(attempt)
+        attempt.start(self._attempt_outcome)
+
+    def is_final(self) -> bool:
+        """Whether the attempt in flight is the last this request may make
+        (docs/references.md#final-attempt-answers): its answer is then the client's whatever its
+        status. Asked when the answer arrives: for a single pass the other candidates may have left
+        meanwhile."""
+        if self.inference:
+            return self.dispatches >= self.bounds.max_attempts
+        return not any(self.router.is_routable(n.id) for n in self._queue)
+
+    def _attempt_outcome(self, outcome: Committed | Failed) -> None:
+        self._guarded(self._attempt_ended, outcome, self.is_final())
+
+    def _attempt_ended(self, outcome: Committed | Failed, final: bool) -> None:
+        self.observer.attempt_ended(outcome)
+        if self.inference and self.attempt is not None:
+            self.router.unwatch(self.attempt)
+        self.attempt = None
+        if self.inference:
+            self._tell_router(outcome)
+        if self._done:
+            return
+        if isinstance(outcome, Committed):
+            self._finish(outcome)
+        elif final:
+            self._finish(final_answer(outcome))
+        elif not self.inference:
+            self._dispatch_next()
+        elif self.clock.seconds() >= self.deadline:
+            self._finish(Answer(503, Reason.DEADLINE_PASSED, retry_after=1))
+        else:
+            self._dispatch_next()
+
+    def _tell_router(self, outcome: Committed | Failed) -> None:
+        """What the node's answer says about it: busy (429/503), stalled, or serving.
+
+        Any commit but a busy one (the last attempt's 429 or 503, passed through) is a first
+        byte: the node answered, so it is neither full nor stalled. A node that ran out a
+        whole cap, for its headers or for its first byte, cools: either way it took a budget
+        and gave nothing for it.
+        """
+        node_id = outcome.node.id
+        if isinstance(outcome, Committed):
+            if outcome.response.code in BUSY_STATUSES:
+                self.router.answered(node_id, outcome.response.code)
+            else:
+                self.router.first_byte(node_id)
+        elif outcome.kind == STATUS and outcome.status is not None:
+            self.router.answered(node_id, outcome.status)
+        elif outcome.spent:
+            self.router.stalled(node_id)
+
+    def _wait(self, ahead: bool) -> None:
+        """Every owner is full: wait in the facade's queue, costing no attempt and holding no
+        reservation, until a slot frees or the deadline passes (docs/decisions.md#late-binding)."""
+        assert self.model is not None
+        self._release()
+        self._queue = []
+        self.observer.cleared()
+        self._waiting = self.router.wait(self.model, self.deadline,
+                                         wake=lambda: self._guarded(self._woken),
+                                         expire=lambda: self._guarded(self._expired),
+                                         ahead=ahead)
+
+    def _woken(self) -> None:
+        self._waiting = None
+        self._round()
+
+    def _expired(self) -> None:
+        self._waiting = None
+        self._finish(Answer(503, Reason.NO_FREE_SLOT, retry_after=1))
+
+    def _back_off(self) -> None:
+        """Wait before the next round; also paces the wait for an owner
+        (docs/references.md#backoff-schedule)."""
+        if not self.inference:
+            self._finish(Answer(503, Reason.EVERY_ATTEMPT_FAILED, retry_after=1))
+            return
+        remaining = self.deadline - self.clock.seconds()
+        if remaining <= 0:
+            self._finish_deadline()
+            return
+        schedule = self.bounds.backoff
+        base = schedule[min(self.dispatches, len(schedule)) - 1]
+        delay = base * (1 + self.bounds.jitter * (2 * self.random() - 1))
+        self._timer = self.clock.callLater(min(delay, remaining), self._guarded, self._wake)
+
+    def _wake(self) -> None:
+        self._timer = None
+        if self.clock.seconds() >= self.deadline:
+            self._finish_deadline()
+        else:
+            self._round()
+
+    def _finish_deadline(self) -> None:
+        reason = Reason.NO_OWNER_RETURNED if self._owner_missing else Reason.DEADLINE_PASSED
+        self._finish(Answer(503, reason, retry_after=1))
+
+    def _finish(self, result: Committed | Answer | Gone) -> None:
+        self._done = True
+        if isinstance(result, Committed) and self.reservation is not None:
+            # The claim goes with the commit: the stream holds the node until it ends.
+            result = attrs.evolve(result, reservation=self.reservation)
+            self.reservation = None
+        self._cleanup()
+        self._on_done(result)
+
+    def _cleanup(self) -> None:
+        cancel_pending(self._timer)
+        self._timer = None
+        if self._waiting is not None:
+            waiter, self._waiting = self._waiting, None
+            self.router.unwait(waiter)
+        if self.attempt is not None:
+            attempt, self.attempt = self.attempt, None
+            if self.inference:
+                self.router.unwatch(attempt)
+            attempt.cancel("request ended")
+        self._release()
+
+    def _release(self) -> None:
+        if self.reservation is not None:
+            self.reservation.release()
+            self.reservation = None

@@ -1,0 +1,268 @@
+"""Workload lifecycle and request events (docs/references.md#workload-lifecycle, #notifications,
+#terminal-frames and #events-between-rounds).
+
+Every admitted request ends in exactly one terminal event: ``terminal`` is idempotent and
+anything after it is dropped, so the many paths that can end a request (commit and stream end,
+client gone, shutdown, an unexpected exception, the backstop) can all call it safely.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+from typing import Any, Callable
+
+import attrs
+from twisted.logger import LogLevel
+from zope.interface import implementer
+
+from ..core import constants
+from ..core.interfaces import IEmitter, IRequestRecorder
+from ..core.logs import enabled, logger
+from ..http.answers import Reason
+
+QUEUED, RUNNING, COMPLETED, FAILED, CANCELLED = "queued", "running", "completed", "failed", "cancelled"
+
+CLIENT_GONE = Reason.CLIENT_GONE.text
+SHUTDOWN = Reason.SHUTDOWN.text
+BACKSTOP = Reason.BACKSTOP.text
+
+log = logger()
+
+
+def new_run_id() -> str:
+    """16 hex digits, random per process start (docs/references.md#run-id)."""
+    return os.urandom(8).hex()
+
+
+@implementer(IEmitter)
+class LogEmitter:
+    """Standalone mode: events to the log at debug, one line each
+    (docs/references.md#standalone-events-log)."""
+
+    @property
+    def listening(self) -> bool:
+        return enabled(LogLevel.debug)
+
+    def notify(self, method: str, params: dict, engine: str | None = None) -> None:
+        if not enabled(LogLevel.debug):
+            return  # nobody reads it: do not encode it (docs/references.md#bare-proxy-cpu)
+        name = f"{engine}:{method}" if engine else method
+        log.debug("event {method} {params}", method=name, params=json.dumps(params, sort_keys=True),
+                  engine=engine)
+
+
+def ms(seconds: float | None) -> int | None:
+    return None if seconds is None else int(round(seconds * 1000))
+
+
+@attrs.define
+class Workload:
+    """One admitted inference request's lifecycle as the broker sees it."""
+
+    emitter: IEmitter
+    clock: Callable[[], float]
+    run_id: str
+    engine: str
+    id: str
+    model: str
+    created_at: float
+    state: str = QUEUED
+    scheduled_on: str | None = None
+    started_at: float | None = None
+    seq: int = 0
+    ended: bool = False
+    _sent_any: bool = False
+
+    def admitted(self) -> None:
+        self._submit(None)
+
+    def dispatched(self, node_id: str) -> None:
+        self._submit(node_id)
+
+    def cleared(self) -> None:
+        self._submit(None)
+
+    def started(self, node_id: str) -> None:
+        if self.ended:
+            return
+        self.state, self.scheduled_on, self.started_at = RUNNING, node_id, self.clock()
+        self._emit("workload:started", None, None, None)
+
+    def terminal(self, state: str, error: str | None = None, stats: dict | None = None) -> bool:
+        """Emit the one terminal event; False (and nothing sent) if one was sent already."""
+        if self.ended:
+            return False
+        self.state = state
+        method = "workload:completed" if state == COMPLETED else "workload:errored"
+        self._emit(method, error, self.clock(), stats)
+        self.ended = True
+        return True
+
+    def _submit(self, node_id: str | None) -> None:
+        """Re-pointing a job at its current placement says nothing new, so sends nothing."""
+        if self.ended or (self._sent_any and node_id == self.scheduled_on):
+            return
+        self.scheduled_on = node_id
+        self._emit("workload:submitted", None, None, None)
+
+    def _emit(self, method: str, error: str | None, completed_at: float | None,
+              stats: dict | None) -> None:
+        self._sent_any = True
+        self.seq += 1
+        if not self.emitter.listening:
+            return
+        info: dict[str, Any] = {"id": self.id, "model": self.model, "engine": self.engine,
+                                "runId": self.run_id, "state": self.state, "originatedFrom": ""}
+        if self.scheduled_on:
+            info["scheduledOn"] = self.scheduled_on
+        info.update({"createdAt": ms(self.created_at), "startedAt": ms(self.started_at),
+                     "completedAt": ms(completed_at), "error": error, "requesterId": None,
+                     "seq": self.seq})
+        if stats:
+            info["stats"] = stats
+        self.emitter.notify(method, {"workloadInfo": info})
+
+
+def request_started(id: str, method: str, path: str, target: str,
+                    node_id: str | None = None) -> dict:
+    """``proxy/request-started`` params (docs/references.md#request-events), fields in the
+    contract's order."""
+    params = {"id": id}
+    if node_id:
+        params["node_id"] = node_id
+    params.update({"method": method, "path": path, "target": target})
+    return params
+
+
+def request_finished(id: str, method: str, path: str, target: str, status: int,
+                     duration: float, node_id: str | None = None, ttfb: float | None = None,
+                     error: str | None = None) -> dict:
+    """``proxy/request`` params (docs/references.md#request-events); ``duration`` and ``ttfb`` in
+    seconds."""
+    params = request_started(id, method, path, target, node_id)
+    params.update({"status": status, "duration_ms": ms(duration)})
+    if ttfb is not None:
+        params["ttfb_ms"] = ms(ttfb)
+    if error:
+        params["error"] = error
+    return params
+
+
+class ActivityThrottle:
+    """``node/activity`` on streamed bytes, at most once per node per 2 s
+    (docs/references.md#node-activity)."""
+
+    def __init__(self, emitter: IEmitter, clock: Callable[[], float],
+                 interval: float = constants.ACTIVITY_INTERVAL) -> None:
+        self.emitter, self.clock, self.interval = emitter, clock, interval
+        self._last: dict[str, float] = {}
+
+    def touch(self, node_id: str) -> float:
+        """Report the node unless it was within the interval; returns when it may be next."""
+        now = self.clock()
+        last = self._last.get(node_id)
+        if last is not None and now - last < self.interval:
+            return last + self.interval
+        self._last[node_id] = now
+        self.emitter.notify("node/activity", {"hostUuid": node_id, "msSince": 0})
+        return now + self.interval
+
+    def last_seen(self) -> dict[str, float]:
+        """When each node last streamed bytes, to within the interval (for the status page)."""
+        return dict(self._last)
+
+
+# Route classes and request outcomes: the fixed vocabularies of the admin listener
+# (docs/references.md#bounded-labels).
+INFERENCE, MODELS, PREFLIGHT, OTHER = "inference", "models", "preflight", "other"
+REJECTED = "rejected"
+
+
+def route_class(route) -> str:
+    """An engine route's class: inference, models, or other (forwarded verbatim)."""
+    if route is None:
+        return OTHER
+    return INFERENCE if route.is_inference else MODELS if route.is_models else OTHER
+
+
+@attrs.frozen
+class RequestEnded:
+    """What the admin listener learns of one finished request: operational metadata only
+    (docs/references.md#no-content-logging: never a prompt, a body or a credential). Times in
+    seconds on the facade clock."""
+
+    engine: str
+    at: float
+    route: str
+    outcome: str
+    status: int
+    duration: float
+    node: str | None = None
+    model: str | None = None
+    reason: Reason | None = None
+    ttfb: float | None = None
+    dispatches: int = 0
+    stats: dict | None = None
+
+
+@attrs.define(eq=False)
+class Reporter:
+    """One facade's voice on the link: request and workload ids, and the events of
+    docs/references.md#notifications.
+
+    The request path holds this rather than the facade, so what a request can say is exactly
+    what it reports, addressed to its engine.
+    """
+
+    engine: str
+    emitter: IEmitter
+    clock: Callable[[], float]
+    run_id: str
+    activity: ActivityThrottle
+    recorder: IRequestRecorder | None = None
+    _request_ids: itertools.count = attrs.Factory(lambda: itertools.count(1))
+    _workload_ids: itertools.count = attrs.Factory(lambda: itertools.count(1))
+
+    def next_request_id(self) -> str:
+        return str(next(self._request_ids))
+
+    def new_workload(self, model: str, created_at: float) -> Workload:
+        return Workload(emitter=self.emitter, clock=self.clock, run_id=self.run_id,
+                        engine=self.engine, id=str(next(self._workload_ids)), model=model,
+                        created_at=created_at)
+
+    @property
+    def listening(self) -> bool:
+        """Whether the events (and the figures that only feed them: token stats) are wanted
+        at all: by the link or log, or by the admin listener's recorder."""
+        return self.emitter.listening or self.recorder is not None
+
+    def notify(self, method: str, params: dict) -> None:
+        self.emitter.notify(method, params, engine=self.engine)
+
+    def request_started(self, *args, **kwargs) -> None:
+        """``proxy/request-started``, with :func:`request_started`'s arguments."""
+        if self.emitter.listening:
+            self.notify("proxy/request-started", request_started(*args, **kwargs))
+
+    def request_finished(self, *args, **kwargs) -> None:
+        """``proxy/request``, with :func:`request_finished`'s arguments."""
+        if self.emitter.listening:
+            self.notify("proxy/request", request_finished(*args, **kwargs))
+
+    def activity_on(self, node_id: str) -> float:
+        """Bytes streamed from the node; returns the time before which asking again is moot."""
+        return self.activity.touch(node_id)
+
+    def request_ended(self, **fields) -> None:
+        """A finished request, with :class:`RequestEnded`'s fields, for the recorder if any."""
+        if self.recorder is not None:
+            self.recorder.request_ended(RequestEnded(engine=self.engine, at=self.clock(),
+                                                     **fields))
+
+    def dispatch_ended(self, outcome) -> None:
+        """One dispatch's outcome (Committed or Failed), for the recorder if any."""
+        if self.recorder is not None:
+            self.recorder.dispatch_ended(self.engine, outcome)

@@ -1,0 +1,380 @@
+"""One client request through a facade, top to bottom (docs/references.md#request-path).
+
+admit (classify, name the model, filter to owners: none is a local 502) -> dispatch (the loop
+in dispatch.py) -> commit (status, headers, the spliced first byte) -> stream with
+backpressure (stream.py, which reports back here) -> end. Every way a request can end funnels
+into ``_end``, which runs once: it is the one place the outcome is decided and reported, and
+it stops the stream, which releases the reservation the commit handed over.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from typing import cast
+
+import attrs
+from twisted.internet.interfaces import ITCPTransport
+from twisted.python.failure import Failure
+from twisted.web.server import Request
+from zope.interface import implementer
+
+from ..core.interfaces import IDispatchObserver, IRouter
+from ..core.logs import logger
+from ..core.views import InFlightView
+from ..http.answers import Reason, answer_internal_error, send_error
+from ..http.hopbyhop import copy_end_to_end, end_to_end
+from ..nodes.discovery import Node, host_port
+from ..nodes.engines import Engine
+from ..routing.router import retry_after
+from .attempt import Committed, UpstreamRequest
+from .dispatch import Answer, Dispatch, Gone, Job, Upstreams, retryable_status
+from .events import (BACKSTOP, CANCELLED, CLIENT_GONE, COMPLETED, FAILED, SHUTDOWN, Reporter,
+                     Workload, route_class)
+from .stream import Happened, Stream, StreamEvent
+
+log = logger()
+
+
+def requested_model(body: bytes) -> str | None:
+    """The ``model`` a body names, or None (docs/references.md#no-model-named): not JSON, not a
+    string, empty."""
+    try:
+        data = json.loads(body)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        return None
+    model = data.get("model") if isinstance(data, dict) else None
+    if not isinstance(model, str) or not model.strip():
+        return None
+    return model
+
+
+# "The caller did not classify the request": the route may be None (unlisted), so None
+# cannot say it.
+UNCLASSIFIED = object()
+
+
+class Phase(enum.Enum):
+    ADMITTING = "admitting"
+    DISPATCHING = "dispatching"
+    STREAMING = "streaming"
+    ENDED = "ended"
+
+
+# A request is admitted (or answered at once), dispatched until a node commits (or the loop
+# answers), streamed, and ended exactly once; nothing leads back.
+PHASES: dict[Phase, frozenset[Phase]] = {
+    Phase.ADMITTING: frozenset({Phase.DISPATCHING, Phase.ENDED}),
+    Phase.DISPATCHING: frozenset({Phase.STREAMING, Phase.ENDED}),
+    Phase.STREAMING: frozenset({Phase.ENDED}),
+    Phase.ENDED: frozenset(),
+}
+
+
+ENDED = Phase.ENDED
+
+
+class InvalidPhase(RuntimeError):
+    """A move the table does not allow: a bug, contained to its request
+    (docs/references.md#request-containment)."""
+
+
+@implementer(IDispatchObserver)
+class Exchange:
+    """A client request's whole life in one facade: its dispatch loop's observer, and the
+    owner of the committed stream (stream.py) that reports back to it."""
+
+    def __init__(self, request: Request, *, engine: Engine, router: IRouter, reporter: Reporter,
+                 upstreams: Upstreams, in_flight: set, route=UNCLASSIFIED,
+                 inference: bool | None = None, bad_gateway_code: str | None = None) -> None:
+        """``inference`` None follows the route; False forwards in one pass without reading
+        a model (the ingress: the originating node already routed). ``bad_gateway_code`` is
+        the ``code`` every 502 the proxy answers carries (the ingress's backend error)."""
+        self.request, self.engine, self.router = request, engine, router
+        self.reporter, self.upstreams, self.in_flight = reporter, upstreams, in_flight
+        self.clock = upstreams.clock
+        self.admitted_at = self.clock.seconds()
+        self.id = reporter.next_request_id()
+        self.method = request.method.decode("latin-1")
+        self.path = request.path.decode("latin-1")
+        self.route = (engine.classify(request.method, request.path) if route is UNCLASSIFIED
+                      else route)
+        self.inference = (self.route is not None and self.route.is_inference
+                          if inference is None else inference)
+        self.bad_gateway_code = bad_gateway_code
+        # The model the body named, as the client spelled it: for the admin listener's recent
+        # requests, including those answered before a workload existed (no owner, busy).
+        self.model: str | None = None
+        self.workload: Workload | None = None
+        self.dispatch: Dispatch | None = None
+        #: The committed body on its way to the client, from the commit on.
+        self.stream: Stream | None = None
+        self.phase = Phase.ADMITTING
+        self.target = ""
+        self.node_id: str | None = None
+
+    # Admission.
+
+    def start(self) -> None:
+        content = self.request.content
+        assert content is not None  # twisted.web has the whole body before it renders
+        body = content.read()
+        model = self.model = requested_model(body) if self.inference else None
+        wanted = None if model is None else self.engine.normalize_model(model)
+        no_candidate = Reason.NO_CANDIDATE if model is None else Reason.NO_OWNER
+        candidates = self.router.candidates(wanted)
+        if not candidates:
+            self._answer(Answer(502, no_candidate))
+            return
+        held = None if wanted is None else self.router.busy_for(wanted)
+        if held is not None:
+            # Engines that just said they are full get no new work for a moment
+            # (docs/decisions.md#busy-hold).
+            self._answer(Answer(503, Reason.ALL_OWNERS_BUSY, retry_after=retry_after(held)))
+            return
+        if wanted is not None and self.router.refuses(candidates, wanted):
+            # Late binding: every owner is full and the queue has no room left.
+            self._answer(Answer(503, Reason.ALL_OWNERS_BUSY, retry_after=1))
+            return
+        self.router.admitted()
+        if model is not None:
+            self.workload = self.reporter.new_workload(model, self.admitted_at)
+            self.workload.admitted()
+        log.debug("request {id} admitted: {method} {path} model={model} job={job}", id=self.id,
+                  method=self.method, path=self.path, model=model,
+                  job=self.workload.id if self.workload else None, engine=self.engine.id)
+        self.in_flight.add(self)
+        self.request.notifyFinish().addCallbacks(self._request_finished, self._client_gone)
+        upstreams = self.upstreams
+        sent = UpstreamRequest(
+            method=self.request.method, target=self.request.uri,
+            headers=upstreams.loop_guard.stamp(
+                end_to_end(self.request.requestHeaders, drop=(b"host", b"content-length"))),
+            body=body, inference=self.inference, retryable=retryable_status(self.inference),
+            response_timeout=upstreams.bounds.response_timeout)
+        self.dispatch = Dispatch(Job(
+            request=sent, router=self.router, upstreams=upstreams, model=wanted,
+            created_at=self.admitted_at, no_candidate=no_candidate,
+            reserve=self.workload is not None, observer=self))
+        self._enter(Phase.DISPATCHING)
+        self.dispatch.run(self._dispatched, self.crashed, candidates)
+
+    @property
+    def ended(self) -> bool:
+        return self.phase is ENDED
+
+    def view(self) -> InFlightView:
+        """What the admin listener shows of this request while it is in flight: the node
+        serving it (committed, else its attempt's) and whether it waits for an owner."""
+        dispatch, node = self.dispatch, self.node_id
+        if node is None and dispatch is not None:
+            node = dispatch.attempting()
+        return InFlightView(node=node,
+                            waiting_for_owner=dispatch is not None and dispatch.waiting_for_owner,
+                            queued=dispatch is not None and dispatch.queued)
+
+    def _enter(self, phase: Phase) -> None:
+        if phase not in PHASES[self.phase]:
+            raise InvalidPhase(f"request {self.id}: {self.phase.value} -> {phase.value}")
+        self.phase = phase
+
+    # Dispatch observer (workload events, docs/references.md#workload-lifecycle).
+
+    def dispatched(self, node: Node) -> None:
+        self.target = host_port(node.addresses[0] if node.addresses else "", node.port)
+        log.debug("request {id} dispatch {n} to node {node}", id=self.id,
+                  n=self.dispatch.dispatches if self.dispatch else 0, node=node.id,
+                  engine=self.engine.id)
+        if self.workload is not None:
+            self.workload.dispatched(node.id)
+
+    def cleared(self) -> None:
+        if self.workload is not None:
+            self.workload.cleared()
+
+    def attempt_ended(self, outcome) -> None:
+        self.reporter.dispatch_ended(outcome)
+
+    # Outcome of the loop.
+
+    def _dispatched(self, result: Committed | Answer | Gone) -> None:
+        try:
+            self._take(result)
+        except Exception:
+            self.crashed(Failure())
+
+    def _take(self, result: Committed | Answer | Gone) -> None:
+        if self.ended:
+            if isinstance(result, Committed):
+                result.relay.abort()
+                if result.reservation is not None:
+                    result.reservation.release()
+            return
+        if isinstance(result, Answer):
+            self._answer(result)
+        elif isinstance(result, Committed):
+            self._commit(result)
+
+    def _answer(self, answer: Answer) -> None:
+        if answer.status == 502 and self.bad_gateway_code is not None:
+            answer = attrs.evolve(answer, code=self.bad_gateway_code)
+        self._end(FAILED, answer.reason, answer.detail, status=answer.status)
+        if not self.request.finished and not getattr(self.request, "client_gone", False):
+            send_error(self.request, answer.status, answer.text, code=answer.code,
+                       retry_after=answer.retry_after)
+
+    def _commit(self, committed: Committed) -> None:
+        """The first byte (or a non-retried answer's headers) made this node ours
+        (docs/references.md#first-byte-commit)."""
+        self._enter(Phase.STREAMING)
+        # From here the stream owns the relay and the reservation the commit handed over: a
+        # crash below still aborts the one and releases the other.
+        stream = self.stream = Stream(self.request, committed, clock=self.clock,
+                                      terminal=self.route.terminal if self.route else None,
+                                      idle_limit=self.upstreams.bounds.stream_idle,
+                                      activity=self.reporter.activity_on, report=self._streamed)
+        response, node = committed.response, committed.node
+        log.debug("request {id} committed to node {node} with HTTP {status}", id=self.id,
+                  node=node.id, status=response.code, engine=self.engine.id)
+        self.node_id = node.id
+        self.target = host_port(committed.address, node.port)
+        if self.workload is not None:
+            self.workload.started(node.id)
+        self.reporter.request_started(self.id, self.method, self.path, self.target, node.id)
+        request = self.request
+        request.setResponseCode(response.code, response.phrase)
+        request.defaultContentType = None
+        copy_end_to_end(response.headers, request.responseHeaders)
+        stream.start()
+
+    def _streamed(self, event: StreamEvent) -> None:
+        """What the committed stream reports: the request's end follows from it."""
+        happened = event.happened
+        if happened is Happened.UPSTREAM_DONE:
+            if not self.ended:
+                self._end_committed()
+        elif happened is Happened.UPSTREAM_IDLE:
+            seconds = self.stream.idle_limit if self.stream is not None else 0.0
+            log.warn("request {id}: node {node} sent nothing for {seconds:g}s after commit; "
+                     "closing it", id=self.id, node=self.node_id, seconds=seconds,
+                     engine=self.engine.id)
+        elif happened is Happened.CLIENT_STALLED:
+            self._client_stalled()
+        else:
+            assert event.failure is not None
+            self.crashed(event.failure)
+
+    def _end_committed(self) -> None:
+        stream = self.stream
+        assert stream is not None
+        code = stream.status
+        stats = None
+        if code < 400 and self.reporter.listening:
+            try:
+                stats = stream.measure(self.admitted_at)
+            except Exception:
+                # Stats are additive; a body the reader cannot measure still completes.
+                log.failure("could not measure the response of request {id}", id=self.id,
+                            engine=self.engine.id)
+        if 200 <= code < 300:
+            self._end(COMPLETED, None, status=code, stats=stats, note=stream.idle_note)
+        else:
+            self._end(FAILED, Reason.UPSTREAM_STATUS, str(code), status=code, stats=stats)
+
+    def _request_finished(self, _) -> None:
+        """The backstop: a response that ended without reporting still reports, once."""
+        if not self.ended:
+            log.error("request {id} finished without an outcome", id=self.id,
+                      engine=self.engine.id)
+            if self.dispatch is not None:
+                self.dispatch.stop(BACKSTOP)
+            self._end(FAILED, Reason.BACKSTOP, status=500)
+
+    # The client side going away.
+
+    def _client_stalled(self) -> None:
+        """A client that took nothing for 30 s is gone (docs/references.md#dead-client-deadline). It
+        is cancelled even when the terminal frame was relayed: a client that stopped reading never
+        received it."""
+        transport = self._client_transport()
+        self._stop_upstream(CLIENT_GONE)
+        self._end(CANCELLED, Reason.CLIENT_GONE)
+        if transport is not None:
+            transport.abortConnection()
+
+    def _client_gone(self, failure: Failure | None) -> None:
+        if self.ended:
+            return
+        if self.stream is not None and self.stream.delivered_terminal():
+            self.stream.abort()
+            self._end_committed()
+            return
+        self._stop_upstream(CLIENT_GONE)
+        self._end(CANCELLED, Reason.CLIENT_GONE)
+
+    def _client_transport(self) -> ITCPTransport | None:
+        """The client's connection, to abort (its transport aborts; ``ITransport`` cannot)."""
+        channel = self.request.channel
+        return cast("ITCPTransport | None", channel.transport if channel else None)
+
+    def shutdown(self) -> None:
+        """Our own shutdown cancels in-flight requests (docs/references.md#shutdown-cancels)."""
+        if self.ended:
+            return
+        self._stop_upstream(SHUTDOWN)
+        self._end(CANCELLED, Reason.SHUTDOWN)
+        transport = self._client_transport()
+        if transport is not None:
+            transport.abortConnection()
+
+    def _stop_upstream(self, reason: str) -> None:
+        if self.dispatch is not None:
+            self.dispatch.stop(reason)
+        if self.stream is not None:
+            self.stream.abort()
+
+    def crashed(self, failure: Failure) -> None:
+        """A bug costs this request only: logged with its traceback, answered 500
+        (docs/references.md#request-containment)."""
+        log.failure("unexpected error handling {method} {path}", failure, method=self.method,
+                    path=self.path, engine=self.engine.id)
+        if self.dispatch is not None:
+            self.dispatch.stop(BACKSTOP)
+        if self.stream is not None:
+            self.stream.abort()
+        self._end(FAILED, Reason.BACKSTOP, status=500)
+        answer_internal_error(self.request)
+
+    # The one end.
+
+    def _end(self, state: str, reason: Reason | None, detail: str = "", *,
+             status: int | None = None, stats: dict | None = None,
+             note: str | None = None) -> None:
+        """The one end: ``reason`` (None when it completed) and its detail say why, in its
+        text on the wire and by its label in the metrics. ``note`` is said on
+        ``proxy/request`` only: why a completed request's stream was cut."""
+        if self.ended:
+            return
+        error = reason.says(detail) if reason is not None else None
+        self._enter(Phase.ENDED)
+        stream = self.stream
+        if stream is not None:
+            stream.stop()
+        self.in_flight.discard(self)
+        log.debug("request {id} ended {state} ({error})", id=self.id, state=state,
+                  error=error or "ok", engine=self.engine.id)
+        if self.workload is not None:
+            self.workload.terminal(state, error, stats)
+        first_byte_at = stream.first_byte_at if stream is not None else None
+        ttfb = None if first_byte_at is None else first_byte_at - self.admitted_at
+        status = status if status is not None else 499
+        duration = self.clock.seconds() - self.admitted_at
+        self.reporter.request_finished(
+            self.id, self.method, self.path, self.target, status, duration,
+            node_id=self.node_id, ttfb=ttfb, error=error or note)
+        if self.reporter.recorder is not None:
+            self.reporter.request_ended(
+                route=route_class(self.route), outcome=state, status=status, duration=duration,
+                node=self.node_id, model=self.model,
+                reason=reason, ttfb=ttfb, stats=stats,
+                dispatches=self.dispatch.dispatches if self.dispatch else 0)

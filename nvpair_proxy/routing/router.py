@@ -1,0 +1,430 @@
+"""One facade's routing: who may serve a request, in which order, and who is left alone.
+
+Everything a routing decision reads lives here: the node set, the ``node/select`` pin, the
+scheduler's priority and the process-wide reservations (docs/references.md#owner-filter,
+#owner-order, #reserve-least-loaded, #reservations), and the two overload protections the existing
+proxy gained after production incidents (docs/decisions.md#busy-hold, #stall-cooldown):
+
+- **Busy hold.** A node that answered 429 or 503 is held for a second: a new request whose
+  owners are all held is answered 503 at once instead of being queued into engines that just
+  said they are full (about 100 requests a second into a full Ollama queue built thousands of
+  queued jobs and five times the engine load). An admitted request keeps its whole budget;
+  held nodes only go last in its order.
+- **Stall cooldown.** A node that used up a whole first-content budget without a byte goes to
+  the back of the order for 30 s, so the next request does not pay that budget again. It is
+  never excluded: a sole owner still serves.
+
+Both are timestamps compared with the clock, not timers: nothing is left running when a
+facade is idle. The broker and standalone mode change routing only through this class.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Iterable, Sequence
+
+import attrs
+from twisted.internet.interfaces import IDelayedCall, IReactorTime
+from zope.interface import implementer
+
+from ..core import constants
+from ..core.interfaces import IRouter, ITruthSink, IWatchedAttempt
+from ..core.logs import logger
+from ..core.timers import cancel_pending
+from ..core.views import EngineView, RoutingView
+from ..nodes.discovery import Diff, Node, NodeSet
+from ..nodes.engines import Engine
+from ..nodes.selection import order, owners
+from .enginetruth import EngineTruth
+from .placement import Standing, standing
+from .reservations import Reservation, ReservationMap
+from .slotqueue import SlotQueue, Waiter
+
+log = logger()
+
+# The statuses that mean "this engine's queue is full" (docs/decisions.md#busy-hold).
+BUSY_STATUSES = frozenset({429, 503})
+
+
+@implementer(IRouter, ITruthSink)
+@attrs.define(eq=False)
+class Router:
+    engine: Engine
+    clock: IReactorTime
+    reservations: ReservationMap | None = None
+    nodes: NodeSet = attrs.Factory(NodeSet)
+    busy_hold: float = constants.BUSY_HOLD
+    stall_cooldown: float = constants.STALL_COOLDOWN
+    watch_interval: float = constants.TARGET_WATCH_INTERVAL
+    _pin: str = ""
+    _held: dict[str, float] = attrs.Factory(dict)
+    _cooling: dict[str, float] = attrs.Factory(dict)
+    _watched: set = attrs.Factory(set)
+    _sweep: IDelayedCall | None = None
+    #: Standalone placement (placement.py): owners ranked by what their engines report.
+    scheduling: bool = False
+    #: Late binding (slotqueue.py): where requests wait when every owner is full; None keeps
+    #: them going to the engines (broker mode, ``--no-late-binding``).
+    queue: SlotQueue | None = None
+    _truth: dict[str, EngineTruth] = attrs.Factory(dict)
+    _ended_since_read: dict[str, int] = attrs.Factory(dict)
+    _last_traffic: float | None = None
+    _offer: IDelayedCall | None = None
+
+    def __attrs_post_init__(self) -> None:
+        if self.scheduling and self.reservations is not None:
+            # Any of our dispatches ending frees a slot at once, whichever facade made it.
+            self.reservations.on_release.append(self._released)
+
+    # The node set.
+
+    def routable(self) -> list[Node]:
+        return self.nodes.routable()
+
+    def is_routable(self, node_id: str) -> bool:
+        """In the routable set now, whatever made a node leave (docs/references.md#routable-set)."""
+        return node_id in self.nodes
+
+    def replace_discovered(self, nodes: Iterable[Node]) -> Diff:
+        """A discovery snapshot; a pin on a discovered node that vanished is cleared
+        (docs/references.md#discovery-diff)."""
+        previous = set(self.nodes.discovered)
+        change = self.nodes.replace_discovered(nodes)
+        if self._pin in previous and not self.nodes.known(self._pin):
+            self._pin = ""
+        return change
+
+    def put_manual(self, node: Node) -> bool:
+        return self.nodes.put_manual(node)
+
+    def remove_manual(self, node_id: str) -> Node | None:
+        """Remove a manual node; a pin on it goes with it (docs/references.md#manual-nodes)."""
+        node = self.nodes.remove_manual(node_id)
+        if node is not None and self._pin == node_id:
+            self._pin = ""
+        return node
+
+    def set_admission(self, admit: Callable[[Node], Node | None]) -> None:
+        """How a discovered node is reached, asked at every read (broker mode: self through
+        the local backend, peers over pinned mTLS only)."""
+        self.nodes.admit = admit
+        self.nodes.changed()
+
+    def check_self(self, is_self: Callable[[Node], bool]) -> None:
+        """How this facade recognises itself among the nodes (selfcheck.py); asked now, and
+        again on every ``recheck_self``."""
+        self.nodes.is_self = is_self
+        self.nodes.recheck_self()
+
+    def recheck_self(self) -> None:
+        """The facade's ports moved: a node that was self may no longer be, and another may
+        now be (docs/references.md#self-by-address: re-checked on every change)."""
+        self.nodes.recheck_self()
+
+    def admission_changed(self) -> None:
+        """Something admission reads changed (the local backend): the routable set is asked
+        again, since it is otherwise kept between node-set changes."""
+        self.nodes.changed()
+
+    def set_models(self, node_id: str, models: Iterable[str]) -> None:
+        """A probe's answer replaces the node's inventory (docs/references.md#probed-inventory): an
+        empty list takes it out of every model's owners until the next success."""
+        self.nodes.set_models(node_id, self.engine, models)
+
+    # What the engines report (standalone mode's poller).
+
+    def set_truth(self, node_id: str, truth: EngineTruth | None) -> None:
+        """A node's latest read; None forgets it (the engine reports nothing). A read that
+        shows a free slot lets a waiting request go (within one poll of the slot freeing)."""
+        self._ended_since_read.pop(node_id, None)
+        if truth is None:
+            self._truth.pop(node_id, None)
+        else:
+            self._truth[node_id] = truth
+        self._offer_soon()
+
+    def truth_of(self, node_id: str) -> EngineTruth | None:
+        return self._truth.get(node_id)
+
+    def last_traffic(self) -> float | None:
+        return self._last_traffic
+
+    def admitted(self) -> None:
+        """A request was admitted now: the poller reads engines more often while traffic
+        flows."""
+        self._last_traffic = self.clock.seconds()
+
+    # The pin.
+
+    @property
+    def pin(self) -> str:
+        return self._pin
+
+    def set_pin(self, node_id: str) -> None:
+        """``node/select``: "" clears; an unknown id is refused by the caller."""
+        if node_id and not self.nodes.known(node_id):
+            raise KeyError(node_id)
+        self._pin = node_id
+
+    # Ordering (docs/references.md#owner-filter, #owner-order).
+
+    def priority(self) -> tuple[str, ...]:
+        return self.reservations.priority if self.reservations is not None else ()
+
+    def candidates(self, model: str | None) -> list[Node]:
+        """The owners of ``model`` (normalized; None: every routable node) in the order a
+        round tries them: pin, priority, id (standalone: ranked by what the engines report),
+        then cooling nodes, then held ones last."""
+        nodes = self.routable()
+        if model is not None:
+            nodes = owners(nodes, model)
+        ordered = order(nodes, self._pin, self.priority())
+        if self.scheduling:
+            return self._ranked(ordered, model)
+        if not self._held and not self._cooling:
+            return ordered
+        now = self.clock.seconds()
+        return sorted(ordered, key=lambda n: (self._is_held(n.id, now),
+                                               self._is_cooling(n.id, now)))
+
+    def standings(self, nodes: Sequence[Node], model: str | None) -> list[Standing]:
+        """Each node's slots, busy count and warmth for ``model``, as placement weighs them."""
+        truth, ended = self._truth, self._ended_since_read
+        return [standing(node, model, truth.get(node.id), self._ours(node.id),
+                         ended.get(node.id, 0)) for node in nodes]
+
+    def _ranked(self, nodes: Sequence[Node], model: str | None) -> list[Node]:
+        """Free before full, warm before cold, fewer busy, node id; held and cooling last."""
+        now = self.clock.seconds()
+        keys = {s.node_id: s.key() for s in self.standings(nodes, model)}
+        return sorted(nodes, key=lambda n: (self._is_held(n.id, now),
+                                            self._is_cooling(n.id, now), keys[n.id], n.id))
+
+    def _ours(self, node_id: str) -> int:
+        return int(self.reservations.load(node_id)) if self.reservations is not None else 0
+
+    # Late binding (slotqueue.py).
+
+    def all_full(self, nodes: Sequence[Node], model: str | None) -> bool:
+        """Whether a request for ``model`` should wait rather than go to ``nodes``: late
+        binding is on and every owner is full by its known slots (a held one counts as full:
+        it just said so). An owner whose slots are unknown is never full."""
+        if self.queue is None or model is None or not nodes:
+            return False
+        now = self.clock.seconds()
+        known_full = False
+        for item in self.standings(nodes, model):
+            if item.full:
+                known_full = True
+            elif not self._is_held(item.node_id, now):
+                return False
+        return known_full
+
+    def refuses(self, nodes: Sequence[Node], model: str | None) -> bool:
+        """A new request would wait, and the queue has no room for it (the busy 503)."""
+        return self.queue is not None and self.queue.is_full() and self.all_full(nodes, model)
+
+    def wait(self, model: str, deadline: float, wake: Callable[[], None],
+             expire: Callable[[], None], ahead: bool = False) -> Waiter:
+        assert self.queue is not None
+        return self.queue.add(Waiter(model=model, deadline=deadline, since=self.clock.seconds(),
+                                     wake=wake, expire=expire, ahead=ahead))
+
+    def unwait(self, waiter: Waiter) -> None:
+        if self.queue is not None:
+            self.queue.remove(waiter)
+
+    def _released(self, node_id: str) -> None:
+        if node_id in self.nodes:
+            self._ended_since_read[node_id] = self._ended_since_read.get(node_id, 0) + 1
+            self._offer_soon()
+
+    def _offer_soon(self) -> None:
+        """Let waiting requests go once this turn's work is done: a slot freed inside an
+        attempt's or a stream's end must not start another request in the middle of it.
+        Nothing is scheduled while nobody waits."""
+        if self.queue is not None and len(self.queue) and self._offer is None:
+            self._offer = self.clock.callLater(0, self._offer_slots)
+
+    def _offer_slots(self) -> None:
+        self._offer = None
+        queue = self.queue
+        if queue is None:
+            return
+        for model in queue.models():
+            while not self.all_full(self.candidates(model), model):
+                if not queue.wake_first(model):
+                    break
+
+    def busy_for(self, model: str) -> float | None:
+        """Seconds until the longest hold ends when every owner of ``model`` is held, else
+        None: one free owner turns the gate off (docs/decisions.md#busy-hold)."""
+        if not self._held:
+            return None  # the usual case: no owner worked out a second time per request
+        now = self.clock.seconds()
+        remaining = []
+        for node in owners(self.routable(), model):
+            until = self._held.get(node.id, now)
+            if until <= now:
+                return None
+            remaining.append(until - now)
+        return max(remaining) if remaining else None
+
+    def model_owners(self, model: str) -> list[str]:
+        """``node/model-owners``: exactly the candidates a request would try, in order."""
+        nodes = self.candidates(model)
+        if nodes and not self._pinned_first(nodes) and self.reservations is not None:
+            chosen = self.reservations.pick(self._preferred_ids(nodes))
+            nodes.sort(key=lambda n: n.id != chosen)
+        return [n.id for n in nodes]
+
+    # Placement (docs/references.md#reserve-least-loaded, #reservations).
+
+    def place(self, nodes: Sequence[Node]) -> tuple[list[Node], Reservation | None]:
+        """Reserve the least loaded candidate and move it to the front.
+
+        An eligible pin first takes no reservation. The chooser skips held and cooling nodes
+        unless all candidates are (docs/decisions.md#busy-hold, #stall-cooldown).
+        """
+        nodes = list(nodes)
+        if self.reservations is None or not nodes or self._pinned_first(nodes):
+            return nodes, None
+        if self.scheduling:
+            # The candidates come ranked (``candidates``): the first is the placement.
+            return nodes, self.reservations.reserve(nodes[0].id)
+        reservation = self.reservations.choose(self._preferred_ids(nodes))
+        if reservation is None:
+            return nodes, None
+        return sorted(nodes, key=lambda n: n.id != reservation.node_id), reservation
+
+    def fail_over(self, remaining: Sequence[Node], model: str | None = None) -> list[Node]:
+        """Failover goes to the least loaded remaining owner, not the list's head."""
+        if self.reservations is None or not remaining:
+            return list(remaining)
+        if self.scheduling:
+            return self._ranked(remaining, model)
+        chosen = self.reservations.pick(self._preferred_ids(remaining))
+        return sorted(remaining, key=lambda n: n.id != chosen)
+
+    # What attempts tell the router.
+
+    def answered(self, node_id: str, status: int) -> None:
+        """A busy answer holds the node (each renews the hold); any other status is a
+        refusal, which says nothing about its queue. A commit clears a hold (``first_byte``)."""
+        if status in BUSY_STATUSES:
+            self._held[node_id] = self.clock.seconds() + self.busy_hold
+
+    def first_byte(self, node_id: str) -> None:
+        """The node produced content: it is neither stalled nor busy."""
+        self._cooling.pop(node_id, None)
+        self._held.pop(node_id, None)
+
+    def stalled(self, node_id: str) -> None:
+        """The node used up a whole first-content budget without a byte."""
+        self._cooling[node_id] = self.clock.seconds() + self.stall_cooldown
+
+    def held(self) -> dict[str, float]:
+        """Held nodes and the seconds left on each hold (for status and metrics)."""
+        return self._remaining(self._held)
+
+    def cooling(self) -> dict[str, float]:
+        """Cooling nodes and the seconds left on each cooldown."""
+        return self._remaining(self._cooling)
+
+    def view(self) -> RoutingView:
+        """This facade's routing as the admin listener shows it, read now (views.py)."""
+        routable = self.routable()
+        queue = self.queue
+        oldest = queue.oldest_since() if queue is not None else None
+        now = self.clock.seconds()
+        return RoutingView(pin=self._pin, nodes=tuple(node.view() for node in self.nodes.all()),
+                           routable=tuple(node.id for node in routable),
+                           held=tuple(self.held()), cooling=tuple(self.cooling()),
+                           engines=self._engine_views(routable) if self.scheduling else (),
+                           queued=len(queue) if queue is not None else 0,
+                           oldest_wait=None if oldest is None else now - oldest)
+
+    def _engine_views(self, nodes: Sequence[Node]) -> tuple[EngineView, ...]:
+        now = self.clock.seconds()
+        views = []
+        for node, item in zip(nodes, self.standings(nodes, None)):
+            truth = self._truth.get(node.id)
+            slots = truth.slots_for(None) if truth is not None else None
+            warm = None if truth is None or truth.warm is None else tuple(sorted(truth.warm))
+            views.append(EngineView(node=node.id, slots_total=item.total, busy=item.busy,
+                                    ours=self._ours(node.id),
+                                    reported_busy=None if slots is None else slots.busy,
+                                    warm=warm,
+                                    read_age=None if truth is None else now - truth.read_at))
+        return tuple(views)
+
+    # An attempt whose target left the routable set is abandoned
+    # (docs/references.md#target-left-discovery).
+
+    def watch(self, attempt: IWatchedAttempt) -> None:
+        """Check ``attempt``'s target every ``watch_interval`` until ``unwatch``.
+
+        One timer per facade sweeps every attempt in flight, rather than one per attempt: a
+        timer per dispatch was a measurable share of a request's CPU
+        (docs/references.md#bare-proxy-cpu).
+        """
+        self._watched.add(attempt)
+        if self._sweep is None:
+            self._sweep = self.clock.callLater(self.watch_interval, self._check_targets)
+
+    def unwatch(self, attempt: IWatchedAttempt) -> None:
+        self._watched.discard(attempt)
+        if not self._watched:
+            cancel_pending(self._sweep)
+            self._sweep = None
+
+    def _check_targets(self) -> None:
+        self._sweep = None
+        for attempt in list(self._watched):
+            if attempt not in self._watched:
+                continue  # a cancel earlier in this sweep ended it
+            if not self.is_routable(attempt.node.id):
+                self._watched.discard(attempt)
+                try:
+                    attempt.cancel("target left discovery")
+                except Exception:
+                    log.failure("cancelling an attempt whose target left", engine=self.engine.id)
+        if self._watched and self._sweep is None:
+            self._sweep = self.clock.callLater(self.watch_interval, self._check_targets)
+
+    # Internals.
+
+    def _pinned_first(self, nodes: Sequence[Node]) -> bool:
+        return bool(self._pin) and nodes[0].id == self._pin
+
+    def _preferred_ids(self, nodes: Sequence[Node]) -> list[str]:
+        """Free nodes; else those only cooling (a busy hold is the stronger signal); else all."""
+        now = self.clock.seconds()
+        not_held = [n.id for n in nodes if not self._is_held(n.id, now)]
+        free = [node_id for node_id in not_held if not self._is_cooling(node_id, now)]
+        return free or not_held or [n.id for n in nodes]
+
+    def _is_held(self, node_id: str, now: float) -> bool:
+        return self._expires(self._held, node_id, now)
+
+    def _is_cooling(self, node_id: str, now: float) -> bool:
+        return self._expires(self._cooling, node_id, now)
+
+    @staticmethod
+    def _expires(table: dict[str, float], node_id: str, now: float) -> bool:
+        until = table.get(node_id)
+        if until is None:
+            return False
+        if until <= now:
+            del table[node_id]
+            return False
+        return True
+
+    def _remaining(self, table: dict[str, float]) -> dict[str, float]:
+        now = self.clock.seconds()
+        return {node_id: until - now for node_id, until in sorted(table.items()) if until > now}
+
+
+def retry_after(seconds: float) -> int:
+    """Whole seconds, rounded up, at least 1 (docs/decisions.md#busy-hold)."""
+    return max(1, math.ceil(seconds))
