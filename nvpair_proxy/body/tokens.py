@@ -71,6 +71,7 @@ def _int_key(name: str) -> tuple[str, re.Pattern[str]]:
 _PROMPT_EVAL_COUNT = _int_key("prompt_eval_count")
 _EVAL_COUNT = _int_key("eval_count")
 _EVAL_DURATION = _int_key("eval_duration")
+_PROMPT_EVAL_DURATION = _int_key("prompt_eval_duration")
 _TOKENS_PREDICTED = _int_key("tokens_predicted")
 _TOKENS_EVALUATED = _int_key("tokens_evaluated")
 
@@ -140,10 +141,13 @@ class Figures:
     prompt: int | None = None
     completion: int | None = None
     rate: float | None = None
+    #: Prompt tokens the engine processed per second (llama.cpp ``prompt_per_second``, Ollama
+    #: ``prompt_eval_count`` over ``prompt_eval_duration``): what placement weighs a re-read by.
+    prompt_rate: float | None = None
 
 
 _USAGE_KEYS = ("prompt_tokens", "completion_tokens", "input_tokens", "output_tokens")
-_TIMINGS_KEYS = ("prompt_n", "predicted_n", "predicted_per_second")
+_TIMINGS_KEYS = ("prompt_n", "predicted_n", "predicted_per_second", "prompt_per_second")
 
 
 def read_figures(tail: bytes | bytearray) -> Figures:
@@ -201,7 +205,11 @@ def read_figures(tail: bytes | bytearray) -> Figures:
         rate = eval_count / (eval_duration / 1e9)
     elif (per_second := _rate(timings.get("predicted_per_second"))) is not None:
         rate = per_second
-    return Figures(prompt=prompt, completion=completion, rate=rate)
+    prompt_rate = _rate(timings.get("prompt_per_second"))
+    if prompt_rate is None and (evaluated := _last_int(_PROMPT_EVAL_COUNT, text)) and (
+            duration := _last_int(_PROMPT_EVAL_DURATION, text)):
+        prompt_rate = evaluated / (duration / 1e9)
+    return Figures(prompt=prompt, completion=completion, rate=rate, prompt_rate=prompt_rate)
 
 
 def measure(tail: bytes | bytearray, events: int, *, admitted_at: float,
@@ -279,6 +287,11 @@ class BodyObserver:
         """Whether the body's terminal frame has arrived (docs/references.md#terminal-frames).
         Sticky once true."""
         return self._frames.terminal_seen
+
+    def figures(self) -> Figures:
+        """What the engine reported in the body's tail (placement reads its prompt rate)."""
+        tail = self._frames.tail
+        return read_figures(tail) if tail else Figures()
 
     def measure(
         self, *, admitted_at: float, first_byte_at: float | None, ended_at: float

@@ -63,8 +63,23 @@ class IRouter(Interface):
     def busy_for(model: str) -> float | None:
         """Seconds of hold left when every owner of the model is busy-held, else None."""
 
-    def place(nodes: list) -> tuple:
-        """Reserve the chosen candidate and move it first: (nodes, reservation or None)."""
+    affinity = Attribute("The affinity table (routing/affinity.py), None when affinity is off.")
+
+    def place(nodes: list, key: bytes | None = None) -> tuple:
+        """Reserve the chosen candidate and move it first: (nodes, reservation or None);
+        ``key``, a conversation's, may put its node first."""
+
+    def affine(key: bytes | None) -> str | None:
+        """The node that last committed the conversation ``key``, None when none."""
+
+    def committed_key(key: bytes, node_id: str) -> None:
+        """A request of the conversation ``key`` committed on the node."""
+
+    def served(node_id: str, seconds: float, prompt_rate: float | None) -> None:
+        """One request's time on the node and the prompt rate its engine reported."""
+
+    def affinity_wait(nodes: list, model: str | None, key: bytes | None, size: int):
+        """(node, seconds) to wait for a full conversation's node, or None to go elsewhere."""
 
     def fail_over(remaining: list, model: str | None = None) -> list:
         """The remaining candidates for ``model`` with the next one to try first."""
@@ -79,7 +94,8 @@ class IRouter(Interface):
     def refuses(nodes: list, model: str | None) -> bool:
         """Whether a new request would wait and the queue has no room for it."""
 
-    def wait(model: str, deadline: float, wake, expire, ahead: bool = False):
+    def wait(model: str, deadline: float, wake, expire, ahead: bool = False,
+             prefer: str | None = None, patience: float | None = None):
         """Queue a request until a slot frees (``wake``) or its deadline (``expire``)."""
 
     def unwait(waiter) -> None:

@@ -34,6 +34,7 @@ class LocalBackendRoute:
 
     backend: Node
     pin = ""
+    affinity = None
 
     def routable(self) -> list[Node]:
         return [self.backend]
@@ -50,8 +51,21 @@ class LocalBackendRoute:
     def busy_for(self, model: str) -> float | None:
         return None
 
-    def place(self, nodes: list[Node]) -> tuple[list[Node], None]:
+    def place(self, nodes: list[Node], key: bytes | None = None) -> tuple[list[Node], None]:
         return list(nodes), None
+
+    def affine(self, key: bytes | None) -> None:
+        return None
+
+    def committed_key(self, key: bytes, node_id: str) -> None:
+        pass
+
+    def served(self, node_id: str, seconds: float, prompt_rate: float | None) -> None:
+        pass
+
+    def affinity_wait(self, nodes: list[Node], model: str | None, key: bytes | None,
+                      size: int) -> None:
+        return None
 
     def fail_over(self, remaining: list[Node], model: str | None = None) -> list[Node]:
         return list(remaining)
@@ -65,7 +79,8 @@ class LocalBackendRoute:
     def refuses(self, nodes: list[Node], model: str | None) -> bool:
         return False
 
-    def wait(self, model: str, deadline: float, wake, expire, ahead: bool = False) -> None:
+    def wait(self, model: str, deadline: float, wake, expire, ahead: bool = False,
+             prefer: str | None = None, patience: float | None = None) -> None:
         raise AssertionError("the local backend is never full")
 
     def unwait(self, waiter) -> None:

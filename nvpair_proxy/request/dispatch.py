@@ -155,6 +155,10 @@ class Job:
     #: Hold a reservation while dispatching (a workload's request; inference only).
     reserve: bool = False
     observer: IDispatchObserver = SILENT
+    #: The conversation's affinity key (routing/affinity.py; never logged), and the request
+    #: body's size, which the spill rule weighs a re-read by.
+    key: bytes | None = attrs.field(default=None, repr=False)
+    size: int = 0
 
     @property
     def inference(self) -> bool:
@@ -191,6 +195,8 @@ class Dispatch:
         self._timer: IDelayedCall | None = None
         #: Waiting in the facade's queue for a free slot (late binding).
         self._waiting: Waiter | None = None
+        #: A request waits for its conversation's node at most once (the spill rule's bound).
+        self._waited_for_affine = False
         self._owner_missing = False
         self._failed_in_round = False
         self._done = False
@@ -254,8 +260,15 @@ class Dispatch:
         if self.reserve and self.router.all_full(candidates, self.model):
             self._wait(ahead=self.dispatches > 0)
             return
+        if self.reserve and self.job.key is not None and not self._waited_for_affine:
+            waiting = self.router.affinity_wait(candidates, self.model, self.job.key,
+                                                self.job.size)
+            if waiting is not None:
+                self._waited_for_affine = True
+                self._wait(ahead=self.dispatches > 0, prefer=waiting[0], patience=waiting[1])
+                return
         if self.reserve:
-            candidates, self.reservation = self.router.place(candidates)
+            candidates, self.reservation = self.router.place(candidates, self.job.key)
         self._queue = list(candidates)
         self._failed_in_round = False
         self._dispatch_next()
@@ -346,9 +359,11 @@ class Dispatch:
         elif outcome.spent:
             self.router.stalled(node_id)
 
-    def _wait(self, ahead: bool) -> None:
-        """Every owner is full: wait in the facade's queue, costing no attempt and holding no
-        reservation, until a slot frees or the deadline passes (docs/decisions.md#late-binding)."""
+    def _wait(self, ahead: bool, prefer: str | None = None,
+              patience: float | None = None) -> None:
+        """Every owner is full (or the conversation's node is worth waiting for): wait in the
+        facade's queue, costing no attempt and holding no reservation, until a slot frees or
+        the deadline passes (docs/decisions.md#late-binding, #affinity)."""
         assert self.model is not None
         self._release()
         self._queue = []
@@ -356,7 +371,7 @@ class Dispatch:
         self._waiting = self.router.wait(self.model, self.deadline,
                                          wake=lambda: self._guarded(self._woken),
                                          expire=lambda: self._guarded(self._expired),
-                                         ahead=ahead)
+                                         ahead=ahead, prefer=prefer, patience=patience)
 
     def _woken(self) -> None:
         self._waiting = None

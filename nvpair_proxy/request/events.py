@@ -205,6 +205,8 @@ class RequestEnded:
     ttfb: float | None = None
     dispatches: int = 0
     stats: dict | None = None
+    #: How affinity placed it (``hit``, ``spill``, ``miss``, ``none``); None when it is off.
+    affinity: str | None = None
 
 
 @attrs.define(eq=False)

@@ -28,6 +28,7 @@ from ..nodes.discovery import Node, host_port
 from ..nodes.engines import Engine
 from ..routing.router import retry_after
 from .attempt import Committed, UpstreamRequest
+from ..routing.affinity import affinity_key
 from .dispatch import Answer, Dispatch, Gone, Job, Upstreams, retryable_status
 from .events import (BACKSTOP, CANCELLED, CLIENT_GONE, COMPLETED, FAILED, SHUTDOWN, Reporter,
                      Workload, route_class)
@@ -36,14 +37,20 @@ from .stream import Happened, Stream, StreamEvent
 log = logger()
 
 
-def requested_model(body: bytes) -> str | None:
-    """The ``model`` a body names, or None (docs/references.md#no-model-named): not JSON, not a
-    string, empty."""
+def read_body(body: bytes) -> dict | None:
+    """The body as a JSON object, None when it is not one."""
     try:
         data = json.loads(body)
     except (ValueError, UnicodeDecodeError, RecursionError):
         return None
-    model = data.get("model") if isinstance(data, dict) else None
+    return data if isinstance(data, dict) else None
+
+
+def requested_model(body: bytes | dict | None) -> str | None:
+    """The ``model`` a body names, or None (docs/references.md#no-model-named): not JSON, not
+    a string, empty."""
+    data = read_body(body) if isinstance(body, bytes) else body
+    model = data.get("model") if data is not None else None
     if not isinstance(model, str) or not model.strip():
         return None
     return model
@@ -112,6 +119,12 @@ class Exchange:
         self.phase = Phase.ADMITTING
         self.target = ""
         self.node_id: str | None = None
+        self.dispatched_at: float | None = None
+        #: The conversation's key and the node it had at admission (affinity), and how
+        #: affinity placed it; never logged.
+        self.key: bytes | None = None
+        self.affine: str | None = None
+        self.affinity: str | None = None
 
     # Admission.
 
@@ -119,7 +132,8 @@ class Exchange:
         content = self.request.content
         assert content is not None  # twisted.web has the whole body before it renders
         body = content.read()
-        model = self.model = requested_model(body) if self.inference else None
+        data = read_body(body) if self.inference else None
+        model = self.model = requested_model(data)
         wanted = None if model is None else self.engine.normalize_model(model)
         no_candidate = Reason.NO_CANDIDATE if model is None else Reason.NO_OWNER
         candidates = self.router.candidates(wanted)
@@ -137,6 +151,13 @@ class Exchange:
             self._answer(Answer(503, Reason.ALL_OWNERS_BUSY, retry_after=1))
             return
         self.router.admitted()
+        key = None
+        if wanted is not None and self.router.affinity is not None:
+            # Never logged, nor anything derived from it (routing/affinity.py).
+            key = affinity_key(self.request.requestHeaders, data, wanted, self.path)
+            self.affine = self.router.affine(key)
+            self.affinity = "none" if key is None else "miss" if self.affine is None else "spill"
+        self.key = key
         if model is not None:
             self.workload = self.reporter.new_workload(model, self.admitted_at)
             self.workload.admitted()
@@ -155,7 +176,7 @@ class Exchange:
         self.dispatch = Dispatch(Job(
             request=sent, router=self.router, upstreams=upstreams, model=wanted,
             created_at=self.admitted_at, no_candidate=no_candidate,
-            reserve=self.workload is not None, observer=self))
+            reserve=self.workload is not None, observer=self, key=key, size=len(body)))
         self._enter(Phase.DISPATCHING)
         self.dispatch.run(self._dispatched, self.crashed, candidates)
 
@@ -181,6 +202,7 @@ class Exchange:
     # Dispatch observer (workload events, docs/references.md#workload-lifecycle).
 
     def dispatched(self, node: Node) -> None:
+        self.dispatched_at = self.clock.seconds()
         self.target = host_port(node.addresses[0] if node.addresses else "", node.port)
         log.debug("request {id} dispatch {n} to node {node}", id=self.id,
                   n=self.dispatch.dispatches if self.dispatch else 0, node=node.id,
@@ -238,6 +260,10 @@ class Exchange:
                   node=node.id, status=response.code, engine=self.engine.id)
         self.node_id = node.id
         self.target = host_port(committed.address, node.port)
+        if self.key is not None and response.code < 400:
+            self.router.committed_key(self.key, node.id)
+        if self.affine is not None:
+            self.affinity = "hit" if node.id == self.affine else "spill"
         if self.workload is not None:
             self.workload.started(node.id)
         self.reporter.request_started(self.id, self.method, self.path, self.target, node.id)
@@ -276,6 +302,10 @@ class Exchange:
                 # Stats are additive; a body the reader cannot measure still completes.
                 log.failure("could not measure the response of request {id}", id=self.id,
                             engine=self.engine.id)
+        if self.router.affinity is not None and code < 400 and self.dispatched_at is not None:
+            figures = stream.figures()
+            self.router.served(stream.node_id, self.clock.seconds() - self.dispatched_at,
+                               None if figures is None else figures.prompt_rate)
         if 200 <= code < 300:
             self._end(COMPLETED, None, status=code, stats=stats, note=stream.idle_note)
         else:
@@ -377,4 +407,5 @@ class Exchange:
                 route=route_class(self.route), outcome=state, status=status, duration=duration,
                 node=self.node_id, model=self.model,
                 reason=reason, ttfb=ttfb, stats=stats,
-                dispatches=self.dispatch.dispatches if self.dispatch else 0)
+                dispatches=self.dispatch.dispatches if self.dispatch else 0,
+                affinity=self.affinity)

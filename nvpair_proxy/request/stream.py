@@ -24,7 +24,7 @@ from twisted.python.failure import Failure
 from twisted.web.server import Request
 from zope.interface import implementer
 
-from ..body.tokens import BodyObserver
+from ..body.tokens import BodyObserver, Figures
 from ..core import constants
 from ..core.interfaces import IBodySink
 from ..core.twisted_workarounds import channel_paused
@@ -147,6 +147,10 @@ class Stream:
             return True
         length = self.committed.response.length
         return isinstance(length, int) and self.bytes_written >= length
+
+    def figures(self) -> Figures | None:
+        """What the engine reported in the body's tail, None without an observer."""
+        return None if self.observer is None else self.observer.figures()
 
     def measure(self, admitted_at: float) -> dict | None:
         """The terminal event's ``stats`` (docs/references.md#stats-sources), None without an

@@ -168,7 +168,7 @@ class ReservationMap:
         self._count(node_id)
         return Reservation(node_id, self._generation, self)
 
-    def pick(self, ordered: Sequence[str]) -> str | None:
+    def pick(self, ordered: Sequence[str], prefer: str | None = None) -> str | None:
         """The least estimated-loaded scheduler-listed candidate, reserving nothing.
 
         ``ordered`` is the candidates already in pin, priority, id order, so a tie goes to the
@@ -177,14 +177,18 @@ class ReservationMap:
         ``ordered``; None when it is empty. This is the one rule for placing work: ``choose``
         applies it at the start of a round, and failover applies it to the round's remaining
         candidates before each dispatch, so refusals spread instead of piling onto the head of the
-        priority list.
+        priority list. ``prefer`` (broker mode's opt-in affinity) only breaks a tie: it wins when it is listed
+        and as lightly loaded as the least loaded.
         """
         listed = [node_id for node_id in ordered if self._is_listed(node_id)]
         if listed:
-            return min(listed, key=self.load)
+            least = min(listed, key=self.load)
+            if prefer is not None and prefer in listed and self.load(prefer) == self.load(least):
+                return prefer
+            return least
         return ordered[0] if ordered else None
 
-    def choose(self, ordered: Sequence[str]) -> Reservation | None:
+    def choose(self, ordered: Sequence[str], prefer: str | None = None) -> Reservation | None:
         """Reserve the candidate ``pick`` names, if it is scheduler-listed
         (docs/references.md#reserve-least-loaded).
 
@@ -192,7 +196,7 @@ class ReservationMap:
         nothing, when no candidate is listed (``pick`` then names an unlisted one, or none).
         Callers skip this when an eligible ``node/select`` pin applies.
         """
-        node_id = self.pick(ordered)
+        node_id = self.pick(ordered, prefer)
         if node_id is None or not self._is_listed(node_id):
             return None
         return self.reserve(node_id)

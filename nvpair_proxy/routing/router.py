@@ -35,6 +35,7 @@ from ..core.views import EngineView, RoutingView
 from ..nodes.discovery import Diff, Node, NodeSet
 from ..nodes.engines import Engine
 from ..nodes.selection import order, owners
+from .affinity import AffinityTable
 from .enginetruth import EngineTruth
 from .placement import Standing, standing
 from .reservations import Reservation, ReservationMap
@@ -66,6 +67,9 @@ class Router:
     #: Late binding (slotqueue.py): where requests wait when every owner is full; None keeps
     #: them going to the engines (broker mode, ``--no-late-binding``).
     queue: SlotQueue | None = None
+    #: Affinity (affinity.py): the node that last committed each conversation; None: off.
+    affinity: AffinityTable | None = None
+    _rates: dict[str, NodeRates] = attrs.Factory(dict)
     _truth: dict[str, EngineTruth] = attrs.Factory(dict)
     _ended_since_read: dict[str, int] = attrs.Factory(dict)
     _last_traffic: float | None = None
@@ -75,6 +79,8 @@ class Router:
         if self.scheduling and self.reservations is not None:
             # Any of our dispatches ending frees a slot at once, whichever facade made it.
             self.reservations.on_release.append(self._released)
+        if self.queue is not None:
+            self.queue.on_patience = self._offer_soon
 
     # The node set.
 
@@ -92,6 +98,8 @@ class Router:
         change = self.nodes.replace_discovered(nodes)
         if self._pin in previous and not self.nodes.known(self._pin):
             self._pin = ""
+        if change.removed:
+            self._forget_departed()
         return change
 
     def put_manual(self, node: Node) -> bool:
@@ -102,7 +110,17 @@ class Router:
         node = self.nodes.remove_manual(node_id)
         if node is not None and self._pin == node_id:
             self._pin = ""
+        if node is not None:
+            self._forget_departed()
         return node
+
+    def _forget_departed(self) -> None:
+        """A node that left the fleet leaves the affinity table and its measured rates."""
+        known = {node.id for node in self.nodes.all()}
+        if self.affinity is not None:
+            self.affinity.forget_nodes_except(known)
+        for node_id in [n for n in self._rates if n not in known]:
+            del self._rates[node_id]
 
     def set_admission(self, admit: Callable[[Node], Node | None]) -> None:
         """How a discovered node is reached, asked at every read (broker mode: self through
@@ -225,14 +243,94 @@ class Router:
         return self.queue is not None and self.queue.is_full() and self.all_full(nodes, model)
 
     def wait(self, model: str, deadline: float, wake: Callable[[], None],
-             expire: Callable[[], None], ahead: bool = False) -> Waiter:
+             expire: Callable[[], None], ahead: bool = False, prefer: str | None = None,
+             patience: float | None = None) -> Waiter:
         assert self.queue is not None
-        return self.queue.add(Waiter(model=model, deadline=deadline, since=self.clock.seconds(),
-                                     wake=wake, expire=expire, ahead=ahead))
+        now = self.clock.seconds()
+        waiter = self.queue.add(Waiter(
+            model=model, deadline=deadline, since=now, wake=wake, expire=expire, ahead=ahead,
+            prefer=prefer, patience_until=None if patience is None else now + patience))
+        # A slot may have freed while nobody waited (a failover's own reservation, released
+        # as it joins): the offer that would have followed it is made now.
+        self._offer_soon()
+        return waiter
 
     def unwait(self, waiter: Waiter) -> None:
         if self.queue is not None:
             self.queue.remove(waiter)
+
+    # Affinity (affinity.py).
+
+    def affine(self, key: bytes | None) -> str | None:
+        """The node that last committed ``key``'s conversation, None when none (or off)."""
+        if key is None or self.affinity is None:
+            return None
+        return self.affinity.node_for(key, self.clock.seconds())
+
+    def committed_key(self, key: bytes, node_id: str) -> None:
+        """A request of ``key`` committed on ``node_id``: its cache is there now."""
+        if self.affinity is not None:
+            self.affinity.committed(key, node_id, self.clock.seconds())
+
+    def served(self, node_id: str, seconds: float, prompt_rate: float | None) -> None:
+        """One request's time on ``node_id`` (from its dispatch to its end) and the prompt
+        rate its engine reported: what the spill rule weighs."""
+        if node_id not in self.nodes:
+            return
+        rates = self._rates.get(node_id)
+        if rates is None:
+            rates = self._rates[node_id] = NodeRates()
+        rates.observe(seconds, prompt_rate)
+
+    def affinity_wait(self, nodes: Sequence[Node], model: str | None, key: bytes | None,
+                      size: int) -> tuple[str, float] | None:
+        """The spill rule (docs/decisions.md#affinity): when the conversation's node is full
+        while another owner is free, wait for it (its id and how long at most) if that is
+        expected to cost less than reading the context again elsewhere; None to go elsewhere
+        now (or when there is nothing to decide)."""
+        affine = self.affine(key)
+        if not self.scheduling or affine is None or model is None or self.queue is None:
+            return None
+        now = self.clock.seconds()
+        if (affine not in {n.id for n in nodes} or self._is_held(affine, now)
+                or self._is_cooling(affine, now)):
+            return None
+        standings = {s.node_id: s for s in self.standings(nodes, model)}
+        mine = standings[affine]
+        free = [s for s in standings.values() if s.node_id != affine and not s.full
+                and not self._is_held(s.node_id, now)]
+        if not mine.full or not free:
+            return None
+        rates = self._rates.get(affine)
+        if rates is None or rates.prompt_rate is None or rates.service is None:
+            return None  # nothing measured: never wait for it
+        expected = rates.service * (1 + self.queue.waiting_for(affine)) / max(1, mine.total or 1)
+        elsewhere = [r.prompt_rate for s in free
+                     if (r := self._rates.get(s.node_id)) is not None and r.prompt_rate]
+        reread = (size / BYTES_PER_TOKEN) / max(elsewhere or [rates.prompt_rate])
+        if expected >= reread:
+            return None
+        return affine, min(rates.service, reread)
+
+    def _free_for(self, node_id: str, nodes: Sequence[Node]) -> bool:
+        """Whether ``node_id`` is among ``nodes``, neither held nor cooling, nor full."""
+        now = self.clock.seconds()
+        if node_id not in {n.id for n in nodes} or self._is_held(node_id, now) or \
+                self._is_cooling(node_id, now):
+            return False
+        return not any(s.full for s in self.standings(
+            [n for n in nodes if n.id == node_id], None))
+
+    def _may_go(self, waiter: Waiter) -> bool:
+        """A waiter for its preferred node goes when that node is free (or no longer one it
+        may wait for); a waiter without one, whenever a slot is free."""
+        if waiter.prefer is None:
+            return True
+        nodes = self.candidates(waiter.model)
+        if waiter.prefer not in {n.id for n in nodes}:
+            return True
+        return not any(s.full for s in self.standings(
+            [n for n in nodes if n.id == waiter.prefer], waiter.model))
 
     def _released(self, node_id: str) -> None:
         if node_id in self.nodes:
@@ -253,7 +351,7 @@ class Router:
             return
         for model in queue.models():
             while not self.all_full(self.candidates(model), model):
-                if not queue.wake_first(model):
+                if not queue.wake_first(model, self._may_go):
                     break
 
     def busy_for(self, model: str) -> float | None:
@@ -280,19 +378,26 @@ class Router:
 
     # Placement (docs/references.md#reserve-least-loaded, #reservations).
 
-    def place(self, nodes: Sequence[Node]) -> tuple[list[Node], Reservation | None]:
+    def place(self, nodes: Sequence[Node], key: bytes | None = None
+              ) -> tuple[list[Node], Reservation | None]:
         """Reserve the least loaded candidate and move it to the front.
 
         An eligible pin first takes no reservation. The chooser skips held and cooling nodes
-        unless all candidates are (docs/decisions.md#busy-hold, #stall-cooldown).
+        unless all candidates are (docs/decisions.md#busy-hold, #stall-cooldown). With a
+        conversation's ``key``, its affine node goes first where it may.
         """
         nodes = list(nodes)
         if self.reservations is None or not nodes or self._pinned_first(nodes):
             return nodes, None
+        affine = self.affine(key)
         if self.scheduling:
-            # The candidates come ranked (``candidates``): the first is the placement.
+            # The candidates come ranked (``candidates``): the first is the placement, unless
+            # the conversation's node is free to take it.
+            if affine is not None and self._free_for(affine, nodes):
+                nodes.sort(key=lambda n: n.id != affine)
             return nodes, self.reservations.reserve(nodes[0].id)
-        reservation = self.reservations.choose(self._preferred_ids(nodes))
+        # Broker mode's opt-in affinity only breaks the chooser's tie.
+        reservation = self.reservations.choose(self._preferred_ids(nodes), prefer=affine)
         if reservation is None:
             return nodes, None
         return sorted(nodes, key=lambda n: n.id != reservation.node_id), reservation
@@ -423,6 +528,29 @@ class Router:
     def _remaining(self, table: dict[str, float]) -> dict[str, float]:
         now = self.clock.seconds()
         return {node_id: until - now for node_id, until in sorted(table.items()) if until > now}
+
+
+#: A request body's bytes per prompt token, for the spill rule's estimate of a re-read: about
+#: four characters a token for English text and code, JSON quoting included.
+BYTES_PER_TOKEN = 4.0
+#: How much each new observation moves a node's measured rates.
+RATE_WEIGHT = 0.3
+
+
+@attrs.define
+class NodeRates:
+    """What a node's recent requests say: seconds to serve one (dispatch to end) and the
+    prompt tokens per second its engine reported, each a moving average."""
+
+    service: float | None = None
+    prompt_rate: float | None = None
+
+    def observe(self, seconds: float, prompt_rate: float | None) -> None:
+        self.service = seconds if self.service is None else (
+            self.service + RATE_WEIGHT * (seconds - self.service))
+        if prompt_rate:
+            self.prompt_rate = prompt_rate if self.prompt_rate is None else (
+                self.prompt_rate + RATE_WEIGHT * (prompt_rate - self.prompt_rate))
 
 
 def retry_after(seconds: float) -> int:

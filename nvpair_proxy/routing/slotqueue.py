@@ -34,6 +34,10 @@ class Waiter:
     wake: Callable[[], None] = attrs.field(repr=False)
     expire: Callable[[], None] = attrs.field(repr=False)
     ahead: bool = False
+    #: Affinity: the node this request waits for while another is free, until
+    #: ``patience_until``; then it takes any (docs/decisions.md#affinity).
+    prefer: str | None = None
+    patience_until: float | None = None
 
 
 @attrs.define(eq=False)
@@ -62,6 +66,8 @@ class SlotQueue:
     depth: int
     #: Called with every waiter that leaves the queue and how long it waited (metrics).
     on_leave: Callable[[Waiter, float], None] | None = None
+    #: Called when a waiter's patience for its preferred node ran out: it may go anywhere now.
+    on_patience: Callable[[], None] | None = None
     _lines: dict[str, _Line] = attrs.Factory(dict)
     _count: int = 0
     _timer: IDelayedCall | None = None
@@ -83,7 +89,7 @@ class SlotQueue:
         line = self._lines.setdefault(waiter.model, _Line())
         (line.ahead if waiter.ahead else line.behind).append(waiter)
         self._count += 1
-        self._arm(waiter.deadline)
+        self._arm(self._due_of(waiter))
         return waiter
 
     def remove(self, waiter: Waiter) -> bool:
@@ -106,16 +112,25 @@ class SlotQueue:
         return [model for first, model in sorted(
             ((w.since, m) for w, m in firsts if w is not None))]
 
-    def wake_first(self, model: str) -> bool:
-        """Dispatch ``model``'s first waiter; False when none waits."""
+    def wake_first(self, model: str, may_go: Callable[[Waiter], bool] | None = None) -> bool:
+        """Dispatch ``model``'s first waiter that ``may_go`` (one waiting for its preferred
+        node may not go elsewhere); False when none may."""
         line = self._lines.get(model)
-        waiter = line.first() if line is not None else None
-        if waiter is None or line is None:
+        if line is None:
             return False
-        (line.ahead if line.ahead else line.behind).popleft()
+        for waiter in line:
+            if may_go is None or may_go(waiter):
+                break
+        else:
+            return False
+        (line.ahead if waiter.ahead else line.behind).remove(waiter)
         self._left(waiter, line)
         waiter.wake()
         return True
+
+    def waiting_for(self, node_id: str) -> int:
+        """How many waiters wait for ``node_id`` in particular."""
+        return sum(1 for line in self._lines.values() for w in line if w.prefer == node_id)
 
     def close(self) -> None:
         cancel_pending(self._timer)
@@ -140,14 +155,27 @@ class SlotQueue:
         self._timer = self.clock.callLater(max(0.0, deadline - self.clock.seconds()),
                                            self._expire_due)
 
+    @staticmethod
+    def _due_of(waiter: Waiter) -> float:
+        if waiter.patience_until is not None:
+            return min(waiter.deadline, waiter.patience_until)
+        return waiter.deadline
+
     def _expire_due(self) -> None:
         self._timer = self._due = None
         now = self.clock.seconds()
-        late = [w for line in self._lines.values() for w in line if w.deadline <= now]
-        for waiter in late:
+        waiters = [w for line in self._lines.values() for w in line]
+        impatient = False
+        for waiter in waiters:
+            if waiter.patience_until is not None and waiter.patience_until <= now:
+                waiter.prefer = waiter.patience_until = None
+                impatient = True
+        for waiter in [w for w in waiters if w.deadline <= now]:
             if self.remove(waiter):
                 waiter.expire()
-        earliest = min((w.deadline for line in self._lines.values() for w in line),
+        earliest = min((self._due_of(w) for line in self._lines.values() for w in line),
                        default=None)
         if earliest is not None:
             self._arm(earliest)
+        if impatient and self.on_patience is not None:
+            self.on_patience()

@@ -214,6 +214,7 @@ class LateBindingTests(RankingTests):
         w = self.scheduled("a", queue_depth=10)
         self.tell(w, "a", total=1, busy=1)
         waiting = w.chat()
+        w.clock.advance(0)
         self.assertEqual(len(w.clock.getDelayedCalls()), 1, "one timer for the whole queue")
         w.clock.advance(599)
         self.assertFalse(waiting.answered())
@@ -292,6 +293,23 @@ class LateBindingTests(RankingTests):
         w.agent.last.respond(200, NDJSON, b'{"done":true}\n', finish=True)
         self.assertEqual(newcomer.response().status, 200)
         self.assertEqual(len(w.agent.requests), 4)
+
+    def test_a_failover_alone_in_the_queue_takes_the_slot_its_own_claim_freed(self):
+        # One owner, one slot: the request's own dispatch holds it. The engine answers 503
+        # and the engine's report still says full: the failover joins an empty queue after
+        # releasing its claim, and must be offered the slot that release freed.
+        w = self.scheduled("a", "b", queue_depth=10)
+        self.tell(w, "a", total=1)
+        self.tell(w, "b", total=1, busy=1)
+        client = w.chat()
+        self.assertEqual(node_of(w.agent.last), "a")
+        w.agent.last.respond(502, body=b"bad gateway", finish=True)
+        self.assertEqual(len(w.agent.requests), 1)
+        self.assertEqual(w.facade.router.view().queued, 1)
+        w.clock.advance(0)
+        self.assertEqual([node_of(r) for r in w.agent.requests], ["a", "a"])
+        w.agent.last.respond(200, NDJSON, b'{"done":true}\n', finish=True)
+        self.assertEqual(client.response().status, 200)
 
     def test_the_status_view_shows_the_queue_and_each_engines_figures(self):
         w, streams, _ = self.full_fleet()
