@@ -142,19 +142,31 @@ class Client:
         origin, path = self._route(uri)
         # The pool holds only what this client gave it, so what it hands back is a _Connection.
         connection = cast("_Connection | None", self.pool.take(origin.key))
-        result: Deferred[IResponse]
-        if connection is not None:
-            result = Deferred(connection.cancel)
-            connection.send(method, uri, path, origin.host_header, headers, bodyProducer, result)
-            return result
         dial = _Dial()
-        result = Deferred(dial.cancel)
+        result: Deferred[IResponse] = Deferred(dial.cancel)
+        if connection is not None:
+            # A pooled connection the server closed just before it got our request fails
+            # with nothing read: that is no answer from the engine, so the request goes once
+            # more on a new connection (as a browser or Go's client does), never costing the
+            # caller an attempt. llama-server closes after each stream, so a request waiting
+            # for that very slot meets this race every time.
+            dial.connection = connection
+            connection.send(method, uri, path, origin.host_header, headers, bodyProducer, result,
+                            again=lambda: self._dial(dial, origin, method, uri, path, headers,
+                                                     bodyProducer, result))
+            return result
+        self._dial(dial, origin, method, uri, path, headers, bodyProducer, result)
+        return result
+
+    def _dial(self, dial: "_Dial", origin: Origin, method: bytes, uri: bytes, path: bytes,
+              headers: Headers | None, producer: BytesProducer | None,
+              result: Deferred[IResponse]) -> None:
+        dial.connection = None
         connecting = dial.connecting = origin.endpoint().connect(origin.factory)
         connecting.addCallbacks(dial.connected, dial.failed,
                                 callbackArgs=(method, uri, path, origin.host_header, headers,
-                                              bodyProducer, result),
+                                              producer, result),
                                 errbackArgs=(result,))
-        return result
 
     def _read_body_first(self, method: bytes, uri: bytes, headers: Headers | None,
                          producer: IBodyProducer) -> Deferred:
@@ -358,6 +370,9 @@ class _Connection(Protocol):
         # A stand-in between responses, so the per-chunk path calls it without a check.
         self.response: ClientResponse | _NoResponse = _NO_RESPONSE
         self.sent: tuple = ()
+        # How to send the request in WAITING once more on a new connection: set only when
+        # this connection came from the pool (it may have been closed under us).
+        self.again: Callable[[], None] | None = None
         self.head = b""
         self.scanned = 0  # how far into ``head`` the end of the head was already looked for
         self.framing = LENGTH
@@ -379,8 +394,8 @@ class _Connection(Protocol):
 
     def send(self, method: bytes, uri: bytes, path: bytes, host_header: bytes,
              headers: Headers | None, producer: BytesProducer | None,
-             result: Deferred[IResponse]) -> None:
-        self.state, self.result = WAITING, result
+             result: Deferred[IResponse], again: Callable[[], None] | None = None) -> None:
+        self.state, self.result, self.again = WAITING, result, again
         self.sent = (method, uri, headers)
         head = [method, b" ", path, b" HTTP/1.1\r\n"]
         if headers is None or not headers.hasHeader(b"host"):
@@ -412,7 +427,7 @@ class _Connection(Protocol):
         elif state is HEAD:
             self._head(data)
         elif state is WAITING:
-            self.state = HEAD
+            self.state, self.again = HEAD, None
             self._head(data)
         elif state is IDLE:
             # A server that speaks out of turn is not trusted with another request.
@@ -573,9 +588,13 @@ class _Connection(Protocol):
         if state is IDLE:
             self.pool.forget(self)
         result, self.result = self.result, None
+        again, self.again = self.again, None
         if result is not None and not result.called:
-            wrapper = ResponseFailed if state is HEAD else ResponseNeverReceived
-            result.errback(Failure(wrapper([reason])))
+            if state is WAITING and again is not None:
+                again()
+            else:
+                wrapper = ResponseFailed if state is HEAD else ResponseNeverReceived
+                result.errback(Failure(wrapper([reason])))
         response = self._release()
         if response is not None:
             if self.framing == UNTIL_CLOSE and state is BODY:

@@ -584,12 +584,45 @@ class StateTests(ClientCase):
         failure = self.failureResultOf(d, ResponseFailed)
         self.assertTrue(failure.value.reasons[0].check(ierror.ConnectionLost))
 
-    def test_a_reused_connection_that_closes_unanswered_is_response_never_received(self):
+    def test_a_reused_connection_closed_unanswered_sends_once_more_on_a_new_one(self):
+        # The server closed the pooled connection as our request went out (llama-server
+        # closes after every stream): no answer came, so the request goes again, once, on a
+        # new connection, and the caller never sees the race.
         response, wire = self.respond(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
         self.assertEqual(self.pool.idle_count(), 1)
+        wire.sent()
+        d = self.client.request(b"POST", URL, bodyProducer=BytesProducer(b"{}"))
+        sent = wire.sent()
+        self.assertTrue(sent.startswith(b"POST /api/chat "))
+        wire.close(ierror.ConnectionLost)
+        self.assertNoResult(d)
+        self.assertEqual(len(self.reactor.tcpClients), 2, "one new dial")
+        again = Wire(self.reactor)
+        self.assertEqual(again.sent(), sent, "the same request, byte for byte")
+        again.reply(b"HTTP/1.1 204 No Content\r\n\r\n")
+        self.assertEqual(self.successResultOf(d).code, 204)
+
+    def test_a_new_connection_closed_unanswered_is_response_never_received(self):
+        d = self.client.request(b"GET", URL)
+        Wire(self.reactor).close(ierror.ConnectionLost)
+        self.failureResultOf(d, ResponseNeverReceived)
+        self.assertEqual(len(self.reactor.tcpClients), 1, "no second try")
+
+    def test_a_reused_connection_is_tried_once_more_only(self):
+        response, wire = self.respond(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
         d = self.client.request(b"GET", URL)
         wire.close(ierror.ConnectionLost)
+        Wire(self.reactor).close(ierror.ConnectionLost)
         self.failureResultOf(d, ResponseNeverReceived)
+        self.assertEqual(len(self.reactor.tcpClients), 2)
+
+    def test_a_reused_connection_lost_after_the_head_began_is_not_sent_again(self):
+        response, wire = self.respond(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
+        d = self.client.request(b"GET", URL)
+        wire.reply(b"HTTP/1.1 200")
+        wire.close(ierror.ConnectionLost)
+        self.failureResultOf(d, ResponseFailed)
+        self.assertEqual(len(self.reactor.tcpClients), 1)
 
     def test_bytes_after_the_connection_was_aborted_are_refused(self):
         for abort in ("cancel", "unframeable", "spoke out of turn"):
