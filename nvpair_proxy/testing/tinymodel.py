@@ -15,6 +15,10 @@ any machine (it decodes about a thousand tokens a second on one CPU thread here)
 real-engine tests queue a request behind it and close a stream in the middle of one.
 llama.cpp caps a slot's context at the model's, so a 512-token model could not do that. The
 KV cache of a full context is 8 MB.
+
+Other shapes of the same model are written with ``shape``: ``FLEET`` is about 25M parameters
+(width 512, eight layers), big enough that prefill and decode cost real time on one thread,
+for ``bench/fleet``'s placement runs. The default, ``TINY``, is the file above, byte for byte.
 """
 
 from __future__ import annotations
@@ -22,32 +26,62 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+import attrs
+
 # A chat template of its own: the model carries no tokenizer a stock template would expect.
 CHAT_TEMPLATE = ("{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n"
                  "{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}")
-
-_EMBED, _LAYERS, _FEED_FORWARD, _HEADS, _CONTEXT = 64, 2, 128, 4, 16384
-CONTEXT = _CONTEXT
 _PRINTABLE = range(0x20, 0x7F)
 _SPECIALS = 3  # <unk>, <s>, </s>
 
 
-def write_tiny_llama(path: str, seed: int = 7) -> None:
-    """Write the model to ``path``. Needs ``gguf`` (and its numpy); raises ImportError without."""
+@attrs.frozen
+class Shape:
+    """A model's dimensions: width, layers, feed-forward width, attention heads, context,
+    the name written into the file, and the spread of the random weights."""
+
+    embed: int
+    layers: int
+    feed_forward: int
+    heads: int
+    context: int
+    name: str
+    std: float = 0.2
+
+    def parameters(self) -> int:
+        """Weights in the file (norms included), for the record."""
+        vocab = _SPECIALS + 256
+        layer = 4 * self.embed ** 2 + 3 * self.embed * self.feed_forward + 2 * self.embed
+        return 2 * vocab * self.embed + self.layers * layer + self.embed
+
+
+#: The tests' model: two layers of width 64, about a thousand tokens a second on one thread.
+TINY = Shape(embed=64, layers=2, feed_forward=128, heads=4, context=16384, name="nvpair-tiny")
+#: bench/fleet's: about 25M parameters, so a 2,000-token prompt costs about a second of one
+#: thread and every generated token milliseconds.
+FLEET = Shape(embed=512, layers=8, feed_forward=1376, heads=8, context=4096,
+              name="nvpair-fleet-25m", std=0.05)
+CONTEXT = TINY.context
+
+
+def write_tiny_llama(path: str, seed: int = 7, shape: Shape = TINY) -> None:
+    """Write the model of ``shape`` to ``path``. Needs ``gguf`` (and its numpy); raises
+    ImportError without."""
     # By name: neither is a dependency (bin/test-real-engine installs them), so not typed here.
     gguf = importlib.import_module("gguf")
     numpy = importlib.import_module("numpy")
 
     rng = numpy.random.default_rng(seed)
     writer = gguf.GGUFWriter(path, "llama")
-    writer.add_name("nvpair-tiny")
-    writer.add_context_length(_CONTEXT)
-    writer.add_embedding_length(_EMBED)
-    writer.add_block_count(_LAYERS)
-    writer.add_feed_forward_length(_FEED_FORWARD)
-    writer.add_head_count(_HEADS)
-    writer.add_head_count_kv(_HEADS)
-    writer.add_rope_dimension_count(_EMBED // _HEADS)
+    embed, feed_forward = shape.embed, shape.feed_forward
+    writer.add_name(shape.name)
+    writer.add_context_length(shape.context)
+    writer.add_embedding_length(embed)
+    writer.add_block_count(shape.layers)
+    writer.add_feed_forward_length(feed_forward)
+    writer.add_head_count(shape.heads)
+    writer.add_head_count_kv(shape.heads)
+    writer.add_rope_dimension_count(embed // shape.heads)
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_file_type(gguf.LlamaFileType.ALL_F32)
 
@@ -64,25 +98,25 @@ def write_tiny_llama(path: str, seed: int = 7) -> None:
     writer.add_add_bos_token(True)
     writer.add_chat_template(CHAT_TEMPLATE)
 
-    def weights(*shape: int) -> Any:  # a numpy array
-        return rng.normal(0.0, 0.2, size=shape).astype(numpy.float32)
+    def weights(*dims: int) -> Any:  # a numpy array
+        return rng.normal(0.0, shape.std, size=dims).astype(numpy.float32)
 
-    ones = numpy.ones(_EMBED, dtype=numpy.float32)
+    ones = numpy.ones(embed, dtype=numpy.float32)
     # numpy shapes are ggml's dimensions reversed: (rows = outputs, columns = inputs).
-    writer.add_tensor("token_embd.weight", weights(len(tokens), _EMBED))
-    for layer in range(_LAYERS):
+    writer.add_tensor("token_embd.weight", weights(len(tokens), embed))
+    for layer in range(shape.layers):
         block = f"blk.{layer}"
         writer.add_tensor(f"{block}.attn_norm.weight", ones)
         for name in ("attn_q", "attn_k", "attn_v", "attn_output"):
-            writer.add_tensor(f"{block}.{name}.weight", weights(_EMBED, _EMBED))
+            writer.add_tensor(f"{block}.{name}.weight", weights(embed, embed))
         writer.add_tensor(f"{block}.ffn_norm.weight", ones)
-        writer.add_tensor(f"{block}.ffn_gate.weight", weights(_FEED_FORWARD, _EMBED))
-        writer.add_tensor(f"{block}.ffn_up.weight", weights(_FEED_FORWARD, _EMBED))
-        writer.add_tensor(f"{block}.ffn_down.weight", weights(_EMBED, _FEED_FORWARD))
+        writer.add_tensor(f"{block}.ffn_gate.weight", weights(feed_forward, embed))
+        writer.add_tensor(f"{block}.ffn_up.weight", weights(feed_forward, embed))
+        writer.add_tensor(f"{block}.ffn_down.weight", weights(embed, feed_forward))
     writer.add_tensor("output_norm.weight", ones)
-    output = numpy.zeros((len(tokens), _EMBED), dtype=numpy.float32)
+    output = numpy.zeros((len(tokens), embed), dtype=numpy.float32)
     printable = [_SPECIALS + byte for byte in _PRINTABLE]
-    output[printable] = weights(len(printable), _EMBED)
+    output[printable] = weights(len(printable), embed)
     writer.add_tensor("output.weight", output)
 
     writer.write_header_to_file()
