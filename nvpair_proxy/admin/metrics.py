@@ -80,6 +80,10 @@ class ProxyCollector(Collector):
                          ["engine", "route"], recorder.duration)
         yield _histogram("queue_wait_seconds", "Time a request waited in the queue for a free "
                          "slot (standalone late binding).", ["engine"], recorder.queue_wait)
+        yield _counter("affinity", "Inference requests by how affinity placed them: hit (served "
+                       "by the conversation's node), spill (passed over), miss (a new or "
+                       "expired conversation), none (no conversation).", ["engine", "result"],
+                       recorder.affinity)
         yield _counter("prompt_tokens", "Prompt tokens the engines reported.",
                        ["engine", "node"], recorder.prompt_tokens)
         yield _counter("generated_tokens", "Generated tokens the engines reported.",
@@ -101,6 +105,9 @@ class ProxyCollector(Collector):
                      {engine: len(r.held) for engine, r in routing.items()})
         yield _gauge("nodes_cooling", "Nodes cooling after a first-content stall (issue 8).",
                      ["engine"], {engine: len(r.cooling) for engine, r in routing.items()})
+        yield _gauge("affinity_keys", "Conversations whose node a facade remembers.", ["engine"],
+                     {engine: sum(n for _, n in r.affinity_keys)
+                      for engine, r in routing.items() if r.affinity_keys is not None})
         yield _gauge("queue_depth", "Requests waiting in the queue for a free slot "
                      "(standalone late binding).", ["engine"],
                      {engine: r.queued for engine, r in routing.items()})

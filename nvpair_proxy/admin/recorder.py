@@ -98,6 +98,7 @@ class Recorder:
         self.ttfb: dict[tuple[str, str], Histogram] = {}      # (engine, node)
         self.duration: dict[tuple[str, str], Histogram] = {}  # (engine, route)
         self.queue_wait: dict[tuple[str], Histogram] = {}     # (engine,)
+        self.affinity: Counter = Counter()        # (engine, hit|spill|miss|none)
         self.last_request: dict[str, float] = {}  # node -> when a request on it last ended
         self.recent: deque[RequestEnded] = deque(maxlen=recent)
 
@@ -107,6 +108,8 @@ class Recorder:
         why = reason(ended)
         if why is not None:
             self.reasons[engine, why] += 1
+        if ended.affinity is not None:
+            self.affinity[engine, ended.affinity] += 1
         if ended.dispatches > 1:
             self.failovers[engine] += ended.dispatches - 1
         self._histogram(self.duration, (engine, ended.route), DURATION_BUCKETS).observe(

@@ -99,6 +99,9 @@ def engine_status(facade: FacadeView, recorder: Recorder) -> dict:
         # Standalone late binding: the requests waiting for a free slot, the longest wait.
         "queued": routing.queued,
         "oldest_wait_s": None if routing.oldest_wait is None else round(routing.oldest_wait, 3),
+        # Affinity: conversations remembered (null when it is off).
+        "affinity_keys": None if routing.affinity_keys is None else sum(
+            n for _, n in routing.affinity_keys),
         "requests": _by(recorder.requests, engine, 2),
         "reasons": _by(recorder.reasons, engine, 1),
         "dispatches": _by(recorder.dispatches, engine, 2),
@@ -120,6 +123,7 @@ def nodes_status(view: ProcessView, snapshot: ProcessSnapshot) -> list[dict]:
         engine, routing = facade.engine, facade.routing
         held, cooling, routable = set(routing.held), set(routing.cooling), set(routing.routable)
         reports = {report.node: report for report in routing.engines}
+        keys = dict(routing.affinity_keys) if routing.affinity_keys is not None else None
         for node in routing.nodes:
             entry = nodes.setdefault(node.id, {
                 "id": node.id, "name": node.name, "addresses": [], "engines": [],
@@ -140,6 +144,8 @@ def nodes_status(view: ProcessView, snapshot: ProcessSnapshot) -> list[dict]:
             report = reports.get(node.id)
             if report is not None:
                 shown["engine_report"] = engine_report(report)
+            if keys is not None:
+                shown["affinity_keys"] = keys.get(node.id, 0)
             entry["engines"].append(shown)
     return [nodes[node_id] for node_id in sorted(nodes)]
 

@@ -50,6 +50,8 @@ class RoutingView:
     #: Late binding: the requests waiting for a free slot, and the longest wait's seconds.
     queued: int = 0
     oldest_wait: float | None = None
+    #: Affinity: the conversations remembered per node (None: affinity is off).
+    affinity_keys: tuple[tuple[str, int], ...] | None = None
 
 
 @attrs.frozen

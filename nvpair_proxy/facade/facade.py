@@ -32,6 +32,7 @@ from ..nodes.engines import Engine
 from ..request.dispatch import Bounds, Upstreams
 from ..request.events import REJECTED, ActivityThrottle, Reporter, route_class
 from ..request.exchange import UNCLASSIFIED, Exchange
+from ..routing.affinity import AffinityTable
 from ..routing.reservations import ReservationMap
 from ..routing.router import Router
 from ..routing.slotqueue import SlotQueue
@@ -95,12 +96,13 @@ def make_facade(engine: Engine, *, clock: IReactorTime, agent: IAgent, emitter: 
                 recorder: IRequestRecorder | None = None,
                 agent_for_node: Callable[[Node], IAgent] | None = None,
                 loop_guard: LoopGuard | None = None, scheduling: bool = False,
-                queue_depth: int | None = None) -> Facade:
+                queue_depth: int | None = None, affinity: bool = False) -> Facade:
     """A facade from the parts every facade of a process shares (docs/references.md#one-process).
 
     ``agent_for_node`` dials nodes that need their own agent (nodes-file TLS or keys, pinned
     peers); without it every node shares ``agent``. ``scheduling`` ranks owners by what their
-    engines report (standalone mode); ``queue_depth`` turns late binding on with that bound.
+    engines report (standalone mode); ``queue_depth`` turns late binding on with that bound;
+    ``affinity`` sends a conversation back to the node that holds its cache.
     """
     if activity is None:
         activity = ActivityThrottle(emitter, clock.seconds)
@@ -111,7 +113,8 @@ def make_facade(engine: Engine, *, clock: IReactorTime, agent: IAgent, emitter: 
         queue = SlotQueue(clock, queue_depth, on_leave=waited)
     return Facade(engine=engine,
                   router=Router(engine=engine, clock=clock, reservations=reservations,
-                                scheduling=scheduling, queue=queue),
+                                scheduling=scheduling, queue=queue,
+                                affinity=AffinityTable() if affinity else None),
                   reporter=Reporter(engine=engine.id, emitter=emitter, clock=clock.seconds,
                                     run_id=run_id, activity=activity, recorder=recorder),
                   upstreams=Upstreams(clock=clock, agent=agent, random=random, bounds=bounds,

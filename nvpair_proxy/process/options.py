@@ -114,6 +114,9 @@ class Config:
     #: when every owner is full; False sends them to the engines as before.
     late_binding: bool = True
     queue_depth: int = constants.QUEUE_DEPTH
+    #: Affinity: on by default in standalone mode (``--no-affinity``), opt-in under the
+    #: broker (``--affinity``), where it only breaks the chooser's ties.
+    affinity: bool = False
 
     @property
     def standalone(self) -> bool:
@@ -127,7 +130,7 @@ class Options(usage.Options):
                 "[--state-dir DIR] [--api-keys-file FILE] [--allowed-cidrs LIST] "
                 "[--admin HOST:PORT] [--log-format text|json] [--access-log] [--version] "
                 "[--engine ENGINE[:PORT]]... [--nodes FILE] [--engines-dir DIR] "
-                "[--queue-depth N] [--no-late-binding]")
+                "[--queue-depth N] [--no-late-binding] [--no-affinity] [--affinity]")
     longdesc = ("Broker mode (default): JSON-RPC on stdin/stdout or --ipc. Standalone mode: any "
                 "--engine; the fleet comes from --nodes, else this machine's engine.")
 
@@ -165,6 +168,10 @@ class Options(usage.Options):
                              "status, size; never bodies)."],
         ["no-late-binding", None, "Standalone: send a request to an engine even when every "
                                   "owner is full, instead of waiting in the proxy for a slot."],
+        ["no-affinity", None, "Standalone: place a conversation's next turn like any other "
+                              "request, not on the node that holds its cache."],
+        ["affinity", None, "Broker mode: among candidates equally loaded, prefer the node that "
+                           "holds the conversation's cache."],
     ]
 
     def __init__(self) -> None:
@@ -226,6 +233,13 @@ class Options(usage.Options):
             raise ValueError(f"--queue-depth must be a whole number of at least 1 "
                              f"(got {self['queue-depth']!r})")
         queue_depth = int(depth)
+        if facades and self["affinity"]:
+            raise ValueError("--affinity is for broker mode (standalone mode has it on; "
+                             "--no-affinity turns it off)")
+        if not facades and self["no-affinity"]:
+            raise ValueError("--no-affinity is for standalone mode (broker mode has it off; "
+                             "--affinity turns it on)")
+        affinity = bool(self["affinity"]) if not facades else not self["no-affinity"]
         return Config(engines=self.engines, log_level=level, log_format=self["log-format"],
                       access_log=bool(self["access-log"]), response_timeout=response_timeout,
                       stream_idle=stream_idle, upstream_keepalive=keepalive,
@@ -233,7 +247,7 @@ class Options(usage.Options):
                       nodes=self["nodes"], cluster_dir=self["cluster-dir"], ipc=self["ipc"],
                       api_keys=api_keys, api_keys_file=api_keys_file,
                       allowed_cidrs=allowed_cidrs, late_binding=not self["no-late-binding"],
-                      queue_depth=queue_depth)
+                      queue_depth=queue_depth, affinity=affinity)
 
     def _lan_keys(self, state_dir: str) -> tuple[str | None, str, tuple[Network, ...]]:
         """Opt-in LAN keys: the environment's keys, the keys file and the allowed

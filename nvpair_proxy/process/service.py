@@ -88,6 +88,7 @@ class Runtime:
     scheduling: bool = False
     late_binding: bool = False
     queue_depth: int = constants.QUEUE_DEPTH
+    affinity: bool = False
 
     @classmethod
     def build(cls, config: Config, reactor: IReactorTime, emitter: IEmitter,
@@ -118,7 +119,7 @@ class Runtime:
                    engine_agents=engine_agents, peer_agents=peer_agents,
                    agent_for_node=agent_for_node, scheduling=config.standalone,
                    late_binding=config.standalone and config.late_binding,
-                   queue_depth=config.queue_depth)
+                   queue_depth=config.queue_depth, affinity=config.affinity)
 
     def facade(self, engine) -> Facade:
         return make_facade(engine, clock=self.reactor, agent=self.agent, emitter=self.emitter,
@@ -126,7 +127,8 @@ class Runtime:
                            reservations=self.reservations, activity=self.activity,
                            recorder=self.recorder, agent_for_node=self.agent_for_node,
                            loop_guard=self.loop_guard, scheduling=self.scheduling,
-                           queue_depth=self.queue_depth if self.late_binding else None)
+                           queue_depth=self.queue_depth if self.late_binding else None,
+                           affinity=self.affinity)
 
     def poller(self, facade: Facade) -> TruthPoller:
         """Standalone mode: what each node's engine reports, for placement."""

@@ -447,7 +447,9 @@ class Router:
                            held=tuple(self.held()), cooling=tuple(self.cooling()),
                            engines=self._engine_views(routable) if self.scheduling else (),
                            queued=len(queue) if queue is not None else 0,
-                           oldest_wait=None if oldest is None else now - oldest)
+                           oldest_wait=None if oldest is None else now - oldest,
+                           affinity_keys=None if self.affinity is None else tuple(
+                               sorted(self.affinity.keys_per_node(now).items())))
 
     def _engine_views(self, nodes: Sequence[Node]) -> tuple[EngineView, ...]:
         now = self.clock.seconds()

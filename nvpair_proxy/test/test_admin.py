@@ -402,7 +402,7 @@ class StatusTests(WorldTestCase):
         engine, = document["engines"]
         self.assertEqual(set(engine), {
             "engine", "port", "pin", "nodes", "in_flight", "waiting_for_owner", "held",
-            "cooling", "queued", "oldest_wait_s", "requests", "reasons", "dispatches",
+            "cooling", "queued", "oldest_wait_s", "affinity_keys", "requests", "reasons", "dispatches",
             "failovers", "prompt_tokens", "completion_tokens", "slots"})
         self.assertEqual((engine["engine"], engine["port"], engine["requests"],
                           engine["dispatches"], engine["slots"]),
@@ -451,7 +451,8 @@ class StatusTests(WorldTestCase):
             "engines": [{
                 "engine": "ollama", "port": 11435, "pin": "a", "nodes": 3, "in_flight": 2,
                 "waiting_for_owner": 0, "held": ["b"], "cooling": ["c"],
-                "queued": 0, "oldest_wait_s": None, "requests": {"completed": 1}, "reasons": {}, "dispatches": {"committed": 2},
+                "queued": 0, "oldest_wait_s": None, "affinity_keys": None,
+                "requests": {"completed": 1}, "reasons": {}, "dispatches": {"committed": 2},
                 "failovers": 0, "prompt_tokens": 3, "completion_tokens": 2, "slots": None}],
             "nodes": [
                 {"id": "a", "name": "a", "addresses": ["10.0.0.1", "10.0.1.1"],

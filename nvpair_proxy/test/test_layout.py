@@ -41,7 +41,8 @@ LAYERS = (
     ("body", ("frames", "tokens")),
     # The model: engines and nodes.
     ("nodes", ("engines", "selfcheck", "discovery", "selection", "slots")),
-    ("routing", ("reservations", "enginetruth", "placement", "slotqueue", "router")),
+    ("routing", ("reservations", "enginetruth", "placement", "slotqueue", "affinity",
+                 "router")),
     ("standalone", ("engineaccess", "nodesfile")),
     # The request path, top to bottom.
     ("request", ("attempt", "dispatch", "events", "stream", "exchange")),

@@ -122,7 +122,7 @@ class World:
                  reservations: ReservationMap | None = None, clock: Clock | None = None,
                  agent: FakeAgent | None = None, emitter: RecordingEmitter | None = None,
                  lan=None, recorder=None, scheduling: bool = False,
-                 queue_depth: int | None = None) -> None:
+                 queue_depth: int | None = None, affinity: bool = False) -> None:
         """``scheduling`` and ``queue_depth`` are standalone placement and late binding."""
         self.engine = ENGINES[engine]
         self.clock = clock or Clock()
@@ -134,7 +134,8 @@ class World:
                              emitter=self.emitter, run_id="0123456789abcdef",
                              random=lambda: 0.5, bounds=Bounds(response_timeout=response_timeout),
                              reservations=self.reservations, recorder=recorder,
-                             scheduling=scheduling, queue_depth=queue_depth)
+                             scheduling=scheduling, queue_depth=queue_depth,
+                             affinity=affinity)
         self.site = facade_site(self.facade, reactor=self.site_clock)
         self.factory = DemuxFactory(self.site, lan=lan)
 

@@ -1,0 +1,324 @@
+"""Affinity: a conversation's key, the facade's table, and placement that sends the next turn
+back to the node holding its cache unless the spill rule says otherwise."""
+
+from __future__ import annotations
+
+import json
+
+from twisted.logger import formatEvent
+from twisted.trial.unittest import SynchronousTestCase
+from twisted.web.http_headers import Headers
+
+from nvpair_proxy.admin.recorder import Recorder
+from nvpair_proxy.routing.affinity import HASHED, AffinityTable, affinity_key
+from nvpair_proxy.routing.enginetruth import EngineTruth, Slots
+
+from .support import LogCapture
+from .world import ENGINES, NDJSON, WorldTestCase
+
+ADDRESS = {"a": "10.0.0.1", "b": "10.0.0.2", "c": "10.0.0.3"}
+NODE_OF = {address: node for node, address in ADDRESS.items()}
+DONE = b'{"done":true}\n'
+# A first message long enough that reading it again costs more than waiting a moment.
+LONG = "one" + "z" * 4000
+
+
+def node_of(request) -> str:
+    return NODE_OF[request.uri.decode().split("//", 1)[1].split(":", 1)[0]]
+
+
+def chat(first: str, *later: str, system: str = "be brief") -> dict:
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": first}]
+    for turn in later:
+        messages += [{"role": "assistant", "content": "ok"}, {"role": "user", "content": turn}]
+    return {"model": "llama3", "messages": messages}
+
+
+def key(body: dict, path: str = "/api/chat", **headers: str) -> bytes | None:
+    raw = Headers({name.encode(): [value.encode()] for name, value in headers.items()})
+    return affinity_key(raw, body, "llama3:latest", path)
+
+
+class KeyTests(SynchronousTestCase):
+    def test_each_session_header_names_the_conversation_in_order(self):
+        body = chat("first")
+        for header in ("x-session-affinity", "x-claude-code-session-id", "session_id",
+                       "session-id", "x-session-id"):
+            self.assertEqual(key(body, **{header: "s1"}), key(chat("other"), **{header: "s1"}),
+                             header)
+            self.assertNotEqual(key(body, **{header: "s1"}), key(body, **{header: "s2"}), header)
+        self.assertEqual(key(body, **{"x-session-affinity": "one", "x-session-id": "two"}),
+                         key(body, **{"x-session-affinity": "one"}), "the first match wins")
+
+    def test_the_body_prompt_cache_key_names_it_when_no_header_does(self):
+        named = dict(chat("first"), prompt_cache_key="k")
+        self.assertEqual(key(named), key(dict(chat("other"), prompt_cache_key="k")))
+        self.assertNotEqual(key(named), key(chat("first")))
+        self.assertEqual(key(named, **{"x-session-id": "h"}), key(chat("x"), **{"x-session-id": "h"}))
+
+    def test_a_conversations_turns_share_its_digest_and_other_first_messages_do_not(self):
+        self.assertEqual(key(chat("read this file")), key(chat("read this file", "and now?",
+                                                               "more")))
+        self.assertNotEqual(key(chat("read this file")), key(chat("read that file")))
+        self.assertNotEqual(key(chat("read this file")), key(chat("read this file",
+                                                                  system="be long")))
+
+    def test_messages_responses_and_prompts_have_their_own_heads(self):
+        messages = {"model": "m", "system": [{"type": "text", "text": "sys"}],
+                    "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}
+        self.assertEqual(key(messages, "/v1/messages"),
+                         key(dict(messages, messages=messages["messages"] + [
+                             {"role": "assistant", "content": "x"},
+                             {"role": "user", "content": "y"}]), "/v1/messages"))
+        responses = {"model": "m", "instructions": "i", "input": "question"}
+        self.assertIsNotNone(key(responses, "/v1/responses"))
+        self.assertNotEqual(key(responses, "/v1/responses"),
+                            key(dict(responses, instructions="j"), "/v1/responses"))
+        prompt = {"model": "m", "prompt": "once upon a time"}
+        self.assertEqual(key(prompt, "/api/generate"),
+                         key({"model": "m", "prompt": "once upon a time"}, "/api/generate"))
+        self.assertNotEqual(key(prompt, "/api/generate"),
+                            key({"model": "m", "prompt": "twice"}, "/api/generate"))
+
+    def test_no_key_for_embeddings_or_a_body_without_a_conversation(self):
+        self.assertIsNone(key({"model": "m", "input": "x"}, "/v1/embeddings"))
+        self.assertIsNone(key({"model": "m", "prompt": "x"}, "/api/embeddings"))
+        self.assertIsNone(key({"model": "m"}, "/api/chat"))
+        self.assertIsNone(key({"model": "m", "messages": []}, "/api/chat"))
+        self.assertIsNone(key({"model": "m", "messages": [{"role": "assistant"}]}, "/api/chat"))
+
+    def test_at_most_16_KiB_of_a_head_is_hashed(self):
+        head = "x" * HASHED
+        self.assertEqual(key(chat(head + "a" * 200_000)), key(chat(head + "b")),
+                         "bytes past the bound never reach the digest")
+        self.assertNotEqual(key(chat("a" + head)), key(chat("b" + head)))
+
+    def test_the_key_is_a_digest_never_the_text(self):
+        digest = key(chat("secret words"))
+        self.assertEqual(len(digest), 16)
+        self.assertNotIn(b"secret", digest)
+
+
+class TableTests(SynchronousTestCase):
+    def test_bounded_by_count_the_least_recent_key_goes_first(self):
+        table = AffinityTable(max_keys=2)
+        table.committed(b"k1", "a", 0)
+        table.committed(b"k2", "b", 1)
+        table.committed(b"k1", "a", 2)
+        table.committed(b"k3", "c", 3)
+        self.assertEqual((table.node_for(b"k1", 3), table.node_for(b"k2", 3),
+                          table.node_for(b"k3", 3), len(table)), ("a", None, "c", 2))
+
+    def test_an_idle_key_expires(self):
+        table = AffinityTable(idle_expiry=60)
+        table.committed(b"k", "a", 0)
+        self.assertEqual(table.node_for(b"k", 60), "a")
+        self.assertIsNone(table.node_for(b"k", 60.5))
+        self.assertEqual(len(table), 0)
+
+    def test_a_node_that_left_leaves_the_table(self):
+        table = AffinityTable()
+        table.committed(b"k1", "a", 0)
+        table.committed(b"k2", "b", 0)
+        table.forget_nodes_except({"b"})
+        self.assertEqual((table.node_for(b"k1", 0), table.node_for(b"k2", 0)), (None, "b"))
+        self.assertEqual(table.keys_per_node(0), {"b": 1})
+
+
+class PlacementTests(WorldTestCase):
+    def fleet(self, *nodes: str, recorder=None, **kwargs):
+        w = self.world(scheduling=True, queue_depth=100, affinity=True, recorder=recorder,
+                       **kwargs)
+        for node in nodes:
+            w.add(node, addresses=(ADDRESS[node],))
+        return w
+
+    def tell(self, w, node: str, total: int, busy: int = 0) -> None:
+        w.facade.router.set_truth(node, EngineTruth(read_at=w.clock.seconds(),
+                                                    slots=Slots(total, busy)))
+
+    def turn(self, w, body: dict, *, answer: bool = True,
+             timings: dict | None = None) -> tuple[str, object]:
+        """Send one turn; answer it at once unless told not to: (node, client)."""
+        client = w.send("POST", "/api/chat", body)
+        request = w.agent.last
+        node = node_of(request)
+        if answer:
+            tail = dict(timings or {}, done=True)
+            request.respond(200, NDJSON, json.dumps(tail).encode() + b"\n", finish=True)
+        return node, client
+
+    def test_a_conversation_sticks_to_its_node_when_loads_are_equal(self):
+        w = self.fleet("a", "b", "c")
+        first, _ = self.turn(w, chat("file one"))
+        other, _ = self.turn(w, chat("file two"), answer=False)
+        self.assertEqual((first, other), ("a", "a"), "a new key is placed as before")
+        w.agent.last.respond(200, NDJSON, DONE, finish=True)
+        # b is now the least loaded by id order too; the conversation still goes to a.
+        w.facade.router.set_truth("a", EngineTruth(read_at=w.clock.seconds(), slots=Slots(4, 2)))
+        for turn in ("and?", "and then?"):
+            node, client = self.turn(w, chat("file one", turn))
+            self.assertEqual(node, "a")
+            self.assertEqual(client.response().status, 200)
+
+    def test_distinct_conversations_still_spread(self):
+        w = self.fleet("a", "b")
+        self.turn(w, chat("one"), answer=False)
+        self.turn(w, chat("two"), answer=False)
+        self.assertEqual([node_of(r) for r in w.agent.requests], ["a", "b"])
+        for request in w.agent.requests:
+            request.respond(200, NDJSON, DONE, finish=True)
+
+    def sticky(self, *nodes: str, first: str = "one"):
+        """A fleet where the conversation that begins with ``first`` lives on a."""
+        w = self.fleet(*nodes)
+        node, _ = self.turn(w, chat(first))
+        self.assertEqual(node, "a")
+        return w
+
+    def test_it_spills_when_its_node_is_held_cooling_or_no_longer_an_owner(self):
+        for why in ("held", "cooling", "gone"):
+            w = self.sticky("a", "b")
+            if why == "held":
+                w.facade.router.answered("a", 503)
+            elif why == "cooling":
+                w.facade.router.stalled("a")
+            else:
+                w.remove("a")
+            node, _ = self.turn(w, chat("one", "next"))
+            self.assertEqual(node, "b", why)
+            if why != "gone":
+                w.clock.advance(31)
+
+    def test_a_full_node_without_measured_rates_is_not_waited_for(self):
+        w = self.sticky("a", "b")
+        self.tell(w, "a", total=1)
+        self.tell(w, "b", total=1)
+        self.turn(w, chat("two"), answer=False)  # takes a, the first by id
+        self.assertEqual(node_of(w.agent.last), "a")
+        node, client = self.turn(w, chat("one", "next"))
+        self.assertEqual(node, "b", "no timings from a: spill at once")
+        w.agent.requests[1].respond(200, NDJSON, DONE, finish=True)
+
+    def measured(self, w, prompt_per_second: float = 100.0) -> None:
+        """a served a request of conversation "seed" in 2 s, at a measured prompt rate: with
+        the conversation's own first turn (0 s), a's time to serve one is 0.6 s (a moving
+        average weighting each new request 0.3)."""
+        client = w.send("POST", "/api/chat", chat("seed"))
+        self.assertEqual(node_of(w.agent.last), "a")
+        w.clock.advance(2)
+        w.agent.last.respond(200, NDJSON, json.dumps(
+            {"done": True, "timings": {"prompt_n": 10, "predicted_n": 5,
+                                       "predicted_per_second": 50.0,
+                                       "prompt_per_second": prompt_per_second}}).encode()
+            + b"\n", finish=True)
+        self.assertEqual(client.response().status, 200)
+
+    def test_a_full_node_is_waited_for_when_rereading_elsewhere_costs_more(self):
+        w = self.sticky("a", "b", first=LONG)
+        self.measured(w, prompt_per_second=10.0)  # re-reading a long context: slow
+        self.tell(w, "a", total=1)
+        self.tell(w, "b", total=1)
+        blocker, _ = self.turn(w, chat("other"), answer=False)
+        self.assertEqual(blocker, "a")
+        client = w.send("POST", "/api/chat", chat(LONG, "next"))
+        self.assertEqual(len(w.agent.requests), 3, "waits for a, though b is free")
+        w.clock.advance(0.5)
+        w.agent.requests[2].respond(200, NDJSON, DONE, finish=True)
+        w.clock.advance(0)
+        self.assertEqual(node_of(w.agent.last), "a")
+        w.agent.last.respond(200, NDJSON, DONE, finish=True)
+        self.assertEqual(client.response().status, 200)
+
+    def test_the_wait_for_a_full_node_never_outlasts_its_time_to_serve_one_request(self):
+        w = self.sticky("a", "b", first=LONG)
+        self.measured(w, prompt_per_second=1.0)
+        self.tell(w, "a", total=1)
+        self.tell(w, "b", total=1)
+        self.turn(w, chat("other"), answer=False)
+        client = w.send("POST", "/api/chat", chat(LONG, "next"))
+        self.assertEqual(len(w.agent.requests), 3)
+        w.clock.advance(0.55)
+        self.assertEqual(len(w.agent.requests), 3)
+        w.clock.advance(0.1)  # a's measured time to serve one is 0.6 s: then it goes to b
+        self.assertEqual(node_of(w.agent.last), "b")
+        w.agent.last.respond(200, NDJSON, DONE, finish=True)
+        self.assertEqual(client.response().status, 200)
+        w.agent.requests[2].respond(200, NDJSON, DONE, finish=True)
+
+    def test_a_short_turn_spills_when_rereading_is_cheaper_than_waiting(self):
+        w = self.sticky("a", "b")
+        self.measured(w, prompt_per_second=1000.0)
+        self.tell(w, "a", total=1)
+        self.tell(w, "b", total=1)
+        self.turn(w, chat("other"), answer=False)
+        node, _ = self.turn(w, chat("one", "next"))
+        self.assertEqual(node, "b")
+        w.agent.requests[2].respond(200, NDJSON, DONE, finish=True)
+
+    def test_hits_spills_misses_and_none_are_counted_once_per_request(self):
+        recorder = Recorder()
+        w = self.fleet("a", "b", recorder=recorder)
+        self.turn(w, chat("one"))                          # miss
+        self.turn(w, chat("one", "next"))                  # hit
+        w.facade.router.answered("a", 503)
+        self.turn(w, chat("one", "again"))                 # spill: a is held
+        client = w.send("POST", "/api/embed", {"model": "llama3", "input": "x"})
+        w.agent.last.respond(200, {"Content-Type": "application/json"}, b"{}", finish=True)
+        self.assertEqual(client.response().status, 200)    # none
+        self.assertEqual(dict(recorder.affinity), {("ollama", "miss"): 1, ("ollama", "hit"): 1,
+                                                   ("ollama", "spill"): 1,
+                                                   ("ollama", "none"): 1})
+        self.assertEqual(w.facade.router.view().affinity_keys, (("b", 1),),
+                         "the conversation now lives where it spilled")
+
+    def test_no_log_line_carries_a_key_or_a_digest(self):
+        logs = LogCapture(self, level="debug")
+        w = self.fleet("a", "b")
+        body = dict(chat("one"), prompt_cache_key="cache-key-7")
+        self.turn(w, body)
+        self.turn(w, chat("two"))
+        table = w.facade.router.affinity
+        digests = [k for k in table._entries]  # the table's own keys, as the test reads them
+        text = "\n".join(formatEvent(event) + repr(event) for event in logs.events)
+        self.assertTrue(text)
+        for digest in digests:
+            self.assertNotIn(digest.hex(), text)
+            self.assertNotIn(repr(digest), text)
+        self.assertNotIn("cache-key-7", text)
+
+
+class BrokerAffinityTests(WorldTestCase):
+    """Under the broker affinity is opt-in and only breaks the chooser's ties."""
+
+    def fleet(self):
+        w = self.world(affinity=True)
+        for node in ("a", "b"):
+            w.add(node, addresses=(ADDRESS[node],))
+        return w
+
+    def test_the_affine_node_wins_a_tie_only(self):
+        w = self.fleet()
+        w.facade.router.committed_key(key(chat("one")), "b")
+        client = w.send("POST", "/api/chat", chat("one", "next"))
+        self.assertEqual(node_of(w.agent.last), "b", "equal loads: the affine node")
+        held = w.send("POST", "/api/chat", chat("one", "again"))
+        self.assertEqual(node_of(w.agent.last), "a", "b carries one more: the chooser wins")
+        for request in w.agent.requests:
+            request.respond(200, NDJSON, DONE, finish=True)
+        self.assertEqual((client.response().status, held.response().status), (200, 200))
+
+    def test_a_pin_and_the_capability_gate_stand(self):
+        w = self.fleet()
+        w.facade.router.committed_key(key(chat("one")), "b")
+        w.facade.router.set_pin("a")
+        self.turn_to(w, chat("one", "next"), "a")
+        w.facade.router.set_pin("")
+        w.add("b", models=("other:latest",), addresses=(ADDRESS["b"],))
+        self.turn_to(w, chat("one", "next"), "a")
+
+    def turn_to(self, w, body, expected: str) -> None:
+        client = w.send("POST", "/api/chat", body)
+        self.assertEqual(node_of(w.agent.last), expected)
+        w.agent.last.respond(200, NDJSON, DONE, finish=True)
+        self.assertEqual(client.response().status, 200)
