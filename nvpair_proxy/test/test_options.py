@@ -357,3 +357,28 @@ class SchedulerFlagTests(SynchronousTestCase):
                 self.config("--queue-depth", bad)
             self.assertEqual(str(raised.exception), "nvpair-proxy: --queue-depth must be a "
                              f"whole number of at least 1 (got {bad!r})")
+
+
+class AffinityFlagTests(SynchronousTestCase):
+    """Affinity: on in standalone mode unless --no-affinity; opt-in under the broker."""
+
+    def config(self, *args: str):
+        options = Options()
+        options.parseOptions(list(args))
+        return options.config
+
+    def test_defaults_and_flags_per_mode(self) -> None:
+        self.assertTrue(self.config("--engine", "ollama").affinity)
+        self.assertFalse(self.config("--engine", "ollama", "--no-affinity").affinity)
+        self.assertFalse(self.config().affinity)
+        self.assertTrue(self.config("--affinity").affinity)
+
+    def test_a_flag_of_the_other_mode_stops_start_up_with_one_line(self) -> None:
+        for args, line in (
+                (("--engine", "ollama", "--affinity"), "nvpair-proxy: --affinity is for broker "
+                 "mode (standalone mode has it on; --no-affinity turns it off)"),
+                (("--no-affinity",), "nvpair-proxy: --no-affinity is for standalone mode "
+                 "(broker mode has it off; --affinity turns it on)")):
+            with self.assertRaises(SystemExit) as raised:
+                self.config(*args)
+            self.assertEqual(str(raised.exception), line)
