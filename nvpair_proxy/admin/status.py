@@ -157,7 +157,10 @@ def engine_report(report: EngineView) -> dict:
     return {"slots_total": report.slots_total, "slots_busy": report.busy,
             "ours": report.ours, "reported_busy": report.reported_busy,
             "warm": None if report.warm is None else list(report.warm),
-            "read_age_s": None if report.read_age is None else round(report.read_age, 3)}
+            "read_age_s": None if report.read_age is None else round(report.read_age, 3),
+            "service_s": None if report.service is None else round(report.service, 3),
+            "prompt_tokens_per_second": None if report.prompt_rate is None
+            else round(report.prompt_rate, 1)}
 
 
 def recent_status(recorder: Recorder) -> list[dict]:

@@ -75,8 +75,14 @@ class IRouter(Interface):
     def committed_key(key: bytes, node_id: str) -> None:
         """A request of the conversation ``key`` committed on the node."""
 
-    def served(node_id: str, seconds: float, prompt_rate: float | None) -> None:
-        """One request's time on the node and the prompt rate its engine reported."""
+    def wants_rate(node_id: str) -> bool:
+        """Whether a request that ended on the node should have its prompt rate read."""
+
+    def served(node_id: str, seconds: float) -> None:
+        """One request's time on the node, from its dispatch to its end."""
+
+    def rate_read(node_id: str, prompt_rate: float | None) -> None:
+        """The prompt rate a response's tail said (None: none reported)."""
 
     def affinity_wait(nodes: list, model: str | None, key: bytes | None, size: int):
         """(node, seconds) to wait for a full conversation's node, or None to go elsewhere."""

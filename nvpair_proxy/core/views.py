@@ -68,6 +68,10 @@ class EngineView:
     reported_busy: int | None
     warm: tuple[str, ...] | None
     read_age: float | None
+    #: What the node's recent requests measured (affinity's spill rule): seconds to serve
+    #: one, and prompt tokens per second its engine reported; None until measured.
+    service: float | None = None
+    prompt_rate: float | None = None
 
 
 @attrs.frozen

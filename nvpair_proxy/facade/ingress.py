@@ -60,7 +60,13 @@ class LocalBackendRoute:
     def committed_key(self, key: bytes, node_id: str) -> None:
         pass
 
-    def served(self, node_id: str, seconds: float, prompt_rate: float | None) -> None:
+    def wants_rate(self, node_id: str) -> bool:
+        return False
+
+    def served(self, node_id: str, seconds: float) -> None:
+        pass
+
+    def rate_read(self, node_id: str, prompt_rate: float | None) -> None:
         pass
 
     def affinity_wait(self, nodes: list[Node], model: str | None, key: bytes | None,

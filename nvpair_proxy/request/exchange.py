@@ -303,9 +303,11 @@ class Exchange:
                 log.failure("could not measure the response of request {id}", id=self.id,
                             engine=self.engine.id)
         if self.router.affinity is not None and code < 400 and self.dispatched_at is not None:
-            figures = stream.figures()
-            self.router.served(stream.node_id, self.clock.seconds() - self.dispatched_at,
-                               None if figures is None else figures.prompt_rate)
+            node = stream.node_id
+            if self.router.wants_rate(node):
+                figures = stream.figures()
+                self.router.rate_read(node, figures.prompt_rate if figures is not None else None)
+            self.router.served(node, self.clock.seconds() - self.dispatched_at)
         if 200 <= code < 300:
             self._end(COMPLETED, None, status=code, stats=stats, note=stream.idle_note)
         else:

@@ -272,15 +272,33 @@ class Router:
         if self.affinity is not None:
             self.affinity.committed(key, node_id, self.clock.seconds())
 
-    def served(self, node_id: str, seconds: float, prompt_rate: float | None) -> None:
-        """One request's time on ``node_id`` (from its dispatch to its end) and the prompt
-        rate its engine reported: what the spill rule weighs."""
+    def wants_rate(self, node_id: str) -> bool:
+        """Whether the prompt rate of a request that ended on ``node_id`` is worth reading
+        from its body's tail: at most once a second per node, so placement's rates cost
+        O(nodes) a second, not a parse per request."""
+        rates = self._rates.get(node_id)
+        return rates is None or rates.rate_read_at is None or (
+            self.clock.seconds() - rates.rate_read_at >= RATE_READ_INTERVAL)
+
+    def served(self, node_id: str, seconds: float) -> None:
+        """One request's time on ``node_id``, from its dispatch to its end."""
+        rates = self._rates_of(node_id)
+        if rates is not None:
+            rates.served(seconds)
+
+    def rate_read(self, node_id: str, prompt_rate: float | None) -> None:
+        """The prompt rate a response's tail said (None: the engine reports none)."""
+        rates = self._rates_of(node_id)
+        if rates is not None:
+            rates.rate_read(prompt_rate, self.clock.seconds())
+
+    def _rates_of(self, node_id: str) -> NodeRates | None:
         if node_id not in self.nodes:
-            return
+            return None
         rates = self._rates.get(node_id)
         if rates is None:
             rates = self._rates[node_id] = NodeRates()
-        rates.observe(seconds, prompt_rate)
+        return rates
 
     def affinity_wait(self, nodes: Sequence[Node], model: str | None, key: bytes | None,
                       size: int) -> tuple[str, float] | None:
@@ -458,11 +476,14 @@ class Router:
             truth = self._truth.get(node.id)
             slots = truth.slots_for(None) if truth is not None else None
             warm = None if truth is None or truth.warm is None else tuple(sorted(truth.warm))
+            rates = self._rates.get(node.id)
             views.append(EngineView(node=node.id, slots_total=item.total, busy=item.busy,
                                     ours=self._ours(node.id),
                                     reported_busy=None if slots is None else slots.busy,
                                     warm=warm,
-                                    read_age=None if truth is None else now - truth.read_at))
+                                    read_age=None if truth is None else now - truth.read_at,
+                                    service=rates.service if rates else None,
+                                    prompt_rate=rates.prompt_rate if rates else None))
         return tuple(views)
 
     # An attempt whose target left the routable set is abandoned
@@ -537,6 +558,8 @@ class Router:
 BYTES_PER_TOKEN = 4.0
 #: How much each new observation moves a node's measured rates.
 RATE_WEIGHT = 0.3
+#: Seconds between two reads of a node's prompt rate from a response's tail.
+RATE_READ_INTERVAL = 1.0
 
 
 @attrs.define
@@ -546,10 +569,15 @@ class NodeRates:
 
     service: float | None = None
     prompt_rate: float | None = None
+    #: When a response's tail was last read for the prompt rate (None: never).
+    rate_read_at: float | None = None
 
-    def observe(self, seconds: float, prompt_rate: float | None) -> None:
+    def served(self, seconds: float) -> None:
         self.service = seconds if self.service is None else (
             self.service + RATE_WEIGHT * (seconds - self.service))
+
+    def rate_read(self, prompt_rate: float | None, now: float) -> None:
+        self.rate_read_at = now
         if prompt_rate:
             self.prompt_rate = prompt_rate if self.prompt_rate is None else (
                 self.prompt_rate + RATE_WEIGHT * (prompt_rate - self.prompt_rate))

@@ -256,6 +256,28 @@ class PlacementTests(WorldTestCase):
         self.assertEqual(node, "b")
         w.agent.requests[2].respond(200, NDJSON, DONE, finish=True)
 
+    def test_a_nodes_prompt_rate_is_read_from_a_tail_at_most_once_a_second(self):
+        w = self.fleet("a")
+
+        def served(rate: float, after: float) -> None:
+            client = w.send("POST", "/api/chat", chat("one"))
+            w.clock.advance(after)
+            w.agent.last.respond(200, NDJSON, json.dumps(
+                {"done": True, "timings": {"prompt_per_second": rate}}).encode() + b"\n",
+                finish=True)
+            self.assertEqual(client.response().status, 200)
+
+        def report():
+            view, = w.facade.router.view().engines
+            return view.prompt_rate, view.service
+
+        served(100.0, after=2)
+        self.assertEqual(report(), (100.0, 2.0))
+        served(1.0, after=0.5)
+        self.assertEqual(report(), (100.0, 1.55), "read 0.5 s after the last: not read")
+        served(1.0, after=1)
+        self.assertEqual(report(), (70.3, 1.385))
+
     def test_hits_spills_misses_and_none_are_counted_once_per_request(self):
         recorder = Recorder()
         w = self.fleet("a", "b", recorder=recorder)
