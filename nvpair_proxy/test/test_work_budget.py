@@ -29,28 +29,34 @@ BUDGET = {"timers": 6, "deferreds": 3, "log events": 0}
 CLIENT_BUDGET = {"timers": 6, "deferreds": 2, "log events": 0}
 
 
+def count_work(test, w, *clocks) -> dict[str, int]:
+    """Count, from now on, the timers scheduled on the world's clocks (and ``clocks``), the
+    Deferreds made and the log events emitted."""
+    counts = dict.fromkeys(BUDGET, 0)
+    original_init = defer.Deferred.__init__
+
+    def counting_init(deferred, *args, **kwargs):
+        counts["deferreds"] += 1
+        original_init(deferred, *args, **kwargs)
+
+    test.patch(defer.Deferred, "__init__", counting_init)
+    for clock in (w.clock, w.site_clock, *clocks):
+        def counting_call_later(*args, _original=clock.callLater, **kwargs):
+            counts["timers"] += 1
+            return _original(*args, **kwargs)
+        test.patch(clock, "callLater", counting_call_later)
+
+    def observe(event) -> None:
+        counts["log events"] += 1
+
+    globalLogPublisher.addObserver(observe)
+    test.addCleanup(globalLogPublisher.removeObserver, observe)
+    return counts
+
+
 class WorkBudgetTests(WorldTestCase):
     def count(self, w, *clocks) -> dict[str, int]:
-        counts = dict.fromkeys(BUDGET, 0)
-        original_init = defer.Deferred.__init__
-
-        def counting_init(deferred, *args, **kwargs):
-            counts["deferreds"] += 1
-            original_init(deferred, *args, **kwargs)
-
-        self.patch(defer.Deferred, "__init__", counting_init)
-        for clock in (w.clock, w.site_clock, *clocks):
-            def counting_call_later(*args, _original=clock.callLater, **kwargs):
-                counts["timers"] += 1
-                return _original(*args, **kwargs)
-            self.patch(clock, "callLater", counting_call_later)
-
-        def observe(event) -> None:
-            counts["log events"] += 1
-
-        globalLogPublisher.addObserver(observe)
-        self.addCleanup(globalLogPublisher.removeObserver, observe)
-        return counts
+        return count_work(self, w, *clocks)
 
     def proxied(self, w):
         client = w.chat()
@@ -120,3 +126,55 @@ class WorkBudgetTests(WorldTestCase):
         w.clock.advance(1)
         self.assertEqual(counts["timers"], before + 1)
         self.assertGreater(counts["deferreds"], 0)
+
+
+class SchedulerBudgetTests(WorldTestCase):
+    """Standalone placement, late binding and affinity add no timer, Deferred or log event to
+    a request that does not wait, and a conversation's digest hashes at most 16 KiB however
+    long the context."""
+
+    def test_the_scheduler_adds_no_work_to_a_request_that_does_not_wait(self):
+        from nvpair_proxy.routing import affinity
+        from nvpair_proxy.routing.enginetruth import EngineTruth, Slots
+        self.addCleanup(logs.set_level, logs.level_name())
+        logs.set_level("info")
+        hashed: list[int] = []
+        real = affinity.hashlib.blake2b
+
+        class Counting:
+            def __init__(self, data: bytes = b"", **kwargs) -> None:
+                self.inner = real(data, **kwargs)
+
+            def update(self, data: bytes) -> None:
+                hashed[-1] += len(data)
+                self.inner.update(data)
+
+            def digest(self) -> bytes:
+                return self.inner.digest()
+
+        self.patch(affinity.hashlib, "blake2b", Counting)
+        w = self.world(emitter=LogEmitter(), scheduling=True, queue_depth=100, affinity=True)
+        for node, address in (("a", "10.0.0.1"), ("b", "10.0.0.2")):
+            w.add(node, addresses=(address,))
+            w.facade.router.set_truth(node, EngineTruth(read_at=0, slots=Slots(4, 0),
+                                                        warm=frozenset({"llama3:latest"})))
+        context = "x" * 200 * 1024
+
+        def proxied():
+            hashed.append(0)
+            client = w.send("POST", "/api/chat", {"model": "llama3", "messages": [
+                {"role": "system", "content": context}, {"role": "user", "content": context}]})
+            upstream = w.agent.last.respond(200, NDJSON)
+            upstream.write(b'{"done":true,"eval_count":1,"prompt_eval_count":2}\n')
+            upstream.finish()
+            return client
+
+        proxied()
+        counts = count_work(self, w)
+        for _ in range(3):
+            self.assertEqual(proxied().response().status, 200)
+        per_request = {name: count / 3 for name, count in counts.items()}
+        self.assertEqual({name: per_request[name] <= BUDGET[name] for name in BUDGET},
+                         dict.fromkeys(BUDGET, True), per_request)
+        self.assertEqual(len(hashed), 4)
+        self.assertTrue(all(16 * 1024 <= count <= 16 * 1024 + 64 for count in hashed), hashed)
