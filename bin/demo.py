@@ -10,6 +10,10 @@ routes): a warm owner chosen over a cold one (``llama-3.2-3b-instruct`` is adver
 LM Studio of gpu-a and gpu-b and loaded only on gpu-b; gpu-a would load it first), and late
 binding (gpu-a's and gpu-c's llama.cpp run one request at a time; while both stream, a third
 request waits in the proxy, not inside an engine, and goes to the node that frees first).
+A third demonstration is affinity (docs/decisions.md#affinity): gpu-a's and gpu-c's llama.cpp
+keep a prompt cache (the simulated fleet's ``prompt_cache``: a turn whose conversation the
+node has read before gets its first byte sooner), a conversation's turns stay on the node that
+served its first, and when that node answers 503 the next turn spills to the other and stays.
 
 The fleet and the proxy are started and stopped by ``nvpair_proxy.testing.processes``, as the
 process tests start them. It is imported only once something starts, so that ``--help`` (and
@@ -290,6 +294,140 @@ def demo_late_binding(fleet_ports: dict[str, int], facades: dict[str, int],
     return ok
 
 
+# The affinity demonstration: a prompt read from scratch, and one whose head the node holds.
+PROMPT_DELAY = 0.6
+CACHED_DELAY = 0.05
+
+
+def chat_turn(port: int, messages: list[dict]) -> dict[str, Any]:
+    """One streamed turn of a conversation through the llama.cpp facade: its status, node,
+    first-byte time, answer text and llama.cpp's final timings."""
+    body = {"model": "phi-3-mini", "stream": True, "messages": messages}
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions",
+                                     data=json.dumps(body).encode(), method="POST",
+                                     headers={"Content-Type": "application/json"})
+    sent = time.monotonic()
+    turn: dict[str, Any] = {"status": 0, "node": "proxy", "first_byte": None, "text": "",
+                            "timings": {}}
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            turn["status"], turn["node"] = response.status, node_of(response)
+            for line in response:
+                if turn["first_byte"] is None and line.strip():
+                    turn["first_byte"] = time.monotonic() - sent
+                if not line.startswith(b"data: {"):
+                    continue
+                chunk = json.loads(line[len(b"data: "):])
+                for choice in chunk.get("choices", []):
+                    turn["text"] += choice.get("delta", {}).get("content", "")
+                turn["timings"] = chunk.get("timings", turn["timings"])
+    except urllib.error.HTTPError as error:
+        turn["status"] = error.code
+    return turn
+
+
+def affinity_counts(admin: int) -> dict[str, float]:
+    """The proxy's ``nvpair_proxy_affinity_total`` of the llama.cpp facade, by result."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{admin}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    counts: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("nvpair_proxy_affinity_total{") and 'engine="llamacpp"' in line:
+            result = line.split('result="', 1)[1].split('"', 1)[0]
+            counts[result] = float(line.rsplit(" ", 1)[1])
+    return counts
+
+
+def affinity_placed(admin: int, before: dict[str, float]) -> str:
+    """How the proxy's affinity placed the llama.cpp request that ended after ``before`` was
+    read (it counts a request once it ended, which its client may see first): hit, spill,
+    miss or none; empty if it counted nothing within 5 s."""
+    now: dict[str, float] = {}
+
+    def counted() -> bool:
+        now.update(affinity_counts(admin))
+        return sum(now.values()) > sum(before.values())
+
+    wait_for(counted, 5.0)
+    return ",".join(result for result in sorted(now) if now[result] > before.get(result, 0))
+
+
+def demo_affinity(fleet_ports: dict[str, int], facades: dict[str, int], admin: int) -> bool:
+    """Five turns of one conversation through the llama.cpp facade (phi-3-mini: gpu-a and
+    gpu-c). Turns 1-3 stay on the node of turn 1 (a prompt cache miss, then hits); then that
+    node answers 503, so turn 4 spills to the other (a miss there); the node answers again,
+    but turn 5 goes where turn 4 was committed (a hit): the conversation lives there now."""
+    owners = ("gpu-a-llamacpp", "gpu-c-llamacpp")
+    print()
+    print(f"affinity: one conversation through the llama.cpp facade; gpu-a and gpu-c keep a "
+          f"prompt cache (first byte after {PROMPT_DELAY} s reading a prompt from scratch, "
+          f"after {CACHED_DELAY} s when the engine holds the conversation)")
+    for sim_id in owners:
+        sim(fleet_ports, sim_id, "/_sim/fault", {
+            "prompt_cache": 8, "prompt_delay": PROMPT_DELAY, "cached_prompt_delay": CACHED_DELAY})
+    messages: list[dict] = [{"role": "system", "content": "You answer in one short line."}]
+    questions = ("Why is the sky blue?", "And at sunset?", "Is it the same on Mars?",
+                 "What about the Moon?", "Thanks, one last thing: and at night?")
+    turns: list[dict[str, Any]] = []
+    faulted, home, other, refused = "", "", "", False
+    print(f"  {'turn':6}{'status':8}{'served by':11}{'first byte':12}"
+          f"{'engine prompt cache':26}proxy affinity")
+
+    def run(number: int, note: str = "") -> None:
+        messages.append({"role": "user", "content": questions[number - 1]})
+        counts = affinity_counts(admin)
+        turn = chat_turn(facades["llamacpp"], messages)
+        turn["affinity"] = affinity_placed(admin, counts)
+        messages.append({"role": "assistant", "content": turn["text"]})
+        turns.append(turn)
+        cached = turn["timings"].get("cache_n", 0)
+        read = turn["timings"].get("prompt_n", "-")
+        first = turn["first_byte"]
+        cache = f"hit: {cached} reused, {read} read" if cached else f"miss: {read} read"
+        print(f"  {number:<6}{turn['status']:<8}{turn['node']:11}"
+              f"{(f'{first:.2f} s' if first is not None else 'none'):12}{cache:26}"
+              f"{turn['affinity'] or '-':8}{note}".rstrip())
+
+    try:
+        run(1, "a new conversation, placed like any new request")
+        home = turns[0]["node"]
+        other = next((o[:5] for o in owners if o[:5] != home), "")
+        run(2, f"the conversation's node, {home}, goes first")
+        run(3)
+        if f"{home}-llamacpp" in owners:
+            faulted = f"{home}-llamacpp"
+            before = served(fleet_ports, faulted)
+            sim(fleet_ports, faulted, "/_sim/fault", {"status": 503})
+            print(f"  ({home} now answers 503 to every inference request)")
+            run(4, f"{home} answered 503 (the proxy holds it 1 s): the turn spilled")
+            refused = served(fleet_ports, faulted) > before
+            sim(fleet_ports, faulted, "/_sim/fault", {"status": None})
+            faulted = ""
+            time.sleep(1.2)  # the proxy's hold on it passes
+            print(f"  ({home} answers again, and the proxy no longer holds it)")
+            run(5, f"the conversation now lives on {turns[3]['node']}")
+    finally:
+        if faulted:
+            sim(fleet_ports, faulted, "/_sim/fault", {"status": None})
+        for sim_id in owners:
+            sim(fleet_ports, sim_id, "/_sim/fault",
+                {"prompt_cache": 0, "prompt_delay": 0, "cached_prompt_delay": 0})
+    hit = [bool(t["timings"].get("cache_n")) for t in turns]
+    hits = [t["first_byte"] for t, h in zip(turns, hit) if h and t["first_byte"] is not None]
+    misses = [t["first_byte"] for t, h in zip(turns, hit) if not h and t["first_byte"] is not None]
+    ok = (refused and all(t["status"] == 200 for t in turns)
+          and [t["node"] for t in turns] == [home] * 3 + [other] * 2
+          and hit == [False, True, True, False, True]
+          and [t["affinity"] for t in turns] == ["miss", "hit", "hit", "spill", "hit"]
+          and len(hits) == 3 and len(misses) == 2 and max(hits) < min(misses))
+    if ok:
+        print(f"  {home} served turns 1-3 from its cache; {other} took the conversation over at "
+              f"turn 4 and kept it, a hit again from turn 5")
+    else:
+        print("  the conversation did not go as described above  <- UNEXPECTED")
+    return ok
+
+
 def outcome(status: int, body: bytes, stream: bool) -> str:
     if status != 200:
         try:
@@ -389,6 +527,7 @@ def main(argv: list[str]) -> int:
                   f"{outcome(status, content, stream)}{extra}  [{note}]{'' if ok else '  <- UNEXPECTED'}")
         failures += not demo_warm_over_cold(fleet_ports, facades)
         failures += not demo_late_binding(fleet_ports, facades, admin)
+        failures += not demo_affinity(fleet_ports, facades, admin)
         print()
         print("all requests behaved as expected" if not failures else f"{failures} unexpected results")
         if hold:

@@ -460,6 +460,165 @@ class EngineTruthTests(SynchronousTestCase):
                          (5, 0, 1, None))
 
 
+# A conversation's first turn (3 + 5 prompt words) and its second (3 + 5 + 3 + 3), which
+# starts the same way: the same head.
+TURN_1 = [{"role": "system", "content": "you are terse"},
+          {"role": "user", "content": "why is the sky blue"}]
+TURN_2 = TURN_1 + [{"role": "assistant", "content": "light scatters most"},
+                   {"role": "user", "content": "and at sunset"}]
+
+
+class PromptCacheTests(SynchronousTestCase):
+    """The prompt delay and the prompt cache, on the clock: when the first byte comes, and
+    what llama.cpp's timings and /_sim/state say about the cache."""
+
+    def setUp(self):
+        self.clock = MemoryReactorClock()
+
+    def stream(self, node: SimNode, body: dict, path: str = "/v1/chat/completions") -> _Wire:
+        wire = _Wire(node, self.clock)
+        wire.send("POST", path, {"model": "m", "stream": True, **body})
+        return wire
+
+    def assertFirstByteAfter(self, wire: _Wire, seconds: float) -> None:
+        """Nothing at all (no headers either, as from an engine) until ``seconds`` from now,
+        then the headers and the first token together."""
+        self.clock.advance(seconds - 0.005)
+        self.assertEqual(wire.transport.value(), b"")
+        self.clock.advance(0.01)
+        self.assertTrue(wire.response()[2])
+
+    def timings(self, wire: _Wire) -> dict:
+        """A finished llama.cpp stream's timings, from its final chunk."""
+        self.clock.advance(60.0)
+        status, _, chunks, complete = wire.response()
+        self.assertEqual((status, complete), (200, True))
+        frames = _sse(b"".join(chunks))
+        self.assertEqual(frames[-1], (None, "[DONE]"))
+        return json.loads(frames[-2][1])["timings"]
+
+    def state(self, node: SimNode) -> tuple[int, int, int]:
+        wire = _Wire(node, self.clock)
+        wire.send("GET", "/_sim/state")
+        state = json.loads(wire.response()[2][0])
+        return state["cache_hits"], state["cache_misses"], state["cached_heads"]
+
+    def test_prompt_delay_holds_the_first_byte_then_tokens_keep_their_spacing(self):
+        node = SimNode("gpu-c", "llamacpp", models=["m"], tokens=2, token_delay=0.5,
+                       prompt_delay=1.0)
+        wire = self.stream(node, {"messages": TURN_1})
+        self.clock.advance(0.999)
+        self.assertEqual(wire.transport.value(), b"")  # no headers either, as from an engine
+        self.clock.advance(0.001)
+        self.assertEqual(len(wire.response()[2]), 1)
+        self.clock.advance(0.5)
+        self.assertEqual(len(wire.response()[2]), 2)
+        self.clock.advance(0.5)
+        self.assertTrue(wire.response()[3])
+        final = json.loads(_sse(b"".join(wire.response()[2]))[-2][1])
+        self.assertEqual({k: final["timings"][k] for k in ("cache_n", "prompt_n", "prompt_ms",
+                                                            "predicted_ms")},
+                         {"cache_n": 0, "prompt_n": 8, "prompt_ms": 1000.0,
+                          "predicted_ms": 1000.0})
+        # Without a prompt cache every turn reads its whole prompt, and nothing is counted.
+        again = self.stream(node, {"messages": TURN_2})
+        self.assertFirstByteAfter(again, 1.0)
+        self.assertEqual((self.timings(again)["cache_n"], self.state(node)), (0, (0, 0, 0)))
+        self.assertEqual(self.clock.getDelayedCalls(), [])
+
+    def test_a_held_head_gets_its_first_byte_after_cached_prompt_delay(self):
+        node = SimNode("gpu-c", "llamacpp", models=["m"], tokens=1, prompt_cache=4,
+                       prompt_delay=1.0, cached_prompt_delay=0.25)
+        first = self.stream(node, {"messages": TURN_1})
+        self.assertFirstByteAfter(first, 1.0)
+        self.assertEqual({k: self.timings(first)[k] for k in ("cache_n", "prompt_n", "prompt_ms")},
+                         {"cache_n": 0, "prompt_n": 8, "prompt_ms": 1000.0})
+        self.assertEqual(self.state(node), (0, 1, 1))
+        second = self.stream(node, {"messages": TURN_2})
+        self.assertFirstByteAfter(second, 0.25)
+        # The 8 prompt tokens read last time are reused, the 6 new ones read.
+        self.assertEqual({k: self.timings(second)[k] for k in ("cache_n", "prompt_n", "prompt_ms")},
+                         {"cache_n": 8, "prompt_n": 6, "prompt_ms": 250.0})
+        self.assertEqual(self.state(node), (1, 1, 1))
+        # The same turn again: everything but one token reused, as llama.cpp does.
+        third = self.stream(node, {"messages": TURN_2, "stream_options": {"include_usage": True}})
+        self.assertFirstByteAfter(third, 0.25)
+        self.clock.advance(60.0)
+        final = json.loads(_sse(b"".join(third.response()[2]))[-2][1])
+        self.assertEqual((final["timings"]["cache_n"], final["timings"]["prompt_n"],
+                          final["usage"]["prompt_tokens"]), (13, 1, 14))
+        self.assertEqual(self.state(node), (2, 1, 1))
+
+    def test_the_cache_forgets_the_head_used_longest_ago(self):
+        node = SimNode("gpu-c", "llamacpp", models=["m"], tokens=0, prompt_cache=2)
+
+        def turn(user: str) -> int:
+            wire = self.stream(node, {"messages": [{"role": "user", "content": user}]})
+            return self.timings(wire)["cache_n"]
+
+        # a, b, a (a hit: b is now the oldest), c (evicts b), b (a miss, evicts a), c (a hit)
+        self.assertEqual([turn(u) for u in ("a x", "b x", "a x", "c x", "b x", "c x")],
+                         [0, 0, 1, 0, 0, 1])
+        self.assertEqual(self.state(node), (2, 4, 2))
+
+    def test_heads_are_the_model_the_system_prompt_and_the_first_user_message(self):
+        node = SimNode("gpu-c", "llamacpp", models=["m", "n"], tokens=0, prompt_cache=16)
+
+        def hit(body: dict, path: str = "/v1/chat/completions") -> bool:
+            before = node.cache_hits
+            wire = self.stream(node, body, path)
+            self.clock.advance(60.0)
+            self.assertEqual(wire.response()[0::3], (200, True))
+            return node.cache_hits > before
+
+        self.assertFalse(hit({"messages": TURN_1}))
+        self.assertTrue(hit({"messages": TURN_2}))
+        self.assertFalse(hit({"messages": TURN_2, "model": "n"}))  # another model's cache
+        other_system = [{"role": "system", "content": "you are verbose"}] + TURN_2[1:]
+        self.assertFalse(hit({"messages": other_system}))
+        self.assertFalse(hit({"messages": TURN_2[1:]}))  # no system prompt at all
+        # Anthropic's system field, Responses' instructions and input, a bare prompt.
+        self.assertFalse(hit({"system": "be brief", "max_tokens": 8, "messages": TURN_1[1:]},
+                             "/v1/messages"))
+        self.assertTrue(hit({"system": [{"type": "text", "text": "be brief"}], "max_tokens": 8,
+                             "messages": TURN_2[1:]}, "/v1/messages"))
+        self.assertFalse(hit({"instructions": "be brief", "input": "why"}, "/v1/responses"))
+        self.assertTrue(hit({"instructions": "be brief", "input": "why"}, "/v1/responses"))
+        self.assertFalse(hit({"prompt": "once upon a time"}, "/v1/completions"))
+        self.assertTrue(hit({"prompt": "once upon a time"}, "/v1/completions"))
+        self.assertEqual(self.state(node), (4, 7, 7))
+
+    def test_ollama_reports_the_time_spent_reading_the_prompt(self):
+        node = SimNode("gpu-a", "ollama", models=["llama3"], tokens=1, prompt_cache=1,
+                       prompt_delay=2.0, cached_prompt_delay=0.5)
+        for expected in (2.0, 0.5):
+            wire = _Wire(node, self.clock)
+            wire.send("POST", "/api/chat", {"model": "llama3", "messages": TURN_1})
+            self.assertFirstByteAfter(wire, expected)
+            self.clock.advance(60.0)
+            final = json.loads(wire.response()[2][-1])
+            self.assertEqual((final["prompt_eval_count"], final["prompt_eval_duration"]),
+                             (8, round(expected * 1e9)))
+        self.assertEqual((node.cache_hits, node.cache_misses), (1, 1))
+
+    def test_sim_fault_turns_the_cache_on_and_off(self):
+        node = SimNode("gpu-c", "llamacpp", models=["m"], tokens=0)
+        admin = _Wire(node, self.clock)
+        admin.send("POST", "/_sim/fault", {"prompt_cache": 2, "prompt_delay": 1,
+                                           "cached_prompt_delay": 0.5})
+        self.assertEqual(admin.response()[0], 200)
+        self.assertFirstByteAfter(self.stream(node, {"messages": TURN_1}), 1.0)
+        self.assertFirstByteAfter(self.stream(node, {"messages": TURN_2}), 0.5)
+        node.set_faults({"prompt_cache": 0})  # off: the cache is emptied
+        self.assertEqual(self.state(node), (1, 1, 0))
+        node.set_faults({"prompt_cache": 2})
+        self.assertFirstByteAfter(self.stream(node, {"messages": TURN_2}), 1.0)
+        bad = _Wire(node, self.clock)
+        bad.send("POST", "/_sim/fault", {"prompt_cache": -1})
+        self.assertEqual(bad.response()[0], 400)
+        self.assertIn("prompt_cache must be an integer >= 0", bad.response()[2][0].decode())
+
+
 class SimNodeTests(SynchronousTestCase):
     def test_set_faults_is_all_or_nothing(self):
         node = SimNode("gpu-a", "ollama")
@@ -732,10 +891,11 @@ class LlamaCppTests(_LoopbackCase):
             self.assertEqual(frames[-1], (None, "[DONE]"))
             final = json.loads(frames[-2][1])
             self.assertEqual(final["choices"][0]["finish_reason"], "stop")
-            self.assertEqual((final["timings"]["prompt_n"], final["timings"]["predicted_n"]),
-                             (5, 2))
-            self.assertEqual(set(final["timings"]), {"prompt_n", "prompt_ms", "predicted_n",
-                                                     "predicted_ms", "predicted_per_second"})
+            self.assertEqual((final["timings"]["cache_n"], final["timings"]["prompt_n"],
+                              final["timings"]["predicted_n"]), (0, 5, 2))
+            self.assertEqual(set(final["timings"]), {"cache_n", "prompt_n", "prompt_ms",
+                                                     "predicted_n", "predicted_ms",
+                                                     "predicted_per_second"})
             self.assertEqual("usage" in final, usage)
 
     async def test_non_stream_carries_timings_and_usage(self):
@@ -908,6 +1068,20 @@ class FleetFileTests(SynchronousTestCase):
                 ({"slots": 0}, "slots must be an integer >= 1 (got 0)"),
                 ({"cold_load_delay": -1}, "cold_load_delay must be a number of seconds >= 0"),
                 ({"router": True}, "router is for llamacpp nodes only")):
+            with self.assertRaises(FleetFileError) as caught:
+                parse_fleet({"node": [{"id": "a", "dialect": "ollama", **table}]}, "f.toml")
+            self.assertIn(message, str(caught.exception))
+
+    def test_prompt_cache_keys(self):
+        (node,) = parse_fleet({"node": [{
+            "id": "gpu-c", "dialect": "llamacpp", "models": ["a"], "prompt_cache": 8,
+            "prompt_delay": 1, "cached_prompt_delay": 0.05}]}, "fleet.toml")
+        self.assertEqual((node.prompt_cache, node.prompt_delay, node.cached_prompt_delay),
+                         (8, 1.0, 0.05))
+        for table, message in (
+                ({"prompt_cache": 1.5}, "prompt_cache must be an integer >= 0 (got 1.5)"),
+                ({"prompt_delay": -1}, "prompt_delay must be a number of seconds >= 0"),
+                ({"cached_prompt_delay": "0"}, "cached_prompt_delay must be a number of seconds")):
             with self.assertRaises(FleetFileError) as caught:
                 parse_fleet({"node": [{"id": "a", "dialect": "ollama", **table}]}, "f.toml")
             self.assertIn(message, str(caught.exception))

@@ -29,9 +29,26 @@ Knobs (SimNode fields, fleet-file keys, most also ``/_sim/fault`` fields):
   its slot before its first byte; then the model counts as loaded. Requests for a model that
   is loading wait for the same load.
 - ``router`` (llama.cpp only, default false): see above.
+- ``prompt_delay`` (default 0): seconds a generation reads its prompt before its first byte
+  (headers and first token come together, as from a real engine), when the prompt cache does
+  not hold the conversation's head.
+- ``prompt_cache`` (default 0: off) and ``cached_prompt_delay`` (default 0): the prompt cache
+  (llama.cpp's reuse of a slot's prefix and its host-RAM prompt cache; Ollama and LM Studio
+  inherit both). The node remembers the heads of the last ``prompt_cache`` conversations it
+  generated for, the one used longest ago going first. A head is a digest of the model and
+  the conversation's stable start: the system prompt (``system``, ``instructions`` or a
+  leading system or developer message) and the first user message, or for a bare ``prompt``
+  its first 4 KiB. A generation whose head is held (a hit) reads its prompt in
+  ``cached_prompt_delay`` instead of ``prompt_delay`` and reuses the prompt tokens the node
+  read for that head last time, at most all but one of its own; a miss reads them all. Every
+  generation that starts puts its head first in the cache. llama.cpp reports the split in its
+  ``timings`` as llama.cpp does: ``cache_n`` reused, ``prompt_n`` read (``usage`` still counts
+  the whole prompt); ``prompt_ms`` is the time spent reading. Embeddings never touch the cache.
 
 ``/_sim/state`` also reports ``busy`` and ``queued`` (inference requests running, and waiting
-inside the engine) and ``truth_reads`` (requests to the truth routes).
+inside the engine), ``truth_reads`` (requests to the truth routes), ``cache_hits`` and
+``cache_misses`` (generations whose head the prompt cache held, or did not; both stay 0 while
+``prompt_cache`` is 0) and ``cached_heads`` (the heads it holds now).
 
 Admin routes: ``POST /_sim/fault`` (a JSON object of ``FAULT_FIELDS``) changes a node at
 runtime, ``GET /_sim/state`` reports its fields and what it served, and
@@ -45,7 +62,7 @@ CLI: ``python -m nvpair_proxy.testing.simfleet FLEET.toml`` (the file format is 
 from __future__ import annotations
 
 import hashlib
-from collections import deque
+from collections import OrderedDict, deque
 import json
 import math
 import sys
@@ -67,7 +84,8 @@ DIALECTS = ("ollama", "lmstudio", "llamacpp")
 # The fields POST /_sim/fault may change; identity (id, dialect, port) and records may not.
 FAULT_FIELDS = ("models", "loaded", "tokens", "token_delay", "chunk_size", "status",
                 "hang_before_headers", "headers_delay", "hang_after_headers", "die_after_tokens",
-                "slots", "cold_load_delay")
+                "slots", "cold_load_delay", "prompt_delay", "prompt_cache",
+                "cached_prompt_delay")
 
 _FILLER = "abcdefghijklmnopqrstuvwxyz0123456789"
 
@@ -75,6 +93,8 @@ _FILLER = "abcdefghijklmnopqrstuvwxyz0123456789"
 _SECONDS_PER_PROMPT_TOKEN = 0.001
 _MIN_SECONDS_PER_TOKEN = 0.001
 _LOAD_SECONDS = 0.001
+# How much of a bare prompt (completions, Ollama generate) is its conversation's head.
+_PROMPT_HEAD = 4 * 1024
 
 
 def token_text(node_id: str, index: int, chunk_size: int = 0) -> str:
@@ -185,11 +205,22 @@ class SimNode:
                                          validator=_non_negative_seconds)
     # llama.cpp only: a router (``--models-dir``) that loads any of models on first use.
     router: bool = attrs.field(default=False, validator=_flag)
+    # Seconds a generation reads its prompt before its first byte (a prompt cache miss).
+    prompt_delay: float = attrs.field(default=0.0, converter=_seconds,
+                                      validator=_non_negative_seconds)
+    # Conversation heads the prompt cache holds (0: no cache), and the seconds a generation
+    # whose head it holds reads its prompt instead of prompt_delay.
+    prompt_cache: int = attrs.field(default=0, validator=_int_in(0))
+    cached_prompt_delay: float = attrs.field(default=0.0, converter=_seconds,
+                                             validator=_non_negative_seconds)
     # Inference requests running now, and waiting inside the engine for a slot.
     busy: int = 0
     queued: int = 0
     # Requests to the truth routes (/slots, /api/ps, /api/v0/models, llama.cpp /models).
     truth_reads: int = 0
+    # Generations whose head the prompt cache held, and did not (only while it is on).
+    cache_hits: int = 0
+    cache_misses: int = 0
     # What runs, waits and loads now, shared by every resource serving this node.
     engine: _EngineState = attrs.field(init=False, factory=lambda: _EngineState(),
                                        eq=False, repr=False)
@@ -243,21 +274,50 @@ class SimNode:
         checked = attrs.evolve(self, **changes)
         for name in changes:
             setattr(self, name, getattr(checked, name))
+        self.engine.trim_cache(self.prompt_cache)
+
+    def read_prompt(self, head: bytes | None, prompt_tokens: int) -> tuple[int, float]:
+        """A generation with this ``head`` (None: none) starts: (the prompt tokens it reuses
+        from the prompt cache, the seconds it reads its prompt). Puts the head first in the
+        cache."""
+        if not self.prompt_cache:
+            return 0, self.prompt_delay
+        cache = self.engine.cache
+        held = cache.get(head) if head is not None else None
+        if held is None:
+            self.cache_misses += 1
+        else:
+            self.cache_hits += 1
+        if head is not None:
+            cache[head] = prompt_tokens
+            cache.move_to_end(head)
+            self.engine.trim_cache(self.prompt_cache)
+        if held is None:
+            return 0, self.prompt_delay
+        return min(held, prompt_tokens - 1), self.cached_prompt_delay
 
     def state(self) -> dict[str, Any]:
         """The node as ``/_sim/state`` reports it."""
         fields = attrs.asdict(self, filter=lambda attribute, value: attribute.name != "engine")
-        return {**fields, "served_count": len(self.served)}
+        return {**fields, "served_count": len(self.served),
+                "cached_heads": len(self.engine.cache)}
 
 
 class _EngineState:
     """A node's requests in progress: per slot group (a router's model, else None) the count
-    running and the queue waiting, and per model loading now, who waits for it."""
+    running and the queue waiting, per model loading now, who waits for it, and the prompt
+    cache: each head held -> the prompt tokens last read for it, the one used last at the end."""
 
     def __init__(self) -> None:
         self.busy: dict[str | None, int] = {}
         self.waiting: dict[str | None, deque[tuple[Request, str, dict, str]]] = {}
         self.loading: dict[str, list[tuple[Request, Callable[[], None]]]] = {}
+        self.cache: OrderedDict[bytes, int] = OrderedDict()
+
+    def trim_cache(self, size: int) -> None:
+        """Forget the heads used longest ago beyond ``size``."""
+        while len(self.cache) > size:
+            self.cache.popitem(last=False)
 
 
 # -- wire helpers --------------------------------------------------------------------------
@@ -321,6 +381,48 @@ def _prompt_tokens(body: Mapping[str, Any]) -> int:
                       for key in ("prompt", "system", "instructions", "messages", "input")))
 
 
+def _text_of(value: Any) -> str:
+    """The text of a message's content: a string, or the ``text`` of its parts."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        return "\n".join(_text_of(part.get("text", part.get("content")))
+                         if isinstance(part, dict) else _text_of(part) for part in value)
+    return ""
+
+
+def _conversation_head(model: str, body: Mapping[str, Any]) -> bytes | None:
+    """The digest of what a conversation's every turn starts with (see ``prompt_cache``):
+    the model, the system prompt and the first user message, or a bare prompt's first
+    4 KiB; None for a body without one."""
+    system = _text_of(body.get("system")) or _text_of(body.get("instructions"))
+    first: str | None = None
+    given = body.get("messages")
+    if not isinstance(given, list):
+        given = body.get("input")
+    if isinstance(given, str):
+        first = given
+    elif isinstance(given, list):
+        for message in given:
+            if not isinstance(message, dict):
+                continue
+            role = message.get("role")
+            if role in ("system", "developer") and not system:
+                system = _text_of(message.get("content"))
+            elif role in ("user", None) and "content" in message:
+                first = _text_of(message["content"])
+                break
+    else:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        if isinstance(prompt, str) and prompt:
+            first = prompt[:_PROMPT_HEAD]
+    if first is None:
+        return None
+    return hashlib.sha256(_dumps([model, system, first])).digest()
+
+
 def _embedding(node_id: str, model: str, text: str) -> list[float]:
     digest = hashlib.sha256(f"{node_id}\0{model}\0{text}".encode("utf-8")).digest()
     return [round(byte / 127.5 - 1.0, 6) for byte in digest[:4]]
@@ -346,6 +448,9 @@ class _Job:
     completion_tokens: int
     chunk_size: int
     include_usage: bool
+    # Prompt tokens reused from the prompt cache, and seconds spent reading the rest.
+    cached_tokens: int = 0
+    prompt_seconds: float = 0.0
 
     def text(self, index: int) -> str:
         return token_text(self.node_id, index, self.chunk_size)
@@ -354,7 +459,13 @@ class _Job:
         return "".join(self.text(i) for i in range(self.completion_tokens))
 
     def eval_seconds(self, now: float) -> float:
-        return max(now - self.created, self.completion_tokens * _MIN_SECONDS_PER_TOKEN)
+        return max(now - self.created - self.prompt_seconds,
+                   self.completion_tokens * _MIN_SECONDS_PER_TOKEN)
+
+    def read_seconds(self) -> float:
+        """Seconds spent reading the prompt tokens not reused from the cache."""
+        read = self.prompt_tokens - self.cached_tokens
+        return max(self.prompt_seconds, read * _SECONDS_PER_PROMPT_TOKEN)
 
     def usage(self) -> dict[str, int]:
         return {"prompt_tokens": self.prompt_tokens,
@@ -363,15 +474,16 @@ class _Job:
 
     def timings(self, now: float) -> dict[str, float]:
         predicted_ms = self.eval_seconds(now) * 1000.0
-        return {"prompt_n": self.prompt_tokens,
-                "prompt_ms": self.prompt_tokens * _SECONDS_PER_PROMPT_TOKEN * 1000.0,
+        return {"cache_n": self.cached_tokens,
+                "prompt_n": self.prompt_tokens - self.cached_tokens,
+                "prompt_ms": self.read_seconds() * 1000.0,
                 "predicted_n": self.completion_tokens, "predicted_ms": predicted_ms,
                 "predicted_per_second":
                     self.completion_tokens / predicted_ms * 1000.0 if predicted_ms else 0.0}
 
     def ollama_stats(self, now: float) -> dict[str, int]:
         load = round(_LOAD_SECONDS * 1e9)
-        prompt = round(self.prompt_tokens * _SECONDS_PER_PROMPT_TOKEN * 1e9)
+        prompt = round(self.read_seconds() * 1e9)
         evaluation = round(self.eval_seconds(now) * 1e9)
         return {"total_duration": load + prompt + evaluation, "load_duration": load,
                 "prompt_eval_count": self.prompt_tokens, "prompt_eval_duration": prompt,
@@ -596,9 +708,10 @@ class _Responses:
 class _Generation:
     """Writes one answer as time passes on the injected clock.
 
-    Step ``i`` (at ``i * delay`` after arrival) writes token ``i``; step ``tokens`` the terminal
-    frame (or, off-stream, the whole body: headers come only when generation is done, as
-    with a real engine). It is the request's push producer, so a slow reader slows it.
+    Step ``i`` (at ``i * delay`` after the prompt was read: ``prompt_seconds`` after arrival)
+    writes token ``i``; step ``tokens`` the terminal frame (or, off-stream, the whole body:
+    headers come only with the first byte, as with a real engine). It is the request's push
+    producer, so a slow reader slows it.
     """
 
     def __init__(self, request: Request, clock: IReactorTime, fmt: _Format, job: _Job, streaming: bool,
@@ -622,7 +735,10 @@ class _Generation:
         self._request.setHeader(b"Content-Type", content_type)
         self._request.notifyFinish().addErrback(self._client_gone)
         self._request.registerProducer(self, True)
-        self._run()
+        if self._job.prompt_seconds > 0:
+            self._call = self._clock.callLater(self._job.prompt_seconds, self._run)
+        else:
+            self._run()
 
     def _run(self) -> None:
         """Take every step that is due; steps keep to ``start + i * delay``, so a late
@@ -630,7 +746,8 @@ class _Generation:
         self._call = None
         while not self._done and not self._paused:
             self._take_step()
-            wait = self._job.created + self._step * self._delay - self._clock.seconds()
+            wait = (self._job.created + self._job.prompt_seconds + self._step * self._delay
+                    - self._clock.seconds())
             if not self._done and wait > 0:
                 self._call = self._clock.callLater(wait, self._run)
                 return
@@ -1048,13 +1165,17 @@ class SimNodeResource(Resource):
             return self._json(request, self._embeddings(kind, model, body))
         self._serial += 1
         stream_options = body.get("stream_options")
+        prompt_tokens = _prompt_tokens(body)
+        cached, reading = node.read_prompt(_conversation_head(node.model_key(model), body),
+                                           prompt_tokens)
         job = _Job(node_id=node.node_id, dialect=node.dialect, model=model,
                    reply_id=f"{fmt.id_prefix}{node.node_id}-{self._serial}",
-                   created=self._clock.seconds(), prompt_tokens=_prompt_tokens(body),
+                   created=self._clock.seconds(), prompt_tokens=prompt_tokens,
                    completion_tokens=node.tokens, chunk_size=node.chunk_size,
                    include_usage=(node.dialect == "lmstudio" or
                                   (isinstance(stream_options, dict)
-                                   and stream_options.get("include_usage") is True)))
+                                   and stream_options.get("include_usage") is True)),
+                   cached_tokens=cached, prompt_seconds=reading)
         _Generation(request, self._clock, fmt, job, streaming, node.token_delay,
                     node.die_after_tokens, on_pause=self._stalled).start()
         return NOT_DONE_YET
@@ -1114,7 +1235,9 @@ _FILE_KEYS = {"id": "node_id", "dialect": "dialect", "port": "port", "models": "
               "chunk_size": "chunk_size", "status": "status",
               "hang_before_headers": "hang_before_headers", "headers_delay": "headers_delay",
               "hang_after_headers": "hang_after_headers", "die_after_tokens": "die_after_tokens",
-              "slots": "slots", "cold_load_delay": "cold_load_delay", "router": "router"}
+              "slots": "slots", "cold_load_delay": "cold_load_delay", "router": "router",
+              "prompt_delay": "prompt_delay", "prompt_cache": "prompt_cache",
+              "cached_prompt_delay": "cached_prompt_delay"}
 
 
 def parse_fleet(data: Mapping[str, Any], source: str) -> list[SimNode]:
@@ -1130,6 +1253,9 @@ def parse_fleet(data: Mapping[str, Any], source: str) -> list[SimNode]:
         slots = 1               # requests run at once (default: unlimited); more wait inside
         cold_load_delay = 5.0   # seconds a cold model takes to load on first use
         router = false          # llama.cpp only: a router that loads any of models on demand
+        prompt_delay = 0.5      # seconds before the first byte while reading a prompt
+        prompt_cache = 8        # conversation heads remembered (default 0: no prompt cache)
+        cached_prompt_delay = 0.05  # prompt_delay instead when the cache holds the head
         tokens = 6
         token_delay = 0.05      # seconds between streamed tokens
         chunk_size = 0          # pad each token to about this many bytes
