@@ -46,6 +46,19 @@ class Standing:
         return (self.full, _WARMTH[self.warm], self.busy)
 
 
+def rank_key(node: Node, model: str | None, truth: EngineTruth | None, ours: int,
+             ended_since_read: int = 0) -> tuple[bool, int, int]:
+    """``standing(...).key()`` without the value: the ranking's per-request path."""
+    reported = truth.slots_for(model) if truth is not None else None
+    if reported is None:
+        total, busy = node.slots, ours
+    else:
+        total = reported.total if node.slots is None else min(reported.total, node.slots)
+        busy = max(ours, reported.busy - ended_since_read)
+    warm = truth.is_warm(model) if truth is not None and model is not None else None
+    return (total is not None and busy >= total, _WARMTH[warm], busy)
+
+
 def standing(node: Node, model: str | None, truth: EngineTruth | None, ours: int,
              ended_since_read: int = 0) -> Standing:
     """``ours``: our dispatches in flight to the node now; ``ended_since_read``: ours that

@@ -37,7 +37,7 @@ from ..nodes.engines import Engine
 from ..nodes.selection import order, owners
 from .affinity import AffinityTable
 from .enginetruth import EngineTruth
-from .placement import Standing, standing
+from .placement import Standing, rank_key, standing
 from .reservations import Reservation, ReservationMap
 from .slotqueue import SlotQueue, Waiter
 
@@ -213,10 +213,18 @@ class Router:
 
     def _ranked(self, nodes: Sequence[Node], model: str | None) -> list[Node]:
         """Free before full, warm before cold, fewer busy, node id; held and cooling last."""
+        truth, ended, held, cooling = self._truth, self._ended_since_read, self._held, \
+            self._cooling
         now = self.clock.seconds()
-        keys = {s.node_id: s.key() for s in self.standings(nodes, model)}
-        return sorted(nodes, key=lambda n: (self._is_held(n.id, now),
-                                            self._is_cooling(n.id, now), keys[n.id], n.id))
+
+        def key(node: Node) -> tuple:
+            node_id = node.id
+            return (bool(held) and self._is_held(node_id, now),
+                    bool(cooling) and self._is_cooling(node_id, now),
+                    rank_key(node, model, truth.get(node_id), self._ours(node_id),
+                             ended.get(node_id, 0)), node_id)
+
+        return sorted(nodes, key=key)
 
     def _ours(self, node_id: str) -> int:
         return int(self.reservations.load(node_id)) if self.reservations is not None else 0
@@ -230,6 +238,9 @@ class Router:
         if self.queue is None or model is None or not nodes:
             return False
         now = self.clock.seconds()
+        first = nodes[0].id
+        if not self._is_held(first, now) and not self.standings(nodes[:1], model)[0].full:
+            return False  # the usual case, one owner asked: ranked first and free
         known_full = False
         for item in self.standings(nodes, model):
             if item.full:
@@ -310,18 +321,19 @@ class Router:
         if not self.scheduling or affine is None or model is None or self.queue is None:
             return None
         now = self.clock.seconds()
-        if (affine not in {n.id for n in nodes} or self._is_held(affine, now)
-                or self._is_cooling(affine, now)):
+        node = next((n for n in nodes if n.id == affine), None)
+        if node is None or self._is_held(affine, now) or self._is_cooling(affine, now):
             return None
-        standings = {s.node_id: s for s in self.standings(nodes, model)}
-        mine = standings[affine]
-        free = [s for s in standings.values() if s.node_id != affine and not s.full
-                and not self._is_held(s.node_id, now)]
-        if not mine.full or not free:
-            return None
+        mine = self.standings([node], model)[0]
+        if not mine.full:
+            return None  # the usual case: its node is free, and goes first (``place``)
         rates = self._rates.get(affine)
         if rates is None or rates.prompt_rate is None or rates.service is None:
             return None  # nothing measured: never wait for it
+        free = [s for s in self.standings([n for n in nodes if n.id != affine], model)
+                if not s.full and not self._is_held(s.node_id, now)]
+        if not free:
+            return None
         expected = rates.service * (1 + self.queue.waiting_for(affine)) / max(1, mine.total or 1)
         elsewhere = [r.prompt_rate for s in free
                      if (r := self._rates.get(s.node_id)) is not None and r.prompt_rate]
