@@ -124,6 +124,9 @@ class TruthPoller(Service):
             truth = None
         else:
             self._warned.pop(node.id, None)
+            log.debug("engine truth of {node} read: {said}", node=node.id,
+                      said="nothing" if truth is None else "slots and models",
+                      engine=self.engine.id)
         if node.id in {n.id for n in self.sink.routable()}:
             self.sink.set_truth(node.id, truth)
 

@@ -72,6 +72,11 @@ def tiny_model(test) -> str:
     return path
 
 
+def read_text(path: str) -> str:
+    with open(path, encoding="utf-8", errors="replace") as handle:
+        return handle.read()
+
+
 def _get_json(port: int, path: str, timeout: float = 5.0):
     with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=timeout) as response:
         return json.loads(response.read())
@@ -259,7 +264,13 @@ class FailoverTests(RealEngine, SynchronousTestCase):
         self.start_engine()
         self.start_proxy(dead_first=True)
 
-    def test_a_dead_node_listed_first_fails_over_to_the_engine(self):
+    def test_a_dead_node_listed_first_is_placed_after_the_engine_that_reports_its_model(self):
+        """Standalone placement: once the proxy has read the engine (its /slots and /models:
+        one free slot, the model loaded) and failed to read the dead node, the engine goes
+        first though the dead node comes first by id, and nothing is dispatched to it."""
+        if not wait_until(self.log, lambda: "engine truth of llama read: slots" in read_text(
+                self.log)):
+            self.fail("the proxy never read the engine's truth")
         usages = []
         for stream in (False, True):
             extra = {"stream_options": {"include_usage": True}} if stream else {}
@@ -282,11 +293,9 @@ class FailoverTests(RealEngine, SynchronousTestCase):
                                                      info["state"]))
         self.assertEqual(len(by_id), 2)
         for history in by_id.values():
-            # admitted, dispatched to the dead node (refused), then in the same round to the
-            # engine, which committed it
+            # admitted, dispatched to the engine, which committed it
             self.assertEqual(history, [
                 ("workload:submitted", None, "queued"),
-                ("workload:submitted", "dead", "queued"),
                 ("workload:submitted", "llama", "queued"),
                 ("workload:started", "llama", "running"),
                 ("workload:completed", "llama", "completed")])
