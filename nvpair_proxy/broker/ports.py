@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 import os
+from typing import Callable
 
+from ..core.files import no_step, write_atomically
 from ..core.logs import logger
 from ..core.validate import is_port
 from ..nodes.engines import Engine
@@ -38,18 +40,11 @@ def read_port(state_dir: str, engine: Engine) -> int | None:
     return port
 
 
-def write_port(state_dir: str, engine: Engine, port: int) -> None:
-    """Write atomically (temp file then rename); raises OSError on failure."""
+def write_port(state_dir: str, engine: Engine, port: int,
+               step: Callable[[str], None] = no_step) -> None:
+    """Write atomically: a crash at any point leaves the old file or the new one
+    (``write_atomically``, whose ``step`` seam this passes on); raises OSError on failure."""
     os.makedirs(state_dir, exist_ok=True)
-    path = os.path.join(state_dir, engine.persisted_port_file)
-    temp = f"{path}.{os.getpid()}.tmp"
-    try:
-        with open(temp, "w", encoding="utf-8") as handle:
-            # Compact, exactly ``{"port":N}`` like the existing implementation's files.
-            json.dump({"port": port}, handle, separators=(",", ":"))
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(temp, path)
-    finally:
-        if os.path.exists(temp):
-            os.unlink(temp)
+    # Compact, exactly ``{"port":N}`` like the existing implementation's files.
+    data = json.dumps({"port": port}, separators=(",", ":")).encode()
+    write_atomically(os.path.join(state_dir, engine.persisted_port_file), data, step)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import errno
 import os
+import secrets
 import stat
 from typing import Callable, Iterable, Mapping, TypeVar
 
@@ -23,6 +24,51 @@ T = TypeVar("T")
 
 # Per watched path, its stamp (see ``stamp``).
 Stamps = Mapping[str, object]
+
+# The points ``write_atomically`` passes, in order; its ``step`` seam is called at each.
+WRITE_STEPS = ("created", "written", "synced", "closed", "renamed", "dir-synced")
+
+
+def no_step(name: str) -> None:
+    """``write_atomically``'s seam when nothing is to happen between its steps."""
+
+
+def write_atomically(path: str, data: bytes, step: Callable[[str], None] = no_step) -> None:
+    """Replace ``path``'s content with ``data`` so that a crash at any point leaves the old
+    file or the new one, never a torn one (docs/decisions.md#crash-safe-state).
+
+    A temporary file in the same directory (a rename is atomic only within one file system)
+    is written and fsync'ed, renamed over ``path``, and the directory fsync'ed so the rename
+    itself survives a power loss. A crash leaves at most a ``.tmp`` file beside it, which no
+    reader opens. Raises OSError; on an error nothing is left behind but what was renamed.
+    ``step(name)`` is called at each of ``WRITE_STEPS``: a test's seam to stop the writer there.
+    """
+    folder = os.path.dirname(path) or "."
+    temp = f"{path}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            step("created")
+            handle.write(data)
+            handle.flush()
+            step("written")
+            os.fsync(handle.fileno())
+            step("synced")
+        step("closed")
+        os.replace(temp, path)
+    except BaseException:
+        try:
+            os.unlink(temp)
+        except OSError:
+            pass
+        raise
+    step("renamed")
+    directory = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(directory)
+    finally:
+        os.close(directory)
+    step("dir-synced")
 
 
 def stamp(path: str) -> tuple | None:

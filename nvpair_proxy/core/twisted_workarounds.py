@@ -1,7 +1,7 @@
-"""The one place the proxy touches a private Twisted attribute, and why
+"""The one place the proxy touches private Twisted attributes, and why
 (docs/references.md#twisted-workarounds).
 
-The upstream behaviour worked around, in ``twisted.web.http.HTTPChannel`` (Twisted 26.10):
+The first upstream behaviour worked around, in ``twisted.web.http.HTTPChannel`` (Twisted 26.10):
 ``pauseProducing`` sets ``_waitingForTransport`` and pauses only the producer registered at that
 moment; ``registerProducer`` stores a new push producer without looking at that flag. So a
 producer registered while the client's send buffer is full (``pauseProducing`` came first) is
@@ -15,8 +15,19 @@ HTTPChannel's docstrings cite are about other problems (#8868 is why the channel
 transport at all; #8488 is about which reactor TimeoutMixin uses). Delete this module when
 ``HTTPChannel.registerProducer`` pauses a push producer registered while the channel is paused.
 
-Three more upstream behaviours of ``HTTPChannel`` are worked around in ``server.BoundedChannel``
-through public hooks (``lineReceived``, ``headerReceived``, ``checkPersistence``), none private:
+The second, in ``twisted.web.http._ChunkedTransferDecoder`` (Twisted 26.10): the lines of a
+chunked body's trailer section are kept in ``_trailerHeaders`` without being parsed or checked,
+and no public hook sees them. So ``0\r\nGET /smuggled HTTP/1.1\r\nHost: x\r\n\r\n`` ends one
+request, its "trailers" a request line and a header, where a strict parser refuses the
+trailer (h11) and a front end that ends the body at the last chunk forwards a second request
+we never answer: the two disagree on how many requests the connection carried.
+``trailer_lines`` reads them (through the channel's ``_transferDecoder``, also private) so
+``server.BoundedChannel`` refuses a line that is not a field line. Delete it when Twisted
+validates trailer fields or exposes them.
+
+Five more upstream behaviours of ``HTTPChannel`` are worked around in ``server.BoundedChannel``
+through public hooks (``lineReceived``, ``headerReceived``, ``checkPersistence``), none private
+(the framings refused are listed with their reasons in docs/decisions.md#request-framing):
 
 - the request target: ``_parseRequestLine`` accepts any printable target and ``Request`` keeps
   it as ``uri``, so ``7/api/version``, ``*`` or an absolute URL reached the resource as is, and
@@ -27,6 +38,14 @@ through public hooks (``lineReceived``, ``headerReceived``, ``checkPersistence``
   it and no length has no body, so its body is read as the next request) and accepts it
   before ``chunked``. RFC 9112 6.3 wants anything but a single final ``chunked`` refused: 400
   and a close.
+- control characters: ``headerReceived`` refuses CR, LF and NUL in a field but keeps every
+  other control character, a vertical tab or form feed included, and the proxy forwarded it;
+  a strict parser (h11) refuses the line, others read it as whitespace. RFC 9110 5.5 makes
+  them invalid: 400 and a close.
+- obsolete line folding: ``lineReceived`` joins a folded line to the header before it, so
+  ``Content-Length:\r\n 68`` framed a 68-byte body where a parser that does not unfold reads
+  an empty length. A folded ``Content-Length`` or ``Transfer-Encoding`` is answered 400 and
+  a close; other folded headers are unfolded (RFC 9112 5.2 allows either).
 - ``Connection``: ``checkPersistence`` splits the first ``Connection`` line on spaces, so
   ``close, te`` (the token read as ``close,``) kept the connection open for a pipelined next
   request. Ours reads every line as the comma-separated list RFC 9110 7.6.1 defines.
@@ -34,6 +53,7 @@ through public hooks (``lineReceived``, ``headerReceived``, ``checkPersistence``
 
 from __future__ import annotations
 
+from twisted.web.http import HTTPChannel
 from twisted.web.server import Request
 
 
@@ -41,3 +61,10 @@ def channel_paused(request: Request) -> bool:
     """Whether the client connection has asked the request's channel to stop producing (and
     not yet to resume): a producer registered now must be paused by its registrant."""
     return request.channel is not None and bool(request.channel._waitingForTransport)
+
+
+def trailer_lines(channel: HTTPChannel) -> list[bytes]:
+    """The trailer section's lines of the chunked request body just read, as received: empty
+    when the body was not chunked. Valid only until the channel's ``allContentReceived`` runs."""
+    decoder = getattr(channel, "_transferDecoder", None)
+    return [bytes(line) for line in getattr(decoder, "_trailerHeaders", ())]

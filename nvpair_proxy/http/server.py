@@ -19,6 +19,11 @@ front end before us would (twisted_workarounds lists what twisted.web does other
   is answered 400 and the connection closes;
 - ``Transfer-Encoding`` other than a single ``chunked`` is answered 400 and the connection
   closes (RFC 9112 6.3), so no byte of a body can be read as a request of its own;
+- a control character other than HTAB in a header field (RFC 9110 5.5), a ``Content-Length`` or
+  ``Transfer-Encoding`` continued by obsolete line folding (RFC 9112 5.2), and a trailer line
+  that is no field line or names a framing header (RFC 9112 7.1.2) are answered 400 and the
+  connection closes: each is read one way by twisted.web and another by a strict parser
+  (docs/decisions.md#request-framing);
 - ``Connection`` is a comma-separated list: ``close, te`` closes the connection after the answer.
 
 The Site builds this channel through its ``protocol`` attribute and is given, by whoever builds
@@ -27,6 +32,7 @@ the Site, the reporter a 413 goes to, so a request never looks for the facade it
 
 from __future__ import annotations
 
+import re
 from typing import Callable
 
 from twisted.internet.interfaces import IDelayedCall, ITCPTransport
@@ -40,11 +46,20 @@ from twisted.web.server import Request, Site
 from ..core import constants
 from ..core.logs import log_access
 from ..core.timers import cancel_pending
+from ..core.twisted_workarounds import trailer_lines
 from .answers import BODY_TOO_LARGE, Reason, raw_error
 from .target import BadTarget, origin_form
 
 # method, request target (query included), status, reason, its detail
 Rejected = Callable[..., None]
+
+# What a header field may not hold: a control character other than HTAB (RFC 9110 5.5). CR, LF
+# and NUL twisted.web refuses itself; a vertical tab or form feed it keeps, and forwards.
+_CONTROL = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
+# A field line (RFC 9110 5.1): a token, a colon, a value; for trailer lines, which twisted.web
+# keeps unread.
+_FIELD_LINE = re.compile(rb"[!#$%&'*+.^_`|~0-9A-Za-z-]+:[^\x00-\x08\x0a-\x1f\x7f]*")
+_FRAMING = (b"content-length", b"transfer-encoding")
 
 
 def _not_reported(method: bytes, target: bytes, status: int, reason: Reason,
@@ -75,6 +90,9 @@ class BoundedChannel(HTTPChannel):
         self._request_line_seen: Callable[[], None] | None = None
         self._header_timer: IDelayedCall | None = None
         self._refused = False
+        # Whether the last header line read was Content-Length or Transfer-Encoding, which an
+        # obs-fold may not continue.
+        self._framing_line = False
 
     def expect_request_line(self, seen: Callable[[], None]) -> None:
         """Call ``seen`` once, when the connection's first request line is complete."""
@@ -92,6 +110,13 @@ class BoundedChannel(HTTPChannel):
             if rewritten is None:
                 return
             line = rewritten
+        elif not self._between_requests and line:
+            if line[:1] in (b" ", b"\t"):
+                if self._framing_line:
+                    self.refuse(Reason.BAD_FRAMING, "a folded Content-Length or Transfer-Encoding")
+                    return
+            else:
+                self._framing_line = line.partition(b":")[0].lower() in _FRAMING
         super().lineReceived(line)
 
     def _got_request_line(self, line: bytes) -> bytes | None:
@@ -120,6 +145,9 @@ class BoundedChannel(HTTPChannel):
         if (colon and len(name) == 17 and name.lower() == b"transfer-encoding"
                 and value.strip(b" \t").lower() != b"chunked"):
             self.refuse(Reason.BAD_FRAMING, "a transfer coding other than a single chunked")
+            return False
+        if _CONTROL.search(line):
+            self.refuse(Reason.BAD_FRAMING, "a control character in a header field")
             return False
         return super().headerReceived(line)
 
@@ -161,6 +189,14 @@ class BoundedChannel(HTTPChannel):
     def allContentReceived(self) -> None:
         # Before the request is processed: a pipelined request may be parsed from inside it.
         self._between_requests = True
+        self._framing_line = False
+        for line in trailer_lines(self):
+            if (not _FIELD_LINE.fullmatch(line)
+                    or line.partition(b":")[0].lower() in _FRAMING):
+                # The request is never processed: a line a strict parser refuses, or one that
+                # reads as a request line to a front end that ended the body at ``0\r\n``.
+                self.refuse(Reason.BAD_FRAMING, "a trailer line that is not a field")
+                return
         super().allContentReceived()
 
     def connectionLost(self, reason: Failure = connectionDone) -> None:
