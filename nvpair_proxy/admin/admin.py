@@ -21,6 +21,7 @@ from twisted.web.resource import Resource
 from twisted.web.server import Request
 
 from ..core import constants
+from ..core.acceptguard import listen_tcp
 from ..core.interfaces import IStatusSource
 from ..core.logs import logger
 from ..core.validate import is_loopback, split_host_port
@@ -127,7 +128,7 @@ class AdminService(Service):
                            reactor=self.reactor, timeout=constants.SERVER_IDLE_TIMEOUT)
         host, port = self.address
         try:
-            self.listening = self.reactor.listenTCP(port, site, interface=host)
+            self.listening = listen_tcp(self.reactor, port, site, host, "admin")
         except CannotListenError as exc:
             raise SystemExit(f"nvpair-proxy: --admin: cannot listen on {host} port {port}: "
                              f"{exc.socketError}") from None

@@ -77,3 +77,13 @@ TRUTH_MAX_BODY = 1024 * 1024
 TRUTH_MAX_MODEL_SLOTS = 8
 # Late binding: the requests one facade keeps waiting for a free slot (--queue-depth).
 QUEUE_DEPTH = 1000
+
+# Listening ports at the descriptor limit (docs/decisions.md#descriptor-limit): accepting stops
+# ACCEPT_PAUSE at a time once client connections hold half of the descriptors left after
+# ACCEPT_RESERVE for the process's own files, or an accept fails for want of one; while that
+# lasts, at most one warn line per ACCEPT_LOG_INTERVAL.
+ACCEPT_PAUSE = 0.25
+ACCEPT_RESERVE = 32
+ACCEPT_LOG_INTERVAL = 10.0
+# The kernel's queue of connections waiting to be accepted (capped by net.core.somaxconn).
+ACCEPT_BACKLOG = 1024

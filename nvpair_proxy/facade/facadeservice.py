@@ -21,6 +21,7 @@ from twisted.internet.error import CannotListenError
 from ..cluster.admission import LocalBackend, admit_into
 from ..cluster.trust import ClusterDirectory, tls_ingress
 from ..core import constants
+from ..core.acceptguard import listen_tcp
 from ..core.logs import logger
 from ..core.views import FacadeView
 from ..fleet.inventory import Prober
@@ -42,7 +43,7 @@ def listen_on(reactor) -> Callable:
     def listen(port: int, factory, interface: str):
         if interface == "::":
             return listen_everywhere(reactor, port, factory)
-        return reactor.listenTCP(port, factory, interface=interface)
+        return listen_tcp(reactor, port, factory, interface, "facade alias")
     return listen
 
 

@@ -20,6 +20,7 @@ from twisted.python.failure import Failure
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Request
 
+from ..core.acceptguard import listen_tcp
 from ..core.constants import SERVER_HEADER_READ_TIMEOUT
 from ..core.logs import logger
 from ..core.timers import cancel_pending
@@ -157,8 +158,8 @@ def listen_everywhere(reactor, port: int, factory: ServerFactory, interface: str
     """Listen on every address, IPv4 and IPv6 (dual stack), else IPv4 only."""
     from twisted.internet.error import CannotListenError
     try:
-        return reactor.listenTCP(port, factory, interface=interface)
+        return listen_tcp(reactor, port, factory, interface, "facade")
     except CannotListenError as exc:
         if interface != "::" or "Address family not supported" not in str(exc.socketError):
             raise
-        return reactor.listenTCP(port, factory, interface="0.0.0.0")
+        return listen_tcp(reactor, port, factory, "0.0.0.0", "facade")

@@ -34,7 +34,8 @@ SCRIPT_FOLDERS = ("bench", "bin")
 LAYERS = (
     # Foundations: no knowledge of engines, nodes or requests.
     ("core", ("constants", "views", "interfaces", "timers", "logs", "logformat", "files",
-              "validate", "memo", "warnonce", "sdnotify", "twisted_workarounds")),
+              "validate", "memo", "warnonce", "sdnotify", "twisted_workarounds",
+              "acceptguard")),
     # HTTP on the wire, both sides, and the proxy's own answers.
     ("http", ("hopbyhop", "loopguard", "target", "requestbody", "relay", "responsewire", "pool",
               "client", "agentpools", "keypair", "answers", "server")),
