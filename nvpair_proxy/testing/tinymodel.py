@@ -18,7 +18,8 @@ KV cache of a full context is 8 MB.
 
 Other shapes of the same model are written with ``shape``: ``FLEET`` is about 25M parameters
 (width 512, eight layers), big enough that prefill and decode cost real time on one thread,
-for ``bench/fleet``'s placement runs. The default, ``TINY``, is the file above, byte for byte.
+for ``bench/fleet``'s placement runs; its context, 8,192 tokens, holds a conversation of many
+long turns (its KV cache takes 16 KiB a token). The default, ``TINY``, is the file above, byte for byte.
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ class Shape:
 TINY = Shape(embed=64, layers=2, feed_forward=128, heads=4, context=16384, name="nvpair-tiny")
 #: bench/fleet's: about 25M parameters, so a 2,000-token prompt costs about a second of one
 #: thread and every generated token milliseconds.
-FLEET = Shape(embed=512, layers=8, feed_forward=1376, heads=8, context=4096,
+FLEET = Shape(embed=512, layers=8, feed_forward=1376, heads=8, context=8192,
               name="nvpair-fleet-25m", std=0.05)
 CONTEXT = TINY.context
 
