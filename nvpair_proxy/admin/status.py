@@ -160,7 +160,9 @@ def engine_report(report: EngineView) -> dict:
             "read_age_s": None if report.read_age is None else round(report.read_age, 3),
             "service_s": None if report.service is None else round(report.service, 3),
             "prompt_tokens_per_second": None if report.prompt_rate is None
-            else round(report.prompt_rate, 1)}
+            else round(report.prompt_rate, 1),
+            "prompt_bytes_per_token": None if report.bytes_per_token is None
+            else round(report.bytes_per_token, 2)}
 
 
 def recent_status(recorder: Recorder) -> list[dict]:

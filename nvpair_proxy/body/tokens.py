@@ -144,10 +144,18 @@ class Figures:
     #: Prompt tokens the engine processed per second (llama.cpp ``prompt_per_second``, Ollama
     #: ``prompt_eval_count`` over ``prompt_eval_duration``): what placement weighs a re-read by.
     prompt_rate: float | None = None
+    #: Prompt tokens the engine read for this request (llama.cpp ``timings.prompt_n``, Ollama
+    #: ``prompt_eval_count``): fewer than the prompt's when it reused a cache.
+    prompt_read: int | None = None
+    #: The whole prompt's tokens, cached ones included: ``usage``, else llama.cpp
+    #: ``prompt_n + cache_n``, else the count ``prompt`` reads. Placement weighs a body's bytes
+    #: by it; ``promptTokens`` keeps the wire's reading (``prompt``).
+    prompt_seen: int | None = None
 
 
 _USAGE_KEYS = ("prompt_tokens", "completion_tokens", "input_tokens", "output_tokens")
-_TIMINGS_KEYS = ("prompt_n", "predicted_n", "predicted_per_second", "prompt_per_second")
+_TIMINGS_KEYS = ("prompt_n", "predicted_n", "predicted_per_second", "prompt_per_second",
+                 "cache_n")
 
 
 def read_figures(tail: bytes | bytearray) -> Figures:
@@ -209,7 +217,18 @@ def read_figures(tail: bytes | bytearray) -> Figures:
     if prompt_rate is None and (evaluated := _last_int(_PROMPT_EVAL_COUNT, text)) and (
             duration := _last_int(_PROMPT_EVAL_DURATION, text)):
         prompt_rate = evaluated / (duration / 1e9)
-    return Figures(prompt=prompt, completion=completion, rate=rate, prompt_rate=prompt_rate)
+    prompt_read = _count(timings.get("prompt_n"))
+    if prompt_read is None:
+        prompt_read = _last_int(_PROMPT_EVAL_COUNT, text)
+    prompt_seen = usage.get("prompt_tokens")
+    if prompt_seen is None:
+        prompt_seen = usage.get("input_tokens")
+    if prompt_seen is None and (read := _count(timings.get("prompt_n"))) is not None:
+        prompt_seen = read + (_count(timings.get("cache_n")) or 0)
+    if prompt_seen is None:
+        prompt_seen = prompt
+    return Figures(prompt=prompt, completion=completion, rate=rate, prompt_rate=prompt_rate,
+                   prompt_read=prompt_read, prompt_seen=prompt_seen)
 
 
 def measure(tail: bytes | bytearray, events: int, *, admitted_at: float,

@@ -81,8 +81,8 @@ class IRouter(Interface):
     def served(node_id: str, seconds: float) -> None:
         """One request's time on the node, from its dispatch to its end."""
 
-    def rate_read(node_id: str, prompt_rate: float | None) -> None:
-        """The prompt rate a response's tail said (None: none reported)."""
+    def rate_read(node_id: str, reading) -> None:
+        """The prompt figures a response's tail said (a routing.rates.PromptReading)."""
 
     def affinity_wait(nodes: list, model: str | None, key: bytes | None, size: int):
         """(node, seconds) to wait for a full conversation's node, or None to go elsewhere."""

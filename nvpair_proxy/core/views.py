@@ -69,9 +69,11 @@ class EngineView:
     warm: tuple[str, ...] | None
     read_age: float | None
     #: What the node's recent requests measured (affinity's spill rule): seconds to serve
-    #: one, and prompt tokens per second its engine reported; None until measured.
+    #: one, prompt tokens per second its engine reported, and request-body bytes per prompt
+    #: token; None until measured.
     service: float | None = None
     prompt_rate: float | None = None
+    bytes_per_token: float | None = None
 
 
 @attrs.frozen

@@ -21,6 +21,7 @@ from ..core.interfaces import IRouter
 from ..http.answers import CLUSTER_AUTH, NO_LOCAL_BACKEND, Reason, send_error
 from ..nodes.discovery import Node
 from ..request.exchange import Exchange
+from ..routing.rates import PromptReading
 from .facade import Facade, answered_before_routing, report_rejection
 
 if TYPE_CHECKING:
@@ -66,7 +67,7 @@ class LocalBackendRoute:
     def served(self, node_id: str, seconds: float) -> None:
         pass
 
-    def rate_read(self, node_id: str, prompt_rate: float | None) -> None:
+    def rate_read(self, node_id: str, reading: PromptReading) -> None:
         pass
 
     def affinity_wait(self, nodes: list[Node], model: str | None, key: bytes | None,

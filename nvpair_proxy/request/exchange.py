@@ -29,6 +29,7 @@ from ..nodes.engines import Engine
 from ..routing.router import retry_after
 from .attempt import Committed, UpstreamRequest
 from ..routing.affinity import affinity_key
+from ..routing.rates import PromptReading
 from .dispatch import Answer, Dispatch, Gone, Job, Upstreams, retryable_status
 from .events import (BACKSTOP, CANCELLED, CLIENT_GONE, COMPLETED, FAILED, SHUTDOWN, Reporter,
                      Workload, route_class)
@@ -306,7 +307,11 @@ class Exchange:
             node = stream.node_id
             if self.router.wants_rate(node):
                 figures = stream.figures()
-                self.router.rate_read(node, figures.prompt_rate if figures is not None else None)
+                size = self.dispatch.job.size if self.dispatch is not None else 0
+                self.router.rate_read(node, PromptReading(size=size) if figures is None else
+                                      PromptReading(rate=figures.prompt_rate,
+                                                    read=figures.prompt_read,
+                                                    seen=figures.prompt_seen, size=size))
             self.router.served(node, self.clock.seconds() - self.dispatched_at)
         if 200 <= code < 300:
             self._end(COMPLETED, None, status=code, stats=stats, note=stream.idle_note)

@@ -38,6 +38,7 @@ from ..nodes.selection import order, owners
 from .affinity import AffinityTable
 from .enginetruth import EngineTruth
 from .placement import Standing, rank_key, standing
+from .rates import RATE_READ_INTERVAL, NodeRates, PromptReading
 from .reservations import Reservation, ReservationMap
 from .slotqueue import SlotQueue, Waiter
 
@@ -297,11 +298,11 @@ class Router:
         if rates is not None:
             rates.served(seconds)
 
-    def rate_read(self, node_id: str, prompt_rate: float | None) -> None:
-        """The prompt rate a response's tail said (None: the engine reports none)."""
+    def rate_read(self, node_id: str, reading: PromptReading) -> None:
+        """The prompt figures a response's tail said."""
         rates = self._rates_of(node_id)
         if rates is not None:
-            rates.rate_read(prompt_rate, self.clock.seconds())
+            rates.rate_read(reading, self.clock.seconds())
 
     def _rates_of(self, node_id: str) -> NodeRates | None:
         if node_id not in self.nodes:
@@ -337,7 +338,7 @@ class Router:
         expected = rates.service * (1 + self.queue.waiting_for(affine)) / max(1, mine.total or 1)
         elsewhere = [r.prompt_rate for s in free
                      if (r := self._rates.get(s.node_id)) is not None and r.prompt_rate]
-        reread = (size / BYTES_PER_TOKEN) / max(elsewhere or [rates.prompt_rate])
+        reread = rates.tokens(size) / max(elsewhere or [rates.prompt_rate])
         if expected >= reread:
             return None
         return affine, min(rates.service, reread)
@@ -495,7 +496,8 @@ class Router:
                                     warm=warm,
                                     read_age=None if truth is None else now - truth.read_at,
                                     service=rates.service if rates else None,
-                                    prompt_rate=rates.prompt_rate if rates else None))
+                                    prompt_rate=rates.prompt_rate if rates else None,
+                                    bytes_per_token=rates.bytes_per_token if rates else None))
         return tuple(views)
 
     # An attempt whose target left the routable set is abandoned
@@ -563,36 +565,6 @@ class Router:
     def _remaining(self, table: dict[str, float]) -> dict[str, float]:
         now = self.clock.seconds()
         return {node_id: until - now for node_id, until in sorted(table.items()) if until > now}
-
-
-#: A request body's bytes per prompt token, for the spill rule's estimate of a re-read: about
-#: four characters a token for English text and code, JSON quoting included.
-BYTES_PER_TOKEN = 4.0
-#: How much each new observation moves a node's measured rates.
-RATE_WEIGHT = 0.3
-#: Seconds between two reads of a node's prompt rate from a response's tail.
-RATE_READ_INTERVAL = 1.0
-
-
-@attrs.define
-class NodeRates:
-    """What a node's recent requests say: seconds to serve one (dispatch to end) and the
-    prompt tokens per second its engine reported, each a moving average."""
-
-    service: float | None = None
-    prompt_rate: float | None = None
-    #: When a response's tail was last read for the prompt rate (None: never).
-    rate_read_at: float | None = None
-
-    def served(self, seconds: float) -> None:
-        self.service = seconds if self.service is None else (
-            self.service + RATE_WEIGHT * (seconds - self.service))
-
-    def rate_read(self, prompt_rate: float | None, now: float) -> None:
-        self.rate_read_at = now
-        if prompt_rate:
-            self.prompt_rate = prompt_rate if self.prompt_rate is None else (
-                self.prompt_rate + RATE_WEIGHT * (prompt_rate - self.prompt_rate))
 
 
 def retry_after(seconds: float) -> int:

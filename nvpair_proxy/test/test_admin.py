@@ -776,10 +776,12 @@ class SchedulerStatusTests(WorldTestCase):
         self.assertEqual(reports["a"], {"slots_total": 1, "slots_busy": 1, "ours": 1,
                                         "reported_busy": 0, "warm": ["llama3:latest"],
                                         "read_age_s": 2.0, "service_s": None,
-                                        "prompt_tokens_per_second": None})
+                                        "prompt_tokens_per_second": None,
+                                        "prompt_bytes_per_token": None})
         self.assertEqual(reports["b"], {"slots_total": 2, "slots_busy": 2, "ours": 0,
                                         "reported_busy": 2, "warm": None, "read_age_s": 2.0,
-                                        "service_s": None, "prompt_tokens_per_second": None})
+                                        "service_s": None, "prompt_tokens_per_second": None,
+                                        "prompt_bytes_per_token": None})
         samples = scraped(view)
         self.assertEqual(total(samples, "nvpair_proxy_queue_depth", engine="ollama"), 1)
         self.assertEqual(by_labels(samples, "nvpair_proxy_node_slots", "node", "state"),

@@ -200,19 +200,26 @@ class PlacementTests(WorldTestCase):
         self.assertEqual(node, "b", "no timings from a: spill at once")
         w.agent.requests[1].respond(200, NDJSON, DONE, finish=True)
 
-    def measured(self, w, prompt_per_second: float = 100.0) -> None:
-        """a served a request of conversation "seed" in 2 s, at a measured prompt rate: with
-        the conversation's own first turn (0 s), a's time to serve one is 0.6 s (a moving
-        average weighting each new request 0.3)."""
-        client = w.send("POST", "/api/chat", chat("seed"))
+    def measured(self, w, prompt_per_second: float = 100.0,
+                 bytes_per_token: float = 4.0) -> None:
+        """a served a request of conversation "seed" in 2 s, at a measured prompt rate and
+        a measured number of body bytes per prompt token: with the conversation's own first
+        turn (0 s), a's time to serve one is 0.6 s (a moving average weighting each new
+        request 0.3)."""
+        body = chat("seed " * 100)
+        size = len(json.dumps(body))
+        client = w.send("POST", "/api/chat", body)
         self.assertEqual(node_of(w.agent.last), "a")
         w.clock.advance(2)
         w.agent.last.respond(200, NDJSON, json.dumps(
-            {"done": True, "timings": {"prompt_n": 10, "predicted_n": 5,
-                                       "predicted_per_second": 50.0,
+            {"done": True, "timings": {"prompt_n": 64, "cache_n": round(size / bytes_per_token) - 64,
+                                       "predicted_n": 5, "predicted_per_second": 50.0,
                                        "prompt_per_second": prompt_per_second}}).encode()
             + b"\n", finish=True)
         self.assertEqual(client.response().status, 200)
+        view = next(v for v in w.facade.router.view().engines if v.node == "a")
+        self.assertEqual(view.prompt_rate, prompt_per_second)
+        self.assertLess(abs(view.bytes_per_token - bytes_per_token), 0.01)
 
     def test_a_full_node_is_waited_for_when_rereading_elsewhere_costs_more(self):
         w = self.sticky("a", "b", first=LONG)
@@ -255,6 +262,51 @@ class PlacementTests(WorldTestCase):
         node, _ = self.turn(w, chat("one", "next"))
         self.assertEqual(node, "b")
         w.agent.requests[2].respond(200, NDJSON, DONE, finish=True)
+
+    def test_a_measured_bytes_per_token_turns_a_spill_into_a_wait(self):
+        """A 4 KB conversation on a node reading 3,000 prompt tokens a second: at 4 bytes a
+        token re-reading it elsewhere takes 0.34 s, less than the 0.6 s a's next slot is
+        expected in, so it spills; where the engine has shown a byte a token, re-reading
+        takes 1.35 s and the turn waits for a."""
+        for bytes_per_token, expected in ((4.0, "b"), (1.0, "a")):
+            w = self.sticky("a", "b", first=LONG)
+            self.measured(w, prompt_per_second=3000.0, bytes_per_token=bytes_per_token)
+            self.tell(w, "a", total=1)
+            self.tell(w, "b", total=1)
+            self.turn(w, chat("other"), answer=False)
+            client = w.send("POST", "/api/chat", chat(LONG, "next"))
+            w.agent.requests[2].respond(200, NDJSON, DONE, finish=True)
+            w.clock.advance(0)
+            self.assertEqual(node_of(w.agent.last), expected, bytes_per_token)
+            w.agent.last.respond(200, NDJSON, DONE, finish=True)
+            self.assertEqual(client.response().status, 200)
+
+    def test_a_reading_of_a_few_prompt_tokens_moves_no_figure(self):
+        """A cache hit that read 10 new tokens says little of the engine's prompt rate (its
+        fixed cost per request dominates) and of bytes per token (the JSON envelope does)."""
+        w = self.fleet("a")
+
+        def served(timings: dict) -> None:
+            client = w.send("POST", "/api/chat", chat("seed " * 100))
+            w.clock.advance(1)
+            w.agent.last.respond(200, NDJSON, json.dumps(
+                {"done": True, "timings": timings}).encode() + b"\n", finish=True)
+            self.assertEqual(client.response().status, 200)
+
+        def report():
+            view, = w.facade.router.view().engines
+            return view.prompt_rate, view.bytes_per_token
+
+        size = len(json.dumps(chat("seed " * 100)))
+        self.assertGreater(size, 500)
+        served({"prompt_n": size // 2, "prompt_per_second": 400.0})
+        first = size / (size // 2)
+        self.assertEqual(report(), (400.0, first))
+        served({"prompt_n": 10, "prompt_per_second": 20.0})
+        self.assertEqual(report(), (400.0, first), "10 tokens read: unchanged")
+        served({"prompt_n": 10, "cache_n": size - 10, "prompt_per_second": 20.0})
+        self.assertEqual(report(), (400.0, first + 0.3 * (1.0 - first)),
+                         "a whole prompt of many tokens moves bytes per token, not the rate")
 
     def test_a_nodes_prompt_rate_is_read_from_a_tail_at_most_once_a_second(self):
         w = self.fleet("a")

@@ -42,7 +42,7 @@ LAYERS = (
     ("body", ("frames", "tokens")),
     # The model: engines and nodes.
     ("nodes", ("engines", "selfcheck", "discovery", "selection", "slots")),
-    ("routing", ("reservations", "enginetruth", "placement", "slotqueue", "affinity",
+    ("routing", ("reservations", "enginetruth", "placement", "slotqueue", "affinity", "rates",
                  "router")),
     ("standalone", ("engineaccess", "nodesfile")),
     # The request path, top to bottom.
@@ -63,7 +63,8 @@ NOT_PRODUCT = ("test", "testing", "engine_files")
 NO_TWISTED = ("core.constants", "core.views", "core.files", "core.validate", "core.memo",
               "core.warnonce", "http.target", "http.responsewire", "body.frames", "body.tokens",
               "nodes.engines", "nodes.selfcheck", "nodes.selection", "nodes.slots",
-              "routing.reservations", "routing.enginetruth", "routing.placement")
+              "routing.reservations", "routing.enginetruth", "routing.placement",
+              "routing.rates")
 
 
 def product_modules() -> list[str]:

@@ -423,6 +423,37 @@ class MeasureTests(SynchronousTestCase):
         self.assertEqual(measure(observer), measure(observer))
 
 
+class PromptFiguresTests(SynchronousTestCase):
+    """What placement reads besides the wire's stats: the prompt tokens an engine read for a
+    request and the whole prompt's tokens, cached ones included."""
+
+    def test_llamacpp_timings_count_the_cached_prefix_in_the_whole_prompt(self):
+        figures = tokens.read_figures(json.dumps({"timings": {
+            "cache_n": 900, "prompt_n": 100, "prompt_per_second": 250.0,
+            "predicted_n": 5}}).encode())
+        self.assertEqual((figures.prompt, figures.prompt_read, figures.prompt_seen,
+                          figures.prompt_rate), (100, 100, 1000, 250.0),
+                         "promptTokens keeps the wire's reading; placement sees 1000")
+
+    def test_usage_is_the_whole_prompt_and_timings_what_was_read(self):
+        figures = tokens.read_figures(json.dumps({
+            "usage": {"prompt_tokens": 1000, "completion_tokens": 5},
+            "timings": {"cache_n": 990, "prompt_n": 10}}).encode())
+        self.assertEqual((figures.prompt, figures.prompt_read, figures.prompt_seen),
+                         (1000, 10, 1000))
+
+    def test_ollama_counts_what_it_evaluated(self):
+        figures = tokens.read_figures(json.dumps({
+            "done": True, "prompt_eval_count": 300, "prompt_eval_duration": 1_500_000_000,
+            "eval_count": 4, "eval_duration": 100_000_000}).encode())
+        self.assertEqual((figures.prompt_read, figures.prompt_seen, figures.prompt_rate),
+                         (300, 300, 200.0))
+
+    def test_nothing_reported_is_none(self):
+        figures = tokens.read_figures(b'{"done":true}')
+        self.assertEqual((figures.prompt_read, figures.prompt_seen), (None, None))
+
+
 class HygieneTests(SynchronousTestCase):
     """The module stays pure and never shows body bytes."""
 
