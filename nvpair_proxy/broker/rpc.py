@@ -67,6 +67,10 @@ _STRICT = json.JSONEncoder(separators=(",", ":"), allow_nan=False)
 _LENIENT = json.JSONEncoder(separators=(",", ":"), allow_nan=True)
 
 
+#: A string as compact JSON, as the encoders above write it.
+quoted = json.encoder.encode_basestring_ascii
+
+
 def _encode(value: Any, strict: bool = True) -> bytes:
     """Compact JSON; ``strict`` refuses what is not JSON (NaN, Infinity) rather than write it."""
     return (_STRICT if strict else _LENIENT).encode(value).encode()
@@ -149,6 +153,7 @@ class RpcLink:
         self.dispatch = dispatch
         self.framer = LineFramer(self.line_received, lambda reason: on_closed())
         self.after_answer: list[Callable[[], None]] = []
+        self._heads: dict[tuple[str | None, str], str] = {}
 
     def is_open(self) -> bool:
         """Whether the link to the broker is open now (the admin listener shows it)."""
@@ -157,6 +162,16 @@ class RpcLink:
     def notify(self, method: str, params: dict, engine: str | None = None) -> None:
         name = f"{engine}:{method}" if engine else method
         self.framer.send({"jsonrpc": "2.0", "method": name, "params": params})
+
+    def notify_json(self, method: str, params: str, engine: str | None = None) -> None:
+        """``params`` spliced into the line that :meth:`notify` would write for them."""
+        key = (engine, method)
+        head = self._heads.get(key)
+        if head is None:
+            name = f"{engine}:{method}" if engine else method
+            # A few per engine: the events of every request (workload:*, proxy/request*).
+            head = self._heads[key] = '{"jsonrpc":"2.0","method":' + quoted(name) + ',"params":'
+        self.framer.write((head + params + "}").encode(), method)
 
     def line_received(self, line: bytes) -> None:
         if not line.strip():

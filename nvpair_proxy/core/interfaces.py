@@ -23,6 +23,11 @@ class IEmitter(Interface):
         """Send one notification; ``engine`` addresses a facade-scoped one
         (docs/references.md#facade-addressing)."""
 
+    def notify_json(method: str, params: str, engine: str | None = None) -> None:
+        """The same, with ``params`` already compact JSON text (ASCII): the events sent for
+        every request are encoded once, by their producer, straight into the link's line
+        (docs/references.md#bare-proxy-cpu). A consumer that wants the object parses it."""
+
 
 class ITruthSink(Interface):
     """Where the engine-truth poller (standalone mode) delivers what each engine reports, and

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import json
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from twisted.logger import formatEvent
+from twisted.trial.unittest import SynchronousTestCase
 
 from nvpair_proxy.core import logs
 from nvpair_proxy.test.recorded import (LLAMACPP_ANTHROPIC_SSE, LLAMACPP_ANTHROPIC_SSE_STATS,
@@ -260,3 +263,122 @@ class ClientClosingAfterTheTerminalFrameTests(WorldTestCase):
         w, _ = self._stream_then_close("ollama", "/api/chat", "llama3:latest", body, NDJSON)
         self.assertEqual(self._terminal(w), ("workload:completed", "completed", {
             "promptTokens": 5, "completionTokens": 3, "tokensPerSecond": 2.0, "ttftMs": 250}))
+
+
+# What the link wrote before events were encoded from parts: the object, in the contract's
+# field order, through the link's own encoder. Each line must stay byte for byte the same.
+def object_line(name: str, params: dict) -> bytes:
+    from nvpair_proxy.broker.rpc import _encode
+    return _encode({"jsonrpc": "2.0", "method": name, "params": params}, strict=False) + b"\n"
+
+
+def workload_object(w, state: str, scheduled_on, started_at, completed_at, error, seq,
+                    stats) -> dict:
+    def ms(seconds):
+        return None if seconds is None else int(round(seconds * 1000))
+    info = {"id": w.id, "model": w.model, "engine": w.engine, "runId": w.run_id, "state": state,
+            "originatedFrom": ""}
+    if scheduled_on:
+        info["scheduledOn"] = scheduled_on
+    info.update({"createdAt": ms(w.created_at), "startedAt": ms(started_at),
+                 "completedAt": ms(completed_at), "error": error, "requesterId": None,
+                 "seq": seq})
+    if stats:
+        info["stats"] = stats
+    return {"workloadInfo": info}
+
+
+def request_object(id, method, path, target, node_id=None, status=None, duration=None,
+                   ttfb=None, error=None) -> dict:
+    params = {"id": id}
+    if node_id:
+        params["node_id"] = node_id
+    params.update({"method": method, "path": path, "target": target})
+    if status is not None:
+        params.update({"status": status, "duration_ms": int(round(duration * 1000))})
+        if ttfb is not None:
+            params["ttfb_ms"] = int(round(ttfb * 1000))
+        if error:
+            params["error"] = error
+    return params
+
+
+TEXT = st.text(alphabet=st.characters(codec="utf-8"), max_size=30)
+SECONDS = st.floats(min_value=0, max_value=4e9, allow_nan=False)
+STATS = st.one_of(st.none(), st.just({}), st.fixed_dictionaries(
+    {"promptTokens": st.integers(0, 10**9), "completionTokens": st.integers(0, 10**9)},
+    optional={"tokensPerSecond": st.floats(allow_nan=False, allow_infinity=False),
+              "ttftMs": st.integers(0, 10**9), "estimated": st.just(True)}))
+
+
+class EncodedEventTests(SynchronousTestCase):
+    """Every workload and request event is encoded from parts straight into the link's line
+    (no object built); each line is byte for byte what encoding the object would write."""
+
+    def link(self):
+        from twisted.internet.testing import StringTransport
+
+        from nvpair_proxy.broker.rpc import RpcLink
+        link = RpcLink(lambda method, params: None)
+        transport = StringTransport()
+        link.framer.makeConnection(transport)
+        return link, transport
+
+    @settings(max_examples=200, deadline=None)
+    @given(id=TEXT, model=TEXT, engine=TEXT, run_id=TEXT, node=st.one_of(st.none(), TEXT),
+           created=SECONDS, started=SECONDS, ended=SECONDS, error=st.one_of(st.none(), TEXT),
+           stats=STATS)
+    def test_a_workloads_lines_are_its_objects_encoded(self, id, model, engine, run_id, node,
+                                                       created, started, ended, error, stats):
+        from nvpair_proxy.request.events import FAILED, Workload
+        link, transport = self.link()
+        now = [started]
+        w = Workload(emitter=link, clock=lambda: now[0], run_id=run_id, engine=engine, id=id,
+                     model=model, created_at=created)
+        w.admitted()
+        expected = object_line("workload:submitted",
+                               workload_object(w, "queued", None, None, None, None, 1, None))
+        if node is not None:
+            w.dispatched(node)
+            expected += object_line("workload:submitted", workload_object(
+                w, "queued", node, None, None, None, 2, None))
+            w.started(node)
+            expected += object_line("workload:started", workload_object(
+                w, "running", node, started, None, None, 3, None))
+        now[0] = ended
+        w.terminal(FAILED, error, stats)
+        expected += object_line("workload:errored", workload_object(
+            w, "failed", node, w.started_at, ended, error, w.seq, stats))
+        self.assertEqual(transport.value(), expected)
+
+    @settings(max_examples=200, deadline=None)
+    @given(id=TEXT, method=TEXT, path=TEXT, target=TEXT, node=st.one_of(st.none(), TEXT),
+           status=st.integers(100, 599), duration=SECONDS,
+           ttfb=st.one_of(st.none(), SECONDS), error=st.one_of(st.none(), TEXT))
+    def test_request_lines_are_their_objects_encoded(self, id, method, path, target, node,
+                                                     status, duration, ttfb, error):
+        from nvpair_proxy.request.events import ActivityThrottle, Reporter
+        link, transport = self.link()
+        reporter = Reporter(engine="ollama", emitter=link, clock=lambda: 0.0, run_id="r",
+                            activity=ActivityThrottle(link, lambda: 0.0))
+        reporter.request_started(id, method, path, target, node)
+        reporter.request_finished(id, method, path, target, status, duration, node, ttfb, error)
+        self.assertEqual(transport.value(), object_line(
+            "ollama:proxy/request-started", request_object(id, method, path, target, node))
+            + object_line("ollama:proxy/request", request_object(
+                id, method, path, target, node, status, duration, ttfb, error)))
+
+    def test_a_known_line_byte_for_byte(self):
+        """One line written out, so a change of the encoder's output shows here as text."""
+        from nvpair_proxy.request.events import COMPLETED, Workload
+        link, transport = self.link()
+        w = Workload(emitter=link, clock=lambda: 12.5, run_id="0123456789abcdef",
+                     engine="ollama", id="7", model="llama3:latest", created_at=10.0)
+        w.started("gpu-ä")
+        w.terminal(COMPLETED, None, {"promptTokens": 3, "tokensPerSecond": 1.5})
+        self.assertEqual(transport.value().splitlines()[-1], (
+            b'{"jsonrpc":"2.0","method":"workload:completed","params":{"workloadInfo":'
+            b'{"id":"7","model":"llama3:latest","engine":"ollama","runId":"0123456789abcdef",'
+            b'"state":"completed","originatedFrom":"","scheduledOn":"gpu-\\u00e4",'
+            b'"createdAt":10000,"startedAt":12500,"completedAt":12500,"error":null,'
+            b'"requesterId":null,"seq":2,"stats":{"promptTokens":3,"tokensPerSecond":1.5}}}}'))

@@ -115,6 +115,29 @@ class AcceptDeadlineTests(WorldTestCase):
         self.assertFalse(server_transport.disconnecting)
 
 
+class LocalAddressTests(WorldTestCase):
+    def test_a_connections_local_address_is_read_once_for_all_its_requests(self):
+        """twisted.web asks every request for the local address; a TCP transport would ask
+        the kernel each time (getsockname), so the channel asks its transport once."""
+        w = self.world()
+        w.add("a")
+        client = w.connect()
+        asked = []
+        host = client.transport.getHost
+
+        def counted():
+            asked.append(1)
+            return host()
+
+        client.transport.getHost = counted
+        for _ in range(3):
+            client.protocol.dataReceived(request_bytes("GET", "/api/ps"))
+            w.agent.last.respond(200, body=b"{}", length=2, finish=True)
+        self.assertEqual(client.response().status, 200)
+        self.assertEqual(client.raw().count(b"HTTP/1.1 200 OK"), 3)
+        self.assertEqual(len(asked), 1)
+
+
 class RejectionTests(WorldTestCase):
     def test_a_413_is_reported_with_the_method_and_path_of_its_request_line(self):
         w = self.world()

@@ -9,6 +9,8 @@ body transport records pause/resume/stop so backpressure and aborts are observab
 
 from __future__ import annotations
 
+import json
+
 import attrs
 from twisted.internet import error as ierror
 from twisted.internet.address import IPv4Address, IPv6Address
@@ -182,6 +184,9 @@ class RecordingEmitter:
 
     def notify(self, method: str, params: dict, engine: str | None = None) -> None:
         self.sent.append((f"{engine}:{method}" if engine else method, params))
+
+    def notify_json(self, method: str, params: str, engine: str | None = None) -> None:
+        self.notify(method, json.loads(params), engine)
 
     def methods(self, prefix: str = "") -> list[str]:
         return [m for m, _ in self.sent if m.startswith(prefix)]
