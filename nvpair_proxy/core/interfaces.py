@@ -89,6 +89,12 @@ class IRouter(Interface):
     def rate_read(node_id: str, reading) -> None:
         """The prompt figures a response's tail said (a routing.rates.PromptReading)."""
 
+    def hold_offers() -> None:
+        """A request's end begins: slots it frees wait for ``offer_held``."""
+
+    def offer_held() -> None:
+        """The request's end is done: free slots go to waiting requests now."""
+
     def affinity_wait(nodes: list, model: str | None, key: bytes | None, size: int):
         """(node, seconds) to wait for a full conversation's node, or None to go elsewhere."""
 

@@ -83,6 +83,8 @@ class FacadeService(MultiService):
             poller.setServiceParent(self)
         self.aliases: list = []
         self.alias_port: int | None = None
+        # The listening port whose bound port ``own_ports`` read last, and that port.
+        self._bound: tuple[object, int] = (None, 0)
         # The local engine's parallel slots as the broker last relayed them
         # (docs/references.md#local-slots), for nodes/list and the admin listener's /status; None
         # when none are known.
@@ -91,11 +93,15 @@ class FacadeService(MultiService):
 
     def own_ports(self) -> frozenset[int]:
         """The ports a request reaches this facade on: the primary as bound (port 0 asks
-        the system for one) and the alias port, when one is bound."""
-        ports = {self.listening.getHost().port}
-        if self.alias_port:
-            ports.add(self.alias_port)
-        return frozenset(ports)
+        the system for one) and the alias port, when one is bound. Asked for every request
+        in broker mode (the local backend's self check), so the bound port is read from the
+        kernel once per listening port, not each time."""
+        listening, bound = self._bound
+        if listening is not self.listening:
+            listening, bound = self._bound = (self.listening, self.listening.getHost().port)
+        if self.alias_port and self.alias_port != bound:
+            return frozenset((bound, self.alias_port))
+        return frozenset((bound,))
 
     def view(self) -> FacadeView:
         """The facade as the admin listener shows it: on its port as bound, with the slots

@@ -70,6 +70,12 @@ class LocalBackendRoute:
     def rate_read(self, node_id: str, reading: PromptReading) -> None:
         pass
 
+    def hold_offers(self) -> None:
+        pass
+
+    def offer_held(self) -> None:
+        pass
+
     def affinity_wait(self, nodes: list[Node], model: str | None, key: bytes | None,
                       size: int) -> None:
         return None

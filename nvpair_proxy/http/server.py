@@ -94,6 +94,7 @@ class BoundedChannel(HTTPChannel):
         # obs-fold may not continue.
         self._framing_line = False
         self._host: IAddress | None = None
+        self._peer: IAddress | None = None
 
     def getHost(self) -> IAddress:
         """This connection's local address, read once: twisted.web asks for it with every
@@ -103,6 +104,14 @@ class BoundedChannel(HTTPChannel):
         if host is None:
             host = self._host = self.transport.getHost()
         return host
+
+    def getPeer(self) -> IAddress:
+        """The client's address, made once per connection (a TCP transport builds a new
+        address object each time it is asked, once per request)."""
+        peer = self._peer
+        if peer is None:
+            peer = self._peer = self.transport.getPeer()
+        return peer
 
     def expect_request_line(self, seen: Callable[[], None]) -> None:
         """Call ``seen`` once, when the connection's first request line is complete."""

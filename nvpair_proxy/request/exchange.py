@@ -392,6 +392,15 @@ class Exchange:
         ``proxy/request`` only: why a completed request's stream was cut."""
         if self.ended:
             return
+        # A slot this end frees goes to a waiting request once the end is done, in this turn.
+        self.router.hold_offers()
+        try:
+            self._ended(state, reason, detail, status, stats, note)
+        finally:
+            self.router.offer_held()
+
+    def _ended(self, state: str, reason: Reason | None, detail: str, status: int | None,
+               stats: dict | None, note: str | None) -> None:
         error = reason.says(detail) if reason is not None else None
         self._enter(Phase.ENDED)
         stream = self.stream

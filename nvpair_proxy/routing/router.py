@@ -75,6 +75,9 @@ class Router:
     _ended_since_read: dict[str, int] = attrs.Factory(dict)
     _last_traffic: float | None = None
     _offer: IDelayedCall | None = None
+    #: While a request's end runs (``hold_offers``): a slot it frees is offered when it is done.
+    _holding: int = 0
+    _offer_due: bool = False
 
     def __attrs_post_init__(self) -> None:
         if self.scheduling and self.reservations is not None:
@@ -263,8 +266,10 @@ class Router:
             model=model, deadline=deadline, since=now, wake=wake, expire=expire, ahead=ahead,
             prefer=prefer, patience_until=None if patience is None else now + patience))
         # A slot may have freed while nobody waited (a failover's own reservation, released
-        # as it joins): the offer that would have followed it is made now.
-        self._offer_soon()
+        # as it joins): the offer that would have followed it is made now. Usually every
+        # owner is still full, as the request just found, and nothing is scheduled.
+        if not self.all_full(self.candidates(model), model):
+            self._offer_soon()
         return waiter
 
     def unwait(self, waiter: Waiter) -> None:
@@ -368,12 +373,29 @@ class Router:
             self._ended_since_read[node_id] = self._ended_since_read.get(node_id, 0) + 1
             self._offer_soon()
 
+    def hold_offers(self) -> None:
+        """A request's end begins: slots it frees are offered when it is done
+        (``offer_held``), not in the middle of it, and without a timer."""
+        self._holding += 1
+
+    def offer_held(self) -> None:
+        """The request's end is done: offer what it freed, now."""
+        self._holding -= 1
+        if not self._holding and self._offer_due:
+            self._offer_due = False
+            if self._offer is None:
+                self._offer_slots()
+
     def _offer_soon(self) -> None:
         """Let waiting requests go once this turn's work is done: a slot freed inside an
         attempt's or a stream's end must not start another request in the middle of it.
-        Nothing is scheduled while nobody waits."""
+        Nothing is scheduled while nobody waits, and nothing while a request's end holds
+        the offer (the usual way a slot frees: no timer per request in the queue)."""
         if self.queue is not None and len(self.queue) and self._offer is None:
-            self._offer = self.clock.callLater(0, self._offer_slots)
+            if self._holding:
+                self._offer_due = True
+            else:
+                self._offer = self.clock.callLater(0, self._offer_slots)
 
     def _offer_slots(self) -> None:
         self._offer = None

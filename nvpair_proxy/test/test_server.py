@@ -137,6 +137,24 @@ class LocalAddressTests(WorldTestCase):
         self.assertEqual(client.raw().count(b"HTTP/1.1 200 OK"), 3)
         self.assertEqual(len(asked), 1)
 
+    def test_a_connections_peer_address_is_made_once_for_all_its_requests(self):
+        w = self.world()
+        w.add("a")
+        client = w.connect()
+        asked = []
+        peer = client.transport.getPeer
+
+        def counted():
+            asked.append(1)
+            return peer()
+
+        client.transport.getPeer = counted
+        for _ in range(3):
+            client.protocol.dataReceived(request_bytes("GET", "/api/ps"))
+            w.agent.last.respond(200, body=b"{}", length=2, finish=True)
+        self.assertEqual(client.raw().count(b"HTTP/1.1 200 OK"), 3)
+        self.assertLessEqual(len(asked), 1)
+
 
 class RejectionTests(WorldTestCase):
     def test_a_413_is_reported_with_the_method_and_path_of_its_request_line(self):

@@ -6,6 +6,7 @@ import os
 
 from twisted.application.internet import TimerService
 from twisted.application.service import Service
+from twisted.internet.address import IPv4Address
 from twisted.internet.defer import Deferred, succeed
 from twisted.internet.task import Clock
 from twisted.internet.testing import MemoryReactorClock
@@ -94,6 +95,39 @@ class Steps:
                 return succeed(None)
 
         return Runtime(reactor=None, emitter=None, bounds=None, pool=Pool(), agent=None)
+
+
+class OwnPortsTests(SynchronousTestCase):
+    """The ports a facade is reached on are asked for with every request in broker mode;
+    the bound port is read from its listening port once, and again only after a move."""
+
+    def test_the_bound_port_is_read_once_per_listening_port(self):
+        asked: list[int] = []
+
+        class Port:
+            def __init__(self, number: int) -> None:
+                self.number = number
+
+            def getHost(self):
+                asked.append(self.number)
+                return IPv4Address("TCP", "0.0.0.0", self.number)
+
+            def stopListening(self):
+                return None
+
+        numbers = iter([41000, 42000])
+        clock = MemoryReactorClock()
+        prober = TimerService(5, lambda: None)
+        service = FacadeService(Steps().facade(), None,
+                                lambda port, factory, interface: Port(next(numbers)),
+                                prober, clock, 0)
+        self.assertEqual([service.own_ports() for _ in range(3)], [frozenset({41000})] * 3)
+        self.assertEqual(asked, [41000])
+        service.move(0, lambda: None)
+        service.alias_port = 11434
+        self.assertEqual([service.own_ports() for _ in range(2)],
+                         [frozenset({42000, 11434})] * 2)
+        self.assertEqual(asked, [41000, 42000])
 
 
 class StopOrderTests(SynchronousTestCase):

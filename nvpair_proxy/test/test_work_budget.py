@@ -178,3 +178,37 @@ class SchedulerBudgetTests(WorldTestCase):
                          dict.fromkeys(BUDGET, True), per_request)
         self.assertEqual(len(hashed), 4)
         self.assertTrue(all(16 * 1024 <= count <= 16 * 1024 + 64 for count in hashed), hashed)
+
+
+class QueueBudgetTests(WorldTestCase):
+    """A request that waits in the proxy's queue costs no timer more than one that does not:
+    the queue keeps one deadline timer, and a slot freed by a request's end goes to the next
+    waiter as that end completes, not through a timer."""
+
+    def timers_for(self, slots: int) -> int:
+        from nvpair_proxy.routing.enginetruth import EngineTruth, Slots
+        self.addCleanup(logs.set_level, logs.level_name())
+        logs.set_level("info")
+        w = self.world(emitter=LogEmitter(), scheduling=True, queue_depth=100)
+        for node, address in (("a", "10.0.0.1"), ("b", "10.0.0.2")):
+            w.add(node, addresses=(address,))
+            w.facade.router.set_truth(node, EngineTruth(read_at=0, slots=Slots(slots, 0)))
+        w.clock.advance(0)
+        counts = count_work(self, w)
+        clients = [w.chat() for _ in range(8)]
+        served = 0
+        while served < 8:
+            pending = [r for r in w.agent.requests if r.pending]
+            self.assertTrue(pending, "every waiter is woken as a slot frees, in this turn")
+            upstream = pending[0].respond(200, NDJSON)
+            upstream.write(b'{"done":true}\n')
+            upstream.finish()
+            served += 1
+        self.assertEqual([c.response().status for c in clients], [200] * 8)
+        w.clock.advance(0)
+        return counts["timers"]
+
+    def test_waiting_in_the_queue_adds_no_timer_per_request(self):
+        waiting = self.timers_for(slots=1)   # 2 dispatched at once, 6 wait their turn
+        free = self.timers_for(slots=8)      # all 8 dispatched at once
+        self.assertLessEqual(waiting, free + 1, (waiting, free))  # + the queue's one timer
