@@ -146,6 +146,30 @@ class PollerTests(SynchronousTestCase):
         self.clock.advance(1)
         self.assertEqual(len(self.agent.requests), before, "a minute without traffic: idle pace")
 
+    def test_the_reads_are_per_node_and_round_however_many_requests_come(self):
+        """The poll costs O(nodes) per interval, never per request."""
+        poller, router = self.poller("ollama", ("a", 1), ("b", 2))
+
+        def answer_all():
+            for request in [r for r in self.agent.requests if r.pending]:
+                request.respond(200, {"Content-Type": "application/json"}, b'{"models":[]}',
+                                finish=True)
+
+        self.clock.advance(1)
+        answer_all()
+        for _ in range(500):
+            router.admitted()
+        self.clock.advance(8)  # the idle round; with traffic the next ones come each second
+        answer_all()
+        for second in range(5):
+            for _ in range(500):
+                router.admitted()
+            self.clock.advance(1)
+            answer_all()
+        self.assertEqual(len(self.agent.requests), 2 + 2 + 2 * 5)
+        self.assertEqual(sorted({r.uri for r in self.agent.requests}),
+                         [b"http://127.0.0.1:1/api/ps", b"http://127.0.0.1:2/api/ps"])
+
     def test_a_node_still_answering_is_not_asked_again_and_a_read_gives_up_after_2s(self):
         poller, router = self.poller("ollama", ("a", 1))
         router.admitted()
