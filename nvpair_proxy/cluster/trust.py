@@ -25,6 +25,7 @@ from twisted.internet.interfaces import (IOpenSSLClientConnectionCreator,
 from twisted.web.iweb import IPolicyForHTTPS
 from zope.interface import implementer
 
+from ..core import constants
 from ..core.files import FileWatch, Stamps, read_regular_file
 from ..core.logs import logger
 from ..core.warnonce import WarnOnce
@@ -347,7 +348,8 @@ class PeerAgents:
                  idle_timeout: float, keepalive: float = 0.0) -> None:
         self.directory = directory
         self._pools: AgentPools[str] = AgentPools(reactor, connect_timeout, idle_timeout,
-                                                  max_idle_per_host=16, keepalive=keepalive)
+                                                  max_idle_per_host=constants.PEER_MAX_IDLE,
+                                                  keepalive=keepalive)
         self._pins: dict[str, bytes | None] = {}  # per peer, the pin its pool was made for
 
     def for_node(self, node):

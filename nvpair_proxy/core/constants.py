@@ -44,6 +44,10 @@ PREFLIGHT_MAX_AGE = 60
 SERVER_HEADER_READ_TIMEOUT = 10.0
 SERVER_IDLE_TIMEOUT = 90.0
 POOL_IDLE_TIMEOUT = 90.0
+#: Idle connections kept per pinned peer: a burst of concurrent streams to a peer (an agent
+#: fleet's 64 at once) reuses its TLS connections instead of handshaking again; at 16, 48 of
+#: 64 were new handshakes (bench/overhead --cluster). Engines keep 256 (no handshake to save).
+PEER_MAX_IDLE = 64
 FACADE_SHUTDOWN_GRACE = 3.0
 
 # node/activity throttle per node (docs/references.md#node-activity).

@@ -8,6 +8,7 @@ and a plain forward to the local backend that ``node/set-local-backend`` named.
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable, cast
+from weakref import WeakKeyDictionary
 
 import attrs
 from twisted.internet.interfaces import ISSLTransport
@@ -134,6 +135,8 @@ class IngressResource(Resource):
         super().__init__()
         self.facade, self.directory, self.backend = facade, directory, backend
         self._node: Node | None = None  # the backend as a node, made again only when it moves
+        # Each TLS connection's peer certificate, as DER, for as long as the connection lives.
+        self._ders: WeakKeyDictionary[object, bytes] = WeakKeyDictionary()
 
     def render(self, request: Request):
         if answered_before_routing(self.facade, request):
@@ -141,8 +144,16 @@ class IngressResource(Resource):
         self.directory.check()
         # The ingress listens on TLS only; pyOpenSSL's certificate, None without a peer's.
         transport = cast(ISSLTransport, request.channel.transport)
-        certificate = cast("X509 | None", transport.getPeerCertificate())
-        if certificate is None or not self.directory.trusts(der_of(certificate)):
+        if certificate_der := self._ders.get(transport):
+            der: bytes | None = certificate_der
+        else:
+            certificate = cast("X509 | None", transport.getPeerCertificate())
+            der = None if certificate is None else der_of(certificate)
+            if der is not None:
+                self._ders[transport] = der
+        # The pins are checked for every request (a revoked pin refuses the next one); only
+        # the connection's certificate, which cannot change, is converted once.
+        if der is None or not self.directory.trusts(der):
             code, text = CLUSTER_AUTH
             report_rejection(self.facade, request.method, request.path, 403, Reason.CLUSTER_AUTH)
             send_error(request, 403, text, code=code)

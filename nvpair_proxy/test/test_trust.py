@@ -281,6 +281,31 @@ class PinnedTLSTests(TestCase):
         self.assertEqual((response.code, body["code"]), (403, "cluster-auth"))
 
     @inlineCallbacks
+    def test_one_connections_certificate_is_converted_once_and_its_pin_checked_each_time(self):
+        from nvpair_proxy.facade import ingress
+        converted = []
+
+        def counting(certificate):
+            converted.append(1)
+            return der_of(certificate)
+
+        self.patch(ingress, "der_of", counting)
+        pool = HTTPConnectionPool(reactor, persistent=True)
+        self.addCleanup(pool.closeCachedConnections)
+        agent = Agent(reactor, contextFactory=PinnedPolicy(self.directory(self.a_dir), "node-b"),
+                      pool=pool)
+        for _ in range(3):
+            response = yield self.post(agent)
+            yield readBody(response)
+            self.assertEqual(response.code, 200)
+        self.assertEqual(len(converted), 1, "three requests on one connection")
+        os.unlink(os.path.join(self.b_dir, "trusted", "node-a.json"))
+        response = yield self.post(agent)
+        body = json.loads((yield readBody(response)))
+        self.assertEqual((response.code, body["code"]), (403, "cluster-auth"))
+        self.assertEqual(len(converted), 1, "the same connection, refused by its pin")
+
+    @inlineCallbacks
     def test_the_identity_probe_is_answered_on_the_ingress_too(self):
         response = yield self.agent(self.a_dir).request(
             b"GET", self.url, Headers({b"X-NVPAIR-Engine-Identity-Probe": [b"1"]}))
@@ -314,6 +339,8 @@ class PinnedTLSTests(TestCase):
                           cluster_uuid="node-c", scheme="https")
         self.assertIs(agents.for_node(node), agents.for_node(node))
         self.assertIsNot(agents.for_node(node), agents.for_node(other))
+        # A burst of 64 streams to a peer finds its connections again, not new handshakes.
+        self.assertEqual(agents.for_node(node).pool.max_idle_per_host, 64)
         response = yield self.post(agents.for_node(node))
         yield readBody(response)
         self.assertEqual(response.code, 200)
