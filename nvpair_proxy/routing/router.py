@@ -326,6 +326,11 @@ class Router:
         affine = self.affine(key)
         if not self.scheduling or affine is None or model is None or self.queue is None:
             return None
+        if nodes and nodes[0].id == affine:
+            # The usual case: ranked first, which (every owner not being full, as the request
+            # just found) means free, or held or cooling, where it goes or is passed over
+            # without waiting either way.
+            return None
         now = self.clock.seconds()
         node = next((n for n in nodes if n.id == affine), None)
         if node is None or self._is_held(affine, now) or self._is_cooling(affine, now):
@@ -446,7 +451,7 @@ class Router:
         if self.scheduling:
             # The candidates come ranked (``candidates``): the first is the placement, unless
             # the conversation's node is free to take it.
-            if affine is not None and self._free_for(affine, nodes):
+            if affine is not None and nodes[0].id != affine and self._free_for(affine, nodes):
                 nodes.sort(key=lambda n: n.id != affine)
             return nodes, self.reservations.reserve(nodes[0].id)
         # Broker mode's opt-in affinity only breaks the chooser's tie.
