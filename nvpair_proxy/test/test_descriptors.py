@@ -186,6 +186,8 @@ class RawEngine:
         self.listener.setblocking(False)
         self.port = self.listener.getsockname()[1]
         self.lock = threading.Lock()
+        # Notified whenever a connection from the proxy closes (it let go of it).
+        self.closed = threading.Condition(self.lock)
         self.answering = False
         self.requests = 0
         self.held: list[socket.socket] = []
@@ -206,6 +208,12 @@ class RawEngine:
         with self.lock:
             self.answering = True
 
+    def wait_open_at_most(self, count: int, timeout: float) -> bool:
+        """Block until the proxy holds at most ``count`` connections to this engine (woken by
+        each close it makes, not by polling); False if ``timeout`` passed first."""
+        with self.closed:
+            return self.closed.wait_for(lambda: len(self.buffers) <= count, timeout)
+
     def run(self) -> None:
         selector = selectors.DefaultSelector()
         selector.register(self.listener, selectors.EVENT_READ)
@@ -218,7 +226,8 @@ class RawEngine:
                         client, _ = self.listener.accept()
                     except BlockingIOError:
                         continue
-                    self.buffers[client] = b""
+                    with self.lock:
+                        self.buffers[client] = b""
                     selector.register(client, selectors.EVENT_READ)
                     continue
                 try:
@@ -227,7 +236,9 @@ class RawEngine:
                     data = b""
                 if not data:
                     selector.unregister(sock)
-                    self.buffers.pop(sock, None)
+                    with self.closed:
+                        self.buffers.pop(sock, None)
+                        self.closed.notify_all()
                     if sock in self.held:
                         self.held.remove(sock)
                     sock.close()
@@ -372,11 +383,12 @@ class AtTheLimitTests(SynchronousTestCase):
         self.condition_count = len(lines)
 
     def released(self) -> None:
-        """Once the clients left, the proxy's descriptors come back to what it held at rest
-        (polled: /proc cannot be watched; at most 10 s)."""
-        end = time.monotonic() + 10
-        while time.monotonic() < end and descriptors(self.proc.pid) > self.resting + 4:
-            time.sleep(0.05)
+        """Once the clients left, the proxy's descriptors come back to what it held at rest.
+        It closes a client's connection before it lets go of that request's upstream one, so
+        once the engine has seen every upstream connection close (at most one engine-truth
+        read may be open; at most 10 s) the count is read once."""
+        self.assertTrue(self.engine.wait_open_at_most(1, 10),
+                        "the proxy still holds its connections to the engine")
         self.assertLessEqual(descriptors(self.proc.pid), self.resting + 4)
 
     def serves_normally(self) -> None:
