@@ -25,22 +25,6 @@ DROPPED = {"connection", "keep-alive", "transfer-encoding", "content-length", "h
 TIMEOUT = 600.0
 
 
-class Parser(argparse.ArgumentParser):
-    """argparse with one-line errors on stderr (exit 2) and no prefix abbreviations, as the
-    commands in bin/ parse theirs."""
-
-    def parse_args(self, args=None, namespace=None):
-        parsed, extra = self.parse_known_args(args, namespace)
-        for arg in extra:
-            if arg.startswith("-"):
-                self.error(f"unknown flag {arg.split('=', 1)[0]}")
-            self.error(f"unexpected argument {arg!r}")
-        return parsed
-
-    def error(self, message: str):
-        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
-
-
 def node(value: str) -> tuple[str, int]:
     host, _, port = value.rpartition(":")
     if host not in ("127.0.0.1", "localhost", "::1", "[::1]") or not port.isdigit():
@@ -87,7 +71,7 @@ class Handler(BaseHTTPRequestHandler):
 
 
 def main(argv: list[str]) -> int:
-    parser = Parser(prog="bench/round_robin.py", allow_abbrev=False,
+    parser = argparse.ArgumentParser(prog="bench/round_robin.py", allow_abbrev=False,
                     description=__doc__.split("\n\n")[0])
     parser.add_argument("--port", type=int, required=True, help="the port to listen on")
     parser.add_argument("--node", type=node, action="append", required=True,

@@ -198,13 +198,18 @@ def read_figures(tail: bytes | bytearray) -> Figures:
     if completion is None:
         completion = _last_int(_TOKENS_PREDICTED, text)
 
-    prompt = usage.get("prompt_tokens")
+    # Each is read once: Ollama's count serves the prompt, its rate and what was read.
+    evaluated = _last_int(_PROMPT_EVAL_COUNT, text)
+    prompt_n = _count(timings.get("prompt_n"))
+    whole = usage.get("prompt_tokens")
+    if whole is None:
+        whole = usage.get("input_tokens")
+
+    prompt = whole
     if prompt is None:
-        prompt = usage.get("input_tokens")
+        prompt = evaluated
     if prompt is None:
-        prompt = _last_int(_PROMPT_EVAL_COUNT, text)
-    if prompt is None:
-        prompt = _count(timings.get("prompt_n"))
+        prompt = prompt_n
     if prompt is None:
         prompt = _last_int(_TOKENS_EVALUATED, text)
 
@@ -214,18 +219,16 @@ def read_figures(tail: bytes | bytearray) -> Figures:
     elif (per_second := _rate(timings.get("predicted_per_second"))) is not None:
         rate = per_second
     prompt_rate = _rate(timings.get("prompt_per_second"))
-    if prompt_rate is None and (evaluated := _last_int(_PROMPT_EVAL_COUNT, text)) and (
+    if prompt_rate is None and evaluated and (
             duration := _last_int(_PROMPT_EVAL_DURATION, text)):
         prompt_rate = evaluated / (duration / 1e9)
-    prompt_read = _count(timings.get("prompt_n"))
-    if prompt_read is None:
-        prompt_read = _last_int(_PROMPT_EVAL_COUNT, text)
-    prompt_seen = usage.get("prompt_tokens")
-    if prompt_seen is None:
-        prompt_seen = usage.get("input_tokens")
-    if prompt_seen is None and (read := _count(timings.get("prompt_n"))) is not None:
-        prompt_seen = read + (_count(timings.get("cache_n")) or 0)
-    if prompt_seen is None:
+    prompt_read = prompt_n if prompt_n is not None else evaluated
+    prompt_seen: int | None
+    if whole is not None:
+        prompt_seen = whole
+    elif prompt_n is not None:
+        prompt_seen = prompt_n + (_count(timings.get("cache_n")) or 0)
+    else:
         prompt_seen = prompt
     return Figures(prompt=prompt, completion=completion, rate=rate, prompt_rate=prompt_rate,
                    prompt_read=prompt_read, prompt_seen=prompt_seen)

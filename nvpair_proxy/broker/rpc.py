@@ -19,6 +19,7 @@ from zope.interface import implementer
 from ..core import constants
 from ..core.interfaces import IEmitter
 from ..core.logs import logger
+from ..request.events import quoted
 
 log = logger()
 
@@ -65,10 +66,6 @@ def _int_or_infinity(text: str) -> int | float:
 # five or more notifications per request (docs/references.md#bare-proxy-cpu).
 _STRICT = json.JSONEncoder(separators=(",", ":"), allow_nan=False)
 _LENIENT = json.JSONEncoder(separators=(",", ":"), allow_nan=True)
-
-
-#: A string as compact JSON, as the encoders above write it.
-quoted = json.encoder.encode_basestring_ascii
 
 
 def _encode(value: Any, strict: bool = True) -> bytes:

@@ -144,13 +144,11 @@ class IngressResource(Resource):
         self.directory.check()
         # The ingress listens on TLS only; pyOpenSSL's certificate, None without a peer's.
         transport = cast(ISSLTransport, request.channel.transport)
-        if certificate_der := self._ders.get(transport):
-            der: bytes | None = certificate_der
-        else:
+        der = self._ders.get(transport)
+        if der is None:
             certificate = cast("X509 | None", transport.getPeerCertificate())
-            der = None if certificate is None else der_of(certificate)
-            if der is not None:
-                self._ders[transport] = der
+            if certificate is not None:
+                der = self._ders[transport] = der_of(certificate)
         # The pins are checked for every request (a revoked pin refuses the next one); only
         # the connection's certificate, which cannot change, is converted once.
         if der is None or not self.directory.trusts(der):

@@ -116,44 +116,36 @@ class AcceptDeadlineTests(WorldTestCase):
 
 
 class LocalAddressTests(WorldTestCase):
+    def asked_over_three_requests(self, method: str) -> tuple[int, bytes]:
+        """How often the channel asked its transport ``method`` over three keep-alive
+        requests on one connection, and what the client received."""
+        w = self.world()
+        w.add("a")
+        client = w.connect()
+        asked = []
+        original = getattr(client.transport, method)
+
+        def counted():
+            asked.append(1)
+            return original()
+
+        setattr(client.transport, method, counted)
+        for _ in range(3):
+            client.protocol.dataReceived(request_bytes("GET", "/api/ps"))
+            w.agent.last.respond(200, body=b"{}", length=2, finish=True)
+        return len(asked), client.raw()
+
     def test_a_connections_local_address_is_read_once_for_all_its_requests(self):
         """twisted.web asks every request for the local address; a TCP transport would ask
         the kernel each time (getsockname), so the channel asks its transport once."""
-        w = self.world()
-        w.add("a")
-        client = w.connect()
-        asked = []
-        host = client.transport.getHost
-
-        def counted():
-            asked.append(1)
-            return host()
-
-        client.transport.getHost = counted
-        for _ in range(3):
-            client.protocol.dataReceived(request_bytes("GET", "/api/ps"))
-            w.agent.last.respond(200, body=b"{}", length=2, finish=True)
-        self.assertEqual(client.response().status, 200)
-        self.assertEqual(client.raw().count(b"HTTP/1.1 200 OK"), 3)
-        self.assertEqual(len(asked), 1)
+        asked, raw = self.asked_over_three_requests("getHost")
+        self.assertEqual(raw.count(b"HTTP/1.1 200 OK"), 3)
+        self.assertEqual(asked, 1)
 
     def test_a_connections_peer_address_is_made_once_for_all_its_requests(self):
-        w = self.world()
-        w.add("a")
-        client = w.connect()
-        asked = []
-        peer = client.transport.getPeer
-
-        def counted():
-            asked.append(1)
-            return peer()
-
-        client.transport.getPeer = counted
-        for _ in range(3):
-            client.protocol.dataReceived(request_bytes("GET", "/api/ps"))
-            w.agent.last.respond(200, body=b"{}", length=2, finish=True)
-        self.assertEqual(client.raw().count(b"HTTP/1.1 200 OK"), 3)
-        self.assertLessEqual(len(asked), 1)
+        asked, raw = self.asked_over_three_requests("getPeer")
+        self.assertEqual(raw.count(b"HTTP/1.1 200 OK"), 3)
+        self.assertLessEqual(asked, 1)
 
 
 class RejectionTests(WorldTestCase):
