@@ -5,14 +5,15 @@ Usage: .venv/bin/python bench/profile_groups.py PROFILE.txt [--top 25]
 (record one with: py-spy record -p PID -d 30 -r 250 -f raw -o PROFILE.txt)
 
 Each sample goes to the first frame, from the leaf up, whose file or function names a group:
-  events/logging        nvpair_proxy/request/events.py, logs.py, twisted/logger, twisted/python/log
-                        (not callWithLogger), json encoding reached from there
+  events/logging        nvpair_proxy/request/events.py, core/logs.py, core/logformat.py,
+                        broker/rpc.py, twisted/logger, twisted/python/log (not callWithLogger)
   stats observer        nvpair_proxy/body/frames.py, tokens.py
-  our exchange/dispatch nvpair_proxy/{exchange,dispatch,attempt,facade,reservations,selection,
-                        discovery,deadline,hopbyhop,requestbody,answers,listener,...}.py
+  our exchange/dispatch every other nvpair_proxy module (routing, request, http, facade, ...)
   twisted.web request   twisted/web/http.py, server.py, resource.py, http_headers.py, cgi/email
   Agent/pool            twisted/web/client.py, _newclient.py, _http2, iweb
-  other                 reactor, TCP, syscalls, Deferred machinery reached from the reactor
+  reactor, TCP, ...     twisted/internet (sockets, epoll, Deferreds), twisted/protocols, the
+                        send/recv retry loop (twisted/python/util.py), wherever it is called from
+  other                 anything else
 Prints the groups (% of samples), and the top functions by self and by inclusive time.
 """
 
@@ -22,17 +23,20 @@ import collections
 import re
 import sys
 
-OURS = re.compile(r"nvpair_proxy/(?!events|logs|frames|tokens)\w+\.py")
+OURS = re.compile(r"nvpair_proxy/[\w/]+\.py")
 RULES = [
-    ("events/logging", re.compile(r"nvpair_proxy/(events|logs)\.py|twisted/logger/|"
+    ("events/logging", re.compile(r"nvpair_proxy/(request/events|core/logs|core/logformat|"
+                                  r"broker/rpc)\.py|twisted/logger/|"
                                   r"twisted/python/log\.py:(?!98|82)|"
                                   r"twisted/python/(context|failure)\.py")),
-    ("stats observer", re.compile(r"nvpair_proxy/(frames|tokens)\.py")),
+    ("stats observer", re.compile(r"nvpair_proxy/body/(frames|tokens)\.py")),
     ("our exchange/dispatch/attempt", OURS),
     ("twisted.web request parsing/serving",
      re.compile(r"twisted/web/(http|server|resource|http_headers|_abnf)\.py|email/|cgi\.py|"
                 r"urllib/parse")),
     ("Agent/pool", re.compile(r"twisted/web/(client|_newclient|iweb|_responses)\.py")),
+    ("reactor, TCP, syscalls, Deferreds",
+     re.compile(r"twisted/internet/|twisted/python/util\.py|twisted/protocols/")),
 ]
 FRAME = re.compile(r"^(?P<func>.*?) \((?P<file>[^()]*):(?P<line>\d+)\)$")
 
@@ -44,7 +48,7 @@ def group_of(frames: list[str]) -> str:
         for name, rule in RULES:
             if rule.search(frame):
                 return name
-    return "other (reactor, TCP, syscalls, Deferreds)"
+    return "other"
 
 
 def short(frame: str) -> str:

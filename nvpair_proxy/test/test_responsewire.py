@@ -101,6 +101,20 @@ class ChunkedTests(SynchronousTestCase):
             self.assertEqual((body.feed(piece), body.state), (rest, state), piece)
         self.assertEqual(out, [b"abc", b"he", b"llo"])
 
+    def test_the_chunks_of_one_read_are_delivered_in_one_call(self):
+        out: list[bytes] = []
+        body = ChunkedBody(out.append)
+        self.assertIsNone(body.feed(b"2\r\nab\r\n3\r\ncde\r\n4\r\nfg"))
+        self.assertEqual(out, [b"abcdefg"])  # two whole chunks and the start of a third
+        self.assertEqual(body.feed(b"hi\r\n1\r\nj\r\n0\r\n\r\n"), b"")
+        self.assertEqual(out, [b"abcdefg", b"hij"])
+
+    def test_what_decoded_before_broken_framing_is_delivered_then_refused(self):
+        out: list[bytes] = []
+        body = ChunkedBody(out.append)
+        self.assertRaises(WireError, body.feed, b"2\r\nab\r\n3\r\ncde\r\nzz\r\n")
+        self.assertEqual(out, [b"abcde"])
+
     def test_each_state_is_documented_with_what_moves_it_on(self):
         for member in Chunking:
             self.assertIn(f"- ``{member.name}``:", Chunking.__doc__, member)
