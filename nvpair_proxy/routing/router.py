@@ -217,6 +217,8 @@ class Router:
 
     def _ranked(self, nodes: Sequence[Node], model: str | None) -> list[Node]:
         """Free before full, warm before cold, fewer busy, node id; held and cooling last."""
+        if len(nodes) < 2:
+            return list(nodes)  # nothing to weigh: one owner is the usual standalone case
         truth, ended, held, cooling = self._truth, self._ended_since_read, self._held, \
             self._cooling
         now = self.clock.seconds()
