@@ -49,10 +49,13 @@ Stream events: an SSE ``data:`` line other than ``[DONE]``, or an NDJSON line re
 ``"done":false`` (Ollama's per-token frame; blank lines and ``{"error": ...}`` lines are not
 events). A JSON document has none.
 
-Cost per chunk: the chunk joins the tail (one bounded append, no other copy), and the lines
-it completes are searched where they lie in the tail, once, with a few C-level searches;
-nothing is re-scanned. A chunk that with its line in progress outgrows the tail is scanned
-where it lies instead.
+Cost per chunk: the chunk joins the tail (one bounded append, no other copy), and nothing
+else. Lines are read lazily, like a JSON document's depth: when ``events_seen`` or
+``terminal_seen`` is asked, and before unread bytes would leave the tail. Then the lines the
+unread bytes complete are searched where they lie in the tail, once, with a few C-level
+searches for all of them; nothing is re-scanned. A stream that fits in the tail is read once,
+at its end, instead of once per token. A chunk that with its line in progress outgrows the
+tail is scanned where it lies instead.
 """
 
 from __future__ import annotations
@@ -192,8 +195,8 @@ class FrameReader:
     Memory: ``TAIL_LIMIT`` body bytes at most (plus a 16-byte line head), in :attr:`tail`.
     """
 
-    __slots__ = ("terminal", "tail", "bytes_seen", "events_seen", "_mode", "_sniff",
-                 "_markers", "_terminal_found", "_line_head", "_line_len", "_cache",
+    __slots__ = ("terminal", "tail", "bytes_seen", "_events", "_mode", "_sniff",
+                 "_markers", "_terminal_found", "_line_head", "_line_len", "_pending", "_cache",
                  "_json_state", "_json_depth", "_json_in_string", "_json_escape", "_json_seen")
 
     def __init__(self, terminal: str | None, content_type: str | bytes | None = None) -> None:
@@ -206,8 +209,10 @@ class FrameReader:
         self.tail = bytearray()
         #: Body bytes fed so far.
         self.bytes_seen = 0
-        #: Stream events counted so far (see the module docstring); 0 for a JSON document.
-        self.events_seen = 0
+        self._events = 0
+        # Bytes at the end of the tail that joined it without being read yet: lines are read
+        # when asked about, or before they would leave the tail.
+        self._pending = 0
         self._mode = framing
         self._sniff = sniff
         self._markers = tuple(_MARKERS[rule] for rule in rules)
@@ -241,15 +246,26 @@ class FrameReader:
                 self._sniff = False
                 if data[first.start()] in b"{[":
                     self._mode = _JSON
+                    self._pending = 0  # blanks: no line of them is an event or a marker
                     self._json_seen = self.bytes_seen  # what came before was blank
         size = len(data)
         if self._mode == _JSON:
             self._feed_json(data)
-        elif self._line_len + size <= TAIL_LIMIT:
-            self._feed_lines(data)
-        else:  # the chunk and its line in progress outgrow the tail: read it where it lies
-            self._scan_lines(data)
-            self._keep_tail(data)
+        elif self._line_len + self._pending + size <= TAIL_LIMIT:
+            # The common case: the chunk joins the tail, read later with those before it.
+            tail = self.tail
+            tail += data
+            excess = len(tail) - TAIL_LIMIT
+            if excess > 0:
+                del tail[:excess]  # never an unread byte, nor the line in progress
+            self._pending += size
+        else:
+            self._read_pending()
+            if self._line_len + size <= TAIL_LIMIT:
+                self._feed_lines(data)
+            else:  # the chunk and its line in progress outgrow the tail: read it where it lies
+                self._scan_lines(data)
+                self._keep_tail(data)
         self.bytes_seen += size
 
     def _keep_tail(self, data: bytes) -> None:
@@ -261,6 +277,27 @@ class FrameReader:
         excess = len(tail) - TAIL_LIMIT
         if excess > 0:
             del tail[:excess]  # CPython moves the start of a bytearray: no copy
+
+    def _read_pending(self) -> None:
+        """Read the lines that the bytes fed since the last read complete, where they lie in
+        the tail, as :meth:`_feed_lines` reads a chunk: the same answer however the bytes
+        were split, with one pass for many chunks."""
+        pending = self._pending
+        if not pending:
+            return
+        self._pending = 0
+        tail = self.tail
+        start = len(tail) - pending
+        last_nl = tail.rfind(b"\n", start)
+        if last_nl == -1:
+            if len(self._line_head) < _LINE_HEAD:
+                self._line_head += bytes(tail[start : start + _LINE_HEAD - len(self._line_head)])
+            self._line_len += pending
+            return
+        self._scan_region(tail, start - self._line_len, last_nl + 1)
+        rest = len(tail) - last_nl - 1
+        self._line_head = bytes(tail[last_nl + 1 : last_nl + 1 + _LINE_HEAD]) if rest else b""
+        self._line_len = rest
 
     def _feed_lines(self, data: bytes) -> None:
         """The common case: the line in progress and the chunk both fit in the tail.
@@ -315,7 +352,7 @@ class FrameReader:
         if self._mode == _SSE:
             head = (self._line_head + data[:_LINE_HEAD])[:_LINE_HEAD]
             if head.startswith(b"data:"):
-                self.events_seen += 1
+                self._events += 1
         elif not self._terminal_found:
             keep = LINE_LIMIT - (first_nl + 1)
             if keep > 0:
@@ -333,14 +370,14 @@ class FrameReader:
                 events += 1
             if events and buf.find(_DONE_LITERAL, start, end) != -1:
                 events -= len(_SSE_DONE.findall(buf, start, end))
-            self.events_seen += events
+            self._events += events
             if not self._terminal_found:
                 for literal, pattern in self._markers:  # _marker_in, inlined: runs per chunk
                     if buf.find(literal, start, end) != -1 and pattern.search(buf, start, end):
                         self._terminal_found = True
                         break
         else:
-            self.events_seen += (buf.count(_NDJSON_EVENT_COMPACT, start, end)
+            self._events += (buf.count(_NDJSON_EVENT_COMPACT, start, end)
                                  + buf.count(_NDJSON_EVENT_SPACED, start, end))
             if not self._terminal_found and _ndjson_done_in(buf, start, end):
                 self._terminal_found = True
@@ -420,9 +457,17 @@ class FrameReader:
     # -- reading --------------------------------------------------------------------------
 
     @property
+    def events_seen(self) -> int:
+        """Stream events counted so far (see the module docstring); 0 for a JSON document."""
+        self._read_pending()
+        return self._events
+
+    @property
     def terminal_seen(self) -> bool:
         """Whether the body's terminal frame has arrived (docs/references.md#terminal-frames).
         Sticky once true."""
+        if self._pending:
+            self._read_pending()
         if self._terminal_found:
             return True
         if self._mode == _JSON:

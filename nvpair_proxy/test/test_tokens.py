@@ -7,6 +7,8 @@ import ast
 import inspect
 import json
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from twisted.trial.unittest import SynchronousTestCase
 
 from nvpair_proxy.body import frames, tokens
@@ -19,6 +21,7 @@ from nvpair_proxy.test.recorded import (ANTHROPIC_SSE, JSON, LLAMACPP_ANTHROPIC_
                                         OPENAI_SSE_STATS, RECORDED, RESPONSES_SSE,
                                         RESPONSES_SSE_STATS, RESPONSES_USAGE, SSE, SSE_NO_USAGE,
                                         ndjson, ollama_token, openai_chunk, responses_sse, sse)
+from nvpair_proxy.test.strategies import splits
 
 # One clock for every measurement: admission, first body byte 250 ms later, end 2 s after that.
 ADMITTED = 1000.0
@@ -502,3 +505,46 @@ class HostileNumbersTests(SynchronousTestCase):
         self.assertTrue(observer.terminal_seen)
         stats = observer.measure(admitted_at=0.0, first_byte_at=1.0, ended_at=2.0)
         self.assertNotIn("tokensPerSecond", stats or {})
+
+
+# -- lazy reading: the answers never depend on when they are asked ---------------------------
+
+FUZZ = settings.default.max_examples
+
+_LINES = [b'data: {"x":1}\n', b"data: [DONE]\n", b"\n", b"\r\n", b"event: message_stop\n",
+          b"event: response.completed\r\n", b"data: " + b"y" * 150 + b"\n", b"data:[DONE]",
+          b'{"done":false}\n', b'{"done": true}\n', b'{"a":{"done":true}}\n', b"da", b"ta: ",
+          b"z" * 300, b"[DONE]\n", b'{"done":true}']
+
+
+class LazyReadingProperties(SynchronousTestCase):
+    @settings(max_examples=FUZZ, deadline=None)
+    @given(lines=st.lists(st.sampled_from(_LINES), max_size=40),
+           content_type=st.sampled_from(["text/event-stream", "application/x-ndjson"]),
+           cuts=st.lists(st.integers(0, 20_000), max_size=25),
+           asks=st.lists(st.booleans(), max_size=25), small=st.booleans())
+    def test_asked_anywhere_a_reader_answers_as_one_fed_the_prefix_whole(
+            self, lines, content_type, cuts, asks, small):
+        """Feeding in pieces and asking between them (the stream asks when a client leaves)
+        answers what a reader given each prefix in one piece answers; a small tail runs the
+        paths where unread bytes would leave it."""
+        if small:
+            self.patch(frames, "TAIL_LIMIT", 256)
+            self.patch(frames, "LINE_LIMIT", 256)
+        body = b"".join(lines)
+        reader = frames.FrameReader(None, content_type)
+        fed = 0
+        for index, piece in enumerate(splits(body, cuts)):
+            reader.feed(piece)
+            fed += len(piece)
+            if index < len(asks) and asks[index]:
+                whole = frames.FrameReader(None, content_type)
+                whole.feed(body[:fed])
+                self.assertEqual((reader.terminal_seen, reader.events_seen),
+                                 (whole.terminal_seen, whole.events_seen), fed)
+        whole = frames.FrameReader(None, content_type)
+        if body:
+            whole.feed(body)
+        self.assertEqual((reader.events_seen, bytes(reader.tail)),
+                         (whole.events_seen, bytes(whole.tail)))
+        self.assertEqual(reader.terminal_seen, whole.terminal_seen)
