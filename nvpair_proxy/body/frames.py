@@ -174,6 +174,30 @@ def _top_level_done(text: str) -> bool:
     return isinstance(value, dict) and value.get("done") is True
 
 
+def _marker_lines(buf: bytes | bytearray, literal: bytes, pattern: re.Pattern[bytes],
+                  start: int, end: int, first_only: bool) -> int:
+    """How many lines of ``buf[start:end]`` (whole lines, ``start`` at a line start) are
+    ``pattern``'s marker line; with ``first_only``, 1 at the first.
+
+    The pattern is tried only at the start of a line that holds ``literal``: a line-anchored
+    pattern searched over a whole region is tried at every byte of it, which over a stream
+    read at its end cost more than the rest of its reading.
+    """
+    found = 0
+    at = buf.find(literal, start, end)
+    while at != -1:
+        line_start = buf.rfind(b"\n", start, at) + 1 or start
+        if pattern.match(buf, line_start, end) is not None:
+            found += 1
+            if first_only:
+                return found
+        line_end = buf.find(b"\n", at, end)
+        if line_end == -1:
+            break
+        at = buf.find(literal, line_end + 1, end)
+    return found
+
+
 def _ndjson_done_in(buf: bytes | bytearray, start: int, end: int) -> bool:
     """Whether a line of ``buf[start:end]`` (whole lines) is an object with top-level done=true."""
     for match in _NDJSON_DONE_TRUE.finditer(buf, start, end):
@@ -368,26 +392,24 @@ class FrameReader:
             events = buf.count(b"\ndata:", start, end)
             if buf.startswith(b"data:", start, end):
                 events += 1
-            if events and buf.find(_DONE_LITERAL, start, end) != -1:
-                events -= len(_SSE_DONE.findall(buf, start, end))
+            if events:
+                events -= _marker_lines(buf, _DONE_LITERAL, _SSE_DONE, start, end, False)
             self._events += events
             if not self._terminal_found:
-                for literal, pattern in self._markers:  # _marker_in, inlined: runs per chunk
-                    if buf.find(literal, start, end) != -1 and pattern.search(buf, start, end):
+                for literal, pattern in self._markers:  # _marker_in, inlined
+                    if _marker_lines(buf, literal, pattern, start, end, True):
                         self._terminal_found = True
                         break
         else:
             self._events += (buf.count(_NDJSON_EVENT_COMPACT, start, end)
-                                 + buf.count(_NDJSON_EVENT_SPACED, start, end))
+                             + buf.count(_NDJSON_EVENT_SPACED, start, end))
             if not self._terminal_found and _ndjson_done_in(buf, start, end):
                 self._terminal_found = True
 
     def _marker_in(self, buf: bytes | bytearray, start: int, end: int) -> bool:
         """Whether a line of ``buf[start:end]`` (whole lines) is one of the route's markers."""
-        for literal, pattern in self._markers:
-            if buf.find(literal, start, end) != -1 and pattern.search(buf, start, end):
-                return True
-        return False
+        return any(_marker_lines(buf, literal, pattern, start, end, True)
+                   for literal, pattern in self._markers)
 
     # -- a JSON document ------------------------------------------------------------------
 

@@ -131,6 +131,19 @@ class TerminalFrameTests(SynchronousTestCase):
             self.assertFalse(observer.terminal_seen)
             self.assertEqual(observer.events_seen, 1)
 
+    def test_a_marker_after_a_quoted_one_is_found(self):
+        """Read in one pass at the end, a stream holds the marker's text in content first;
+        every occurrence is looked at, not only the first."""
+        for rule, quoted, marker in (
+                ("sse-done", b'data: {"t":"[DONE]"}\n\n', b"data: [DONE]\n\n"),
+                ("sse-message-stop", b'data: {"t":"message_stop"}\n\n',
+                 b"event: message_stop\ndata: {}\n\n")):
+            body = quoted + b'data: {"x":1}\n\n' + marker
+            for chunks in ([body], chunked(body, 7)):
+                observer = observe(rule, SSE, chunks)
+                self.assertTrue(observer.terminal_seen, rule)
+                self.assertEqual(observer.events_seen, 3 if rule == "sse-message-stop" else 2)
+
     def test_quoted_sse_done_after_escaped_newline(self):
         body = sse(openai_chunk({"content": "x\ndata: [DONE]\n\n"}))
         self.assertIn(b"\\ndata: [DONE]\\n", body)
@@ -514,7 +527,8 @@ FUZZ = settings.default.max_examples
 _LINES = [b'data: {"x":1}\n', b"data: [DONE]\n", b"\n", b"\r\n", b"event: message_stop\n",
           b"event: response.completed\r\n", b"data: " + b"y" * 150 + b"\n", b"data:[DONE]",
           b'{"done":false}\n', b'{"done": true}\n', b'{"a":{"done":true}}\n', b"da", b"ta: ",
-          b"z" * 300, b"[DONE]\n", b'{"done":true}']
+          b"z" * 300, b"[DONE]\n", b'{"done":true}', b'data: {"t":"[DONE]"}\n',
+          b"event: x message_stop\n", b"data: [DONE] \t\r\n"]
 
 
 class LazyReadingProperties(SynchronousTestCase):
