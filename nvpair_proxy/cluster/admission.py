@@ -54,6 +54,18 @@ class Admission:
             return self._copy(node, "https")
         return None
 
+    def state(self) -> tuple:
+        """What every answer of ``__call__`` depends on besides the node: the local backend,
+        membership and the pins, after the throttled re-check of the directory. The node set
+        re-admits its nodes only when this changes, not at every read of a request (three per
+        request, each asking every node)."""
+        backend = self.local_backend()
+        directory = self.directory
+        if directory is None:
+            return (backend,)
+        self._recheck(directory)
+        return (backend, directory.member, directory.pins)
+
     def _copy(self, node: Node, decided) -> Node:
         made = self._made.get(node.id)
         if made is not None and made[0] is node and made[1] == decided:
@@ -75,7 +87,8 @@ class Admission:
 
 def admit_into(facade, directory: ClusterDirectory | None, local_backend: LocalBackend) -> None:
     """Install broker-mode admission on a facade: its node set asks ``Admission``."""
-    facade.router.set_admission(Admission(directory, facade.clock, local_backend))
+    admission = Admission(directory, facade.clock, local_backend)
+    facade.router.set_admission(admission, admission.state)
 
 
 def peer_dialler(peer_agents: PeerAgents, agent: IAgent) -> Callable[[Node], IAgent]:

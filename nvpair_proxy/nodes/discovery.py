@@ -146,6 +146,10 @@ class NodeSet:
     discovered: dict[str, Node] = attrs.field(factory=dict)
     manual: dict[str, Node] = attrs.field(factory=dict)
     admit: Callable[[Node], Node | None] = admit_unless_self
+    #: Everything ``admit``'s answers depend on besides the node, as a value compared with
+    #: ``==``; while it stays equal (and no node changed) the routable set is kept. None: an
+    #: admission that says nothing of the kind is asked at every read.
+    admit_state: Callable[[], object] | None = None
     # Which nodes are this facade itself (selfcheck.py); asked when a node enters the set
     # and on ``recheck_self``, never per request.
     is_self: Callable[[Node], bool] = never_self
@@ -154,6 +158,7 @@ class NodeSet:
     # is then a pure function of the tables); asked several times per request
     # (docs/references.md#bare-proxy-cpu).
     _routable: dict[str, Node] | None = attrs.field(default=None, init=False)
+    _routable_state: object = attrs.field(default=None, init=False)
 
     def all(self) -> list[Node]:
         """Every known node, routable or not: what ``nodes/list`` shows."""
@@ -168,7 +173,8 @@ class NodeSet:
         return list(self._routable_now().values())
 
     def _routable_now(self) -> dict[str, Node]:
-        if self._routable is not None:
+        state = None if self.admit_state is None else self.admit_state()
+        if self._routable is not None and state == self._routable_state:
             return self._routable
         nodes = {}
         for table in (self.discovered, self.manual):
@@ -179,8 +185,8 @@ class NodeSet:
                 else:
                     nodes.pop(node.id, None)  # a manual node shadows a discovered one
         ordered = {i: nodes[i] for i in sorted(nodes)}
-        if self.admit is admit_unless_self:
-            self._routable = ordered
+        if self.admit is admit_unless_self or self.admit_state is not None:
+            self._routable, self._routable_state = ordered, state
         return ordered
 
     def get(self, node_id: str) -> Node | None:

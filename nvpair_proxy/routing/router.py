@@ -126,10 +126,12 @@ class Router:
         for node_id in [n for n in self._rates if n not in known]:
             del self._rates[node_id]
 
-    def set_admission(self, admit: Callable[[Node], Node | None]) -> None:
-        """How a discovered node is reached, asked at every read (broker mode: self through
-        the local backend, peers over pinned mTLS only)."""
-        self.nodes.admit = admit
+    def set_admission(self, admit: Callable[[Node], Node | None],
+                      state: Callable[[], object] | None = None) -> None:
+        """How a discovered node is reached (broker mode: self through the local backend,
+        peers over pinned mutual TLS only), asked again whenever ``state()``, what its answers
+        depend on, changes (without ``state``: at every read)."""
+        self.nodes.admit, self.nodes.admit_state = admit, state
         self.nodes.changed()
 
     def check_self(self, is_self: Callable[[Node], bool]) -> None:

@@ -526,3 +526,63 @@ class AdmissionCopiesTests(SynchronousTestCase):
         self.assertIs(admission(peer), admission(peer))
         Directory.pins = {}
         self.assertIsNone(admission(peer))
+
+
+class AdmittedOncePerChangeTests(SynchronousTestCase):
+    """A node set under broker-mode admission re-admits its nodes when what the admission
+    depends on changes (backend, membership, pins), not at every read: a request reads the
+    routable set three times, and each read asked every node."""
+
+    def setUp(self):
+        from twisted.internet.task import Clock
+        from nvpair_proxy.cluster.admission import Admission
+        from nvpair_proxy.nodes.discovery import Node, NodeSet
+
+        class Directory:
+            member = True
+            pins = {"peer-cluster": b"pin"}
+
+            def pin(self, uuid):
+                return self.pins.get(uuid) if self.member else None
+
+            def check(self, now=None, every=0.0):
+                pass
+
+        self.directory = Directory()
+        self.backend = [("127.0.0.1", 11434)]
+        admission = Admission(self.directory, Clock(), lambda: self.backend[0])
+        self.asked: list[str] = []
+
+        def admit(node):
+            self.asked.append(node.id)
+            return admission(node)
+
+        self.nodes = NodeSet(admit=admit, admit_state=admission.state,
+                             is_self=lambda node: node.id == "me")
+        self.nodes.replace_discovered([
+            Node(id="me", name="me", port=11435, addresses=("10.0.0.1",), local=True),
+            Node(id="peer", name="peer", port=11435, addresses=("10.0.0.2",),
+                 cluster_uuid="peer-cluster", source="discovered")])
+
+    def routable(self):
+        return {node.id: (node.port, node.scheme) for node in self.nodes.routable()}
+
+    def test_reads_between_changes_ask_no_node(self):
+        expected = {"me": (11434, "http"), "peer": (11435, "https")}
+        for _ in range(3):
+            self.assertEqual(self.routable(), expected)
+            self.assertIn("peer", self.nodes)
+        self.assertEqual(sorted(self.asked), ["me", "peer"])
+
+    def test_each_kind_of_change_counts_at_the_next_read(self):
+        self.routable()
+        self.backend[0] = ("127.0.0.1", 11500)
+        self.assertEqual(self.routable(), {"me": (11500, "http"), "peer": (11435, "https")})
+        self.directory.pins = {}
+        self.assertEqual(self.routable(), {"me": (11500, "http")})
+        self.directory.pins = {"peer-cluster": b"pin"}
+        self.directory.member = False
+        self.assertEqual(self.routable(), {"me": (11500, "http")})
+        self.directory.member = True
+        self.backend[0] = None
+        self.assertEqual(self.routable(), {"peer": (11435, "https")})
