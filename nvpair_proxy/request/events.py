@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import os
 from typing import Callable
 
@@ -68,6 +69,33 @@ def _ms_text(seconds: float | None) -> str:
     return "null" if seconds is None else str(int(round(seconds * 1000)))
 
 
+#: The keys of a ``stats`` block (``tokens.measure``), each as JSON.
+_STATS_KEYS = {key: quoted(key) + ":" for key in (
+    "promptTokens", "completionTokens", "tokensPerSecond", "ttftMs", "estimated")}
+_INFINITIES = (math.inf, -math.inf)
+
+
+def _stats_text(stats: dict) -> str:
+    """``stats`` as compact JSON, the text ``_COMPACT`` writes for it, without making an
+    encoder per call: its keys are ``measure``'s and its values ints, finite floats or true.
+    Anything else is left to the encoder."""
+    parts = []
+    for key, value in stats.items():
+        name = _STATS_KEYS.get(key)
+        kind = type(value)
+        if name is None:
+            return _COMPACT.encode(stats)
+        if kind is int:
+            parts.append(name + int.__repr__(value))
+        elif kind is float and value == value and value not in _INFINITIES:
+            parts.append(name + float.__repr__(value))
+        elif value is True:
+            parts.append(name + "true")
+        else:
+            return _COMPACT.encode(stats)
+    return "{" + ",".join(parts) + "}"
+
+
 _STATES = {state: quoted(state) for state in ("queued", "running", "completed", "failed",
                                               "cancelled")}
 
@@ -95,6 +123,8 @@ class Workload:
     _sent_any: bool = False
     #: The fixed head of its workloadInfo, encoded at its first event.
     _head: str | None = None
+    #: ``createdAt`` as JSON, encoded with the head.
+    _created: str = ""
 
     def admitted(self) -> None:
         self._submit(None)
@@ -143,15 +173,16 @@ class Workload:
                 '{"workloadInfo":{"id":' + quoted(self.id) + ',"model":' + quoted(self.model)
                 + ',"engine":' + quoted(self.engine) + ',"runId":' + quoted(self.run_id)
                 + ',"state":')
+            self._created = _ms_text(self.created_at)
         state = _STATES.get(self.state) or quoted(self.state)
         placed = ',"scheduledOn":' + quoted(self.scheduled_on) if self.scheduled_on else ""
         params = (head + state + ',"originatedFrom":""' + placed
-                  + ',"createdAt":' + _ms_text(self.created_at)
+                  + ',"createdAt":' + self._created
                   + ',"startedAt":' + _ms_text(self.started_at)
                   + ',"completedAt":' + _ms_text(completed_at)
                   + ',"error":' + ("null" if error is None else quoted(error))
                   + ',"requesterId":null,"seq":' + str(self.seq)
-                  + (',"stats":' + _COMPACT.encode(stats) if stats else "") + "}}")
+                  + (',"stats":' + _stats_text(stats) if stats else "") + "}}")
         self.emitter.notify_json(method, params)
 
 
