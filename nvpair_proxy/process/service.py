@@ -19,6 +19,8 @@ addition, each after the one before it has finished:
 
 from __future__ import annotations
 
+import gc
+
 import random
 from typing import Callable
 
@@ -161,6 +163,12 @@ class RuntimeService(Service):
         return DeferredList(closing, consumeErrors=True).addCallback(lambda _: None)
 
 
+#: Called once the process is up, before READY=1 (docs/decisions.md#frozen-heap): what exists
+#: by then (modules, classes, the service tree) lives as long as the process, so the cyclic
+#: garbage collector stops walking it at every full collection.
+freeze_heap = gc.freeze
+
+
 @implementer(IStatusSource)
 class ProcessService(MultiService):
     """The root: systemd's view of the process, and children stopped one after another.
@@ -200,6 +208,7 @@ class ProcessService(MultiService):
         if not self.running:
             return
         stop_on_signals(self.reactor)
+        freeze_heap()
         notify("READY=1")
         pinging = watchdog(self.reactor)
         if pinging is not None:

@@ -269,6 +269,7 @@ class TreeTests(SynchronousTestCase):
         self.signals: list[object] = []
         self.patch(sdnotify, "notify", lambda state, environ=None: self.notified.append(state))
         self.patch(service, "stop_on_signals", self.signals.append)
+        self.patch(service, "freeze_heap", lambda: self.notified.append("heap frozen"))
         self.addCleanup(logs.set_level, logs.level_name())
 
     def test_standalone_tree(self):
@@ -325,11 +326,11 @@ class TreeTests(SynchronousTestCase):
         root.startService()
         self.assertEqual((self.notified, self.signals), ([], []))
         reactor.run()
-        self.assertEqual(self.notified, ["READY=1", "WATCHDOG=1"])
+        self.assertEqual(self.notified, ["heap frozen", "READY=1", "WATCHDOG=1"])
         self.assertEqual(self.signals, [reactor])
         self.assertEqual([s.name for s in root][-1], "watchdog")
         self.successResultOf(root.stopService())
-        self.assertEqual(self.notified, ["READY=1", "WATCHDOG=1", "STOPPING=1"])
+        self.assertEqual(self.notified, ["heap frozen", "READY=1", "WATCHDOG=1", "STOPPING=1"])
         self.assertFalse(root.getServiceNamed("watchdog").running)
 
     def test_broker_tree(self):
