@@ -21,6 +21,9 @@ LOG_FORMATS = ("text", "json")
 
 _level = {"current": LogLevel.info}
 _access = {"on": False}
+# Whether a record at each level is kept, for the current level: the request path asks several
+# times per request, and ordering LogLevel constants runs Python code each time.
+_KEPT = {level: level >= LogLevel.info for level in LogLevel.iterconstants()}
 
 
 class LevelPredicate(LogLevelFilterPredicate):
@@ -39,14 +42,14 @@ PREDICATE = LevelPredicate(LogLevel.info)
 
 class LeveledLogger(Logger):
     def emit(self, level, format=None, **kwargs):
-        if level < _level["current"]:
+        if not _KEPT[level]:
             return
         super().emit(level, format, **kwargs)
 
     def debug(self, format=None, **kwargs):
         # The request path logs at debug (docs/references.md#routing-detail-debug); dropped here,
         # before Logger.debug's frame.
-        if _level["current"] > LogLevel.debug:
+        if not _KEPT[LogLevel.debug]:
             return
         self.emit(LogLevel.debug, format, **kwargs)
 
@@ -59,6 +62,7 @@ def set_level(name: str) -> None:
     """Raises KeyError for an unknown level name."""
     level = LEVELS[name]
     _level["current"] = level
+    _KEPT.update({each: each >= level for each in _KEPT})
     PREDICATE.setLogLevelForNamespace("", level)
 
 
@@ -72,7 +76,7 @@ def at_level(name: str) -> Callable[[], None]:
 
 def enabled(level: LogLevel) -> bool:
     """Whether a record at ``level`` would be kept: lets callers skip building it at all."""
-    return level >= _level["current"]
+    return _KEPT[level]
 
 
 def level_name() -> str:

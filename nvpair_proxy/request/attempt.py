@@ -39,6 +39,10 @@ class State(enum.Enum):
     FAILED = "failed"
     CANCELLED = "cancelled"
 
+    # Members are singletons compared by identity, so their identity is their hash: the
+    # transition table is asked at every move, and Enum's own hash runs Python code.
+    __hash__ = object.__hash__
+
 
 DIALING, PEEKING, COMMITTED, FAILED, CANCELLED = State
 

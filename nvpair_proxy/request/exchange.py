@@ -68,6 +68,10 @@ class Phase(enum.Enum):
     STREAMING = "streaming"
     ENDED = "ended"
 
+    # Members are singletons compared by identity, so their identity is their hash: the
+    # phase table is asked at every move, and Enum's own hash runs Python code.
+    __hash__ = object.__hash__
+
 
 # A request is admitted (or answered at once), dispatched until a node commits (or the loop
 # answers), streamed, and ended exactly once; nothing leads back.

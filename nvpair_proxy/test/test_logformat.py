@@ -65,6 +65,22 @@ class LevelTests(SynchronousTestCase):
         captured.logger("nvpair-proxy").debug("kept too")
         self.assertEqual(captured.lines(), ["twisted.web.http debug", "nvpair-proxy debug"])
 
+    def test_our_records_are_dropped_at_the_source_below_the_level(self):
+        emitted: list[dict] = []
+        ours = logs.LeveledLogger(namespace="nvpair-proxy", observer=emitted.append)
+        for name, level in logs.LEVELS.items():
+            logs.set_level(name)
+            self.assertEqual({each: logs.enabled(each) for each in logs.LEVELS.values()},
+                             {each: each >= level for each in logs.LEVELS.values()}, name)
+            del emitted[:]
+            ours.debug("d")
+            ours.info("i")
+            ours.warn("w")
+            ours.error("e")
+            self.assertEqual([event["log_format"] for event in emitted],
+                             [each[0] for each in ("debug", "info", "warn", "error")
+                              if logs.LEVELS[each] >= level], name)
+
     def test_an_event_without_a_namespace_or_level_is_judged_as_info(self):
         captured = Captured("text")
         logs.set_level("info")
