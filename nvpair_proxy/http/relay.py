@@ -59,8 +59,12 @@ class BodyRelay(Protocol):
         return cast(IPushProducer, self.transport)
 
     def connectionLost(self, reason: Failure = connectionDone) -> None:
-        if self._sink is not None:
-            self._sink.upstream_done(reason)
+        sink = self._sink
+        if sink is not None:
+            # Nothing follows the end: the relay lets go of the sink, which holds it
+            # (docs/decisions.md#no-cycles).
+            self._sink = _ENDED
+            sink.upstream_done(reason)
             return
         self._ended = reason
         self._on_end(reason)
@@ -68,6 +72,8 @@ class BodyRelay(Protocol):
     def attach(self, sink: IBodySink) -> None:
         """Deliver what was held to ``sink`` and stream the rest into it."""
         self._sink = sink
+        # Attached, the relay no longer reports to the attempt that made it.
+        self._on_first_data, self._on_end = _nothing, _ignored
         held, self._held = self._held, []
         for data in held:
             sink.write(data)
@@ -80,6 +86,28 @@ class BodyRelay(Protocol):
     def abort(self) -> None:
         if self.transport is not None and self._ended is None:
             self._upstream().stopProducing()
+
+
+def _nothing() -> None:
+    pass
+
+
+def _ignored(reason: Failure) -> None:
+    pass
+
+
+@implementer(IBodySink)
+class _Ended:
+    """The sink of a relay whose body ended: nothing more arrives."""
+
+    def write(self, data: bytes) -> None:
+        pass
+
+    def upstream_done(self, reason: Failure) -> None:
+        pass
+
+
+_ENDED = _Ended()
 
 
 def clean_end(reason: Failure) -> bool:

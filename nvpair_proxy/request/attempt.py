@@ -297,7 +297,8 @@ class Attempt:
         assert self._response is not None and self._relay is not None
         self._enter(COMMITTED)
         self._cancel_timer()
-        self._on_end(Committed(self.node, self._address, self._response, self._relay))
+        on_end = self._let_go()
+        on_end(Committed(self.node, self._address, self._response, self._relay))
 
     def _timed_out(self) -> None:
         self._timer = None
@@ -317,7 +318,15 @@ class Attempt:
             request.cancel()
         if self._relay is not None:
             self._relay.abort()
-        self._on_end(outcome)
+            self._relay = None
+        self._let_go()(outcome)
+
+    def _let_go(self) -> Callable[[Committed | Failed], None]:
+        """The end's callback, handed out once: an ended attempt holds nothing of its
+        dispatch, so a finished request is freed as its last reference goes rather than by
+        the garbage collector (docs/decisions.md#no-cycles)."""
+        on_end, self._on_end, self.final = self._on_end, _ended, _ended_final
+        return on_end
 
     def _enter(self, state: State) -> None:
         if state not in TRANSITIONS[self.state]:
@@ -331,6 +340,14 @@ class Attempt:
 
 def _not_started(outcome: Committed | Failed) -> None:
     raise RuntimeError("Attempt.start was not called")
+
+
+def _ended(outcome: Committed | Failed) -> None:
+    """An ended attempt's callback: it ends once (its state table says so)."""
+
+
+def _ended_final() -> bool:
+    return True
 
 
 def _reason(failure: Failure) -> str:

@@ -169,6 +169,10 @@ def _unset(result: object) -> None:
     raise RuntimeError("Dispatch.run was not called")
 
 
+def _ended(result: object) -> None:
+    """A finished loop's callbacks: it finishes once (``_done``)."""
+
+
 class Dispatch:
     """One request's loop. ``run``'s ``on_done`` gets Committed, Answer or Gone, once.
 
@@ -177,7 +181,9 @@ class Dispatch:
     because non-inference routes can change state (``POST /api/pull``) and must not repeat.
     """
 
-    def __init__(self, job: Job):
+    def __init__(self, job: Job, observer: IDispatchObserver | None = None):
+        """``observer``, when given, is the job's observer (the exchange passes itself here
+        rather than in the job, which outlives the loop's end: docs/decisions.md#no-cycles)."""
         upstreams = job.upstreams
         self.job, self.upstreams = job, upstreams
         self.clock, self.random, self.router, self.model = (
@@ -185,7 +191,8 @@ class Dispatch:
         self.inference, self.bounds = job.inference, upstreams.bounds
         self.deadline = job.created_at + self.bounds.deadline
         self.no_candidate = job.no_candidate
-        self.reserve, self.observer = job.reserve and job.inference, job.observer
+        self.reserve = job.reserve and job.inference
+        self.observer = job.observer if observer is None else observer
         self.dispatches = 0
         self._on_done: Callable[[Committed | Answer | Gone], None] = _unset
         self._on_error: Callable[[Failure], None] = _unset
@@ -236,7 +243,9 @@ class Dispatch:
             failure = Failure()
             self._done = True
             self._cleanup()
-            self._on_error(failure)
+            on_error = self._on_error
+            self._let_go()
+            on_error(failure)
 
     def stop(self, reason: str) -> None:
         """The requester left (or we shut down): end at once, no further dispatch."""
@@ -414,7 +423,16 @@ class Dispatch:
             result = attrs.evolve(result, reservation=self.reservation)
             self.reservation = None
         self._cleanup()
-        self._on_done(result)
+        on_done = self._let_go()
+        on_done(result)
+
+    def _let_go(self) -> Callable[[Committed | Answer | Gone], None]:
+        """The end's callback, handed out once: a finished loop holds nothing of its owner,
+        so a finished request is freed as its last reference goes rather than by the garbage
+        collector (docs/decisions.md#no-cycles)."""
+        on_done = self._on_done
+        self._on_done, self._on_error, self.observer = _ended, _ended, SILENT
+        return on_done
 
     def _cleanup(self) -> None:
         cancel_pending(self._timer)

@@ -181,7 +181,7 @@ class Exchange:
         self.dispatch = Dispatch(Job(
             request=sent, router=self.router, upstreams=upstreams, model=wanted,
             created_at=self.admitted_at, no_candidate=no_candidate,
-            reserve=self.workload is not None, observer=self, key=key, size=len(body)))
+            reserve=self.workload is not None, key=key, size=len(body)), observer=self)
         self._enter(Phase.DISPATCHING)
         self.dispatch.run(self._dispatched, self.crashed, candidates)
 

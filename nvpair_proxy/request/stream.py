@@ -55,6 +55,14 @@ class StreamEvent:
     failure: Failure | None = None
 
 
+def _unheard(event: StreamEvent) -> None:
+    pass
+
+
+def _unheard_stall() -> None:
+    pass
+
+
 @implementer(IBodySink)
 class Stream:
     """The committed body streaming from ``committed``'s relay into ``request``.
@@ -176,6 +184,10 @@ class Stream:
             self.idle.stop()
         if self.committed.reservation is not None:
             self.committed.reservation.release()
+        # A stopped stream reports nothing more: it lets go of its owner, and its watch of
+        # it (docs/decisions.md#no-cycles).
+        self.report = _unheard
+        self.watch.on_dead = _unheard_stall
 
     def _client_stalled(self) -> None:
         self.report(StreamEvent(Happened.CLIENT_STALLED))

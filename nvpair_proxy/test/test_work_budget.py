@@ -212,3 +212,53 @@ class QueueBudgetTests(WorldTestCase):
         waiting = self.timers_for(slots=1)   # 2 dispatched at once, 6 wait their turn
         free = self.timers_for(slots=8)      # all 8 dispatched at once
         self.assertLessEqual(waiting, free + 1, (waiting, free))  # + the queue's one timer
+
+
+class NoCycleTests(WorldTestCase):
+    """A finished request leaves no reference cycle (docs/decisions.md#no-cycles): its
+    exchange, loop, attempt, stream and relay are freed as their last reference goes, not by
+    the garbage collector, whose collections a request's cyclic garbage would trigger and
+    feed (5 % of a proxied request's CPU in process)."""
+
+    def test_a_finished_request_is_freed_with_the_collector_off(self):
+        import gc
+        import weakref
+
+        from nvpair_proxy.request import exchange as exchange_module
+        self.addCleanup(logs.set_level, logs.level_name())
+        logs.set_level("info")
+        reactor = MemoryReactorClock()
+        w = self.world(emitter=LogEmitter(), agent=Client(reactor))
+        w.add("a")
+        wires: list = []
+        ended: list = []
+        original = exchange_module.Exchange._ended
+
+        def recording(exchange, *args):
+            stream = exchange.stream
+            parts = [exchange, exchange.dispatch, stream, stream.committed.relay,
+                     stream.watch, exchange.workload]
+            ended.append([weakref.ref(part) for part in parts if part is not None])
+            original(exchange, *args)
+
+        self.patch(exchange_module.Exchange, "_ended", recording)
+
+        def proxied():
+            client = w.chat()
+            if len(reactor.tcpClients) > len(wires):
+                wires.append(Wire(reactor))
+            wires[-1].reply(
+                b"HTTP/1.1 200 OK\r\nContent-Type: application/x-ndjson\r\n"
+                b"Transfer-Encoding: chunked\r\n\r\n"
+                b"33\r\n{\"done\":true,\"eval_count\":1,\"prompt_eval_count\":2}\n\r\n"
+                b"0\r\n\r\n")
+            self.assertEqual(client.response().status, 200)
+            client.disconnect()
+
+        proxied()  # warm: the first request dials; the next reuses that connection
+        self.addCleanup(gc.enable)
+        gc.disable()
+        proxied()
+        self.assertEqual(len(ended), 2)
+        alive = [type(ref()).__name__ for ref in ended[1] if ref() is not None]
+        self.assertEqual((len(ended[1]), alive), (6, []))
