@@ -63,6 +63,8 @@ from __future__ import annotations
 import json
 import re
 
+from ..core.memo import Memo
+
 __all__ = [
     "FrameReader",
     "LINE_LIMIT",
@@ -85,7 +87,9 @@ TERMINAL_FRAMES = (*SSE_TERMINALS, TERMINAL_NDJSON_DONE)
 #: The most body bytes a reader keeps (the tail every stats figure is read from).
 TAIL_LIMIT = 64 * 1024
 #: A line longer than this is "long": it cannot be an SSE marker, and an NDJSON ``done`` key is
-#: only looked for in its last ``LINE_LIMIT`` bytes. It must not exceed ``TAIL_LIMIT``, because
+#: only looked for in its last ``LINE_LIMIT`` bytes. Whether a long NDJSON line counts as a
+#: stream event depends on where the reads split it (its start may have left the tail);
+#: no engine sends an event line that long. It must not exceed ``TAIL_LIMIT``, because
 #: the line in progress is read back from the tail.
 LINE_LIMIT = TAIL_LIMIT
 #: How much of the line in progress is kept aside, so a long SSE line's field name is known.
@@ -157,6 +161,28 @@ def _framing(terminal: str | None, content_type: str | bytes | None) -> tuple[st
     return _JSON, False
 
 
+# How each (rule, Content-Type) pair is read: a response's reading is made once per pair, not
+# per response. Engines send a handful of types; the bound keeps a hostile one from growing it.
+_READINGS: Memo[tuple, tuple[str, bool, tuple]] = Memo(64)
+
+
+def _reading(terminal: str | None, content_type: str | bytes | None
+             ) -> tuple[str, bool, tuple[tuple[bytes, re.Pattern[bytes]], ...]]:
+    """The framing, whether to sniff for a JSON document, and the SSE markers to look for."""
+    if isinstance(content_type, bytearray):
+        content_type = bytes(content_type)
+    key = (terminal, content_type)
+    reading = _READINGS.get(key)
+    if reading is None:
+        if terminal is not None and terminal not in TERMINAL_FRAMES:
+            raise ValueError(f"unknown terminal frame rule {terminal!r}")
+        framing, sniff = _framing(terminal, content_type)
+        rules = (terminal,) if terminal in SSE_TERMINALS else SSE_TERMINALS
+        reading = _READINGS.remember(
+            key, (framing, sniff, tuple(_MARKERS[rule] for rule in rules)))
+    return reading
+
+
 def _top_level_done(text: str) -> bool:
     """Whether ``text``, a ``"done"`` key's opening quote to the line end, is the rest of an
     object with top-level ``done`` true.
@@ -224,10 +250,7 @@ class FrameReader:
                  "_json_state", "_json_depth", "_json_in_string", "_json_escape", "_json_seen")
 
     def __init__(self, terminal: str | None, content_type: str | bytes | None = None) -> None:
-        if terminal is not None and terminal not in TERMINAL_FRAMES:
-            raise ValueError(f"unknown terminal frame rule {terminal!r}")
-        framing, sniff = _framing(terminal, content_type)
-        rules = (terminal,) if terminal in SSE_TERMINALS else SSE_TERMINALS
+        framing, sniff, markers = _reading(terminal, content_type)
         self.terminal = terminal
         #: The last ``TAIL_LIMIT`` body bytes (never logged: docs/references.md#no-content-logging).
         self.tail = bytearray()
@@ -239,7 +262,7 @@ class FrameReader:
         self._pending = 0
         self._mode = framing
         self._sniff = sniff
-        self._markers = tuple(_MARKERS[rule] for rule in rules)
+        self._markers = markers
         self._terminal_found = False
         self._line_head = b""
         self._line_len = 0
