@@ -78,6 +78,7 @@ class BodyRelay(Protocol):
         for data in held:
             sink.write(data)
         if self._ended is not None:
+            self._sink = _ENDED  # the body ended while held: nothing more arrives
             sink.upstream_done(self._ended)
         elif self._paused:
             self._paused = False

@@ -20,7 +20,6 @@ addition, each after the one before it has finished:
 from __future__ import annotations
 
 import gc
-
 import random
 from typing import Callable
 
