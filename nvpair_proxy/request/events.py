@@ -65,14 +65,18 @@ quoted = json.encoder.encode_basestring_ascii
 _COMPACT = json.JSONEncoder(separators=(",", ":"), allow_nan=True)
 
 
+def ms(seconds: float | None) -> int | None:
+    return None if seconds is None else int(round(seconds * 1000))
+
+
 def _ms_text(seconds: float | None) -> str:
-    return "null" if seconds is None else str(int(round(seconds * 1000)))
+    """:func:`ms` as JSON."""
+    return "null" if seconds is None else str(ms(seconds))
 
 
 #: The keys of a ``stats`` block (``tokens.measure``), each as JSON.
 _STATS_KEYS = {key: quoted(key) + ":" for key in (
     "promptTokens", "completionTokens", "tokensPerSecond", "ttftMs", "estimated")}
-_INFINITIES = (math.inf, -math.inf)
 
 
 def _stats_text(stats: dict) -> str:
@@ -82,12 +86,12 @@ def _stats_text(stats: dict) -> str:
     parts = []
     for key, value in stats.items():
         name = _STATS_KEYS.get(key)
-        kind = type(value)
         if name is None:
             return _COMPACT.encode(stats)
+        kind = type(value)
         if kind is int:
             parts.append(name + int.__repr__(value))
-        elif kind is float and value == value and value not in _INFINITIES:
+        elif kind is float and math.isfinite(value):
             parts.append(name + float.__repr__(value))
         elif value is True:
             parts.append(name + "true")
@@ -98,10 +102,6 @@ def _stats_text(stats: dict) -> str:
 
 _STATES = {state: quoted(state) for state in ("queued", "running", "completed", "failed",
                                               "cancelled")}
-
-
-def ms(seconds: float | None) -> int | None:
-    return None if seconds is None else int(round(seconds * 1000))
 
 
 @attrs.define

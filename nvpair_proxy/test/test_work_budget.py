@@ -54,6 +54,35 @@ def count_work(test, w, *clocks) -> dict[str, int]:
     return counts
 
 
+NDJSON_STREAM = (b"HTTP/1.1 200 OK\r\nContent-Type: application/x-ndjson\r\n"
+                 b"Transfer-Encoding: chunked\r\n\r\n"
+                 b"2a\r\n{\"message\":{\"content\":\"hi\"},\"done\":false}\n\r\n"
+                 b"33\r\n{\"done\":true,\"eval_count\":1,\"prompt_eval_count\":2}\n\r\n"
+                 b"0\r\n\r\n")
+
+
+def through_the_client(test):
+    """A world at info level whose upstream is the proxy's own client, and a function that
+    proxies one streamed chat through it, the engine's end an in-memory wire: the first call
+    dials, the next ones reuse that pooled connection. Returns the world, that function, the
+    wires made so far and the client's reactor."""
+    test.addCleanup(logs.set_level, logs.level_name())
+    logs.set_level("info")
+    reactor = MemoryReactorClock()
+    w = test.world(emitter=LogEmitter(), agent=Client(reactor))
+    w.add("a")
+    wires: list = []
+
+    def proxied():
+        client = w.chat()
+        if len(reactor.tcpClients) > len(wires):
+            wires.append(Wire(reactor))
+        wires[-1].reply(NDJSON_STREAM)
+        return client
+
+    return w, proxied, wires, reactor
+
+
 class WorkBudgetTests(WorldTestCase):
     def count(self, w, *clocks) -> dict[str, int]:
         return count_work(self, w, *clocks)
@@ -84,25 +113,7 @@ class WorkBudgetTests(WorldTestCase):
         """The same request with the real upstream client (client.py) in place of the fake
         agent, the engine's end an in-memory wire: the client's whole share is one Deferred
         (its ``IAgent.request`` answer) and no timer, its connection reused from the pool."""
-        self.addCleanup(logs.set_level, logs.level_name())
-        logs.set_level("info")
-        reactor = MemoryReactorClock()
-        w = self.world(emitter=LogEmitter(), agent=Client(reactor))
-        w.add("a")
-        wires = []
-
-        def proxied():
-            client = w.chat()
-            if len(reactor.tcpClients) > len(wires):
-                wires.append(Wire(reactor))
-            wires[-1].reply(
-                b"HTTP/1.1 200 OK\r\nContent-Type: application/x-ndjson\r\n"
-                b"Transfer-Encoding: chunked\r\n\r\n"
-                b"2a\r\n{\"message\":{\"content\":\"hi\"},\"done\":false}\n\r\n"
-                b"33\r\n{\"done\":true,\"eval_count\":1,\"prompt_eval_count\":2}\n\r\n"
-                b"0\r\n\r\n")
-            return client
-
+        w, proxied, wires, reactor = through_the_client(self)
         proxied()  # warm: the first request dials; the rest reuse that connection
         counts = self.count(w, reactor)
         for _ in range(3):
@@ -225,12 +236,7 @@ class NoCycleTests(WorldTestCase):
         import weakref
 
         from nvpair_proxy.request import exchange as exchange_module
-        self.addCleanup(logs.set_level, logs.level_name())
-        logs.set_level("info")
-        reactor = MemoryReactorClock()
-        w = self.world(emitter=LogEmitter(), agent=Client(reactor))
-        w.add("a")
-        wires: list = []
+        w, through, _, _ = through_the_client(self)
         ended: list = []
         original = exchange_module.Exchange._ended
 
@@ -244,14 +250,7 @@ class NoCycleTests(WorldTestCase):
         self.patch(exchange_module.Exchange, "_ended", recording)
 
         def proxied():
-            client = w.chat()
-            if len(reactor.tcpClients) > len(wires):
-                wires.append(Wire(reactor))
-            wires[-1].reply(
-                b"HTTP/1.1 200 OK\r\nContent-Type: application/x-ndjson\r\n"
-                b"Transfer-Encoding: chunked\r\n\r\n"
-                b"33\r\n{\"done\":true,\"eval_count\":1,\"prompt_eval_count\":2}\n\r\n"
-                b"0\r\n\r\n")
+            client = through()
             self.assertEqual(client.response().status, 200)
             client.disconnect()
 
