@@ -14,7 +14,11 @@ peers speak:
   read whole first, so a connection never carries a request half written);
 - the response head parsed in one pass (``responsewire``) and the body handed straight on;
 - one timer per pool for idle connections, not one per connection (``pool.py``); idle
-  connections are aborted, never closed gracefully (over TLS that waits on the peer).
+  connections are aborted, never closed gracefully (over TLS that waits on the peer);
+- a request written is never written again (docs/decisions.md#sent-once): a pooled
+  connection is used only while its server still keeps it, as far as can be known before
+  writing (its ``Keep-Alive`` timeout, a peek at its socket), and one that carried a stream is
+  pooled only after the stream's end was told, never to the request that end wakes.
 
 What the attempt relies on is kept exactly: ``IAgent`` and ``IResponse``; connect errors as
 the endpoint raises them; ``ResponseNeverReceived`` before any response byte,
@@ -50,7 +54,8 @@ from ..core.memo import Memo
 from .pool import ConnectionPool
 from .requestbody import BytesProducer
 from .responsewire import (CHUNKED, LENGTH, MAX_HEAD, UNTIL_CLOSE, ChunkedBody, WireError,
-                           body_framing, find_head_end, parse_head, persistent)
+                           body_framing, find_head_end, keep_alive_for, parse_head,
+                           persistent)
 
 # Headers the client writes itself: the caller's are not relayed (a body is framed by us,
 # and whether the connection persists is ours to say). A caller's Host is kept, as Agent does.
@@ -78,8 +83,9 @@ class State(enum.Enum):
       head moves it to ``BODY`` as the response is handed to the caller; a head that cannot
       be framed, a cancel, or the connection's loss (``ResponseFailed``) to ``CLOSED``.
     - ``BODY``: the body is read and handed on. Its framed end moves it to ``IDLE`` and back
-      to the pool if the response lets the connection persist and no byte followed, else to
-      ``CLOSED``; so do broken framing (``ResponseFailed``) and the connection's loss (the
+      to the pool if the response lets the connection persist and no byte followed (after
+      a chunked body only once its end was told, and not at all for an origin that closes
+      after streams), else to ``CLOSED``; so do broken framing (``ResponseFailed``) and the connection's loss (the
       end of a body framed by the close: ``PotentialDataLoss``; of any other,
       ``ResponseFailed``). The consumer's ``stopProducing`` moves it to ``STOPPED``.
     - ``STOPPED``: the consumer wanted no more, so the connection was aborted and nothing
@@ -100,6 +106,13 @@ class State(enum.Enum):
 
 # Module names, read per chunk without an attribute lookup; compared with ``is``.
 CONNECTING, IDLE, WAITING, HEAD, BODY, STOPPED, CLOSED = State
+
+# A server that closes an idle connection this soon after a streamed answer ended closes
+# after streams (llama-server does, at once); a keep-alive timeout is seconds at least.
+STREAM_CLOSE_WINDOW = 1.0
+
+# A look at an idle socket that reads nothing and never blocks (``_Connection.peer_gone``).
+_PEEK = socket.MSG_PEEK | socket.MSG_DONTWAIT
 
 # Origins remembered; a fleet has a handful, so reaching this means something churns.
 _MAX_ORIGINS = 4096
@@ -146,23 +159,32 @@ class Client:
         if bodyProducer is not None and not isinstance(bodyProducer, BytesProducer):
             return self._read_body_first(method, uri, headers, bodyProducer)
         origin, path = self._route(uri)
-        # The pool holds only what this client gave it, so what it hands back is a _Connection.
-        connection = cast("_Connection | None", self.pool.take(origin.key))
+        connection = self._pooled(origin.key)
         dial = _Dial()
         result: Deferred[IResponse] = Deferred(dial.cancel)
         if connection is not None:
-            # A pooled connection the server closed just before it got our request fails
-            # with nothing read: that is no answer from the engine, so the request goes once
-            # more on a new connection (as a browser or Go's client does), never costing the
-            # caller an attempt. llama-server closes after each stream, so a request waiting
-            # for that very slot meets this race every time.
             dial.connection = connection
-            connection.send(method, uri, path, origin.host_header, headers, bodyProducer, result,
-                            again=lambda: self._dial(dial, origin, method, uri, path, headers,
-                                                     bodyProducer, result))
+            connection.send(method, uri, path, origin.host_header, headers, bodyProducer, result)
             return result
         self._dial(dial, origin, method, uri, path, headers, bodyProducer, result)
         return result
+
+    def _pooled(self, key: tuple) -> "_Connection | None":
+        """A pooled connection that can carry a request, or None: dial a new one.
+
+        A request once written is never sent again (docs/decisions.md#sent-once): the engine
+        may have read it, and a pull or a generation must not start twice. So what can be
+        known before writing is asked here, never after: a connection its server already
+        closed, or spoke on unasked, is dropped and the next one tried. (The pool has already
+        dropped those past their server's ``Keep-Alive`` timeout.)
+        """
+        pool = self.pool
+        while True:
+            # The pool holds only what this client gave it, so it hands back _Connections.
+            connection = cast("_Connection | None", pool.take(key))
+            if connection is None or not connection.peer_gone():
+                return connection
+            connection.close_idle()
 
     def _dial(self, dial: "_Dial", origin: Origin, method: bytes, uri: bytes, path: bytes,
               headers: Headers | None, producer: BytesProducer | None,
@@ -332,9 +354,12 @@ class _ConnectionFactory(Factory):
 
     def __init__(self, pool: "ConnectionPool", key: tuple) -> None:
         self.pool, self.key = pool, key
+        # What this origin's server was seen to do (``_Connection.connectionLost``): close
+        # a connection right after a streamed answer, as llama-server does.
+        self.closes_after_streams = False
 
     def buildProtocol(self, addr) -> "_Connection":
-        return _Connection(self.pool, self.key)
+        return _Connection(self.pool, self.key, self)
 
 
 @implementer(IConsumer)
@@ -354,6 +379,18 @@ class _Collect:
         pass
 
 
+def _socket_of(transport) -> socket.socket | None:
+    """The socket under a connection's transport: its own (TCP), the one under it (TLS over
+    TCP: ``ProtocolWrapper.transport``), or None (in memory)."""
+    for layer in (transport, getattr(transport, "transport", None)):
+        handle = getattr(layer, "getHandle", None)
+        if handle is not None:
+            found = handle()
+            if isinstance(found, socket.socket):
+                return found
+    return None
+
+
 class _IConnectionTransport(ITCPTransport, IPushProducer):
     """What a connection uses of its transport, for the type checker: a TCP connection's, or
     TLS over one (``ITLSTransport`` is an ``ITCPTransport``); both pause and resume reading."""
@@ -369,16 +406,14 @@ class _Connection(Protocol):
 
     transport: _IConnectionTransport  # set by makeConnection, before connectionMade
 
-    def __init__(self, pool: "ConnectionPool", key: tuple) -> None:
-        self.pool, self.key = pool, key
+    def __init__(self, pool: "ConnectionPool", key: tuple,
+                 origin: "_ConnectionFactory | None" = None) -> None:
+        self.pool, self.key, self.origin = pool, key, origin
         self.state = CONNECTING
         self.result: Deferred[IResponse] | None = None
         # A stand-in between responses, so the per-chunk path calls it without a check.
         self.response: ClientResponse | _NoResponse = _NO_RESPONSE
         self.sent: tuple = ()
-        # How to send the request in WAITING once more on a new connection: set only when
-        # this connection came from the pool (it may have been closed under us).
-        self.again: Callable[[], None] | None = None
         self.head = b""
         self.scanned = 0  # how far into ``head`` the end of the head was already looked for
         self.framing = LENGTH
@@ -387,10 +422,15 @@ class _Connection(Protocol):
         # Whether this response lets the connection carry another request: a property of the
         # response, decided by its head and read only at its end, not a step of the exchange.
         self.keep = False
+        # How long the server keeps the connection idle, by its ``Keep-Alive`` (less a margin).
+        self.keep_for = math.inf
+        # When a streamed (chunked) answer ended and left the connection idle: a close by
+        # the server soon after says it closes after streams. None once it carries another.
+        self.streamed_at: float | None = None
         # Whether the consumer paused the socket: orthogonal to the body's progress, since
         # bytes already read still arrive and the body can end while paused.
         self.paused = False
-        self.idle_since = 0.0
+        self.idle_until = 0.0  # set by the pool
         self.closed: list[Deferred[None]] = []
 
     def connectionMade(self) -> None:
@@ -400,8 +440,8 @@ class _Connection(Protocol):
 
     def send(self, method: bytes, uri: bytes, path: bytes, host_header: bytes,
              headers: Headers | None, producer: BytesProducer | None,
-             result: Deferred[IResponse], again: Callable[[], None] | None = None) -> None:
-        self.state, self.result, self.again = WAITING, result, again
+             result: Deferred[IResponse]) -> None:
+        self.state, self.result, self.streamed_at = WAITING, result, None
         self.sent = (method, uri, headers)
         head = [method, b" ", path, b" HTTP/1.1\r\n"]
         if headers is None or not headers.hasHeader(b"host"):
@@ -433,7 +473,7 @@ class _Connection(Protocol):
         elif state is HEAD:
             self._head(data)
         elif state is WAITING:
-            self.state, self.again = HEAD, None
+            self.state = HEAD
             self._head(data)
         elif state is IDLE:
             # A server that speaks out of turn is not trusted with another request.
@@ -470,7 +510,9 @@ class _Connection(Protocol):
             if position == len(buffer):  # an interim answer (100, 103): the real one follows
                 return
         buffer = buffer[position:]
-        self.keep = persistent(head, framing)
+        keep = self.keep = persistent(head, framing)
+        if keep:
+            self.keep_for = keep_alive_for(head)
         if framing != LENGTH:
             # A length beside a coding is not this body's (RFC 9112 6.3): never relayed.
             head.fields.pop(b"content-length", None)
@@ -517,18 +559,41 @@ class _Connection(Protocol):
             self.response.data(data)
 
     def _complete(self, rest: bytes) -> None:
-        """The body ended as framed: back to the pool if the connection may persist."""
+        """The body ended as framed: back to the pool if the connection may persist.
+
+        After a streamed (chunked) answer the body's end is told first and the connection
+        pooled only then, so the request that end wakes (late binding frees a slot and sends
+        the next waiter at once) never gets it: llama-server closes its connection right
+        after a stream, whatever its headers say, and a request written on it would be lost
+        (docs/decisions.md#sent-once). An origin seen doing that is not pooled after streams
+        at all.
+        """
         response = self._release()
-        if self.keep and not rest:
-            self.state = IDLE
-            if self.paused:
-                self.paused = False
-                self.transport.resumeProducing()
-            self.pool.give(self)
-        else:
+        if not self.keep or rest:
             self._close()
+            if response is not None:
+                response.end(_BODY_DONE)
+            return
+        self.state = IDLE
+        if self.paused:
+            self.paused = False
+            self.transport.resumeProducing()
+        if self.framing != CHUNKED:
+            self.pool.give(self, self.keep_for)
+            if response is not None:
+                response.end(_BODY_DONE)
+            return
+        emptied = self.pool.emptied
         if response is not None:
             response.end(_BODY_DONE)
+        if self.state is not IDLE:
+            return
+        origin = self.origin
+        if (origin is not None and origin.closes_after_streams) or self.pool.emptied != emptied:
+            self._close()  # or the pool closed every idle connection meanwhile: this one too
+            return
+        self.streamed_at = self.pool.clock.seconds()
+        self.pool.give(self, self.keep_for)
 
     def _unframeable(self, failure: Failure) -> None:
         result, self.result = self.result, None
@@ -589,18 +654,34 @@ class _Connection(Protocol):
         self._close()
         return waiter
 
+    def peer_gone(self) -> bool:
+        """Whether the server already closed this idle connection, or sent bytes unasked
+        (a TLS close_notify among them), though the reactor has not read it yet: a peek at
+        the socket, which reads nothing. False in memory (no socket to ask)."""
+        handle = _socket_of(self.transport)
+        if handle is None:
+            return False
+        try:
+            handle.recv(1, _PEEK)  # b"": closed; bytes: spoke out of turn
+        except BlockingIOError:
+            return False
+        except OSError:
+            return True  # reset
+        return True
+
     def connectionLost(self, reason: Failure = connectionDone) -> None:
         state, self.state = self.state, CLOSED
         if state is IDLE:
             self.pool.forget(self)
+            streamed_at, origin = self.streamed_at, self.origin
+            if (streamed_at is not None and origin is not None
+                    and self.pool.clock.seconds() - streamed_at <= STREAM_CLOSE_WINDOW):
+                origin.closes_after_streams = True
         result, self.result = self.result, None
-        again, self.again = self.again, None
         if result is not None and not result.called:
-            if state is WAITING and again is not None:
-                again()
-            else:
-                wrapper = ResponseFailed if state is HEAD else ResponseNeverReceived
-                result.errback(Failure(wrapper([reason])))
+            # Never sent again (docs/decisions.md#sent-once): the server may have read it.
+            wrapper = ResponseFailed if state is HEAD else ResponseNeverReceived
+            result.errback(Failure(wrapper([reason])))
         response = self._release()
         if response is not None:
             if self.framing == UNTIL_CLOSE and state is BODY:

@@ -10,6 +10,7 @@ trusted again and the attempt fails over.
 from __future__ import annotations
 
 import enum
+import math
 import re
 from typing import Callable
 
@@ -122,6 +123,28 @@ def persistent(head: Head, framing: str) -> bool:
         return True
     return b"close" not in {token.strip().lower()
                             for value in connection for token in value.split(b",")}
+
+
+# How long before the server's own idle timeout we stop reusing its connection: a request
+# written just as that timeout fires meets a connection closed under it, and a written request
+# is never sent again (client.py). One second, as Node's undici keeps by default.
+KEEP_ALIVE_MARGIN = 1.0
+
+_KEEP_ALIVE_TIMEOUT = re.compile(rb"(?:^|,)\s*timeout\s*=\s*\"?([0-9]{1,9})\"?\s*(?:,|$)", re.I)
+
+
+def keep_alive_for(head: Head) -> float:
+    """How long the connection may stay idle and still be reused, by the server's
+    ``Keep-Alive: timeout=N`` (RFC 9110's informal header; llama-server sends
+    ``timeout=5, max=100``): ``N`` less ``KEEP_ALIVE_MARGIN``, at least 0; without one, no
+    limit of the server's (``inf``). A malformed value says nothing."""
+    values = head.fields.get(b"keep-alive")
+    if values is None:
+        return math.inf
+    found = _KEEP_ALIVE_TIMEOUT.search(b",".join(values))
+    if found is None:
+        return math.inf
+    return max(0.0, int(found.group(1)) - KEEP_ALIVE_MARGIN)
 
 
 class Chunking(enum.Enum):

@@ -12,7 +12,7 @@ from nvpair_proxy.http.agentpools import AgentPools
 class Idle:
     """An idle connection as the pool keeps it; records being closed."""
 
-    key, idle_since = (b"https", b"10.0.0.1", 443), 0.0
+    key, idle_until = (b"https", b"10.0.0.1", 443), 0.0
 
     def __init__(self, closed: list) -> None:
         self.closed = closed

@@ -212,7 +212,7 @@ class RetainTests(SynchronousTestCase):
         closed = []
 
         class Idle:
-            key, idle_since = (b"https", b"10.0.0.1", 443), 0.0
+            key, idle_until = (b"https", b"10.0.0.1", 443), 0.0
 
             def close_idle(self):
                 closed.append(self)

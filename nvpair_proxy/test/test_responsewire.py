@@ -8,8 +8,8 @@ from twisted.trial.unittest import SynchronousTestCase
 
 from nvpair_proxy.test.strategies import HEADS, splits
 from nvpair_proxy.http.responsewire import (CHUNKED, LENGTH, UNTIL_CLOSE, ChunkedBody, Chunking,
-                                       WireError, body_framing, find_head_end, parse_head,
-                                       persistent)
+                                       WireError, body_framing, find_head_end, keep_alive_for,
+                                       parse_head, persistent)
 
 
 def head(*lines: bytes, status: bytes = b"HTTP/1.1 200 OK"):
@@ -35,6 +35,19 @@ class HeadTests(SynchronousTestCase):
             self.assertRaises(WireError, parse_head, status)
         for line in (b"no colon", b": empty name", b"Bad Name: x", b"Name : x", b" folded"):
             self.assertRaises(WireError, head, b"A: b", line)
+
+
+class KeepAliveTests(SynchronousTestCase):
+    def test_the_servers_idle_timeout_less_a_second(self):
+        cases = {b"timeout=5, max=100": 4.0, b"max=100, timeout=30": 29.0,
+                 b'Timeout="10"': 9.0, b"timeout=1": 0.0, b"timeout=0": 0.0}
+        for value, expected in cases.items():
+            self.assertEqual(keep_alive_for(head(b"Keep-Alive: " + value)), expected, value)
+
+    def test_no_timeout_or_a_malformed_one_sets_no_limit(self):
+        for lines in ((), (b"Keep-Alive: max=100",), (b"Keep-Alive: timeout=soon",),
+                      (b"Keep-Alive: timeout=-3",), (b"Keep-Alive: xtimeout=3",)):
+            self.assertEqual(keep_alive_for(head(*lines)), float("inf"), lines)
 
 
 class FramingTests(SynchronousTestCase):

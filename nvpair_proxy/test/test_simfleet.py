@@ -26,6 +26,8 @@ from twisted.trial.unittest import SynchronousTestCase, TestCase
 from twisted.web.client import Agent, HTTPConnectionPool, ResponseFailed
 from twisted.web.server import Site
 
+from nvpair_proxy.http.client import Client
+from nvpair_proxy.http.pool import ConnectionPool
 from nvpair_proxy.testing.simfleet import (FleetFileError, SimNode, SimNodeResource, load_fleet,
                                    parse_fleet, start_fleet, token_text)
 
@@ -189,6 +191,36 @@ class TimingAndFaultTests(SynchronousTestCase):
         self.clock.advance(0.5)
         self.assertEqual((wire.transport.value(), wire.transport.disconnecting), (b"", True))
         self.assertEqual(self.clock.getDelayedCalls(), [])
+
+    def test_llamacpp_closes_right_after_a_stream_though_its_headers_say_keep_alive(self):
+        node = SimNode("gpu-c", "llamacpp", models=["m"], tokens=2)
+        streamed = _Wire(node, self.clock)
+        streamed.send("POST", "/v1/chat/completions", {"model": "m", "stream": True, **CHAT})
+        status, headers, chunks, complete = streamed.response()
+        self.assertEqual((status, complete, headers.get("connection")), (200, True, None))
+        self.assertTrue(streamed.transport.disconnecting, "closed after the terminator")
+        whole = _Wire(node, self.clock)
+        whole.send("POST", "/v1/chat/completions", {"model": "m", **CHAT})
+        self.assertEqual(whole.response()[0], 200)
+        self.assertFalse(whole.transport.disconnecting, "a whole answer keeps its connection")
+        ollama = _Wire(SimNode("gpu-a", "ollama", models=["llama3"], tokens=2), self.clock)
+        ollama.send("POST", "/api/chat", {"model": "llama3", **CHAT})
+        self.assertEqual(ollama.response()[3], True)
+        self.assertFalse(ollama.transport.disconnecting, "Ollama keeps it after a stream")
+
+    def test_close_after_stream_overrides_the_dialects_habit(self):
+        node = SimNode("gpu-c", "llamacpp", models=["m"], tokens=1, close_after_stream=False)
+        wire = _Wire(node, self.clock)
+        wire.send("POST", "/v1/chat/completions", {"model": "m", "stream": True, **CHAT})
+        self.assertEqual(wire.response()[3], True)
+        self.assertFalse(wire.transport.disconnecting)
+
+    def test_drop_after_read_closes_without_a_byte_and_counts_the_request(self):
+        node = SimNode("gpu-a", "ollama", models=["llama3"], drop_after_read=True)
+        wire = _Wire(node, self.clock)
+        wire.send("POST", "/api/pull", {"model": "llama3"})
+        self.assertEqual((wire.transport.value(), wire.transport.disconnecting), (b"", True))
+        self.assertEqual((node.dropped, node.state()["dropped"]), (1, 1))
 
     def test_hang_after_headers_sends_headers_and_no_body(self):
         node = SimNode("gpu-a", "ollama", models=["llama3"], hang_after_headers=True)
@@ -665,8 +697,10 @@ class _Connections(WrappingFactory):
 
 class _LoopbackCase(TestCase):
     def setUp(self):
-        self.pool = HTTPConnectionPool(reactor, persistent=True)
-        self.http = HTTPClient(Agent(reactor, pool=self.pool))
+        # The proxy's own client: a simulated llama.cpp closes after every stream, as the
+        # real one does, and Agent's pool would write the next POST on that dying connection.
+        self.pool = ConnectionPool(reactor)
+        self.http = HTTPClient(Client(reactor, self.pool))
 
     def serve(self, node: SimNode) -> str:
         factory = _Connections(Site(SimNodeResource(node, reactor), reactor=reactor))

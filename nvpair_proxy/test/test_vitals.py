@@ -19,7 +19,7 @@ class Idle:
     """An idle connection as the pool holds it: its origin and when it went idle."""
 
     def __init__(self, key: tuple) -> None:
-        self.key, self.idle_since = key, 0.0
+        self.key, self.idle_until = key, 0.0
 
 
 class Facade:

@@ -45,6 +45,12 @@ Knobs (SimNode fields, fleet-file keys, most also ``/_sim/fault`` fields):
   ``timings`` as llama.cpp does: ``cache_n`` reused, ``prompt_n`` read (``usage`` still counts
   the whole prompt); ``prompt_ms`` is the time spent reading. Embeddings never touch the cache.
 
+- ``close_after_stream`` (default: as the dialect's engine, so true for llama.cpp, which
+  closes right after every streamed answer though its headers say keep-alive): close the
+  connection once a stream's terminator is written.
+- ``drop_after_read`` (default false): read each request, then close its connection without
+  a byte of answer (``dropped`` counts them): a request the engine saw and lost.
+
 ``/_sim/state`` also reports ``busy`` and ``queued`` (inference requests running, and waiting
 inside the engine), ``truth_reads`` (requests to the truth routes), ``cache_hits`` and
 ``cache_misses`` (generations whose head the prompt cache held, or did not; both stay 0 while
@@ -85,7 +91,7 @@ DIALECTS = ("ollama", "lmstudio", "llamacpp")
 FAULT_FIELDS = ("models", "loaded", "tokens", "token_delay", "chunk_size", "status",
                 "hang_before_headers", "headers_delay", "hang_after_headers", "die_after_tokens",
                 "slots", "cold_load_delay", "prompt_delay", "prompt_cache",
-                "cached_prompt_delay")
+                "cached_prompt_delay", "close_after_stream", "drop_after_read")
 
 _FILLER = "abcdefghijklmnopqrstuvwxyz0123456789"
 
@@ -213,6 +219,15 @@ class SimNode:
     prompt_cache: int = attrs.field(default=0, validator=_int_in(0))
     cached_prompt_delay: float = attrs.field(default=0.0, converter=_seconds,
                                              validator=_non_negative_seconds)
+    # Close the connection right after a streamed answer, whatever its headers said, as
+    # llama-server does (it sends ``Keep-Alive: timeout=5, max=100`` and closes). None: as
+    # the dialect's engine does (llama.cpp closes, Ollama and LM Studio keep it open).
+    close_after_stream: bool | None = attrs.field(default=None, validator=_optional(_flag))
+    # Read each request (any route but the admin ones), then close its connection without
+    # answering: a request the engine saw and dropped.
+    drop_after_read: bool = attrs.field(default=False, validator=_flag)
+    # Requests read and dropped by drop_after_read.
+    dropped: int = 0
     # Inference requests running now, and waiting inside the engine for a slot.
     busy: int = 0
     queued: int = 0
@@ -235,6 +250,12 @@ class SimNode:
     def __attrs_post_init__(self) -> None:
         if self.router and self.dialect != "llamacpp":
             raise ValueError("router is for llamacpp nodes only")
+
+    @property
+    def closes_after_streams(self) -> bool:
+        if self.close_after_stream is None:
+            return self.dialect == "llamacpp"
+        return self.close_after_stream
 
     @property
     def loads_on_demand(self) -> bool:
@@ -716,8 +737,9 @@ class _Generation:
 
     def __init__(self, request: Request, clock: IReactorTime, fmt: _Format, job: _Job, streaming: bool,
                  delay: float, die_after: int | None,
-                 on_pause: Callable[[], None] = lambda: None):
+                 on_pause: Callable[[], None] = lambda: None, close_after: bool = False):
         self._on_pause = on_pause
+        self._close_after = close_after
         self._request = request
         self._clock = clock
         self._fmt = fmt
@@ -785,8 +807,11 @@ class _Generation:
             transport = self._request.channel.transport
             assert transport is not None, "a request being answered has its connection"
             transport.loseConnection()
-        else:
-            self._request.finish()
+            return
+        channel = self._request.channel
+        self._request.finish()
+        if self._close_after and channel is not None and channel.transport is not None:
+            channel.transport.loseConnection()  # after the terminator is written
 
     def _stop(self) -> None:
         self._done = True
@@ -905,6 +930,12 @@ class SimNodeResource(Resource):
         if path.startswith("/_sim/"):
             return self._admin(request, method, path)
         self.node.headers_seen = _headers_of(request)
+        if self.node.drop_after_read:
+            self.node.dropped += 1
+            transport = request.channel.transport
+            assert transport is not None, "a request being read has its connection"
+            transport.loseConnection()
+            return NOT_DONE_YET
         kind = _INFERENCE[self.node.dialect].get((method, path))
         if kind is not None:
             self.node.served.append((method, path))
@@ -1177,7 +1208,8 @@ class SimNodeResource(Resource):
                                    and stream_options.get("include_usage") is True)),
                    cached_tokens=cached, prompt_seconds=reading)
         _Generation(request, self._clock, fmt, job, streaming, node.token_delay,
-                    node.die_after_tokens, on_pause=self._stalled).start()
+                    node.die_after_tokens, on_pause=self._stalled,
+                    close_after=streaming and node.closes_after_streams).start()
         return NOT_DONE_YET
 
     def _embeddings(self, kind: str, model: str, body: Mapping[str, Any]) -> dict[str, Any]:
@@ -1264,6 +1296,8 @@ def parse_fleet(data: Mapping[str, Any], source: str) -> list[SimNode]:
         headers_delay = 0.5     # fault: answer inference only after this many seconds
         hang_after_headers = false
         die_after_tokens = 3    # fault: drop the connection after this many tokens
+        close_after_stream = true  # close right after a streamed answer (llamacpp's default)
+        drop_after_read = false # fault: read each request, close without answering
 
     A typo must fail loudly: a silently ignored fault switch makes a demo lie.
     """
