@@ -82,10 +82,12 @@ def spawn_fleet(fleet_path: str, stderr: int | None = subprocess.PIPE
 
 def spawn_proxy(workdir: str, args: Sequence[str], logfile: str | None = None, *,
                 stdout: int | None = subprocess.DEVNULL, stderr: int | None = subprocess.PIPE,
-                cwd: str | None = None) -> subprocess.Popen:
+                cwd: str | None = None, env: Mapping[str, str] | None = None
+                ) -> subprocess.Popen:
     """``twistd nvpair-proxy`` (standalone unless ``args`` say otherwise) with its state under
     ``workdir``, once it sent READY=1. ``workdir`` holds the notification socket, so its path
-    must be short (a mkdtemp in /tmp is). With ``logfile`` twistd logs there."""
+    must be short (a mkdtemp in /tmp is). With ``logfile`` twistd logs there; ``env`` adds to
+    the environment (a benchmark's ``PYTHONPATH`` of another checkout)."""
     notify_path = os.path.join(workdir, "notify")
     notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     notify.bind(notify_path)
@@ -95,7 +97,8 @@ def spawn_proxy(workdir: str, args: Sequence[str], logfile: str | None = None, *
         proc = subprocess.Popen(TWISTD + ["-n", "--pidfile="] + logging + [
                                     "nvpair-proxy", "--state-dir", os.path.join(workdir, "state")]
                                 + list(args),
-                                env=dict(os.environ, NOTIFY_SOCKET=notify_path), cwd=cwd,
+                                env=dict(os.environ, **(env or {}), NOTIFY_SOCKET=notify_path),
+                                cwd=cwd,
                                 stdout=stdout, stderr=stderr)
         try:
             message = notify.recv(64)
