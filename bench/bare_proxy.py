@@ -20,8 +20,17 @@ from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Site
 from zope.interface import implementer
 
-HOP = {b"connection", b"keep-alive", b"proxy-connection", b"te", b"trailer",
-       b"transfer-encoding", b"upgrade", b"host", b"content-length"}
+HOP = {
+    b"connection",
+    b"keep-alive",
+    b"proxy-connection",
+    b"te",
+    b"trailer",
+    b"transfer-encoding",
+    b"upgrade",
+    b"host",
+    b"content-length",
+}
 
 
 @implementer(IBodyProducer)
@@ -33,11 +42,14 @@ class Bytes:
         consumer.write(self.data)
         return succeed(None)
 
-    def pauseProducing(self): pass
+    def pauseProducing(self):
+        pass
 
-    def resumeProducing(self): pass
+    def resumeProducing(self):
+        pass
 
-    def stopProducing(self): pass
+    def stopProducing(self):
+        pass
 
 
 class Relay(Protocol):

@@ -30,8 +30,10 @@ from cryptography import x509
 from cryptography.hazmat.primitives.serialization import Encoding
 from OpenSSL import SSL, crypto
 from twisted.internet import reactor
-from twisted.internet.interfaces import (IOpenSSLClientConnectionCreator,
-                                         IOpenSSLServerConnectionCreator)
+from twisted.internet.interfaces import (
+    IOpenSSLClientConnectionCreator,
+    IOpenSSLServerConnectionCreator,
+)
 from twisted.protocols.tls import TLSMemoryBIOFactory
 from twisted.web.client import Agent, HTTPConnectionPool
 from twisted.web.iweb import IPolicyForHTTPS

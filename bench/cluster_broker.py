@@ -34,14 +34,18 @@ def main() -> int:
     broker = ScriptedBroker(path)
     print("broker listening", flush=True)
     broker.accept(30)
-    result = broker.call("facade/enable", {"engine": "ollama", "port": config["facade_port"],
-                                           "ignorePersistedPort": True})
+    result = broker.call(
+        "facade/enable",
+        {"engine": "ollama", "port": config["facade_port"], "ignorePersistedPort": True},
+    )
     if result.get("port") != config["facade_port"]:
         raise SystemExit(f"broker: facade/enable answered {result}")
     if config.get("backend"):
         host, port = config["backend"]
-        broker.call("ollama:node/set-local-backend", {"engine": "ollama", "host": host,
-                                                      "port": port, "healthy": True})
+        broker.call(
+            "ollama:node/set-local-backend",
+            {"engine": "ollama", "host": host, "port": port, "healthy": True},
+        )
     nodes = [dict(n, lastSeen=int(time.time())) for n in config["nodes"]]
     broker.send("ollama:discovery:nodes", {"nodes": nodes}, request=False)
     want = set(config["owners"])
@@ -66,7 +70,7 @@ def main() -> int:
     def take(lines: list[bytes]) -> None:
         counts["lines"] += len(lines)
         for line in lines:
-            if b"ollama:proxy/request\"" in line:
+            if b'ollama:proxy/request"' in line:
                 params = json.loads(line).get("params", {})
                 target = str(params.get("target"))
                 counts["requests"][target] = counts["requests"].get(target, 0) + 1

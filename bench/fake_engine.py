@@ -23,19 +23,40 @@ CACHE: dict = {}
 
 
 def _tags() -> bytes:
-    return json.dumps({"models": [{"name": m, "model": m, "modified_at": "2024-01-01T00:00:00Z",
-                                   "size": 1, "digest": "0" * 64, "details": {}}
-                                  for m in MODELS]}).encode()
+    return json.dumps(
+        {
+            "models": [
+                {
+                    "name": m,
+                    "model": m,
+                    "modified_at": "2024-01-01T00:00:00Z",
+                    "size": 1,
+                    "digest": "0" * 64,
+                    "details": {},
+                }
+                for m in MODELS
+            ]
+        }
+    ).encode()
 
 
 def _openai_models() -> bytes:
-    return json.dumps({"object": "list", "data": [{"id": m, "object": "model", "created": 0,
-                                                   "owned_by": "bench"} for m in MODELS]}).encode()
+    return json.dumps(
+        {
+            "object": "list",
+            "data": [
+                {"id": m, "object": "model", "created": 0, "owned_by": "bench"} for m in MODELS
+            ],
+        }
+    ).encode()
 
 
 def _json_response(body: bytes, content_type: bytes = b"application/json") -> bytes:
-    return (b"HTTP/1.1 200 OK\r\nContent-Type: %s\r\nContent-Length: %d\r\n\r\n%s"
-            % (content_type, len(body), body))
+    return b"HTTP/1.1 200 OK\r\nContent-Type: %s\r\nContent-Length: %d\r\n\r\n%s" % (
+        content_type,
+        len(body),
+        body,
+    )
 
 
 def _chunk(data: bytes) -> bytes:
@@ -50,54 +71,112 @@ def render(path: bytes, stream: bool, tokens: int, model: str):
         return hit
     if path == b"/api/chat":
         if not stream:
-            body = json.dumps({"model": model, "created_at": "2024-01-01T00:00:00Z",
-                               "message": {"role": "assistant", "content": "tok " * tokens},
-                               "done": True, "done_reason": "stop", "total_duration": 1000,
-                               "prompt_eval_count": 8, "eval_count": tokens,
-                               "eval_duration": 1000}).encode()
+            body = json.dumps(
+                {
+                    "model": model,
+                    "created_at": "2024-01-01T00:00:00Z",
+                    "message": {"role": "assistant", "content": "tok " * tokens},
+                    "done": True,
+                    "done_reason": "stop",
+                    "total_duration": 1000,
+                    "prompt_eval_count": 8,
+                    "eval_count": tokens,
+                    "eval_duration": 1000,
+                }
+            ).encode()
             hit = (_json_response(body), None)
         else:
-            parts = [json.dumps({"model": model, "created_at": "2024-01-01T00:00:00Z",
-                                 "message": {"role": "assistant", "content": "tok "},
-                                 "done": False}).encode() + b"\n" for _ in range(tokens)]
-            parts.append(json.dumps({"model": model, "created_at": "2024-01-01T00:00:00Z",
-                                     "message": {"role": "assistant", "content": ""},
-                                     "done": True, "done_reason": "stop", "total_duration": 1000,
-                                     "prompt_eval_count": 8, "eval_count": tokens,
-                                     "eval_duration": 1000}).encode() + b"\n")
-            head = (b"HTTP/1.1 200 OK\r\nContent-Type: application/x-ndjson\r\n"
-                    b"Transfer-Encoding: chunked\r\n\r\n")
+            parts = [
+                json.dumps(
+                    {
+                        "model": model,
+                        "created_at": "2024-01-01T00:00:00Z",
+                        "message": {"role": "assistant", "content": "tok "},
+                        "done": False,
+                    }
+                ).encode()
+                + b"\n"
+                for _ in range(tokens)
+            ]
+            parts.append(
+                json.dumps(
+                    {
+                        "model": model,
+                        "created_at": "2024-01-01T00:00:00Z",
+                        "message": {"role": "assistant", "content": ""},
+                        "done": True,
+                        "done_reason": "stop",
+                        "total_duration": 1000,
+                        "prompt_eval_count": 8,
+                        "eval_count": tokens,
+                        "eval_duration": 1000,
+                    }
+                ).encode()
+                + b"\n"
+            )
+            head = (
+                b"HTTP/1.1 200 OK\r\nContent-Type: application/x-ndjson\r\n"
+                b"Transfer-Encoding: chunked\r\n\r\n"
+            )
             hit = (head, [_chunk(p) for p in parts])
     else:  # /v1/chat/completions
         if not stream:
-            body = json.dumps({"id": "chatcmpl-1", "object": "chat.completion",
-                               "created": 1700000000, "model": model,
-                               "choices": [{"index": 0, "finish_reason": "stop",
-                                            "message": {"role": "assistant",
-                                                        "content": "tok " * tokens}}],
-                               "usage": {"prompt_tokens": 8, "completion_tokens": tokens,
-                                         "total_tokens": 8 + tokens}}).encode()
+            body = json.dumps(
+                {
+                    "id": "chatcmpl-1",
+                    "object": "chat.completion",
+                    "created": 1700000000,
+                    "model": model,
+                    "choices": [
+                        {
+                            "index": 0,
+                            "finish_reason": "stop",
+                            "message": {"role": "assistant", "content": "tok " * tokens},
+                        }
+                    ],
+                    "usage": {
+                        "prompt_tokens": 8,
+                        "completion_tokens": tokens,
+                        "total_tokens": 8 + tokens,
+                    },
+                }
+            ).encode()
             hit = (_json_response(body), None)
         else:
+
             def event(delta, finish=None, usage=None):
-                obj = {"id": "chatcmpl-1", "object": "chat.completion.chunk",
-                       "created": 1700000000, "model": model,
-                       "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+                obj = {
+                    "id": "chatcmpl-1",
+                    "object": "chat.completion.chunk",
+                    "created": 1700000000,
+                    "model": model,
+                    "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
+                }
                 if usage:
                     obj["usage"] = usage
                 return b"data: " + json.dumps(obj).encode() + b"\n\n"
+
             parts = [event({"content": "tok "}) for _ in range(tokens)]
-            parts.append(event({}, "stop", {"prompt_tokens": 8, "completion_tokens": tokens,
-                                            "total_tokens": 8 + tokens})
-                         + b"data: [DONE]\n\n")
-            head = (b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
-                    b"Cache-Control: no-cache\r\nTransfer-Encoding: chunked\r\n\r\n")
+            parts.append(
+                event(
+                    {},
+                    "stop",
+                    {"prompt_tokens": 8, "completion_tokens": tokens, "total_tokens": 8 + tokens},
+                )
+                + b"data: [DONE]\n\n"
+            )
+            head = (
+                b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+                b"Cache-Control: no-cache\r\nTransfer-Encoding: chunked\r\n\r\n"
+            )
             hit = (head, [_chunk(p) for p in parts])
     CACHE[key] = hit
     return hit
 
 
-NOT_FOUND = b"HTTP/1.1 404 Not Found\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}"
+NOT_FOUND = (
+    b"HTTP/1.1 404 Not Found\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}"
+)
 
 
 class Engine(asyncio.Protocol):
@@ -129,7 +208,7 @@ class Engine(asyncio.Protocol):
                     length = int(value)
                 elif name == b"transfer-encoding" and b"chunked" in value.lower():
                     chunked = True
-            rest = self.buf[end + 4:]
+            rest = self.buf[end + 4 :]
             if chunked:
                 body, pos = b"", 0
                 while True:
@@ -139,7 +218,7 @@ class Engine(asyncio.Protocol):
                     size = int(rest[pos:eol].split(b";")[0], 16)
                     if len(rest) < eol + 2 + size + 2:
                         return
-                    body += rest[eol + 2:eol + 2 + size]
+                    body += rest[eol + 2 : eol + 2 + size]
                     pos = eol + 2 + size + 2
                     if size == 0:
                         break

@@ -20,7 +20,12 @@ import time
 
 
 def main() -> int:
-    path, facade_port, engine_port, model = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    path, facade_port, engine_port, model = (
+        sys.argv[1],
+        int(sys.argv[2]),
+        int(sys.argv[3]),
+        sys.argv[4],
+    )
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
     listener.listen(1)
@@ -33,8 +38,12 @@ def main() -> int:
 
     def call(method: str, params: dict) -> dict:
         next_id[0] += 1
-        conn.sendall(json.dumps({"jsonrpc": "2.0", "id": next_id[0], "method": method,
-                                 "params": params}).encode() + b"\n")
+        conn.sendall(
+            json.dumps(
+                {"jsonrpc": "2.0", "id": next_id[0], "method": method, "params": params}
+            ).encode()
+            + b"\n"
+        )
         conn.settimeout(30)
         while True:
             line = lines.readline()
@@ -48,15 +57,35 @@ def main() -> int:
                 return message["result"]
 
     call("facade/enable", {"engine": "ollama", "port": facade_port, "ignorePersistedPort": True})
-    call("ollama:node/set-local-backend", {"engine": "ollama", "host": "127.0.0.1",
-                                           "port": engine_port, "healthy": True})
+    call(
+        "ollama:node/set-local-backend",
+        {"engine": "ollama", "host": "127.0.0.1", "port": engine_port, "healthy": True},
+    )
     # This node as discovery names it (a local address with the facade's port is self,
     # reached through the local backend), advertising the model.
-    conn.sendall(json.dumps({"jsonrpc": "2.0", "method": "ollama:discovery:nodes", "params": {
-        "nodes": [{"hostUuid": "bench-node", "name": "bench", "ip": "127.0.0.1",
-                   "ips": ["127.0.0.1"], "services": {"ol": {"port": facade_port}},
-                   "models": [model], "modelsByEngine": {"ollama": [model]},
-                   "lastSeen": int(time.time())}]}}).encode() + b"\n")
+    conn.sendall(
+        json.dumps(
+            {
+                "jsonrpc": "2.0",
+                "method": "ollama:discovery:nodes",
+                "params": {
+                    "nodes": [
+                        {
+                            "hostUuid": "bench-node",
+                            "name": "bench",
+                            "ip": "127.0.0.1",
+                            "ips": ["127.0.0.1"],
+                            "services": {"ol": {"port": facade_port}},
+                            "models": [model],
+                            "modelsByEngine": {"ollama": [model]},
+                            "lastSeen": int(time.time()),
+                        }
+                    ]
+                },
+            }
+        ).encode()
+        + b"\n"
+    )
     deadline = time.monotonic() + 30
     while not call("ollama:node/model-owners", {"model": model})["nodes"]:
         if time.monotonic() > deadline:

@@ -25,18 +25,29 @@ import sys
 
 OURS = re.compile(r"nvpair_proxy/[\w/]+\.py")
 RULES = [
-    ("events/logging", re.compile(r"nvpair_proxy/(request/events|core/logs|core/logformat|"
-                                  r"broker/rpc)\.py|twisted/logger/|"
-                                  r"twisted/python/log\.py:(?!98|82)|"
-                                  r"twisted/python/(context|failure)\.py")),
+    (
+        "events/logging",
+        re.compile(
+            r"nvpair_proxy/(request/events|core/logs|core/logformat|"
+            r"broker/rpc)\.py|twisted/logger/|"
+            r"twisted/python/log\.py:(?!98|82)|"
+            r"twisted/python/(context|failure)\.py"
+        ),
+    ),
     ("stats observer", re.compile(r"nvpair_proxy/body/(frames|tokens)\.py")),
     ("our exchange/dispatch/attempt", OURS),
-    ("twisted.web request parsing/serving",
-     re.compile(r"twisted/web/(http|server|resource|http_headers|_abnf)\.py|email/|cgi\.py|"
-                r"urllib/parse")),
+    (
+        "twisted.web request parsing/serving",
+        re.compile(
+            r"twisted/web/(http|server|resource|http_headers|_abnf)\.py|email/|cgi\.py|"
+            r"urllib/parse"
+        ),
+    ),
     ("Agent/pool", re.compile(r"twisted/web/(client|_newclient|iweb|_responses)\.py")),
-    ("reactor, TCP, syscalls, Deferreds",
-     re.compile(r"twisted/internet/|twisted/python/util\.py|twisted/protocols/")),
+    (
+        "reactor, TCP, syscalls, Deferreds",
+        re.compile(r"twisted/internet/|twisted/python/util\.py|twisted/protocols/"),
+    ),
 ]
 FRAME = re.compile(r"^(?P<func>.*?) \((?P<file>[^()]*):(?P<line>\d+)\)$")
 
@@ -89,8 +100,20 @@ def main() -> int:
     for name, n in self_time.most_common(top):
         print(f"{100 * n / total:5.1f}  {name}")
     print(f"\ntop {top * 2} by inclusive time (under the reactor loop)")
-    skip = ("run (", "runApp", "Runner", "runReactor", "mainLoop", "doPoll", "callWith",
-            "_doReadOrWrite", "<module>", "ReactorBase.run", "startReactor", "postApplication")
+    skip = (
+        "run (",
+        "runApp",
+        "Runner",
+        "runReactor",
+        "mainLoop",
+        "doPoll",
+        "callWith",
+        "_doReadOrWrite",
+        "<module>",
+        "ReactorBase.run",
+        "startReactor",
+        "postApplication",
+    )
     shown = 0
     for name, n in inclusive.most_common():
         if any(s in name for s in skip):

@@ -20,8 +20,16 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 # Request headers not passed on (hop-by-hop, or ours to set).
-DROPPED = {"connection", "keep-alive", "transfer-encoding", "content-length", "host",
-           "proxy-connection", "te", "upgrade"}
+DROPPED = {
+    "connection",
+    "keep-alive",
+    "transfer-encoding",
+    "content-length",
+    "host",
+    "proxy-connection",
+    "te",
+    "upgrade",
+}
 TIMEOUT = 600.0
 
 
@@ -71,11 +79,18 @@ class Handler(BaseHTTPRequestHandler):
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="bench/round_robin.py", allow_abbrev=False,
-                    description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="bench/round_robin.py", allow_abbrev=False, description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--port", type=int, required=True, help="the port to listen on")
-    parser.add_argument("--node", type=node, action="append", required=True,
-                        metavar="HOST:PORT", help="a node, in rotation order (repeat)")
+    parser.add_argument(
+        "--node",
+        type=node,
+        action="append",
+        required=True,
+        metavar="HOST:PORT",
+        help="a node, in rotation order (repeat)",
+    )
     args = parser.parse_args(argv)
     Handler.nodes = itertools.cycle(args.node)
     server = ThreadingHTTPServer(("127.0.0.1", args.port), Handler)

@@ -44,17 +44,25 @@ WARM_MODEL = "llama-3.2-3b-instruct"
 COLD_LOAD = 3.0
 
 FLEET: dict[str, dict[str, dict[str, Any]]] = {
-    "gpu-a": {"ollama": {"models": ["llama3:latest"], "status": 503},
-              "lmstudio": {"models": ["qwen2.5-7b-instruct", WARM_MODEL],
-                           "loaded": ["qwen2.5-7b-instruct"], "cold_load_delay": COLD_LOAD},
-              "llamacpp": {"models": ["phi-3-mini"], "loaded": ["phi-3-mini"], "slots": 1}},
-    "gpu-b": {"ollama": {"models": ["llama3:latest"]},
-              "lmstudio": {"models": ["qwen2.5-7b-instruct", WARM_MODEL],
-                           "cold_load_delay": COLD_LOAD},
-              "llamacpp": {"models": ["phi-3-mini"], "loaded": []}},
-    "gpu-c": {"ollama": {"models": ["llama3:latest", "mistral:latest"]},
-              "lmstudio": {"models": ["gemma-3-4b"]},
-              "llamacpp": {"models": ["phi-3-mini"], "loaded": ["phi-3-mini"], "slots": 1}},
+    "gpu-a": {
+        "ollama": {"models": ["llama3:latest"], "status": 503},
+        "lmstudio": {
+            "models": ["qwen2.5-7b-instruct", WARM_MODEL],
+            "loaded": ["qwen2.5-7b-instruct"],
+            "cold_load_delay": COLD_LOAD,
+        },
+        "llamacpp": {"models": ["phi-3-mini"], "loaded": ["phi-3-mini"], "slots": 1},
+    },
+    "gpu-b": {
+        "ollama": {"models": ["llama3:latest"]},
+        "lmstudio": {"models": ["qwen2.5-7b-instruct", WARM_MODEL], "cold_load_delay": COLD_LOAD},
+        "llamacpp": {"models": ["phi-3-mini"], "loaded": []},
+    },
+    "gpu-c": {
+        "ollama": {"models": ["llama3:latest", "mistral:latest"]},
+        "lmstudio": {"models": ["gemma-3-4b"]},
+        "llamacpp": {"models": ["phi-3-mini"], "loaded": ["phi-3-mini"], "slots": 1},
+    },
 }
 
 
@@ -80,12 +88,19 @@ class Parser(argparse.ArgumentParser):
 
 def parse(argv: list[str]) -> argparse.Namespace:
     """bin/demo's flags; ``--help`` prints the usage and exits 0 before anything starts."""
-    parser = Parser("bin/demo", description=(
-        "Start a simulated 3-node fleet and the proxy in front of it (standalone, with its "
-        "admin listener), send real requests through every facade and print which node served "
-        "each one. Exits 0 when every request behaved as expected."))
-    parser.add_argument("--hold", action="store_true",
-                        help="keep the fleet and the proxy running afterwards (Ctrl-C stops)")
+    parser = Parser(
+        "bin/demo",
+        description=(
+            "Start a simulated 3-node fleet and the proxy in front of it (standalone, with its "
+            "admin listener), send real requests through every facade and print which node served "
+            "each one. Exits 0 when every request behaved as expected."
+        ),
+    )
+    parser.add_argument(
+        "--hold",
+        action="store_true",
+        help="keep the fleet and the proxy running afterwards (Ctrl-C stops)",
+    )
     return parser.parse_args(argv)
 
 
@@ -94,6 +109,7 @@ def processes() -> ModuleType:
     if ROOT not in sys.path:
         sys.path.insert(0, ROOT)
     from nvpair_proxy.testing import processes as module
+
     return module
 
 
@@ -112,8 +128,15 @@ def write_files(workdir: str) -> str:
     for node_id, engines in FLEET.items():
         for engine, spec in engines.items():
             sim_id = f"{node_id}-{engine}"
-            lines = ['[[node]]', f'id = "{sim_id}"', f'dialect = "{engine}"', "port = 0",
-                     f"models = {toml_list(spec['models'])}", "tokens = 5", "token_delay = 0.02"]
+            lines = [
+                "[[node]]",
+                f'id = "{sim_id}"',
+                f'dialect = "{engine}"',
+                "port = 0",
+                f"models = {toml_list(spec['models'])}",
+                "tokens = 5",
+                "token_delay = 0.02",
+            ]
             if "loaded" in spec:
                 lines.append(f"loaded = {toml_list(spec['loaded'])}")
             for key in ("status", "slots", "cold_load_delay"):
@@ -130,34 +153,50 @@ def write_nodes(workdir: str, ports: dict[str, int]) -> str:
     """The proxy's nodes file: each node's three engines on their simulated ports. Ollama and
     LM Studio list their models when probed; for llama.cpp the file names the loaded ones,
     and the slots each runs (which its ``/slots`` also reports, once read)."""
-    entries = [(node_id, engine, ports[f"{node_id}-{engine}"],
-                spec["loaded"] if engine == "llamacpp" else None)
-               for node_id, engines in FLEET.items() for engine, spec in engines.items()]
-    slots = {(node_id, engine): spec["slots"]
-             for node_id, engines in FLEET.items() for engine, spec in engines.items()
-             if "slots" in spec}
+    entries = [
+        (
+            node_id,
+            engine,
+            ports[f"{node_id}-{engine}"],
+            spec["loaded"] if engine == "llamacpp" else None,
+        )
+        for node_id, engines in FLEET.items()
+        for engine, spec in engines.items()
+    ]
+    slots = {
+        (node_id, engine): spec["slots"]
+        for node_id, engines in FLEET.items()
+        for engine, spec in engines.items()
+        if "slots" in spec
+    }
     path = os.path.join(workdir, "nodes.toml")
     with open(path, "w") as handle:
         handle.write(processes().nodes_toml(entries, slots))
     return path
 
 
-def start_proxy(workdir: str, nodes_path: str, facades: dict[str, int],
-                admin: int | None = None) -> subprocess.Popen:
+def start_proxy(
+    workdir: str, nodes_path: str, facades: dict[str, int], admin: int | None = None
+) -> subprocess.Popen:
     """The proxy standalone with a facade per engine, logging at debug to proxy.log."""
     args = ["--nodes", nodes_path, "--log-level", "debug"]
     for engine, port in facades.items():
         args += ["--engine", f"{engine}:{port}"]
     if admin is not None:
         args += ["--admin", f"127.0.0.1:{admin}"]
-    return processes().spawn_proxy(workdir, args, os.path.join(workdir, "proxy.log"),
-                                   stdout=None, stderr=None, cwd=workdir)
+    return processes().spawn_proxy(
+        workdir, args, os.path.join(workdir, "proxy.log"), stdout=None, stderr=None, cwd=workdir
+    )
 
 
 def call(port: int, method: str, path: str, body: dict | None = None):
     data = json.dumps(body).encode() if body is not None else None
-    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=data, method=method,
-                                     headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}{path}",
+        data=data,
+        method=method,
+        headers={"Content-Type": "application/json"},
+    )
     try:
         with urllib.request.urlopen(request, timeout=30) as response:
             return response.status, response.headers.get("X-Sim-Node", ""), response.read()
@@ -165,12 +204,14 @@ def call(port: int, method: str, path: str, body: dict | None = None):
         return error.code, error.headers.get("X-Sim-Node", ""), error.read()
 
 
-def sim(fleet_ports: dict[str, int], sim_id: str, path: str = "/_sim/state",
-        change: dict | None = None):
+def sim(
+    fleet_ports: dict[str, int], sim_id: str, path: str = "/_sim/state", change: dict | None = None
+):
     """A simulated engine's answer to ``path`` (its admin or truth routes), decoded."""
     data = json.dumps(change).encode() if change is not None else None
-    with urllib.request.urlopen(f"http://127.0.0.1:{fleet_ports[sim_id]}{path}", data=data,
-                                timeout=10) as response:
+    with urllib.request.urlopen(
+        f"http://127.0.0.1:{fleet_ports[sim_id]}{path}", data=data, timeout=10
+    ) as response:
         return json.load(response)
 
 
@@ -195,9 +236,12 @@ def node_of(response) -> str:
 def open_stream(port: int, model: str):
     """A streaming chat through the llama.cpp facade, open once its headers arrived."""
     body = {"model": model, "stream": True, "messages": [{"role": "user", "content": "hi"}]}
-    request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions",
-                                     data=json.dumps(body).encode(), method="POST",
-                                     headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/chat/completions",
+        data=json.dumps(body).encode(),
+        method="POST",
+        headers={"Content-Type": "application/json"},
+    )
     return urllib.request.urlopen(request, timeout=30)
 
 
@@ -222,25 +266,37 @@ def demo_warm_over_cold(fleet_ports: dict[str, int], facades: dict[str, int]) ->
     time.sleep(0.3)  # the read's answer reaches the router
     for owner in owners:
         states = {m["id"]: m["state"] for m in sim(fleet_ports, owner, "/api/v0/models")["data"]}
-        print(f"  {owner[:5]} reports {WARM_MODEL}: {states[WARM_MODEL]}"
-              + (f" (a request there would wait {COLD_LOAD:.0f} s for it to load)"
-                 if states[WARM_MODEL] != "loaded" else ""))
+        print(
+            f"  {owner[:5]} reports {WARM_MODEL}: {states[WARM_MODEL]}"
+            + (
+                f" (a request there would wait {COLD_LOAD:.0f} s for it to load)"
+                if states[WARM_MODEL] != "loaded"
+                else ""
+            )
+        )
     started = time.monotonic()
-    status, node, body = call(facades["lmstudio"], "POST", "/v1/chat/completions",
-                              {"model": WARM_MODEL, "messages": [{"role": "user", "content": "hi"}]})
+    status, node, body = call(
+        facades["lmstudio"],
+        "POST",
+        "/v1/chat/completions",
+        {"model": WARM_MODEL, "messages": [{"role": "user", "content": "hi"}]},
+    )
     took = time.monotonic() - started
-    still_cold = all(m["state"] == "not-loaded"
-                     for m in sim(fleet_ports, "gpu-a-lmstudio", "/api/v0/models")["data"]
-                     if m["id"] == WARM_MODEL)
+    still_cold = all(
+        m["state"] == "not-loaded"
+        for m in sim(fleet_ports, "gpu-a-lmstudio", "/api/v0/models")["data"]
+        if m["id"] == WARM_MODEL
+    )
     ok = read and status == 200 and node.startswith("gpu-b") and still_cold
-    print(f"  one request: {status}, served by {node.rsplit('-', 1)[0] or 'proxy'} in "
-          f"{took:.2f} s; gpu-a still has it {'not loaded' if still_cold else 'LOADED'}"
-          f"{'' if ok else '  <- UNEXPECTED'}")
+    print(
+        f"  one request: {status}, served by {node.rsplit('-', 1)[0] or 'proxy'} in "
+        f"{took:.2f} s; gpu-a still has it {'not loaded' if still_cold else 'LOADED'}"
+        f"{'' if ok else '  <- UNEXPECTED'}"
+    )
     return ok
 
 
-def demo_late_binding(fleet_ports: dict[str, int], facades: dict[str, int],
-                      admin: int) -> bool:
+def demo_late_binding(fleet_ports: dict[str, int], facades: dict[str, int], admin: int) -> bool:
     """gpu-a and gpu-c run one llama.cpp request at a time; both stream (gpu-a for 2 s,
     gpu-c for 0.8 s); a third request waits in the proxy and goes to gpu-c, which frees
     first, although gpu-a comes first by node id."""
@@ -249,8 +305,10 @@ def demo_late_binding(fleet_ports: dict[str, int], facades: dict[str, int],
         sim(fleet_ports, sim_id, "/_sim/fault", {"tokens": tokens, "token_delay": 0.05})
     port = facades["llamacpp"]
     print()
-    print("late binding: gpu-a and gpu-c run one llama.cpp request at a time "
-          "(slots = 1, their /slots says so too)")
+    print(
+        "late binding: gpu-a and gpu-c run one llama.cpp request at a time "
+        "(slots = 1, their /slots says so too)"
+    )
     results: dict[str, object] = {}
     readers = []
     try:
@@ -261,8 +319,10 @@ def demo_late_binding(fleet_ports: dict[str, int], facades: dict[str, int],
             reader = threading.Thread(target=response.read, daemon=True)
             reader.start()
             readers.append(reader)
-        print(f"  stream 1 on {results['first']} (40 tokens, 2.0 s), stream 2 on "
-              f"{results['second']} (16 tokens, 0.8 s): every owner is full")
+        print(
+            f"  stream 1 on {results['first']} (40 tokens, 2.0 s), stream 2 on "
+            f"{results['second']} (16 tokens, 0.8 s): every owner is full"
+        )
 
         def third() -> None:
             sent = time.monotonic()
@@ -277,20 +337,31 @@ def demo_late_binding(fleet_ports: dict[str, int], facades: dict[str, int],
         inside = {sim_id[:5]: sim(fleet_ports, sim_id)["queued"] for sim_id, _ in (long, short)}
         with urllib.request.urlopen(f"http://127.0.0.1:{admin}/status", timeout=10) as response:
             queued = queued_in(json.load(response))
-        shown = f"proxy /status queued = {max(queued)}" if queued else             "waiting in the proxy (its /status does not show the queue yet)"
-        print(f"  request 3 at {time.monotonic() - t0:.1f} s: {shown}; inside the engines: "
-              + ", ".join(f"{node} {count}" for node, count in inside.items()))
+        shown = (
+            f"proxy /status queued = {max(queued)}"
+            if queued
+            else "waiting in the proxy (its /status does not show the queue yet)"
+        )
+        print(
+            f"  request 3 at {time.monotonic() - t0:.1f} s: {shown}; inside the engines: "
+            + ", ".join(f"{node} {count}" for node, count in inside.items())
+        )
         waiter.join(30)
         for reader in readers:
             reader.join(30)
     finally:
         for sim_id, _ in (long, short):
             sim(fleet_ports, sim_id, "/_sim/fault", {"tokens": 5, "token_delay": 0.02})
-    ok = (results.get("first"), results.get("second"), results.get("third")) == \
-        ("gpu-a", "gpu-c", "gpu-c") and not any(inside.values())
-    print(f"  request 3 served by {results.get('third')} when its stream ended, after waiting "
-          f"{results.get('waited', 0.0):.2f} s (gpu-a stayed busy until 2.0 s)"
-          f"{'' if ok else '  <- UNEXPECTED'}")
+    ok = (results.get("first"), results.get("second"), results.get("third")) == (
+        "gpu-a",
+        "gpu-c",
+        "gpu-c",
+    ) and not any(inside.values())
+    print(
+        f"  request 3 served by {results.get('third')} when its stream ended, after waiting "
+        f"{results.get('waited', 0.0):.2f} s (gpu-a stayed busy until 2.0 s)"
+        f"{'' if ok else '  <- UNEXPECTED'}"
+    )
     return ok
 
 
@@ -303,12 +374,20 @@ def chat_turn(port: int, messages: list[dict]) -> dict[str, Any]:
     """One streamed turn of a conversation through the llama.cpp facade: its status, node,
     first-byte time, answer text and llama.cpp's final timings."""
     body = {"model": "phi-3-mini", "stream": True, "messages": messages}
-    request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions",
-                                     data=json.dumps(body).encode(), method="POST",
-                                     headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/chat/completions",
+        data=json.dumps(body).encode(),
+        method="POST",
+        headers={"Content-Type": "application/json"},
+    )
     sent = time.monotonic()
-    turn: dict[str, Any] = {"status": 0, "node": "proxy", "first_byte": None, "text": "",
-                            "timings": {}}
+    turn: dict[str, Any] = {
+        "status": 0,
+        "node": "proxy",
+        "first_byte": None,
+        "text": "",
+        "timings": {},
+    }
     try:
         with urllib.request.urlopen(request, timeout=30) as response:
             turn["status"], turn["node"] = response.status, node_of(response)
@@ -317,7 +396,7 @@ def chat_turn(port: int, messages: list[dict]) -> dict[str, Any]:
                     turn["first_byte"] = time.monotonic() - sent
                 if not line.startswith(b"data: {"):
                     continue
-                chunk = json.loads(line[len(b"data: "):])
+                chunk = json.loads(line[len(b"data: ") :])
                 for choice in chunk.get("choices", []):
                     turn["text"] += choice.get("delta", {}).get("content", "")
                 turn["timings"] = chunk.get("timings", turn["timings"])
@@ -359,19 +438,32 @@ def demo_affinity(fleet_ports: dict[str, int], facades: dict[str, int], admin: i
     but turn 5 goes where turn 4 was committed (a hit): the conversation lives there now."""
     owners = ("gpu-a-llamacpp", "gpu-c-llamacpp")
     print()
-    print(f"affinity: one conversation through the llama.cpp facade; gpu-a and gpu-c keep a "
-          f"prompt cache (first byte after {PROMPT_DELAY} s reading a prompt from scratch, "
-          f"after {CACHED_DELAY} s when the engine holds the conversation)")
+    print(
+        f"affinity: one conversation through the llama.cpp facade; gpu-a and gpu-c keep a "
+        f"prompt cache (first byte after {PROMPT_DELAY} s reading a prompt from scratch, "
+        f"after {CACHED_DELAY} s when the engine holds the conversation)"
+    )
     for sim_id in owners:
-        sim(fleet_ports, sim_id, "/_sim/fault", {
-            "prompt_cache": 8, "prompt_delay": PROMPT_DELAY, "cached_prompt_delay": CACHED_DELAY})
+        sim(
+            fleet_ports,
+            sim_id,
+            "/_sim/fault",
+            {"prompt_cache": 8, "prompt_delay": PROMPT_DELAY, "cached_prompt_delay": CACHED_DELAY},
+        )
     messages: list[dict] = [{"role": "system", "content": "You answer in one short line."}]
-    questions = ("Why is the sky blue?", "And at sunset?", "Is it the same on Mars?",
-                 "What about the Moon?", "Thanks, one last thing: and at night?")
+    questions = (
+        "Why is the sky blue?",
+        "And at sunset?",
+        "Is it the same on Mars?",
+        "What about the Moon?",
+        "Thanks, one last thing: and at night?",
+    )
     turns: list[dict[str, Any]] = []
     faulted, home, other, refused = "", "", "", False
-    print(f"  {'turn':6}{'status':8}{'served by':11}{'first byte':12}"
-          f"{'engine prompt cache':26}proxy affinity")
+    print(
+        f"  {'turn':6}{'status':8}{'served by':11}{'first byte':12}"
+        f"{'engine prompt cache':26}proxy affinity"
+    )
 
     def run(number: int, note: str = "") -> None:
         messages.append({"role": "user", "content": questions[number - 1]})
@@ -384,9 +476,11 @@ def demo_affinity(fleet_ports: dict[str, int], facades: dict[str, int], admin: i
         read = turn["timings"].get("prompt_n", "-")
         first = turn["first_byte"]
         cache = f"hit: {cached} reused, {read} read" if cached else f"miss: {read} read"
-        print(f"  {number:<6}{turn['status']:<8}{turn['node']:11}"
-              f"{(f'{first:.2f} s' if first is not None else 'none'):12}{cache:26}"
-              f"{turn['affinity'] or '-':8}{note}".rstrip())
+        print(
+            f"  {number:<6}{turn['status']:<8}{turn['node']:11}"
+            f"{(f'{first:.2f} s' if first is not None else 'none'):12}{cache:26}"
+            f"{turn['affinity'] or '-':8}{note}".rstrip()
+        )
 
     try:
         run(1, "a new conversation, placed like any new request")
@@ -410,19 +504,30 @@ def demo_affinity(fleet_ports: dict[str, int], facades: dict[str, int], admin: i
         if faulted:
             sim(fleet_ports, faulted, "/_sim/fault", {"status": None})
         for sim_id in owners:
-            sim(fleet_ports, sim_id, "/_sim/fault",
-                {"prompt_cache": 0, "prompt_delay": 0, "cached_prompt_delay": 0})
+            sim(
+                fleet_ports,
+                sim_id,
+                "/_sim/fault",
+                {"prompt_cache": 0, "prompt_delay": 0, "cached_prompt_delay": 0},
+            )
     hit = [bool(t["timings"].get("cache_n")) for t in turns]
     hits = [t["first_byte"] for t, h in zip(turns, hit) if h and t["first_byte"] is not None]
     misses = [t["first_byte"] for t, h in zip(turns, hit) if not h and t["first_byte"] is not None]
-    ok = (refused and all(t["status"] == 200 for t in turns)
-          and [t["node"] for t in turns] == [home] * 3 + [other] * 2
-          and hit == [False, True, True, False, True]
-          and [t["affinity"] for t in turns] == ["miss", "hit", "hit", "spill", "hit"]
-          and len(hits) == 3 and len(misses) == 2 and max(hits) < min(misses))
+    ok = (
+        refused
+        and all(t["status"] == 200 for t in turns)
+        and [t["node"] for t in turns] == [home] * 3 + [other] * 2
+        and hit == [False, True, True, False, True]
+        and [t["affinity"] for t in turns] == ["miss", "hit", "hit", "spill", "hit"]
+        and len(hits) == 3
+        and len(misses) == 2
+        and max(hits) < min(misses)
+    )
     if ok:
-        print(f"  {home} served turns 1-3 from its cache; {other} took the conversation over at "
-              f"turn 4 and kept it, a hit again from turn 5")
+        print(
+            f"  {home} served turns 1-3 from its cache; {other} took the conversation over at "
+            f"turn 4 and kept it, a hit again from turn 5"
+        )
     else:
         print("  the conversation did not go as described above  <- UNEXPECTED")
     return ok
@@ -471,43 +576,135 @@ def main(argv: list[str]) -> int:
     failures = 0
     try:
         fleet, proc, fleet_ports, facades, admin = launch(workdir)
-        print(f"simulated fleet: {len(fleet_ports)} engine servers on 3 nodes (gpu-a, gpu-b, gpu-c)")
+        print(
+            f"simulated fleet: {len(fleet_ports)} engine servers on 3 nodes (gpu-a, gpu-b, gpu-c)"
+        )
         print("proxy facades: " + ", ".join(f"{e} on :{p}" for e, p in facades.items()))
         print(f"status page: http://127.0.0.1:{admin}/  (metrics: /metrics, JSON: /status)")
         chat = [{"role": "user", "content": "Say hello"}]
         cases: list[tuple[Any, ...]] = [
-            ("ollama", "POST", "/api/chat", {"model": "llama3", "messages": chat}, True,
-             200, "gpu-b", "gpu-a answers 503: fails over to gpu-b"),
-            ("ollama", "POST", "/api/generate", {"model": "llama3", "prompt": "hi", "stream": False},
-             False, 200, None, "non-streaming"),
-            ("ollama", "POST", "/api/chat", {"model": "mistral", "messages": chat}, True,
-             200, "gpu-c", "a model only gpu-c has"),
-            ("ollama", "POST", "/api/chat", {"model": "no-such-model", "messages": chat}, False,
-             502, "", "nobody advertises it: local 502, no engine contacted"),
+            (
+                "ollama",
+                "POST",
+                "/api/chat",
+                {"model": "llama3", "messages": chat},
+                True,
+                200,
+                "gpu-b",
+                "gpu-a answers 503: fails over to gpu-b",
+            ),
+            (
+                "ollama",
+                "POST",
+                "/api/generate",
+                {"model": "llama3", "prompt": "hi", "stream": False},
+                False,
+                200,
+                None,
+                "non-streaming",
+            ),
+            (
+                "ollama",
+                "POST",
+                "/api/chat",
+                {"model": "mistral", "messages": chat},
+                True,
+                200,
+                "gpu-c",
+                "a model only gpu-c has",
+            ),
+            (
+                "ollama",
+                "POST",
+                "/api/chat",
+                {"model": "no-such-model", "messages": chat},
+                False,
+                502,
+                "",
+                "nobody advertises it: local 502, no engine contacted",
+            ),
             ("ollama", "GET", "/api/tags", None, False, 200, "", "fleet-wide model list"),
-            ("lmstudio", "POST", "/v1/chat/completions",
-             {"model": "qwen2.5-7b-instruct", "messages": chat, "stream": True}, True, 200, None,
-             "OpenAI SSE"),
-            ("lmstudio", "POST", "/v1/chat/completions",
-             {"model": "gemma-3-4b", "messages": chat}, False, 200, "gpu-c", "non-streaming"),
-            ("llamacpp", "POST", "/v1/chat/completions",
-             {"model": "phi-3-mini", "messages": chat, "stream": True}, True, 200, None,
-             "only nodes with the model loaded"),
+            (
+                "lmstudio",
+                "POST",
+                "/v1/chat/completions",
+                {"model": "qwen2.5-7b-instruct", "messages": chat, "stream": True},
+                True,
+                200,
+                None,
+                "OpenAI SSE",
+            ),
+            (
+                "lmstudio",
+                "POST",
+                "/v1/chat/completions",
+                {"model": "gemma-3-4b", "messages": chat},
+                False,
+                200,
+                "gpu-c",
+                "non-streaming",
+            ),
+            (
+                "llamacpp",
+                "POST",
+                "/v1/chat/completions",
+                {"model": "phi-3-mini", "messages": chat, "stream": True},
+                True,
+                200,
+                None,
+                "only nodes with the model loaded",
+            ),
             ("llamacpp", "GET", "/v1/models", None, False, 200, "", "fleet-wide, loaded models"),
-            ("ollama", "POST", "/v1/messages",
-             {"model": "llama3", "max_tokens": 64, "messages": chat, "stream": True}, True, 200,
-             "gpu-b", "Anthropic SSE, ends at message_stop"),
-            ("llamacpp", "POST", "/v1/messages",
-             {"model": "phi-3-mini", "max_tokens": 64, "messages": chat}, False, 200, None,
-             "Anthropic, non-streaming"),
-            ("lmstudio", "POST", "/v1/responses",
-             {"model": "qwen2.5-7b-instruct", "input": "Say hello", "stream": True}, True, 200,
-             None, "OpenAI Responses SSE, ends at response.completed"),
-            ("ollama", "POST", "/v1/responses", {"model": "mistral", "input": "Say hello"},
-             False, 200, "gpu-c", "OpenAI Responses, non-streaming"),
-            ("llamacpp", "POST", "/v1/responses",
-             {"model": "phi-3-mini", "input": "Say hello", "stream": True}, True, 200, None,
-             "OpenAI Responses SSE"),
+            (
+                "ollama",
+                "POST",
+                "/v1/messages",
+                {"model": "llama3", "max_tokens": 64, "messages": chat, "stream": True},
+                True,
+                200,
+                "gpu-b",
+                "Anthropic SSE, ends at message_stop",
+            ),
+            (
+                "llamacpp",
+                "POST",
+                "/v1/messages",
+                {"model": "phi-3-mini", "max_tokens": 64, "messages": chat},
+                False,
+                200,
+                None,
+                "Anthropic, non-streaming",
+            ),
+            (
+                "lmstudio",
+                "POST",
+                "/v1/responses",
+                {"model": "qwen2.5-7b-instruct", "input": "Say hello", "stream": True},
+                True,
+                200,
+                None,
+                "OpenAI Responses SSE, ends at response.completed",
+            ),
+            (
+                "ollama",
+                "POST",
+                "/v1/responses",
+                {"model": "mistral", "input": "Say hello"},
+                False,
+                200,
+                "gpu-c",
+                "OpenAI Responses, non-streaming",
+            ),
+            (
+                "llamacpp",
+                "POST",
+                "/v1/responses",
+                {"model": "phi-3-mini", "input": "Say hello", "stream": True},
+                True,
+                200,
+                None,
+                "OpenAI Responses SSE",
+            ),
         ]
         print()
         print(f"{'facade':9} {'request':28} {'model':20} {'status':6} {'served by':16} outcome")
@@ -522,17 +719,24 @@ def main(argv: list[str]) -> int:
             extra = ""
             if engine == "ollama" and served(fleet_ports, "gpu-a-ollama") > before:
                 extra = " (after gpu-a answered 503)"
-            print(f"{engine:9} {method + ' ' + path:28} {model:20} {status:<6} "
-                  f"{(node.rsplit('-', 1)[0] if node else 'proxy'):16} "
-                  f"{outcome(status, content, stream)}{extra}  [{note}]{'' if ok else '  <- UNEXPECTED'}")
+            print(
+                f"{engine:9} {method + ' ' + path:28} {model:20} {status:<6} "
+                f"{(node.rsplit('-', 1)[0] if node else 'proxy'):16} "
+                f"{outcome(status, content, stream)}{extra}  [{note}]{'' if ok else '  <- UNEXPECTED'}"
+            )
         failures += not demo_warm_over_cold(fleet_ports, facades)
         failures += not demo_late_binding(fleet_ports, facades, admin)
         failures += not demo_affinity(fleet_ports, facades, admin)
         print()
-        print("all requests behaved as expected" if not failures else f"{failures} unexpected results")
+        print(
+            "all requests behaved as expected" if not failures else f"{failures} unexpected results"
+        )
         if hold:
-            print(f"holding: the fleet and the proxy keep running; status page "
-                  f"http://127.0.0.1:{admin}/ ; Ctrl-C to stop", flush=True)
+            print(
+                f"holding: the fleet and the proxy keep running; status page "
+                f"http://127.0.0.1:{admin}/ ; Ctrl-C to stop",
+                flush=True,
+            )
             signal.signal(signal.SIGTERM, lambda number, frame: sys.exit(0))
             try:
                 while True:

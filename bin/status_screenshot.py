@@ -19,9 +19,17 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import demo  # noqa: E402  (bin/demo.py: the fleet, the proxy, HTTP calls)
 
 BROWSERS = ("chromium", "chromium-browser", "google-chrome")
-FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-         "--disable-background-networking", "--disable-component-update", "--disable-sync",
-         "--hide-scrollbars"]
+FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--hide-scrollbars",
+]
 CHAT = [{"role": "user", "content": "Say hello"}]
 
 
@@ -36,11 +44,23 @@ def browser() -> str:
 def chromium(binary: str, url: str, *extra: str) -> str:
     with tempfile.TemporaryDirectory(prefix="nvpair-chromium-") as profile:
         result = subprocess.run(
-            [binary, *FLAGS, f"--user-data-dir={profile}", "--virtual-time-budget=6000",
-             *extra, url], capture_output=True, text=True, timeout=120)
+            [
+                binary,
+                *FLAGS,
+                f"--user-data-dir={profile}",
+                "--virtual-time-budget=6000",
+                *extra,
+                url,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
     if result.returncode != 0:
-        raise SystemExit(f"status-screenshot: chromium failed ({result.returncode}): "
-                         f"{result.stderr.strip()[-500:]}")
+        raise SystemExit(
+            f"status-screenshot: chromium failed ({result.returncode}): "
+            f"{result.stderr.strip()[-500:]}"
+        )
     return result.stdout
 
 
@@ -53,15 +73,31 @@ def traffic(facades: dict[str, int]) -> int:
         ("ollama", "POST", "/api/chat", {"model": "mistral", "messages": CHAT}),
         ("ollama", "POST", "/api/chat", {"model": "no-such-model", "messages": CHAT}),
         ("ollama", "GET", "/api/tags", None),
-        ("lmstudio", "POST", "/v1/chat/completions",
-         {"model": "qwen2.5-7b-instruct", "messages": CHAT, "stream": True}),
+        (
+            "lmstudio",
+            "POST",
+            "/v1/chat/completions",
+            {"model": "qwen2.5-7b-instruct", "messages": CHAT, "stream": True},
+        ),
         ("lmstudio", "POST", "/v1/chat/completions", {"model": "gemma-3-4b", "messages": CHAT}),
-        ("llamacpp", "POST", "/v1/chat/completions",
-         {"model": "phi-3-mini", "messages": CHAT, "stream": True}),
-        ("llamacpp", "POST", "/v1/messages",
-         {"model": "phi-3-mini", "max_tokens": 64, "messages": CHAT}),
-        ("lmstudio", "POST", "/v1/responses",
-         {"model": "qwen2.5-7b-instruct", "input": "Say hello", "stream": True}),
+        (
+            "llamacpp",
+            "POST",
+            "/v1/chat/completions",
+            {"model": "phi-3-mini", "messages": CHAT, "stream": True},
+        ),
+        (
+            "llamacpp",
+            "POST",
+            "/v1/messages",
+            {"model": "phi-3-mini", "max_tokens": 64, "messages": CHAT},
+        ),
+        (
+            "lmstudio",
+            "POST",
+            "/v1/responses",
+            {"model": "qwen2.5-7b-instruct", "input": "Say hello", "stream": True},
+        ),
     ]
     for _ in range(2):
         for engine, method, path, body in sent:
@@ -94,11 +130,18 @@ def check(dom: str, requests: int) -> list[str]:
 def parse(argv: list[str]):
     """bin/status-screenshot's flags; ``--help`` prints the usage and exits 0, an unknown flag
     is one line on stderr and exit 2, both before the fleet or a browser starts."""
-    parser = demo.Parser("bin/status-screenshot", description=(
-        "Start bin/demo's fleet and the proxy with its admin listener, send traffic, check the "
-        "status page in headless Chromium and save a PNG of it. Needs chromium."))
-    parser.add_argument("--out", default=os.path.join(demo.ROOT, "docs", "status-page.png"),
-                        help="where to save the PNG (default: docs/status-page.png)")
+    parser = demo.Parser(
+        "bin/status-screenshot",
+        description=(
+            "Start bin/demo's fleet and the proxy with its admin listener, send traffic, check the "
+            "status page in headless Chromium and save a PNG of it. Needs chromium."
+        ),
+    )
+    parser.add_argument(
+        "--out",
+        default=os.path.join(demo.ROOT, "docs", "status-page.png"),
+        help="where to save the PNG (default: docs/status-page.png)",
+    )
     return parser.parse_args(argv)
 
 
@@ -117,10 +160,13 @@ def main() -> int:
                 print(f"status-screenshot: {problem}")
             return 1
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        chromium(binary, url, f"--screenshot={os.path.abspath(args.out)}",
-                 "--window-size=1440,1500")
-        print(f"status page {url}: 3 nodes and {requests} recent requests shown; "
-              f"screenshot saved to {args.out}")
+        chromium(
+            binary, url, f"--screenshot={os.path.abspath(args.out)}", "--window-size=1440,1500"
+        )
+        print(
+            f"status page {url}: 3 nodes and {requests} recent requests shown; "
+            f"screenshot saved to {args.out}"
+        )
         return 0
     finally:
         demo.stop(proc, fleet)

@@ -1,2 +1,1 @@
-"""The admin listener: the recorder, /status, /metrics and the status page.
-"""
+"""The admin listener: the recorder, /status, /metrics and the status page."""

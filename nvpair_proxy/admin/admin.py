@@ -34,8 +34,10 @@ from .status import ProcessView, status
 log = logger()
 
 PAGE = "statuspage.html"
-PAGE_POLICY = (b"default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; "
-               b"connect-src 'self'; img-src data:; base-uri 'none'; form-action 'none'")
+PAGE_POLICY = (
+    b"default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; "
+    b"connect-src 'self'; img-src data:; base-uri 'none'; form-action 'none'"
+)
 
 
 def loopback_host(header: bytes | None) -> bool:
@@ -113,25 +115,39 @@ class AdminService(Service):
 
     name = "admin"  # type: ignore[assignment]  # Twisted leaves Service.name untyped (None)
 
-    def __init__(self, source: IStatusSource, recorder: Recorder, address: tuple[str, int],
-                 reactor, mode: str) -> None:
+    def __init__(
+        self,
+        source: IStatusSource,
+        recorder: Recorder,
+        address: tuple[str, int],
+        reactor,
+        mode: str,
+    ) -> None:
         self.source, self.recorder, self.address, self.reactor = source, recorder, address, reactor
         self.mode = mode
         self.listening: IListeningPort | None = None
         self.view: ProcessView | None = None
 
     def privilegedStartService(self) -> None:
-        view = self.view = ProcessView(source=self.source, recorder=self.recorder,
-                                       mode=self.mode, clock=self.reactor.seconds,
-                                       started=self.reactor.seconds())
-        site = BoundedSite(AdminResource(view, registry(view), status_page()),
-                           reactor=self.reactor, timeout=constants.SERVER_IDLE_TIMEOUT)
+        view = self.view = ProcessView(
+            source=self.source,
+            recorder=self.recorder,
+            mode=self.mode,
+            clock=self.reactor.seconds,
+            started=self.reactor.seconds(),
+        )
+        site = BoundedSite(
+            AdminResource(view, registry(view), status_page()),
+            reactor=self.reactor,
+            timeout=constants.SERVER_IDLE_TIMEOUT,
+        )
         host, port = self.address
         try:
             self.listening = listen_tcp(self.reactor, port, site, host, "admin")
         except CannotListenError as exc:
-            raise SystemExit(f"nvpair-proxy: --admin: cannot listen on {host} port {port}: "
-                             f"{exc.socketError}") from None
+            raise SystemExit(
+                f"nvpair-proxy: --admin: cannot listen on {host} port {port}: {exc.socketError}"
+            ) from None
         log.info("admin listener on {url}", url=self.url)
         super().privilegedStartService()
 

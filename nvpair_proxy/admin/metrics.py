@@ -18,8 +18,13 @@ from typing import Iterator
 
 import twisted
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
-                                    HistogramMetricFamily, InfoMetricFamily, Metric)
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    InfoMetricFamily,
+    Metric,
+)
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector, CollectorRegistry
 
@@ -62,55 +67,130 @@ class ProxyCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         view, recorder = self.view, self.view.recorder
         snapshot = view.snapshot()
-        yield InfoMetricFamily(PREFIX + "build", "Version of the proxy and what it runs on.",
-                               value={"version": __version__, "mode": view.mode,
-                                      "python": platform.python_version(),
-                                      "twisted": twisted.__version__})
-        yield _counter("requests", "Finished requests by engine, route class and outcome.",
-                       ["engine", "route", "outcome"], recorder.requests)
-        yield _counter("request_errors", "Requests that did not complete, by reason.",
-                       ["engine", "reason"], recorder.reasons)
-        yield _counter("dispatches", "Dispatches to a node, by how they ended.",
-                       ["engine", "node", "result"], recorder.dispatches)
-        yield _counter("failovers", "Dispatches that followed a failed one (same request).",
-                       ["engine"], recorder.failovers)
-        yield _histogram("ttfb_seconds", "Time from admission to the first body byte.",
-                         ["engine", "node"], recorder.ttfb)
-        yield _histogram("request_duration_seconds", "Time from admission to the end.",
-                         ["engine", "route"], recorder.duration)
-        yield _histogram("queue_wait_seconds", "Time a request waited in the queue for a free "
-                         "slot (standalone late binding).", ["engine"], recorder.queue_wait)
-        yield _counter("affinity", "Inference requests by how affinity placed them: hit (served "
-                       "by the conversation's node), spill (passed over), miss (a new or "
-                       "expired conversation), none (no conversation).", ["engine", "result"],
-                       recorder.affinity)
-        yield _counter("prompt_tokens", "Prompt tokens the engines reported.",
-                       ["engine", "node"], recorder.prompt_tokens)
-        yield _counter("generated_tokens", "Generated tokens the engines reported.",
-                       ["engine", "node"], recorder.completion_tokens)
+        yield InfoMetricFamily(
+            PREFIX + "build",
+            "Version of the proxy and what it runs on.",
+            value={
+                "version": __version__,
+                "mode": view.mode,
+                "python": platform.python_version(),
+                "twisted": twisted.__version__,
+            },
+        )
+        yield _counter(
+            "requests",
+            "Finished requests by engine, route class and outcome.",
+            ["engine", "route", "outcome"],
+            recorder.requests,
+        )
+        yield _counter(
+            "request_errors",
+            "Requests that did not complete, by reason.",
+            ["engine", "reason"],
+            recorder.reasons,
+        )
+        yield _counter(
+            "dispatches",
+            "Dispatches to a node, by how they ended.",
+            ["engine", "node", "result"],
+            recorder.dispatches,
+        )
+        yield _counter(
+            "failovers",
+            "Dispatches that followed a failed one (same request).",
+            ["engine"],
+            recorder.failovers,
+        )
+        yield _histogram(
+            "ttfb_seconds",
+            "Time from admission to the first body byte.",
+            ["engine", "node"],
+            recorder.ttfb,
+        )
+        yield _histogram(
+            "request_duration_seconds",
+            "Time from admission to the end.",
+            ["engine", "route"],
+            recorder.duration,
+        )
+        yield _histogram(
+            "queue_wait_seconds",
+            "Time a request waited in the queue for a free slot (standalone late binding).",
+            ["engine"],
+            recorder.queue_wait,
+        )
+        yield _counter(
+            "affinity",
+            "Inference requests by how affinity placed them: hit (served "
+            "by the conversation's node), spill (passed over), miss (a new or "
+            "expired conversation), none (no conversation).",
+            ["engine", "result"],
+            recorder.affinity,
+        )
+        yield _counter(
+            "prompt_tokens",
+            "Prompt tokens the engines reported.",
+            ["engine", "node"],
+            recorder.prompt_tokens,
+        )
+        yield _counter(
+            "generated_tokens",
+            "Generated tokens the engines reported.",
+            ["engine", "node"],
+            recorder.completion_tokens,
+        )
         yield from self._state(snapshot)
 
     def _state(self, snapshot: ProcessSnapshot) -> Iterator[Metric]:
         """Gauges read from the snapshot of the tree taken for this scrape."""
         fleet = fleet_ids(snapshot)
         facades, routing = snapshot.facades, {f.engine: f.routing for f in snapshot.facades}
-        yield _gauge("requests_in_flight", "Requests admitted and not yet ended.", ["engine"],
-                     {f.engine: len(f.in_flight) for f in facades})
-        yield _gauge("requests_waiting_for_owner",
-                     "Requests backing off until a node advertises their model.", ["engine"],
-                     {f.engine: waiting_for_owner(f) for f in facades})
-        yield _gauge("nodes", "Routable nodes.", ["engine"],
-                     {engine: len(r.routable) for engine, r in routing.items()})
-        yield _gauge("nodes_busy_held", "Nodes held after a 429 or 503 (issue 8).", ["engine"],
-                     {engine: len(r.held) for engine, r in routing.items()})
-        yield _gauge("nodes_cooling", "Nodes cooling after a first-content stall (issue 8).",
-                     ["engine"], {engine: len(r.cooling) for engine, r in routing.items()})
-        yield _gauge("affinity_keys", "Conversations whose node a facade remembers.", ["engine"],
-                     {engine: sum(n for _, n in r.affinity_keys)
-                      for engine, r in routing.items() if r.affinity_keys is not None})
-        yield _gauge("queue_depth", "Requests waiting in the queue for a free slot "
-                     "(standalone late binding).", ["engine"],
-                     {engine: r.queued for engine, r in routing.items()})
+        yield _gauge(
+            "requests_in_flight",
+            "Requests admitted and not yet ended.",
+            ["engine"],
+            {f.engine: len(f.in_flight) for f in facades},
+        )
+        yield _gauge(
+            "requests_waiting_for_owner",
+            "Requests backing off until a node advertises their model.",
+            ["engine"],
+            {f.engine: waiting_for_owner(f) for f in facades},
+        )
+        yield _gauge(
+            "nodes",
+            "Routable nodes.",
+            ["engine"],
+            {engine: len(r.routable) for engine, r in routing.items()},
+        )
+        yield _gauge(
+            "nodes_busy_held",
+            "Nodes held after a 429 or 503 (issue 8).",
+            ["engine"],
+            {engine: len(r.held) for engine, r in routing.items()},
+        )
+        yield _gauge(
+            "nodes_cooling",
+            "Nodes cooling after a first-content stall (issue 8).",
+            ["engine"],
+            {engine: len(r.cooling) for engine, r in routing.items()},
+        )
+        yield _gauge(
+            "affinity_keys",
+            "Conversations whose node a facade remembers.",
+            ["engine"],
+            {
+                engine: sum(n for _, n in r.affinity_keys)
+                for engine, r in routing.items()
+                if r.affinity_keys is not None
+            },
+        )
+        yield _gauge(
+            "queue_depth",
+            "Requests waiting in the queue for a free slot (standalone late binding).",
+            ["engine"],
+            {engine: r.queued for engine, r in routing.items()},
+        )
         slots = {}
         for engine, r in routing.items():
             for report in r.engines:
@@ -118,22 +198,34 @@ class ProxyCollector(Collector):
                     slots[engine, report.node, "busy"] = report.busy
                     if report.slots_total is not None:
                         slots[engine, report.node, "total"] = report.slots_total
-        yield _gauge("node_slots", "A node's slots as standalone placement counts them: busy "
-                     "(ours or its engine's report, the larger) and total (when known).",
-                     ["engine", "node", "state"], slots)
-        per_node = {key: count for key, count in in_flight_per_node(snapshot).items()
-                    if key[1] in fleet}
-        yield _gauge("node_requests_in_flight", "Requests in flight on a node.",
-                     ["engine", "node"], per_node)
-        yield _gauge("reservations", "Reservations counted against a node (spec 6).", ["node"],
-                     {n: count for n, count in snapshot.reservations.items() if n in fleet})
+        yield _gauge(
+            "node_slots",
+            "A node's slots as standalone placement counts them: busy "
+            "(ours or its engine's report, the larger) and total (when known).",
+            ["engine", "node", "state"],
+            slots,
+        )
+        per_node = {
+            key: count for key, count in in_flight_per_node(snapshot).items() if key[1] in fleet
+        }
+        yield _gauge(
+            "node_requests_in_flight", "Requests in flight on a node.", ["engine", "node"], per_node
+        )
+        yield _gauge(
+            "reservations",
+            "Reservations counted against a node (spec 6).",
+            ["node"],
+            {n: count for n, count in snapshot.reservations.items() if n in fleet},
+        )
         link = self.view.link_up(snapshot)
         if link is not None:
-            yield _gauge("broker_link_up", "1 while the link to the broker is open.", [],
-                         {(): int(link)})
+            yield _gauge(
+                "broker_link_up", "1 while the link to the broker is open.", [], {(): int(link)}
+            )
         if snapshot.cluster_pins is not None:
-            yield _gauge("cluster_pins", "Cluster peers with a live pin.", [],
-                         {(): snapshot.cluster_pins})
+            yield _gauge(
+                "cluster_pins", "Cluster peers with a live pin.", [], {(): snapshot.cluster_pins}
+            )
 
 
 def registry(view: ProcessView) -> CollectorRegistry:

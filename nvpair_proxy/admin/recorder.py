@@ -32,8 +32,12 @@ MODEL_SHOWN = 120  # characters of a requested model name kept for the recent ta
 
 # Dispatch results: how one attempt on one node ended.
 COMMITTED = "committed"
-DISPATCH_RESULTS = {STATUS: "refused_status", TRANSPORT: "transport", NO_CONTENT: "no_content",
-                    ATTEMPT_CANCELLED: "cancelled"}
+DISPATCH_RESULTS = {
+    STATUS: "refused_status",
+    TRANSPORT: "transport",
+    NO_CONTENT: "no_content",
+    ATTEMPT_CANCELLED: "cancelled",
+}
 
 # Why a request did not complete, from a fixed vocabulary (metric labels stay bounded): the
 # label of its Reason, or, for an engine's own answer relayed with no reason of ours, its
@@ -45,8 +49,22 @@ TTFB_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 12
 # Whole requests: up to the response cap (30 min).
 # Waiting in the queue for a free slot (late binding): up to the job deadline (10 min).
 QUEUE_WAIT_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
-DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
-                    600.0, 1800.0)
+DURATION_BUCKETS = (
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    120.0,
+    300.0,
+    600.0,
+    1800.0,
+)
 
 
 def reason(ended: RequestEnded) -> str | None:
@@ -89,16 +107,16 @@ class Recorder:
     IRequestRecorder the facades' reporters are given when the admin listener is on."""
 
     def __init__(self, recent: int = RECENT) -> None:
-        self.requests: Counter = Counter()        # (engine, route, outcome)
-        self.reasons: Counter = Counter()         # (engine, reason)
-        self.dispatches: Counter = Counter()      # (engine, node, result)
-        self.failovers: Counter = Counter()       # engine
-        self.prompt_tokens: Counter = Counter()   # (engine, node)
+        self.requests: Counter = Counter()  # (engine, route, outcome)
+        self.reasons: Counter = Counter()  # (engine, reason)
+        self.dispatches: Counter = Counter()  # (engine, node, result)
+        self.failovers: Counter = Counter()  # engine
+        self.prompt_tokens: Counter = Counter()  # (engine, node)
         self.completion_tokens: Counter = Counter()  # (engine, node)
-        self.ttfb: dict[tuple[str, str], Histogram] = {}      # (engine, node)
+        self.ttfb: dict[tuple[str, str], Histogram] = {}  # (engine, node)
         self.duration: dict[tuple[str, str], Histogram] = {}  # (engine, route)
-        self.queue_wait: dict[tuple[str], Histogram] = {}     # (engine,)
-        self.affinity: Counter = Counter()        # (engine, hit|spill|miss|none)
+        self.queue_wait: dict[tuple[str], Histogram] = {}  # (engine,)
+        self.affinity: Counter = Counter()  # (engine, hit|spill|miss|none)
         self.last_request: dict[str, float] = {}  # node -> when a request on it last ended
         self.recent: deque[RequestEnded] = deque(maxlen=recent)
 
@@ -113,7 +131,8 @@ class Recorder:
         if ended.dispatches > 1:
             self.failovers[engine] += ended.dispatches - 1
         self._histogram(self.duration, (engine, ended.route), DURATION_BUCKETS).observe(
-            ended.duration)
+            ended.duration
+        )
         if node is not None:
             self.last_request[node] = ended.at
             if ended.ttfb is not None:

@@ -77,8 +77,11 @@ def in_flight(snapshot: ProcessSnapshot) -> Iterator[tuple[str, InFlightView]]:
 
 def in_flight_per_node(snapshot: ProcessSnapshot) -> Counter:
     """Requests in flight per (engine, node serving them)."""
-    return Counter((engine, request.node) for engine, request in in_flight(snapshot)
-                   if request.node is not None)
+    return Counter(
+        (engine, request.node)
+        for engine, request in in_flight(snapshot)
+        if request.node is not None
+    )
 
 
 def _by(counter, engine: str, position: int) -> dict[str, int]:
@@ -92,16 +95,21 @@ def _by(counter, engine: str, position: int) -> dict[str, int]:
 def engine_status(facade: FacadeView, recorder: Recorder) -> dict:
     engine, routing = facade.engine, facade.routing
     return {
-        "engine": engine, "port": facade.port, "pin": routing.pin or None,
-        "nodes": len(routing.routable), "in_flight": len(facade.in_flight),
+        "engine": engine,
+        "port": facade.port,
+        "pin": routing.pin or None,
+        "nodes": len(routing.routable),
+        "in_flight": len(facade.in_flight),
         "waiting_for_owner": waiting_for_owner(facade),
-        "held": list(routing.held), "cooling": list(routing.cooling),
+        "held": list(routing.held),
+        "cooling": list(routing.cooling),
         # Standalone late binding: the requests waiting for a free slot, the longest wait.
         "queued": routing.queued,
         "oldest_wait_s": None if routing.oldest_wait is None else round(routing.oldest_wait, 3),
         # Affinity: conversations remembered (null when it is off).
-        "affinity_keys": None if routing.affinity_keys is None else sum(
-            n for _, n in routing.affinity_keys),
+        "affinity_keys": None
+        if routing.affinity_keys is None
+        else sum(n for _, n in routing.affinity_keys),
         "requests": _by(recorder.requests, engine, 2),
         "reasons": _by(recorder.reasons, engine, 1),
         "dispatches": _by(recorder.dispatches, engine, 2),
@@ -125,16 +133,34 @@ def nodes_status(view: ProcessView, snapshot: ProcessSnapshot) -> list[dict]:
         reports = {report.node: report for report in routing.engines}
         keys = dict(routing.affinity_keys) if routing.affinity_keys is not None else None
         for node in routing.nodes:
-            entry = nodes.setdefault(node.id, {
-                "id": node.id, "name": node.name, "addresses": [], "engines": [],
-                "last_activity": seen.get(node.id), "reservations": reservations.get(node.id, 0),
-                "in_flight": busy.get(node.id, 0), "held": False, "cooling": False})
+            entry = nodes.setdefault(
+                node.id,
+                {
+                    "id": node.id,
+                    "name": node.name,
+                    "addresses": [],
+                    "engines": [],
+                    "last_activity": seen.get(node.id),
+                    "reservations": reservations.get(node.id, 0),
+                    "in_flight": busy.get(node.id, 0),
+                    "held": False,
+                    "cooling": False,
+                },
+            )
             for address in node.addresses:
                 if address not in entry["addresses"]:
                     entry["addresses"].append(address)
-            state = ("held" if node.id in held else "cooling" if node.id in cooling
-                     else "ready" if node.id in routable
-                     else "excluded" if node.local else "unroutable")
+            state = (
+                "held"
+                if node.id in held
+                else "cooling"
+                if node.id in cooling
+                else "ready"
+                if node.id in routable
+                else "excluded"
+                if node.local
+                else "unroutable"
+            )
             entry["held"] = entry["held"] or node.id in held
             entry["cooling"] = entry["cooling"] or node.id in cooling
             models = list(node.models) if node.models is not None else None
@@ -154,15 +180,21 @@ def engine_report(report: EngineView) -> dict:
     """What a node's engine said (standalone placement): slots as placement counts them
     (``busy`` the larger of ``ours`` and ``reported_busy``), the warm models, and how long
     ago the engine was last read; None where it did not say."""
-    return {"slots_total": report.slots_total, "slots_busy": report.busy,
-            "ours": report.ours, "reported_busy": report.reported_busy,
-            "warm": None if report.warm is None else list(report.warm),
-            "read_age_s": None if report.read_age is None else round(report.read_age, 3),
-            "service_s": None if report.service is None else round(report.service, 3),
-            "prompt_tokens_per_second": None if report.prompt_rate is None
-            else round(report.prompt_rate, 1),
-            "prompt_bytes_per_token": None if report.bytes_per_token is None
-            else round(report.bytes_per_token, 2)}
+    return {
+        "slots_total": report.slots_total,
+        "slots_busy": report.busy,
+        "ours": report.ours,
+        "reported_busy": report.reported_busy,
+        "warm": None if report.warm is None else list(report.warm),
+        "read_age_s": None if report.read_age is None else round(report.read_age, 3),
+        "service_s": None if report.service is None else round(report.service, 3),
+        "prompt_tokens_per_second": None
+        if report.prompt_rate is None
+        else round(report.prompt_rate, 1),
+        "prompt_bytes_per_token": None
+        if report.bytes_per_token is None
+        else round(report.bytes_per_token, 2),
+    }
 
 
 def recent_status(recorder: Recorder) -> list[dict]:
@@ -170,12 +202,22 @@ def recent_status(recorder: Recorder) -> list[dict]:
     out = []
     for ended in reversed(recorder.recent):
         stats = ended.stats or {}
-        out.append({"time": ended.at, "engine": ended.engine, "route": ended.route,
-                    "model": ended.model, "node": ended.node, "outcome": ended.outcome,
-                    "status": ended.status, "ttfb_ms": ms(ended.ttfb),
-                    "duration_ms": ms(ended.duration), "dispatches": ended.dispatches,
-                    "prompt_tokens": stats.get("promptTokens"),
-                    "completion_tokens": stats.get("completionTokens")})
+        out.append(
+            {
+                "time": ended.at,
+                "engine": ended.engine,
+                "route": ended.route,
+                "model": ended.model,
+                "node": ended.node,
+                "outcome": ended.outcome,
+                "status": ended.status,
+                "ttfb_ms": ms(ended.ttfb),
+                "duration_ms": ms(ended.duration),
+                "dispatches": ended.dispatches,
+                "prompt_tokens": stats.get("promptTokens"),
+                "completion_tokens": stats.get("completionTokens"),
+            }
+        )
     return out
 
 
@@ -184,8 +226,12 @@ def status(view: ProcessView) -> dict:
     snapshot = view.snapshot()
     recorder, now = view.recorder, view.clock()
     return {
-        "schema": STATUS_SCHEMA, "version": __version__, "mode": view.mode, "now": now,
-        "uptime_s": round(now - view.started, 3), "broker_link_up": view.link_up(snapshot),
+        "schema": STATUS_SCHEMA,
+        "version": __version__,
+        "mode": view.mode,
+        "now": now,
+        "uptime_s": round(now - view.started, 3),
+        "broker_link_up": view.link_up(snapshot),
         "cluster_pins": snapshot.cluster_pins,
         "reservations": sum(snapshot.reservations.values()),
         "engines": [engine_status(facade, recorder) for facade in snapshot.facades],

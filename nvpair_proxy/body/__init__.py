@@ -1,2 +1,1 @@
-"""A response body read by its tail: terminal frames and token figures.
-"""
+"""A response body read by its tail: terminal frames and token figures."""

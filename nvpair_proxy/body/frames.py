@@ -100,14 +100,16 @@ _MARKER_LINE_MAX = 64
 _SSE, _NDJSON, _JSON = "sse", "ndjson", "json"
 
 _SSE_TYPES = frozenset({"text/event-stream"})
-_NDJSON_TYPES = frozenset({
-    "application/x-ndjson",
-    "application/ndjson",
-    "application/jsonl",
-    "application/x-jsonl",
-    "application/jsonlines",
-    "application/x-jsonlines",
-})
+_NDJSON_TYPES = frozenset(
+    {
+        "application/x-ndjson",
+        "application/ndjson",
+        "application/jsonl",
+        "application/x-jsonl",
+        "application/jsonlines",
+        "application/x-jsonlines",
+    }
+)
 
 # Bytes patterns, run over the tail or a chunk with pos/endpos, so nothing is copied.
 # MULTILINE: "^" matches at a line start, "$" before a "\n" (or at endpos).
@@ -166,8 +168,9 @@ def _framing(terminal: str | None, content_type: str | bytes | None) -> tuple[st
 _READINGS: Memo[tuple, tuple[str, bool, tuple]] = Memo(64)
 
 
-def _reading(terminal: str | None, content_type: str | bytes | None
-             ) -> tuple[str, bool, tuple[tuple[bytes, re.Pattern[bytes]], ...]]:
+def _reading(
+    terminal: str | None, content_type: str | bytes | None
+) -> tuple[str, bool, tuple[tuple[bytes, re.Pattern[bytes]], ...]]:
     """The framing, whether to sniff for a JSON document, and the SSE markers to look for."""
     if isinstance(content_type, bytearray):
         content_type = bytes(content_type)
@@ -178,8 +181,7 @@ def _reading(terminal: str | None, content_type: str | bytes | None
             raise ValueError(f"unknown terminal frame rule {terminal!r}")
         framing, sniff = _framing(terminal, content_type)
         rules = (terminal,) if terminal in SSE_TERMINALS else SSE_TERMINALS
-        reading = _READINGS.remember(
-            key, (framing, sniff, tuple(_MARKERS[rule] for rule in rules)))
+        reading = _READINGS.remember(key, (framing, sniff, tuple(_MARKERS[rule] for rule in rules)))
     return reading
 
 
@@ -200,8 +202,14 @@ def _top_level_done(text: str) -> bool:
     return isinstance(value, dict) and value.get("done") is True
 
 
-def _marker_lines(buf: bytes | bytearray, literal: bytes, pattern: re.Pattern[bytes],
-                  start: int, end: int, first_only: bool) -> int:
+def _marker_lines(
+    buf: bytes | bytearray,
+    literal: bytes,
+    pattern: re.Pattern[bytes],
+    start: int,
+    end: int,
+    first_only: bool,
+) -> int:
     """How many lines of ``buf[start:end]`` (whole lines, ``start`` at a line start) are
     ``pattern``'s marker line; with ``first_only``, 1 at the first.
 
@@ -230,7 +238,7 @@ def _ndjson_done_in(buf: bytes | bytearray, start: int, end: int) -> bool:
         eol = buf.find(b"\n", match.end(), end)
         if eol == -1:
             eol = end
-        if _top_level_done(buf[match.start():eol].decode("utf-8", "replace")):
+        if _top_level_done(buf[match.start() : eol].decode("utf-8", "replace")):
             return True
     return False
 
@@ -245,9 +253,25 @@ class FrameReader:
     Memory: ``TAIL_LIMIT`` body bytes at most (plus a 16-byte line head), in :attr:`tail`.
     """
 
-    __slots__ = ("terminal", "tail", "bytes_seen", "_events", "_mode", "_sniff",
-                 "_markers", "_terminal_found", "_line_head", "_line_len", "_pending", "_cache",
-                 "_json_state", "_json_depth", "_json_in_string", "_json_escape", "_json_seen")
+    __slots__ = (
+        "terminal",
+        "tail",
+        "bytes_seen",
+        "_events",
+        "_mode",
+        "_sniff",
+        "_markers",
+        "_terminal_found",
+        "_line_head",
+        "_line_len",
+        "_pending",
+        "_cache",
+        "_json_state",
+        "_json_depth",
+        "_json_in_string",
+        "_json_escape",
+        "_json_seen",
+    )
 
     def __init__(self, terminal: str | None, content_type: str | bytes | None = None) -> None:
         framing, sniff, markers = _reading(terminal, content_type)
@@ -275,9 +299,11 @@ class FrameReader:
         self._json_seen = 0
 
     def __repr__(self) -> str:
-        return (f"<FrameReader terminal={self.terminal!r} mode={self._mode!r} "
-                f"bytes_seen={self.bytes_seen} events_seen={self.events_seen} "
-                f"terminal_found={self._terminal_found}>")
+        return (
+            f"<FrameReader terminal={self.terminal!r} mode={self._mode!r} "
+            f"bytes_seen={self.bytes_seen} events_seen={self.events_seen} "
+            f"terminal_found={self._terminal_found}>"
+        )
 
     # -- feeding --------------------------------------------------------------------------
 
@@ -424,15 +450,18 @@ class FrameReader:
                         self._terminal_found = True
                         break
         else:
-            self._events += (buf.count(_NDJSON_EVENT_COMPACT, start, end)
-                             + buf.count(_NDJSON_EVENT_SPACED, start, end))
+            self._events += buf.count(_NDJSON_EVENT_COMPACT, start, end) + buf.count(
+                _NDJSON_EVENT_SPACED, start, end
+            )
             if not self._terminal_found and _ndjson_done_in(buf, start, end):
                 self._terminal_found = True
 
     def _marker_in(self, buf: bytes | bytearray, start: int, end: int) -> bool:
         """Whether a line of ``buf[start:end]`` (whole lines) is one of the route's markers."""
-        return any(_marker_lines(buf, literal, pattern, start, end, True)
-                   for literal, pattern in self._markers)
+        return any(
+            _marker_lines(buf, literal, pattern, start, end, True)
+            for literal, pattern in self._markers
+        )
 
     # -- a JSON document ------------------------------------------------------------------
 

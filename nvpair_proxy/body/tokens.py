@@ -78,8 +78,9 @@ _TOKENS_EVALUATED = _int_key("tokens_evaluated")
 _DECODER = json.JSONDecoder()
 
 
-def _matches_backwards(literal: str, pattern: re.Pattern[str],
-                       text: str) -> Iterator[re.Match[str]]:
+def _matches_backwards(
+    literal: str, pattern: re.Pattern[str], text: str
+) -> Iterator[re.Match[str]]:
     """The matches of ``pattern`` in ``text``, last first; each starts with ``literal``.
 
     The same matches as ``finditer`` would give: a match holds a quote only in its literal,
@@ -104,8 +105,9 @@ def _last_int(key: tuple[str, re.Pattern[str]], text: str) -> int | None:
     return int(value)
 
 
-def _objects(literal: str, pattern: re.Pattern[str],
-             text: str) -> Iterator[tuple[int, dict[str, Any]]]:
+def _objects(
+    literal: str, pattern: re.Pattern[str], text: str
+) -> Iterator[tuple[int, dict[str, Any]]]:
     """The objects after each match of ``pattern`` with the match's offset, last first.
 
     Unparsable ones (cut by the tail's start or a truncated end) are skipped.
@@ -154,8 +156,7 @@ class Figures:
 
 
 _USAGE_KEYS = ("prompt_tokens", "completion_tokens", "input_tokens", "output_tokens")
-_TIMINGS_KEYS = ("prompt_n", "predicted_n", "predicted_per_second", "prompt_per_second",
-                 "cache_n")
+_TIMINGS_KEYS = ("prompt_n", "predicted_n", "predicted_per_second", "prompt_per_second", "cache_n")
 
 
 def read_figures(tail: bytes | bytearray) -> Figures:
@@ -175,7 +176,8 @@ def read_figures(tail: bytes | bytearray) -> Figures:
         # prompt_tokens and completion_tokens come first wherever they are read: once both
         # are known, earlier objects can change nothing.
         if len(usage) == len(_USAGE_KEYS) or (
-                "prompt_tokens" in usage and "completion_tokens" in usage):
+            "prompt_tokens" in usage and "completion_tokens" in usage
+        ):
             break
 
     timings: dict[str, Any] = {}
@@ -219,8 +221,7 @@ def read_figures(tail: bytes | bytearray) -> Figures:
     elif (per_second := _rate(timings.get("predicted_per_second"))) is not None:
         rate = per_second
     prompt_rate = _rate(timings.get("prompt_per_second"))
-    if prompt_rate is None and evaluated and (
-            duration := _last_int(_PROMPT_EVAL_DURATION, text)):
+    if prompt_rate is None and evaluated and (duration := _last_int(_PROMPT_EVAL_DURATION, text)):
         prompt_rate = evaluated / (duration / 1e9)
     prompt_read = prompt_n if prompt_n is not None else evaluated
     prompt_seen: int | None
@@ -230,12 +231,24 @@ def read_figures(tail: bytes | bytearray) -> Figures:
         prompt_seen = prompt_n + (_count(timings.get("cache_n")) or 0)
     else:
         prompt_seen = prompt
-    return Figures(prompt=prompt, completion=completion, rate=rate, prompt_rate=prompt_rate,
-                   prompt_read=prompt_read, prompt_seen=prompt_seen)
+    return Figures(
+        prompt=prompt,
+        completion=completion,
+        rate=rate,
+        prompt_rate=prompt_rate,
+        prompt_read=prompt_read,
+        prompt_seen=prompt_seen,
+    )
 
 
-def measure(tail: bytes | bytearray, events: int, *, admitted_at: float,
-            first_byte_at: float | None, ended_at: float) -> dict[str, Any] | None:
+def measure(
+    tail: bytes | bytearray,
+    events: int,
+    *,
+    admitted_at: float,
+    first_byte_at: float | None,
+    ended_at: float,
+) -> dict[str, Any] | None:
     """The ``stats`` block of the terminal workload event, or ``None`` if nothing was measured.
 
     ``tail`` is the end of the body, ``events`` the stream events counted over all of it.
@@ -287,8 +300,10 @@ class BodyObserver:
 
     def __repr__(self) -> str:
         frames = self._frames
-        return (f"<BodyObserver terminal={self.terminal!r} bytes_seen={frames.bytes_seen} "
-                f"events_seen={frames.events_seen} terminal_seen={frames.terminal_seen}>")
+        return (
+            f"<BodyObserver terminal={self.terminal!r} bytes_seen={frames.bytes_seen} "
+            f"events_seen={frames.events_seen} terminal_seen={frames.terminal_seen}>"
+        )
 
     def feed(self, data: bytes) -> None:  # replaced per instance by the reader's feed
         """Observe the next relayed chunk (split anywhere)."""
@@ -324,5 +339,10 @@ class BodyObserver:
         ``first_byte_at`` the first body byte (``None`` if there was none), ``ended_at`` the end.
         """
         frames = self._frames
-        return measure(frames.tail, frames.events_seen, admitted_at=admitted_at,
-                       first_byte_at=first_byte_at, ended_at=ended_at)
+        return measure(
+            frames.tail,
+            frames.events_seen,
+            admitted_at=admitted_at,
+            first_byte_at=first_byte_at,
+            ended_at=ended_at,
+        )

@@ -1,2 +1,1 @@
-"""The broker link: JSON-RPC framing, aliases, persisted ports and the broker's methods.
-"""
+"""The broker link: JSON-RPC framing, aliases, persisted ports and the broker's methods."""

@@ -27,7 +27,7 @@ def parse_aliases(values, primary_port: int) -> tuple[list[str], int] | None:
         if port == primary_port:
             raise RpcError(SERVER_ERROR, f"invalid alias address {value!r}: the primary port")
         ports.add(port)
-        for item in (["127.0.0.1", "::1"] if host == "localhost" else [host]):
+        for item in ["127.0.0.1", "::1"] if host == "localhost" else [host]:
             if item in hosts:
                 raise RpcError(SERVER_ERROR, f"invalid alias address {value!r}: one per family")
             hosts.append(item)

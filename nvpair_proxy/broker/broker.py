@@ -28,10 +28,18 @@ from ..nodes.slots import parse_slots
 from ..routing.reservations import Rank
 from .aliases import parse_aliases
 from .ports import read_port, write_port
-from .rpc import (BIND_FAILED, INVALID_PARAMS, NO_FACADE, SERVER_ERROR, MethodNotFound,
-                  NoAnswer, RpcError)
+from .rpc import (
+    BIND_FAILED,
+    INVALID_PARAMS,
+    NO_FACADE,
+    SERVER_ERROR,
+    MethodNotFound,
+    NoAnswer,
+    RpcError,
+)
 
 log = logger()
+
 
 @attrs.define(eq=False)
 class Running:
@@ -89,23 +97,40 @@ def _int(params: dict, key: str, default=None):
 class Broker:
     """Handles every inbound method; ``facades`` (the service tree's node) opens facades."""
 
-    def __init__(self, *, engines: Mapping[str, Engine], emitter, reservations, state_dir: str,
-                 facades: Facades, on_shutdown: Callable[[], None],
-                 after_answer: Callable[[Callable], None],
-                 is_local: Callable[[str], bool] = is_local_address) -> None:
+    def __init__(
+        self,
+        *,
+        engines: Mapping[str, Engine],
+        emitter,
+        reservations,
+        state_dir: str,
+        facades: Facades,
+        on_shutdown: Callable[[], None],
+        after_answer: Callable[[Callable], None],
+        is_local: Callable[[str], bool] = is_local_address,
+    ) -> None:
         self.engines, self.emitter, self.reservations = engines, emitter, reservations
         self.state_dir, self.facades = state_dir, facades
         self.on_shutdown, self.after_answer = on_shutdown, after_answer
         self.is_local = is_local
         self.running: dict[str, Running] = {}
-        self._process = {"facade/enable": self.enable, "node/set-priority": self.set_priority,
-                         "log/set-level": self.set_level, "shutdown": self.shutdown}
-        self._facade = {"set-port": self.set_port, "discovery:nodes": self.discovery_nodes,
-                        "node/select": self.select, "node/selected": self.selected,
-                        "nodes/list": self.nodes_list, "node/add-manual": self.add_manual,
-                        "node/remove-manual": self.remove_manual,
-                        "node/set-local-backend": self.set_local_backend,
-                        "node/model-owners": self.model_owners}
+        self._process = {
+            "facade/enable": self.enable,
+            "node/set-priority": self.set_priority,
+            "log/set-level": self.set_level,
+            "shutdown": self.shutdown,
+        }
+        self._facade = {
+            "set-port": self.set_port,
+            "discovery:nodes": self.discovery_nodes,
+            "node/select": self.select,
+            "node/selected": self.selected,
+            "nodes/list": self.nodes_list,
+            "node/add-manual": self.add_manual,
+            "node/remove-manual": self.remove_manual,
+            "node/set-local-backend": self.set_local_backend,
+            "node/model-owners": self.model_owners,
+        }
 
     # Addressing (docs/references.md#rpc-addressing).
 
@@ -139,7 +164,9 @@ class Broker:
                     log.failure("internal error handling {method}", method=method)
             raise NoAnswer()
         if running is None:
-            raise RpcError(NO_FACADE, f'no facade is enabled for engine "{engine_id}" on this proxy')
+            raise RpcError(
+                NO_FACADE, f'no facade is enabled for engine "{engine_id}" on this proxy'
+            )
         return self._facade[bare](running, _params(params))
 
     def notify(self, engine_id: str, method: str, params: dict) -> None:
@@ -153,8 +180,11 @@ class Broker:
             raise RpcError(INVALID_PARAMS, "engine must be a string")
         engine = self.engines.get(engine_id)
         if engine is None:
-            raise RpcError(SERVER_ERROR, f'unknown engine "{engine_id}"; want one of '
-                                         f'{", ".join(_engine_order(self.engines))}')
+            raise RpcError(
+                SERVER_ERROR,
+                f'unknown engine "{engine_id}"; want one of '
+                f"{', '.join(_engine_order(self.engines))}",
+            )
         port = _int(params, "port", 0) or 0  # null reads as omitted
         if not is_port(port, zero=True):
             raise RpcError(SERVER_ERROR, f"port must be between 1 and 65535 (got {port})")
@@ -174,13 +204,23 @@ class Broker:
         running = Running()
         try:
             running.service = self.facades.open(
-                engine, port, should_probe=lambda node: node.id in running.probed,
-                local_backend=running.backend, is_local=self.is_local)
+                engine,
+                port,
+                should_probe=lambda node: node.id in running.probed,
+                local_backend=running.backend,
+                is_local=self.is_local,
+            )
         except CannotListenError as exc:
             reason = _reason(exc)
-            self.notify(engine_id, "error", {"code": "bind-failed",
-                                             "message": f"failed to bind port {port}: {reason}",
-                                             "port": port})
+            self.notify(
+                engine_id,
+                "error",
+                {
+                    "code": "bind-failed",
+                    "message": f"failed to bind port {port}: {reason}",
+                    "port": port,
+                },
+            )
             raise RpcError(BIND_FAILED, f"facade bind failed: port {port}: {reason}") from None
         self.running[engine_id] = running
         if aliases is not None:
@@ -198,10 +238,17 @@ class Broker:
         refused = running.service.bind_aliases(hosts, port)
         if refused is not None:
             variable = running.facade.engine.host_variable
-            self.notify(engine_id, "errors:report", {
-                "id": alert, "severity": "warning", "action": "none",
-                "message": f"{variable} alias port {port} is in use by another process "
-                           f"({_reason(refused)}); clients using {variable} will not reach the proxy"})
+            self.notify(
+                engine_id,
+                "errors:report",
+                {
+                    "id": alert,
+                    "severity": "warning",
+                    "action": "none",
+                    "message": f"{variable} alias port {port} is in use by another process "
+                    f"({_reason(refused)}); clients using {variable} will not reach the proxy",
+                },
+            )
             return
         self.notify(engine_id, "errors:clear", {"id": alert})
 
@@ -216,9 +263,14 @@ class Broker:
         parsed = []
         for rank in ranks:
             if isinstance(rank, dict) and isinstance(rank.get("id"), str):
-                parsed.append(Rank(id=rank["id"], pending=_number(rank.get("pending")),
-                                   gpu_pressure=_number(rank.get("gpuPressure")),
-                                   rank=_whole(rank.get("rank"))))
+                parsed.append(
+                    Rank(
+                        id=rank["id"],
+                        pending=_number(rank.get("pending")),
+                        gpu_pressure=_number(rank.get("gpuPressure")),
+                        rank=_whole(rank.get("rank")),
+                    )
+                )
         self.reservations.set_priority(generation, [n for n in nodes if isinstance(n, str)], parsed)
         return {"count": self.reservations.count}
 
@@ -254,8 +306,9 @@ class Broker:
         try:
             write_port(self.state_dir, engine, port)
         except OSError as exc:
-            raise RpcError(SERVER_ERROR, f"failed to persist port {port}: "
-                                         f"{exc.strerror or exc}") from None
+            raise RpcError(
+                SERVER_ERROR, f"failed to persist port {port}: {exc.strerror or exc}"
+            ) from None
 
     def discovery_nodes(self, running: Running, params: dict) -> None:
         facade = running.facade
@@ -267,21 +320,34 @@ class Broker:
         projected = [project(engine, item) for item in raw]
         pin = facade.router.pin
         change = facade.router.replace_discovered([n for n in projected if n is not None])
-        for kind, nodes in (("node/discovered", change.discovered),
-                            ("node/updated", change.updated), ("node/removed", change.removed)):
+        for kind, nodes in (
+            ("node/discovered", change.discovered),
+            ("node/updated", change.updated),
+            ("node/removed", change.removed),
+        ):
             for node in nodes:
                 self.notify(engine.id, kind, node.describe())
         for node in change.removed:
             running.unreachable.add(node.id)
-            self.notify(engine.id, "errors:report", {
-                "id": f"{engine.id}-proxy:upstream-unreachable:{node.id}",
-                "message": f'Upstream node "{node.name}" is no longer reachable '
-                           "(dropped from discovery)", "severity": "warning", "action": "none"})
+            self.notify(
+                engine.id,
+                "errors:report",
+                {
+                    "id": f"{engine.id}-proxy:upstream-unreachable:{node.id}",
+                    "message": f'Upstream node "{node.name}" is no longer reachable '
+                    "(dropped from discovery)",
+                    "severity": "warning",
+                    "action": "none",
+                },
+            )
         for node in change.discovered:
             if node.id in running.unreachable:
                 running.unreachable.discard(node.id)
-                self.notify(engine.id, "errors:clear",
-                            {"id": f"{engine.id}-proxy:upstream-unreachable:{node.id}"})
+                self.notify(
+                    engine.id,
+                    "errors:clear",
+                    {"id": f"{engine.id}-proxy:upstream-unreachable:{node.id}"},
+                )
         if pin != facade.router.pin:
             self.notify(engine.id, "node/selection-changed", {"id": ""})
 
@@ -313,29 +379,43 @@ class Broker:
         node_id, port = params.get("id"), params.get("port")
         addresses = params.get("addresses")
         # A bare string is not a list of addresses (it would be split into characters).
-        addresses = ([a for a in addresses if isinstance(a, str) and a]
-                     if isinstance(addresses, list) else None)
+        addresses = (
+            [a for a in addresses if isinstance(a, str) and a]
+            if isinstance(addresses, list)
+            else None
+        )
         if not isinstance(node_id, str) or not node_id or not is_port(port) or not addresses:
             raise RpcError(INVALID_PARAMS, "id, port, and at least one address are required")
         models = params.get("models")
-        if models is not None and (not isinstance(models, list)
-                                   or not all(isinstance(m, str) for m in models)):
+        if models is not None and (
+            not isinstance(models, list) or not all(isinstance(m, str) for m in models)
+        ):
             raise RpcError(INVALID_PARAMS, "models must be a list of strings")
         txt = params.get("txt")
-        if txt is not None and (not isinstance(txt, list)
-                                or not all(isinstance(t, str) for t in txt)):
+        if txt is not None and (
+            not isinstance(txt, list) or not all(isinstance(t, str) for t in txt)
+        ):
             raise RpcError(INVALID_PARAMS, 'txt must be a list of "key=value" strings')
         host = params.get("host") if isinstance(params.get("host"), str) else node_id
         facade = running.facade
-        node = make_node(facade.engine, id=node_id, name=host or node_id, port=port,
-                         addresses=addresses, models=models, source="manual",
-                         txt=None if txt is None else tuple(txt))
+        node = make_node(
+            facade.engine,
+            id=node_id,
+            name=host or node_id,
+            port=port,
+            addresses=addresses,
+            models=models,
+            source="manual",
+            txt=None if txt is None else tuple(txt),
+        )
         if models is None:
             running.probed.add(node_id)
         else:
             running.probed.discard(node_id)
         added = facade.router.put_manual(node)
-        self.notify(facade.engine.id, "node/discovered" if added else "node/updated", node.describe())
+        self.notify(
+            facade.engine.id, "node/discovered" if added else "node/updated", node.describe()
+        )
         routable = facade.router.nodes.get(node_id)
         if models is None and routable is not None:
             # As a request would reach it: self through the local backend, never our facade.

@@ -28,8 +28,9 @@ def read_port(state_dir: str, engine: Engine) -> int | None:
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as exc:
-        log.warn("ignoring persisted port file {path}: {why}", path=path, why=str(exc),
-                 engine=engine.id)
+        log.warn(
+            "ignoring persisted port file {path}: {why}", path=path, why=str(exc), engine=engine.id
+        )
         return None
     port = data.get("port") if isinstance(data, dict) else None
     if not is_port(port):
@@ -40,8 +41,9 @@ def read_port(state_dir: str, engine: Engine) -> int | None:
     return port
 
 
-def write_port(state_dir: str, engine: Engine, port: int,
-               step: Callable[[str], None] = no_step) -> None:
+def write_port(
+    state_dir: str, engine: Engine, port: int, step: Callable[[str], None] = no_step
+) -> None:
     """Write atomically: a crash at any point leaves the old file or the new one
     (``write_atomically``, whose ``step`` seam this passes on); raises OSError on failure."""
     os.makedirs(state_dir, exist_ok=True)

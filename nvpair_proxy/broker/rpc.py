@@ -76,8 +76,12 @@ def _encode(value: Any, strict: bool = True) -> bytes:
 class LineFramer(Protocol):
     """Splits the stream into lines of at most ``max_line`` bytes; discards longer ones."""
 
-    def __init__(self, on_line: Callable[[bytes], None], on_closed: Callable[[Failure], None],
-                 max_line: int = constants.MAX_RPC_LINE) -> None:
+    def __init__(
+        self,
+        on_line: Callable[[bytes], None],
+        on_closed: Callable[[Failure], None],
+        max_line: int = constants.MAX_RPC_LINE,
+    ) -> None:
         self.on_line, self.on_closed, self.max_line = on_line, on_closed, max_line
         self._buffer = bytearray()
         self._discarding = False
@@ -97,8 +101,10 @@ class LineFramer(Protocol):
             if end < 0:
                 self._buffer += data[start:]
                 if len(self._buffer) > self.max_line:
-                    log.warn("discarding an over-long JSON-RPC line (over {limit} bytes)",
-                             limit=self.max_line)
+                    log.warn(
+                        "discarding an over-long JSON-RPC line (over {limit} bytes)",
+                        limit=self.max_line,
+                    )
                     self._discarding = True
                     self._buffer = bytearray()
                 return
@@ -145,8 +151,9 @@ class RpcLink:
 
     listening = True
 
-    def __init__(self, dispatch: Callable[[str, Any], Any],
-                 on_closed: Callable[[], None] = lambda: None) -> None:
+    def __init__(
+        self, dispatch: Callable[[str, Any], Any], on_closed: Callable[[], None] = lambda: None
+    ) -> None:
         self.dispatch = dispatch
         self.framer = LineFramer(self.line_received, lambda reason: on_closed())
         self.after_answer: list[Callable[[], None]] = []
@@ -176,8 +183,9 @@ class RpcLink:
         try:
             # UTF-8 only (docs/references.md#rpc-transport): json.loads(bytes) would also take
             # UTF-16/32, and NaN / Infinity are not JSON.
-            message = json.loads(line.decode("utf-8"), parse_constant=_not_json,
-                                 parse_int=_int_or_infinity)
+            message = json.loads(
+                line.decode("utf-8"), parse_constant=_not_json, parse_int=_int_or_infinity
+            )
         except (ValueError, UnicodeDecodeError, RecursionError):
             log.warn("skipped a JSON-RPC line that is not JSON")
             return
@@ -222,8 +230,7 @@ class RpcLink:
                 self._answer(answer_id, error={"code": exc.code, "message": exc.message})
             elif exc.code == METHOD_NOT_FOUND:
                 # A newer broker may notify what this version does not know: not a fault.
-                log.debug("skipped a JSON-RPC notification of a method this version does "
-                          "not know")
+                log.debug("skipped a JSON-RPC notification of a method this version does not know")
             else:
                 # A notification has no answer to carry the error: the log is its only trace.
                 log.warn("refused a JSON-RPC notification (error {code})", code=exc.code)
@@ -231,8 +238,10 @@ class RpcLink:
         except Exception:
             log.failure("internal error handling {method}", method=method)
             if answer_id is not None:
-                self._answer(answer_id, error={"code": INTERNAL_ERROR,
-                                               "message": f"internal error handling {method}"})
+                self._answer(
+                    answer_id,
+                    error={"code": INTERNAL_ERROR, "message": f"internal error handling {method}"},
+                )
             return
         if answer_id is not None:
             try:
@@ -240,8 +249,10 @@ class RpcLink:
             except (TypeError, ValueError):
                 # A result that does not serialize still gets its one answer.
                 log.failure("internal error handling {method}", method=method)
-                self._answer(answer_id, error={"code": INTERNAL_ERROR,
-                                               "message": f"internal error handling {method}"})
+                self._answer(
+                    answer_id,
+                    error={"code": INTERNAL_ERROR, "message": f"internal error handling {method}"},
+                )
 
     def _answer(self, message_id: bytes, result=None, error=None) -> None:
         """``message_id`` is the request's id, already encoded."""

@@ -1,2 +1,1 @@
-"""The cluster directory: node identity, pins, pinned TLS, and how discovered nodes are admitted.
-"""
+"""The cluster directory: node identity, pins, pinned TLS, and how discovered nodes are admitted."""

@@ -37,7 +37,8 @@ class Admission:
     # pin exists): the decision is made at every call, the admitted copy made once
     # (docs/references.md#bare-proxy-cpu: a copy per request re-parsed its addresses).
     _made: Memo[str, tuple[Node, object, Node]] = attrs.field(
-        factory=lambda: Memo(4096), init=False, repr=False)
+        factory=lambda: Memo(4096), init=False, repr=False
+    )
 
     def __call__(self, node: Node) -> Node | None:
         if node.local:

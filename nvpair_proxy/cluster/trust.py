@@ -20,8 +20,11 @@ from cryptography.hazmat.primitives.serialization import Encoding
 from cryptography.x509.oid import NameOID
 from OpenSSL import SSL, crypto
 from twisted.application.internet import TimerService
-from twisted.internet.interfaces import (IOpenSSLClientConnectionCreator,
-                                         IOpenSSLServerConnectionCreator, IReactorTime)
+from twisted.internet.interfaces import (
+    IOpenSSLClientConnectionCreator,
+    IOpenSSLServerConnectionCreator,
+    IReactorTime,
+)
 from twisted.web.iweb import IPolicyForHTTPS
 from zope.interface import implementer
 
@@ -54,7 +57,7 @@ def principal(certificate: x509.Certificate) -> str:
         san = certificate.extensions.get_extension_for_class(x509.SubjectAlternativeName)
         for uri in san.value.get_values_for_type(x509.UniformResourceIdentifier):
             if uri.startswith(URN_PREFIX):
-                return uri[len(URN_PREFIX):]
+                return uri[len(URN_PREFIX) :]
     except x509.ExtensionNotFound:
         pass
     except ValueError:
@@ -146,10 +149,16 @@ class ClusterDirectory:
 
     def _read_identity(self) -> None:
         pems = self._read_or_keep(
-            "identity", lambda: (read_regular_file(os.path.join(self.path, "node.crt")),
-                                 read_regular_file(os.path.join(self.path, "node.key"))),
-            lambda exc: f"cannot read {os.path.basename(exc.filename or '')}: {exc.strerror}; "
-                        "keeping the previous identity")
+            "identity",
+            lambda: (
+                read_regular_file(os.path.join(self.path, "node.crt")),
+                read_regular_file(os.path.join(self.path, "node.key")),
+            ),
+            lambda exc: (
+                f"cannot read {os.path.basename(exc.filename or '')}: {exc.strerror}; "
+                "keeping the previous identity"
+            ),
+        )
         if pems is _KEEP:
             return
         if pems is None:
@@ -160,8 +169,11 @@ class ClusterDirectory:
             cert, key = load_key_pair(cert_pem, key_pem)
         except KeyPairError:
             # Mid-rotation the manager may have replaced one file and not yet the other.
-            self._warn_once("identity", "node.crt or node.key does not load or the key does "
-                                        "not match; keeping the previous identity")
+            self._warn_once(
+                "identity",
+                "node.crt or node.key does not load or the key does "
+                "not match; keeping the previous identity",
+            )
             return
         self._warn_once("identity", None)
         der = cert.to_cryptography().public_bytes(Encoding.DER)
@@ -170,16 +182,21 @@ class ClusterDirectory:
 
     def _read_admission(self) -> None:
         raw = self._read_or_keep(
-            "admission.json", lambda: read_regular_file(os.path.join(self.path, "admission.json")),
-            lambda exc: f"cannot read admission.json: {exc.strerror}; keeping the previous "
-                        "admission")
+            "admission.json",
+            lambda: read_regular_file(os.path.join(self.path, "admission.json")),
+            lambda exc: (
+                f"cannot read admission.json: {exc.strerror}; keeping the previous admission"
+            ),
+        )
         if raw is _KEEP:
             return
         try:
             data = {} if raw is None else json.loads(raw.decode("utf-8"))
         except ValueError as exc:
-            self._warn_once("admission.json", f"admission.json is not JSON ({exc}); keeping "
-                                              "the previous admission")
+            self._warn_once(
+                "admission.json",
+                f"admission.json is not JSON ({exc}); keeping the previous admission",
+            )
             return
         self._warn_once("admission.json", None)
         self.admission = data if isinstance(data, dict) else {}
@@ -188,8 +205,10 @@ class ClusterDirectory:
         folder = os.path.join(self.path, "trusted")
         # A file (or a loop) where the folder belongs is not "no pins": the previous ones stay.
         names = self._read_or_keep(
-            "trusted", lambda: os.listdir(folder),
-            lambda exc: f"cannot list trusted: {exc.strerror}; keeping the previous pins")
+            "trusted",
+            lambda: os.listdir(folder),
+            lambda exc: f"cannot list trusted: {exc.strerror}; keeping the previous pins",
+        )
         if names is _KEEP:
             return
         names = names or []
@@ -199,19 +218,22 @@ class ClusterDirectory:
             full = os.path.join(folder, name)
             if not name.endswith(".json") or name.endswith(".tmp") or os.path.isdir(full):
                 continue
-            node_uuid = name[:-len(".json")]
+            node_uuid = name[: -len(".json")]
             try:
                 der = self._read_pin(full, node_uuid)
             except _Unreadable as exc:
-                self._warn_once(f"trusted/{name}", f"cannot read trusted/{name} whole ({exc}); "
-                                                   "keeping its previous pin")
+                self._warn_once(
+                    f"trusted/{name}",
+                    f"cannot read trusted/{name} whole ({exc}); keeping its previous pin",
+                )
                 der = self.pins.get(node_uuid)
             else:
                 self._warn_once(f"trusted/{name}", None)
             if der is not None:
                 pins[node_uuid] = der
         self._warned.retain(
-            lambda name: not name.startswith("trusted/") or name[len("trusted/"):] in names)
+            lambda name: not name.startswith("trusted/") or name[len("trusted/") :] in names
+        )
         self.pins = pins
 
     @staticmethod
@@ -244,8 +266,10 @@ class ClusterDirectory:
 
     def _watched(self) -> list[str]:
         """Every file the directory holds, each pin included."""
-        paths = [os.path.join(self.path, name)
-                 for name in ("node.crt", "node.key", "admission.json", "trusted")]
+        paths = [
+            os.path.join(self.path, name)
+            for name in ("node.crt", "node.key", "admission.json", "trusted")
+        ]
         try:
             names = sorted(os.listdir(os.path.join(self.path, "trusted")))
         except OSError:
@@ -253,8 +277,9 @@ class ClusterDirectory:
         return paths + [os.path.join(self.path, "trusted", name) for name in names]
 
 
-def trust_watch(directory: ClusterDirectory, clock: IReactorTime,
-                interval: float = WATCH_INTERVAL) -> TimerService:
+def trust_watch(
+    directory: ClusterDirectory, clock: IReactorTime, interval: float = WATCH_INTERVAL
+) -> TimerService:
     """The 2 s re-read of the cluster directory, as a service of the tree, so joining or
     leaving a cluster needs no restart; the first read happens as it starts."""
     service = TimerService(interval, directory.refresh)
@@ -335,6 +360,7 @@ def tls_ingress(directory: ClusterDirectory, site, clock: IReactorTime) -> Calla
     """For the listener's demux: the TLS factory while this node is a member, else None
     (a ClientHello is then refused by closing: no member, no handshake)."""
     from twisted.protocols.tls import TLSMemoryBIOFactory
+
     factory = TLSMemoryBIOFactory(ServerCreator(directory), False, site, clock=clock)
     factory.noisy = False
     return lambda: factory if directory.member else None
@@ -344,12 +370,22 @@ class PeerAgents:
     """One pooled HTTPS transport per pinned peer (docs/references.md#peer-transport), closed at
     shutdown."""
 
-    def __init__(self, reactor, directory: ClusterDirectory, connect_timeout: float,
-                 idle_timeout: float, keepalive: float = 0.0) -> None:
+    def __init__(
+        self,
+        reactor,
+        directory: ClusterDirectory,
+        connect_timeout: float,
+        idle_timeout: float,
+        keepalive: float = 0.0,
+    ) -> None:
         self.directory = directory
-        self._pools: AgentPools[str] = AgentPools(reactor, connect_timeout, idle_timeout,
-                                                  max_idle_per_host=constants.PEER_MAX_IDLE,
-                                                  keepalive=keepalive)
+        self._pools: AgentPools[str] = AgentPools(
+            reactor,
+            connect_timeout,
+            idle_timeout,
+            max_idle_per_host=constants.PEER_MAX_IDLE,
+            keepalive=keepalive,
+        )
         self._pins: dict[str, bytes | None] = {}  # per peer, the pin its pool was made for
 
     def for_node(self, node):

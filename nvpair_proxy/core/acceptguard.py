@@ -43,8 +43,12 @@ from .twisted_workarounds import guard_accepts
 log = logger()
 
 # accept(2) failing for want of a descriptor (the process's or the system's) or of memory.
-EXHAUSTED = {errno.EMFILE: "EMFILE", errno.ENFILE: "ENFILE", errno.ENOBUFS: "ENOBUFS",
-             errno.ENOMEM: "ENOMEM"}
+EXHAUSTED = {
+    errno.EMFILE: "EMFILE",
+    errno.ENFILE: "ENFILE",
+    errno.ENOBUFS: "ENOBUFS",
+    errno.ENOMEM: "ENOMEM",
+}
 
 
 def descriptor_limit() -> int:
@@ -70,18 +74,26 @@ class AcceptGuard:
     the log lines; ``clients`` is shared by every port of the process.
     """
 
-    def __init__(self, name: str, clock: IReactorTime, pause: Callable[[], None],
-                 resume: Callable[[], None], *, clients: Clients = CLIENTS,
-                 limit: Callable[[], int] = descriptor_limit, log: Logger = log) -> None:
+    def __init__(
+        self,
+        name: str,
+        clock: IReactorTime,
+        pause: Callable[[], None],
+        resume: Callable[[], None],
+        *,
+        clients: Clients = CLIENTS,
+        limit: Callable[[], int] = descriptor_limit,
+        log: Logger = log,
+    ) -> None:
         self.name, self.clock, self.clients = name, clock, clients
         self._pause, self._resume = pause, resume
         self.limit, self.log = limit, log
         self.timer: IDelayedCall | None = None
-        self.started: float | None = None     # when the condition began; None: not at it
-        self.logged_at: float | None = None   # the last warn line
-        self.warned = False                    # a warn line since the last info line
-        self.unlogged = 0                      # pauses since the last warn line
-        self.stopped = False                   # the port's reading stopped by us
+        self.started: float | None = None  # when the condition began; None: not at it
+        self.logged_at: float | None = None  # the last warn line
+        self.warned = False  # a warn line since the last info line
+        self.unlogged = 0  # pauses since the last warn line
+        self.stopped = False  # the port's reading stopped by us
         self.closed = False
 
     @property
@@ -119,10 +131,15 @@ class AcceptGuard:
         if self.started is None:
             self.started = now
         if self.logged_at is None or now - self.logged_at >= ACCEPT_LOG_INTERVAL:
-            self.log.warn("{name}: out of file descriptors ({why}); not accepting new "
-                          "connections, retrying every {pause} s ({count} pauses since the "
-                          "last such line)", name=self.name, why=why, pause=ACCEPT_PAUSE,
-                          count=self.unlogged - 1)
+            self.log.warn(
+                "{name}: out of file descriptors ({why}); not accepting new "
+                "connections, retrying every {pause} s ({count} pauses since the "
+                "last such line)",
+                name=self.name,
+                why=why,
+                pause=ACCEPT_PAUSE,
+                count=self.unlogged - 1,
+            )
             self.logged_at, self.unlogged, self.warned = now, 0, True
         if not self.stopped:
             self._pause()
@@ -147,9 +164,11 @@ class AcceptGuard:
         line, so the two together come at most twice per ``ACCEPT_LOG_INTERVAL``."""
         assert self.started is not None
         if self.warned:
-            self.log.info("{name}: accepting connections again after {seconds:.1f} s out of "
-                          "file descriptors", name=self.name,
-                          seconds=self.clock.seconds() - self.started)
+            self.log.info(
+                "{name}: accepting connections again after {seconds:.1f} s out of file descriptors",
+                name=self.name,
+                seconds=self.clock.seconds() - self.started,
+            )
             self.warned = False
         self.started = None
 

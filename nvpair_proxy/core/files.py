@@ -143,5 +143,6 @@ class FileWatch:
         try:
             return read()
         finally:
-            self._seen = {path: before[path] if path in before else stamp(path)
-                          for path in self.paths()}
+            self._seen = {
+                path: before[path] if path in before else stamp(path) for path in self.paths()
+            }

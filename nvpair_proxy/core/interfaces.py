@@ -17,7 +17,8 @@ class IEmitter(Interface):
     listening = Attribute(
         "Whether anything consumes notifications now. When False a producer may skip building "
         "them (docs/references.md#bare-proxy-cpu: no work for an event nobody reads); counters "
-        "such as seq still count.")
+        "such as seq still count."
+    )
 
     def notify(method: str, params: dict, engine: str | None = None) -> None:
         """Send one notification; ``engine`` addresses a facade-scoped one
@@ -50,7 +51,7 @@ class IRouter(Interface):
     standalone mode) hold the concrete Router and also replace, add and admit nodes.
     """
 
-    pin = Attribute("The node/select pin, or \"\".")
+    pin = Attribute('The node/select pin, or "".')
 
     def routable() -> list:
         """The nodes a request may go to now, in id order."""
@@ -111,8 +112,15 @@ class IRouter(Interface):
     def refuses(nodes: list, model: str | None) -> bool:
         """Whether a new request would wait and the queue has no room for it."""
 
-    def wait(model: str, deadline: float, wake, expire, ahead: bool = False,
-             prefer: str | None = None, patience: float | None = None):
+    def wait(
+        model: str,
+        deadline: float,
+        wake,
+        expire,
+        ahead: bool = False,
+        prefer: str | None = None,
+        patience: float | None = None,
+    ):
         """Queue a request until a slot frees (``wake``) or its deadline (``expire``)."""
 
     def unwait(waiter) -> None:

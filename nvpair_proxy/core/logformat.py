@@ -16,8 +16,15 @@ import sys
 from datetime import datetime, timezone
 from typing import Callable, Mapping
 
-from twisted.logger import (FileLogObserver, FilteringLogObserver, ILogObserver,
-                            LegacyLogObserverWrapper, LogEvent, formatEvent, textFileLogObserver)
+from twisted.logger import (
+    FileLogObserver,
+    FilteringLogObserver,
+    ILogObserver,
+    LegacyLogObserverWrapper,
+    LogEvent,
+    formatEvent,
+    textFileLogObserver,
+)
 from twisted.python.components import Componentized
 from twisted.python.logfile import LogFile
 
@@ -32,8 +39,13 @@ def json_line(event: LogEvent) -> str:
     at = event.get("log_time")
     level = event.get("log_level")
     record = {
-        "time": (datetime.fromtimestamp(at, timezone.utc).isoformat(timespec="milliseconds")
-                 .replace("+00:00", "Z") if at is not None else None),
+        "time": (
+            datetime.fromtimestamp(at, timezone.utc)
+            .isoformat(timespec="milliseconds")
+            .replace("+00:00", "Z")
+            if at is not None
+            else None
+        ),
         "level": level.name if level is not None else "info",
         "logger": event.get("log_namespace") or "-",
         "component": COMPONENT,
@@ -56,6 +68,7 @@ def destination(twistd: Mapping, log_format: str) -> ILogObserver:
     format."""
     if twistd.get("syslog"):
         from twisted.python.syslog import SyslogObserver
+
         # A legacy observer is any callable taking the event dict; Twisted types it as an
         # interface no bound method declares.
         emit = SyslogObserver(twistd.get("prefix") or "twisted").emit
@@ -72,8 +85,9 @@ def destination(twistd: Mapping, log_format: str) -> ILogObserver:
     return textFileLogObserver(out)
 
 
-def observer(log_format: str, twistd: Mapping | None = None,
-             sink: ILogObserver | None = None) -> ILogObserver:
+def observer(
+    log_format: str, twistd: Mapping | None = None, sink: ILogObserver | None = None
+) -> ILogObserver:
     """The filtered observer; ``sink`` overrides the destination (tests)."""
     if sink is None:
         sink = destination(twistd or {}, log_format)

@@ -15,8 +15,12 @@ from typing import Callable
 from twisted.logger import Logger, LogLevel, LogLevelFilterPredicate
 
 COMPONENT = "nvpair-proxy"
-LEVELS = {"debug": LogLevel.debug, "info": LogLevel.info, "warn": LogLevel.warn,
-          "error": LogLevel.error}
+LEVELS = {
+    "debug": LogLevel.debug,
+    "info": LogLevel.info,
+    "warn": LogLevel.warn,
+    "error": LogLevel.error,
+}
 LOG_FORMATS = ("text", "json")
 
 _level = {"current": LogLevel.info}
@@ -32,8 +36,11 @@ class LevelPredicate(LogLevelFilterPredicate):
 
     def __call__(self, event):
         if event.get("log_level") is None or not event.get("log_namespace"):
-            event = dict(event, log_level=event.get("log_level") or LogLevel.info,
-                         log_namespace=event.get("log_namespace") or "-")
+            event = dict(
+                event,
+                log_level=event.get("log_level") or LogLevel.info,
+                log_namespace=event.get("log_namespace") or "-",
+            )
         return super().__call__(event)
 
 
@@ -99,8 +106,11 @@ def log_access(request) -> None:
     if not _access["on"]:
         return
     client = request.getClientAddress()
-    _access_log.info('{client} "{method} {path}" {status} {size}',
-                     client=getattr(client, "host", "-"),
-                     method=request.method.decode("latin-1"),
-                     path=request.path.decode("latin-1"), status=request.code,
-                     size=request.sentLength)
+    _access_log.info(
+        '{client} "{method} {path}" {status} {size}',
+        client=getattr(client, "host", "-"),
+        method=request.method.decode("latin-1"),
+        path=request.path.decode("latin-1"),
+        status=request.code,
+        size=request.sentLength,
+    )

@@ -89,8 +89,7 @@ def trailer_lines(channel: HTTPChannel) -> list[bytes]:
     return [bytes(line) for line in getattr(decoder, "_trailerHeaders", ())]
 
 
-def guard_accepts(port: tcp.Port, wrap: Callable[[Any], Any], on_close: Callable[[], None]
-                  ) -> None:
+def guard_accepts(port: tcp.Port, wrap: Callable[[Any], Any], on_close: Callable[[], None]) -> None:
     """Route a listening port's accepts through ``wrap(its socket)``; ``on_close`` runs when
     the port stops listening."""
     port.socket = wrap(port.socket)
@@ -99,4 +98,5 @@ def guard_accepts(port: tcp.Port, wrap: Callable[[Any], Any], on_close: Callable
     def connection_lost(reason) -> None:
         on_close()
         lost(reason)
+
     port.connectionLost = connection_lost  # type: ignore[method-assign]

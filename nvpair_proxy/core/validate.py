@@ -46,13 +46,16 @@ def parse_port(text: str, *, zero: bool = False) -> int:
 
 
 @overload
-def split_host_port(text: str, *, zero: bool = ...,
-                    port_required: Literal[True] = ...) -> tuple[str, int]: ...
+def split_host_port(
+    text: str, *, zero: bool = ..., port_required: Literal[True] = ...
+) -> tuple[str, int]: ...
 @overload
-def split_host_port(text: str, *, zero: bool = ...,
-                    port_required: bool) -> tuple[str, int | None]: ...
-def split_host_port(text: str, *, zero: bool = False,
-                    port_required: bool = True) -> tuple[str, int | None]:
+def split_host_port(
+    text: str, *, zero: bool = ..., port_required: bool
+) -> tuple[str, int | None]: ...
+def split_host_port(
+    text: str, *, zero: bool = False, port_required: bool = True
+) -> tuple[str, int | None]:
     """``host:port``, an IPv6 host in brackets (``[::1]:11434``); the host comes back without
     them, and the port is None when ``port_required`` is False and none is written.
 

@@ -60,21 +60,33 @@ class Facade:
 
     def exchange(self, request: Request, route=UNCLASSIFIED) -> Exchange:
         """An exchange for ``request``; ``route`` when the caller already classified it."""
-        return Exchange(request, engine=self.engine, router=self.router, reporter=self.reporter,
-                        upstreams=self.upstreams, in_flight=self.in_flight, route=route)
+        return Exchange(
+            request,
+            engine=self.engine,
+            router=self.router,
+            reporter=self.reporter,
+            upstreams=self.upstreams,
+            in_flight=self.in_flight,
+            route=route,
+        )
 
     @property
     def fleet(self) -> Fleet:
         """The parts the answers of the whole fleet (preflight, model list) need."""
-        return Fleet(engine=self.engine, router=self.router, reporter=self.reporter,
-                     upstreams=self.upstreams)
+        return Fleet(
+            engine=self.engine, router=self.router, reporter=self.reporter, upstreams=self.upstreams
+        )
 
     def view(self, port: int, slots: Mapping[str, object] | None = None) -> FacadeView:
         """This facade as the admin listener shows it, read now: ``port`` and ``slots`` are
         its service's (facadeservice.py), which binds the port and keeps the broker's slots."""
-        return FacadeView(engine=self.engine.id, port=port, routing=self.router.view(),
-                          in_flight=tuple(exchange.view() for exchange in list(self.in_flight)),
-                          slots=slots)
+        return FacadeView(
+            engine=self.engine.id,
+            port=port,
+            routing=self.router.view(),
+            in_flight=tuple(exchange.view() for exchange in list(self.in_flight)),
+            slots=slots,
+        )
 
     def shutdown(self) -> None:
         """Cancel every request in flight; each reports ``cancelled`` once
@@ -89,14 +101,24 @@ class Facade:
             exchange.shutdown()
 
 
-def make_facade(engine: Engine, *, clock: IReactorTime, agent: IAgent, emitter: IEmitter,
-                run_id: str, random: Callable[[], float], bounds: Bounds = Bounds(),
-                reservations: ReservationMap | None = None,
-                activity: ActivityThrottle | None = None,
-                recorder: IRequestRecorder | None = None,
-                agent_for_node: Callable[[Node], IAgent] | None = None,
-                loop_guard: LoopGuard | None = None, scheduling: bool = False,
-                queue_depth: int | None = None, affinity: bool = False) -> Facade:
+def make_facade(
+    engine: Engine,
+    *,
+    clock: IReactorTime,
+    agent: IAgent,
+    emitter: IEmitter,
+    run_id: str,
+    random: Callable[[], float],
+    bounds: Bounds = Bounds(),
+    reservations: ReservationMap | None = None,
+    activity: ActivityThrottle | None = None,
+    recorder: IRequestRecorder | None = None,
+    agent_for_node: Callable[[Node], IAgent] | None = None,
+    loop_guard: LoopGuard | None = None,
+    scheduling: bool = False,
+    queue_depth: int | None = None,
+    affinity: bool = False,
+) -> Facade:
     """A facade from the parts every facade of a process shares (docs/references.md#one-process).
 
     ``agent_for_node`` dials nodes that need their own agent (nodes-file TLS or keys, pinned
@@ -108,31 +130,65 @@ def make_facade(engine: Engine, *, clock: IReactorTime, agent: IAgent, emitter: 
         activity = ActivityThrottle(emitter, clock.seconds)
     queue = None
     if queue_depth is not None:
-        waited = None if recorder is None else (
-            lambda waiter, seconds: recorder.queue_left(engine.id, seconds))
+        waited = (
+            None
+            if recorder is None
+            else (lambda waiter, seconds: recorder.queue_left(engine.id, seconds))
+        )
         queue = SlotQueue(clock, queue_depth, on_leave=waited)
-    return Facade(engine=engine,
-                  router=Router(engine=engine, clock=clock, reservations=reservations,
-                                scheduling=scheduling, queue=queue,
-                                affinity=AffinityTable() if affinity else None),
-                  reporter=Reporter(engine=engine.id, emitter=emitter, clock=clock.seconds,
-                                    run_id=run_id, activity=activity, recorder=recorder),
-                  upstreams=Upstreams(clock=clock, agent=agent, random=random, bounds=bounds,
-                                      agent_for_node=agent_for_node,
-                                      loop_guard=loop_guard or LoopGuard()))
+    return Facade(
+        engine=engine,
+        router=Router(
+            engine=engine,
+            clock=clock,
+            reservations=reservations,
+            scheduling=scheduling,
+            queue=queue,
+            affinity=AffinityTable() if affinity else None,
+        ),
+        reporter=Reporter(
+            engine=engine.id,
+            emitter=emitter,
+            clock=clock.seconds,
+            run_id=run_id,
+            activity=activity,
+            recorder=recorder,
+        ),
+        upstreams=Upstreams(
+            clock=clock,
+            agent=agent,
+            random=random,
+            bounds=bounds,
+            agent_for_node=agent_for_node,
+            loop_guard=loop_guard or LoopGuard(),
+        ),
+    )
 
 
-def report_rejection(facade: Facade, method: bytes, path: bytes, status: int, reason: Reason,
-                     detail: str = "") -> None:
+def report_rejection(
+    facade: Facade, method: bytes, path: bytes, status: int, reason: Reason, detail: str = ""
+) -> None:
     """``proxy/request`` for an answer given before a request reached routing
     (docs/references.md#request-events)."""
     error = reason.says(detail)
     reporter = facade.reporter
     path = path.split(b"?", 1)[0]
-    reporter.request_finished(reporter.next_request_id(), method.decode("latin-1"),
-                              path.decode("latin-1"), "", status, 0.0, error=error)
-    reporter.request_ended(route=route_class(facade.engine.classify(method, path)),
-                           outcome=REJECTED, status=status, duration=0.0, reason=reason)
+    reporter.request_finished(
+        reporter.next_request_id(),
+        method.decode("latin-1"),
+        path.decode("latin-1"),
+        "",
+        status,
+        0.0,
+        error=error,
+    )
+    reporter.request_ended(
+        route=route_class(facade.engine.classify(method, path)),
+        outcome=REJECTED,
+        status=status,
+        duration=0.0,
+        reason=reason,
+    )
 
 
 def answered_stopping(facade: Facade, request: Request) -> bool:
@@ -159,8 +215,11 @@ def answered_loop(facade: Facade, request: Request) -> bool:
 def answered_before_routing(facade: Facade, request: Request) -> bool:
     """The answers every ingress gives before anything is routed: the identity probe, a
     forwarding loop, and a new request while the process stops."""
-    return (answered_identity_probe(facade, request) or answered_loop(facade, request)
-            or answered_stopping(facade, request))
+    return (
+        answered_identity_probe(facade, request)
+        or answered_loop(facade, request)
+        or answered_stopping(facade, request)
+    )
 
 
 def answered_identity_probe(facade: Facade, request: Request) -> bool:
@@ -170,8 +229,9 @@ def answered_identity_probe(facade: Facade, request: Request) -> bool:
     if request.getHeader(IDENTITY_PROBE) != b"1":
         return False
     text = FACADE_FOR + facade.engine.id
-    report_rejection(facade, request.method, request.path, 409, Reason.IDENTITY_PROBE,
-                     facade.engine.id)
+    report_rejection(
+        facade, request.method, request.path, 409, Reason.IDENTITY_PROBE, facade.engine.id
+    )
     send_error(request, 409, text, code="proxy-facade")
     return True
 
@@ -206,6 +266,9 @@ class FacadeResource(Resource):
 def facade_site(facade: Facade, reactor=None) -> BoundedSite:
     """The Site serving one facade; idle timeout equal to the pool's
     (docs/references.md#server-timeouts)."""
-    return BoundedSite(FacadeResource(facade), reactor=reactor,
-                       timeout=constants.SERVER_IDLE_TIMEOUT,
-                       on_rejected=partial(report_rejection, facade))
+    return BoundedSite(
+        FacadeResource(facade),
+        reactor=reactor,
+        timeout=constants.SERVER_IDLE_TIMEOUT,
+        on_rejected=partial(report_rejection, facade),
+    )

@@ -40,23 +40,32 @@ log = logger()
 
 def listen_on(reactor) -> Callable:
     """``listen(port, factory, interface)``: ``"::"`` means every address, both families."""
+
     def listen(port: int, factory, interface: str):
         if interface == "::":
             return listen_everywhere(reactor, port, factory)
         return listen_tcp(reactor, port, factory, interface, "facade alias")
+
     return listen
 
 
-def listener_factory(facade: Facade, directory: ClusterDirectory | None,
-                     local_backend: LocalBackend, lan: LanGate | None = None) -> DemuxFactory:
+def listener_factory(
+    facade: Facade,
+    directory: ClusterDirectory | None,
+    local_backend: LocalBackend,
+    lan: LanGate | None = None,
+) -> DemuxFactory:
     """Loopback plaintext for local clients (LAN clients with a key, when keys are
     configured); pinned mTLS for peers when a member."""
     site = facade_site(facade, facade.clock)
     if directory is None:
         return DemuxFactory(site, lan=lan)
-    ingress = BoundedSite(IngressResource(facade, directory, local_backend),
-                          reactor=facade.clock, timeout=site.timeOut,
-                          on_rejected=site.on_rejected)
+    ingress = BoundedSite(
+        IngressResource(facade, directory, local_backend),
+        reactor=facade.clock,
+        timeout=site.timeOut,
+        on_rejected=site.on_rejected,
+    )
     return DemuxFactory(site, tls=tls_ingress(directory, ingress, facade.clock), lan=lan)
 
 
@@ -67,9 +76,17 @@ class FacadeService(MultiService):
     is announced, so ``facade/enable`` can answer -32010 with nothing left behind.
     """
 
-    def __init__(self, facade: Facade, factory: DemuxFactory, listen: Callable, prober: Prober,
-                 clock, port: int, is_local: Callable[[str], bool] = is_local_address,
-                 poller: Service | None = None) -> None:
+    def __init__(
+        self,
+        facade: Facade,
+        factory: DemuxFactory,
+        listen: Callable,
+        prober: Prober,
+        clock,
+        port: int,
+        is_local: Callable[[str], bool] = is_local_address,
+        poller: Service | None = None,
+    ) -> None:
         super().__init__()
         self.listening = listen(port, factory, "::")
         self.port = port
@@ -165,11 +182,18 @@ class Facades(MultiService):
     """The facades node: opens FacadeServices, and stops them together (one shared grace,
     not one per facade)."""
 
-    def __init__(self, *, make_facade: Callable[[Engine], Facade], listen: Callable,
-                 make_prober: Callable[[Facade, Callable[[Node], bool]], Prober], clock,
-                 admission: bool = False, directory: ClusterDirectory | None = None,
-                 lan: LanGate | None = None,
-                 make_poller: Callable[[Facade], Service] | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        make_facade: Callable[[Engine], Facade],
+        listen: Callable,
+        make_prober: Callable[[Facade, Callable[[Node], bool]], Prober],
+        clock,
+        admission: bool = False,
+        directory: ClusterDirectory | None = None,
+        lan: LanGate | None = None,
+        make_poller: Callable[[Facade], Service] | None = None,
+    ) -> None:
         super().__init__()
         self.setName("facades")
         self.make_facade, self.listen, self.make_prober = make_facade, listen, make_prober
@@ -177,18 +201,30 @@ class Facades(MultiService):
         self.directory, self.lan = directory, lan
         self.make_poller = make_poller
 
-    def open(self, engine: Engine, port: int, should_probe: Callable[[Node], bool],
-             local_backend: LocalBackend = lambda: None,
-             is_local: Callable[[str], bool] = is_local_address) -> FacadeService:
+    def open(
+        self,
+        engine: Engine,
+        port: int,
+        should_probe: Callable[[Node], bool],
+        local_backend: LocalBackend = lambda: None,
+        is_local: Callable[[str], bool] = is_local_address,
+    ) -> FacadeService:
         """A facade bound on ``port`` (CannotListenError when it cannot be), not yet started:
         ``add`` starts it, so a caller can announce it first."""
         facade = self.make_facade(engine)
-        factory = listener_factory(facade, self.directory if self.admission else None,
-                                   local_backend, self.lan)
-        service = FacadeService(facade, factory, self.listen,
-                                self.make_prober(facade, should_probe), self.clock, port,
-                                is_local,
-                                self.make_poller(facade) if self.make_poller else None)
+        factory = listener_factory(
+            facade, self.directory if self.admission else None, local_backend, self.lan
+        )
+        service = FacadeService(
+            facade,
+            factory,
+            self.listen,
+            self.make_prober(facade, should_probe),
+            self.clock,
+            port,
+            is_local,
+            self.make_poller(facade) if self.make_poller else None,
+        )
         if self.admission:
             admit_into(facade, self.directory, local_backend)
         return service

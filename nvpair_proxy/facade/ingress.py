@@ -77,8 +77,9 @@ class LocalBackendRoute:
     def offer_held(self) -> None:
         pass
 
-    def affinity_wait(self, nodes: list[Node], model: str | None, key: bytes | None,
-                      size: int) -> None:
+    def affinity_wait(
+        self, nodes: list[Node], model: str | None, key: bytes | None, size: int
+    ) -> None:
         return None
 
     def fail_over(self, remaining: list[Node], model: str | None = None) -> list[Node]:
@@ -93,8 +94,16 @@ class LocalBackendRoute:
     def refuses(self, nodes: list[Node], model: str | None) -> bool:
         return False
 
-    def wait(self, model: str, deadline: float, wake, expire, ahead: bool = False,
-             prefer: str | None = None, patience: float | None = None) -> None:
+    def wait(
+        self,
+        model: str,
+        deadline: float,
+        wake,
+        expire,
+        ahead: bool = False,
+        prefer: str | None = None,
+        patience: float | None = None,
+    ) -> None:
         raise AssertionError("the local backend is never full")
 
     def unwait(self, waiter) -> None:
@@ -121,17 +130,27 @@ class LocalBackendRoute:
 
 def ingress_exchange(facade: Facade, request: Request, backend: Node) -> Exchange:
     """A forward to the local backend: one pass, no workload, backend errors coded."""
-    return Exchange(request, engine=facade.engine, router=LocalBackendRoute(backend),
-                    reporter=facade.reporter, upstreams=facade.upstreams,
-                    in_flight=facade.in_flight, inference=False,
-                    bad_gateway_code="backend-error")
+    return Exchange(
+        request,
+        engine=facade.engine,
+        router=LocalBackendRoute(backend),
+        reporter=facade.reporter,
+        upstreams=facade.upstreams,
+        in_flight=facade.in_flight,
+        inference=False,
+        bad_gateway_code="backend-error",
+    )
 
 
 class IngressResource(Resource):
     isLeaf = True
 
-    def __init__(self, facade: Facade, directory: ClusterDirectory,
-                 backend: Callable[[], tuple[str, int] | None]) -> None:
+    def __init__(
+        self,
+        facade: Facade,
+        directory: ClusterDirectory,
+        backend: Callable[[], tuple[str, int] | None],
+    ) -> None:
         super().__init__()
         self.facade, self.directory, self.backend = facade, directory, backend
         self._node: Node | None = None  # the backend as a node, made again only when it moves
@@ -159,15 +178,17 @@ class IngressResource(Resource):
         backend = self.backend()
         if backend is None:
             text = f"no local {self.facade.engine.id} backend is available on this node"
-            report_rejection(self.facade, request.method, request.path, 503,
-                             Reason.NO_LOCAL_BACKEND)
+            report_rejection(
+                self.facade, request.method, request.path, 503, Reason.NO_LOCAL_BACKEND
+            )
             send_error(request, 503, text, code=NO_LOCAL_BACKEND)
             return NOT_DONE_YET
         host, port = backend
         node = self._node
         if node is None or (node.port, node.addresses) != (port, (host,)):
-            node = self._node = Node(id="local-backend", name="local-backend", port=port,
-                                     addresses=(host,))
+            node = self._node = Node(
+                id="local-backend", name="local-backend", port=port, addresses=(host,)
+            )
         exchange = ingress_exchange(self.facade, request, node)
         try:
             exchange.start()

@@ -40,8 +40,9 @@ class LoopbackOnly(Resource):
 
     isLeaf = True
 
-    def __init__(self, on_rejected: Rejected, lan: LanGate | None = None,
-                 serve: Resource | None = None) -> None:
+    def __init__(
+        self, on_rejected: Rejected, lan: LanGate | None = None, serve: Resource | None = None
+    ) -> None:
         super().__init__()
         self.on_rejected, self.lan, self.serve = on_rejected, lan, serve
 
@@ -79,8 +80,9 @@ class _Demux(Protocol):
 
     def connectionMade(self) -> None:
         # Until a request line arrives (after a TLS handshake, if any): one header read.
-        self.timer = self.factory.clock.callLater(SERVER_HEADER_READ_TIMEOUT,
-                                                  self.transport.abortConnection)
+        self.timer = self.factory.clock.callLater(
+            SERVER_HEADER_READ_TIMEOUT, self.transport.abortConnection
+        )
 
     def _stop_timer(self) -> None:
         cancel_pending(self.timer)
@@ -117,9 +119,12 @@ class DemuxFactory(ServerFactory):
 
     noisy = False
 
-    def __init__(self, site: BoundedSite,
-                 tls: Callable[[], WrappingFactory | None] = lambda: None,
-                 lan: LanGate | None = None) -> None:
+    def __init__(
+        self,
+        site: BoundedSite,
+        tls: Callable[[], WrappingFactory | None] = lambda: None,
+        lan: LanGate | None = None,
+    ) -> None:
         self.site = site
         self.clock = site.reactor
         self.gate = _gate_site(site, lan)
@@ -128,8 +133,9 @@ class DemuxFactory(ServerFactory):
     def buildProtocol(self, addr: IAddress | None) -> Protocol:
         return _Demux(self, addr)
 
-    def choose(self, first: int, addr: IAddress | None,
-               request_line_seen: Callable[[], None]) -> Protocol | None:
+    def choose(
+        self, first: int, addr: IAddress | None, request_line_seen: Callable[[], None]
+    ) -> Protocol | None:
         """The protocol for a connection whose first byte is ``first``; its HTTP channel
         calls ``request_line_seen`` at its first request line."""
         if first == TLS_HANDSHAKE:
@@ -150,13 +156,18 @@ class DemuxFactory(ServerFactory):
 def _gate_site(site: BoundedSite, lan: LanGate | None) -> BoundedSite:
     """The same limits as the facade (body size, header read, idle), a 403 for everything
     (or the facade behind a valid key), reported where the facade's own refusals go."""
-    return BoundedSite(LoopbackOnly(site.on_rejected, lan, site.resource), reactor=site.reactor,
-                       timeout=site.timeOut, on_rejected=site.on_rejected)
+    return BoundedSite(
+        LoopbackOnly(site.on_rejected, lan, site.resource),
+        reactor=site.reactor,
+        timeout=site.timeOut,
+        on_rejected=site.on_rejected,
+    )
 
 
 def listen_everywhere(reactor, port: int, factory: ServerFactory, interface: str = "::"):
     """Listen on every address, IPv4 and IPv6 (dual stack), else IPv4 only."""
     from twisted.internet.error import CannotListenError
+
     try:
         return listen_tcp(reactor, port, factory, interface, "facade")
     except CannotListenError as exc:

@@ -44,8 +44,11 @@ DENIED, INVALID, AGREED = "denied", "invalid", "agreed"
 
 def is_preflight(method: bytes, headers: Headers) -> bool:
     """An OPTIONS carrying Origin and Access-Control-Request-Method; any other is ordinary."""
-    return (method == b"OPTIONS" and headers.hasHeader(b"origin")
-            and headers.hasHeader(b"access-control-request-method"))
+    return (
+        method == b"OPTIONS"
+        and headers.hasHeader(b"origin")
+        and headers.hasHeader(b"access-control-request-method")
+    )
 
 
 def _one(reply: Reply, name: bytes) -> bytes | None:
@@ -72,8 +75,12 @@ def _tokens(reply: Reply, name: bytes) -> list[bytes]:
     return out
 
 
-def _intersection(replies: Sequence[Reply], name: bytes, fold: Callable[[bytes], bytes],
-                  never_wild: frozenset[bytes] = frozenset()) -> list[bytes]:
+def _intersection(
+    replies: Sequence[Reply],
+    name: bytes,
+    fold: Callable[[bytes], bytes],
+    never_wild: frozenset[bytes] = frozenset(),
+) -> list[bytes]:
     """The tokens of list header ``name`` that every reply grants, first reply's spelling.
 
     ``*`` is a wildcard only in an answer that grants no credentials (Fetch); there it
@@ -140,6 +147,7 @@ def combined(replies: Sequence[Reply], origin: bytes) -> Headers:
 
 # Preflights.
 
+
 def _preflight_allows(reply: Reply, origin: bytes) -> bool:
     """A browser accepts a preflight only with an ok status and its origin allowed."""
     return 200 <= reply.status < 300 and allows(reply, origin)
@@ -168,8 +176,9 @@ def judge_preflight(replies: Sequence[Reply], origin: bytes, targets: int) -> Re
     methods = _intersection(replies, ALLOW_METHODS, fold=lambda m: m)
     if methods:
         headers.setRawHeaders(ALLOW_METHODS, [b", ".join(methods)])
-    names = _intersection(replies, ALLOW_HEADERS, fold=bytes.lower,
-                          never_wild=frozenset({b"authorization"}))
+    names = _intersection(
+        replies, ALLOW_HEADERS, fold=bytes.lower, never_wild=frozenset({b"authorization"})
+    )
     if names:
         headers.setRawHeaders(ALLOW_HEADERS, [b", ".join(names)])
     if all(_one(reply, ALLOW_PRIVATE_NETWORK) == b"true" for reply in replies):
@@ -181,13 +190,15 @@ def judge_preflight(replies: Sequence[Reply], origin: bytes, targets: int) -> Re
 
 # Model lists requested with an Origin.
 
+
 def denies_inventory(reply: Reply, origin: bytes) -> bool:
     """An engine refusing the origin: 401, 403, or a success without permission for it."""
     return reply.status in (401, 403) or (200 <= reply.status < 300 and not allows(reply, origin))
 
 
-def judge_inventory(replies: Sequence[Reply], origin: bytes,
-                    all_valid: bool) -> tuple[str, Reply | None]:
+def judge_inventory(
+    replies: Sequence[Reply], origin: bytes, all_valid: bool
+) -> tuple[str, Reply | None]:
     """Every responding engine must agree before a merged list reaches a browser.
 
     (DENIED, the first denial) when any engine refuses the origin; (INVALID, None) when

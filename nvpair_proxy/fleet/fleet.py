@@ -27,8 +27,15 @@ from ..request.dispatch import Upstreams
 from ..request.events import CANCELLED, COMPLETED, FAILED, MODELS, PREFLIGHT, Reporter
 from ..routing.router import Router
 from . import cors
-from .inventory import (MODEL_LIST_STRIPPED, Reply, ask_fleet, fetch, listed_models,
-                        merged_list, node_url)
+from .inventory import (
+    MODEL_LIST_STRIPPED,
+    Reply,
+    ask_fleet,
+    fetch,
+    listed_models,
+    merged_list,
+    node_url,
+)
 
 log = logger()
 
@@ -47,16 +54,32 @@ class Fleet:
     def clock(self) -> IReactorTime:
         return self.upstreams.clock
 
-    def ask(self, nodes: list[Node], method: bytes, path: bytes, headers: Headers, *,
-            timeout: float, limit: int, width: int | None = None) -> Deferred:
+    def ask(
+        self,
+        nodes: list[Node],
+        method: bytes,
+        path: bytes,
+        headers: Headers,
+        *,
+        timeout: float,
+        limit: int,
+        width: int | None = None,
+    ) -> Deferred:
         """Ask every node once, without a body, at the address that last answered."""
         upstreams = self.upstreams
         headers = upstreams.loop_guard.stamp(headers.copy())
 
         def ask(node: Node, time_left: float) -> Deferred:
             url = node_url(node, path.decode("latin-1"), upstreams.addresses.order(node)[0])
-            return fetch(upstreams.agent_for(node), self.clock, url, headers, timeout=time_left,
-                         limit=limit, method=method)
+            return fetch(
+                upstreams.agent_for(node),
+                self.clock,
+                url,
+                headers,
+                timeout=time_left,
+                limit=limit,
+                method=method,
+            )
 
         return ask_fleet(nodes, ask, self.clock, timeout=timeout, width=width)
 
@@ -74,8 +97,15 @@ class FleetAnswer:
         self.finished = False
         request.notifyFinish().addErrback(self._client_gone)
 
-    def ask(self, nodes: list[Node], method: bytes, path: bytes, headers: Headers,
-            answer: Callable[[list[Reply]], None], **limits) -> None:
+    def ask(
+        self,
+        nodes: list[Node],
+        method: bytes,
+        path: bytes,
+        headers: Headers,
+        answer: Callable[[list[Reply]], None],
+        **limits,
+    ) -> None:
         self.asking = self.fleet.ask(nodes, method, path, headers, **limits)
         self.asking.addCallback(self._answer, answer).addErrback(self._crashed)
 
@@ -93,8 +123,13 @@ class FleetAnswer:
     def _crashed(self, failure: Failure) -> None:
         """A bug costs this request only: logged with its traceback, answered 500
         (docs/references.md#request-containment)."""
-        log.failure("unexpected error handling {method} {path}", failure, method=self._method(),
-                    path=self._path(), engine=self.fleet.engine.id)
+        log.failure(
+            "unexpected error handling {method} {path}",
+            failure,
+            method=self._method(),
+            path=self._path(),
+            engine=self.fleet.engine.id,
+        )
         answer_internal_error(self.request)
         self.report(500, reason=Reason.INTERNAL)
 
@@ -104,20 +139,28 @@ class FleetAnswer:
     def _path(self) -> str:
         return self.request.path.decode("latin-1")
 
-    def error(self, status: int, reason: Reason, headers: Headers | None = None,
-              node: Node | None = None) -> None:
+    def error(
+        self, status: int, reason: Reason, headers: Headers | None = None, node: Node | None = None
+    ) -> None:
         send_error(self.request, status, reason.text, headers=headers)
         self.report(status, reason=reason, node=node)
 
-    def whole(self, status: int, headers: Headers, body: bytes, phrase: bytes | None = None,
-              node: Node | None = None) -> None:
+    def whole(
+        self,
+        status: int,
+        headers: Headers,
+        body: bytes,
+        phrase: bytes | None = None,
+        node: Node | None = None,
+    ) -> None:
         self.report_started(node)
         send_whole(self.request, status, headers, body, phrase)
         self.report(status, node=node)
 
     def report_started(self, node: Node | None) -> None:
-        self.fleet.reporter.request_started(self.id, self._method(), self._path(), "cluster",
-                                            node.id if node else None)
+        self.fleet.reporter.request_started(
+            self.id, self._method(), self._path(), "cluster", node.id if node else None
+        )
 
     def report(self, status: int, reason: Reason | None = None, node: Node | None = None) -> None:
         """``proxy/request`` (docs/references.md#request-events); without a reason of ours the
@@ -126,11 +169,24 @@ class FleetAnswer:
         duration = self.fleet.clock.seconds() - self.started
         node_id = node.id if node else None
         self.fleet.reporter.request_finished(
-            self.id, self._method(), self._path(), "cluster", status, duration,
-            node_id=node_id, error=error)
+            self.id,
+            self._method(),
+            self._path(),
+            "cluster",
+            status,
+            duration,
+            node_id=node_id,
+            error=error,
+        )
         outcome = CANCELLED if status == 499 else COMPLETED if status < 400 else FAILED
-        self.fleet.reporter.request_ended(route=self.route, outcome=outcome, status=status,
-                                          duration=duration, node=node_id, reason=reason)
+        self.fleet.reporter.request_ended(
+            route=self.route,
+            outcome=outcome,
+            status=status,
+            duration=duration,
+            node=node_id,
+            reason=reason,
+        )
 
 
 def serve_preflight(fleet: Fleet, request: BoundedRequest) -> None:
@@ -154,14 +210,22 @@ def serve_preflight(fleet: Fleet, request: BoundedRequest) -> None:
             return
         verdict = cors.judge_preflight(replies, origin, len(nodes))
         if isinstance(verdict, Reply):
-            answering.whole(verdict.status, verdict.headers, verdict.body, verdict.phrase,
-                            node=verdict.node)
+            answering.whole(
+                verdict.status, verdict.headers, verdict.body, verdict.phrase, node=verdict.node
+            )
         else:
             answering.whole(204, verdict, b"")
 
-    answering.ask(nodes, b"OPTIONS", request.uri, headers, answer,
-                  timeout=cors.PREFLIGHT_TIMEOUT, limit=cors.PREFLIGHT_MAX_BODY,
-                  width=cors.PREFLIGHT_WIDTH)
+    answering.ask(
+        nodes,
+        b"OPTIONS",
+        request.uri,
+        headers,
+        answer,
+        timeout=cors.PREFLIGHT_TIMEOUT,
+        limit=cors.PREFLIGHT_MAX_BODY,
+        width=cors.PREFLIGHT_WIDTH,
+    )
 
 
 def serve_model_list(fleet: Fleet, request: BoundedRequest, route) -> None:
@@ -190,8 +254,12 @@ def serve_model_list(fleet: Fleet, request: BoundedRequest, route) -> None:
             return
         verdict, denial = cors.judge_inventory(replies, origin, len(valid) == len(replies))
         if verdict == cors.DENIED:
-            answering.error(403, Reason.ORIGIN_DENIED, Headers({b"Vary": [b"Origin"]}),
-                            node=denial.node if denial is not None else None)
+            answering.error(
+                403,
+                Reason.ORIGIN_DENIED,
+                Headers({b"Vary": [b"Origin"]}),
+                node=denial.node if denial is not None else None,
+            )
         elif verdict == cors.INVALID:
             answering.error(502, Reason.INVENTORY_UNAVAILABLE, cors.combined(replies, origin))
         else:
@@ -205,8 +273,16 @@ def serve_model_list(fleet: Fleet, request: BoundedRequest, route) -> None:
             vary = cors.vary(replies)
             if vary is not None:
                 headers.setRawHeaders(b"Vary", [vary])
-        answering.whole(200, headers, merged_list(inventories, route.envelope,
-                                                  fleet.engine.normalize_model))
+        answering.whole(
+            200, headers, merged_list(inventories, route.envelope, fleet.engine.normalize_model)
+        )
 
-    answering.ask(fleet.router.routable(), b"GET", path, headers, answer,
-                  timeout=constants.MODEL_LIST_TIMEOUT, limit=constants.MODEL_LIST_MAX_BODY)
+    answering.ask(
+        fleet.router.routable(),
+        b"GET",
+        path,
+        headers,
+        answer,
+        timeout=constants.MODEL_LIST_TIMEOUT,
+        limit=constants.MODEL_LIST_MAX_BODY,
+    )

@@ -101,9 +101,15 @@ class _Capped(Protocol):
             self.done.errback(reason)
 
 
-def fetch(agent: IAgent, clock: IReactorTime, url: bytes, headers: Headers | None = None,
-          timeout: float = constants.MODEL_LIST_TIMEOUT,
-          limit: int = constants.MODEL_LIST_MAX_BODY, method: bytes = b"GET") -> Deferred:
+def fetch(
+    agent: IAgent,
+    clock: IReactorTime,
+    url: bytes,
+    headers: Headers | None = None,
+    timeout: float = constants.MODEL_LIST_TIMEOUT,
+    limit: int = constants.MODEL_LIST_MAX_BODY,
+    method: bytes = b"GET",
+) -> Deferred:
     """Ask ``url`` without a body; fires with a Reply or fails; never follows redirects."""
     request = maybeDeferred(agent.request, method, url, headers or Headers())
 
@@ -112,7 +118,8 @@ def fetch(agent: IAgent, clock: IReactorTime, url: bytes, headers: Headers | Non
         protocol = _Capped(body, limit)
         response.deliverBody(protocol)
         return body.addCallback(
-            lambda data: Reply(response.code, response.phrase, response.headers, data))
+            lambda data: Reply(response.code, response.phrase, response.headers, data)
+        )
 
     request.addCallback(got)
     request.addTimeout(timeout, clock)
@@ -132,8 +139,14 @@ class _FanOut:
     and cancels those in flight; the fan-out then fires with what had answered.
     """
 
-    def __init__(self, nodes: Sequence[Node], ask: Callable[[Node, float], Deferred],
-                 clock: IReactorTime, timeout: float, width: int | None) -> None:
+    def __init__(
+        self,
+        nodes: Sequence[Node],
+        ask: Callable[[Node, float], Deferred],
+        clock: IReactorTime,
+        timeout: float,
+        width: int | None,
+    ) -> None:
         self.nodes, self.ask, self.clock = list(nodes), ask, clock
         self.deadline = clock.seconds() + timeout
         self.width = width or len(self.nodes)
@@ -170,8 +183,9 @@ class _FanOut:
         self.running.pop(index, None)
         node = self.nodes[index]
         if isinstance(result, Failure):
-            log.debug("node {node} did not answer: {why}", node=node.id,
-                      why=result.getErrorMessage())
+            log.debug(
+                "node {node} did not answer: {why}", node=node.id, why=result.getErrorMessage()
+            )
         elif result.status >= 500:
             log.debug("node {node} answered HTTP {status}", node=node.id, status=result.status)
         else:
@@ -184,8 +198,14 @@ class _FanOut:
             asked.cancel()
 
 
-def ask_fleet(nodes: Sequence[Node], ask: Callable[[Node, float], Deferred],
-              clock: IReactorTime, *, timeout: float, width: int | None = None) -> Deferred:
+def ask_fleet(
+    nodes: Sequence[Node],
+    ask: Callable[[Node, float], Deferred],
+    clock: IReactorTime,
+    *,
+    timeout: float,
+    width: int | None = None,
+) -> Deferred:
     """Ask every node (``ask(node, time_left)`` fires with a Reply), ``width`` at a time.
 
     Fires with the replies of the nodes that answered, in node order. A node that is
@@ -204,11 +224,17 @@ class Prober(TimerService):
     is not one we should route to. A TimerService, so it runs exactly while its facade does.
     """
 
-    def __init__(self, engine: Engine, router: IRouter, agent: IAgent, clock: IReactorTime,
-                 should_probe: Callable[[Node], bool],
-                 interval: float = constants.INVENTORY_PROBE_INTERVAL,
-                 agent_for: Callable[[Node], IAgent] | None = None,
-                 loop_guard: LoopGuard | None = None) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        router: IRouter,
+        agent: IAgent,
+        clock: IReactorTime,
+        should_probe: Callable[[Node], bool],
+        interval: float = constants.INVENTORY_PROBE_INTERVAL,
+        agent_for: Callable[[Node], IAgent] | None = None,
+        loop_guard: LoopGuard | None = None,
+    ) -> None:
         super().__init__(interval, self.probe_all)
         # The router, not its node set: what a probe learns is a routing change
         # (docs/references.md#router-seam).
@@ -229,8 +255,11 @@ class Prober(TimerService):
         return super().stopService()
 
     def probe_all(self) -> Deferred:
-        probes = [self.probe(node) for node in self.router.routable()
-                  if self.should_probe(node) and node.id not in self._busy]
+        probes = [
+            self.probe(node)
+            for node in self.router.routable()
+            if self.should_probe(node) and node.id not in self._busy
+        ]
         return DeferredList(probes, consumeErrors=True) if probes else succeed(None)
 
     def probe(self, node: Node) -> Deferred:
@@ -248,8 +277,12 @@ class Prober(TimerService):
             if self._busy.get(node.id) is d:
                 del self._busy[node.id]
             if isinstance(models, Failure):
-                log.debug("inventory probe of {node} failed: {why}", node=node.id,
-                          why=models.getErrorMessage(), engine=self.engine.id)
+                log.debug(
+                    "inventory probe of {node} failed: {why}",
+                    node=node.id,
+                    why=models.getErrorMessage(),
+                    engine=self.engine.id,
+                )
                 models = []
             self.router.set_models(node.id, models)
 
@@ -257,8 +290,7 @@ class Prober(TimerService):
 
 
 # Credentials never fan out; bodies are parsed here, so no content coding is negotiated.
-MODEL_LIST_STRIPPED = (b"host", b"content-length", b"authorization", b"cookie",
-                       b"accept-encoding")
+MODEL_LIST_STRIPPED = (b"host", b"content-length", b"authorization", b"cookie", b"accept-encoding")
 
 
 def listed_models(reply: Reply, envelope: str) -> list[tuple[str, dict]] | None:
@@ -275,8 +307,11 @@ def listed_models(reply: Reply, envelope: str) -> list[tuple[str, dict]] | None:
         return None
 
 
-def merged_list(inventories: Iterable[list[tuple[str, dict]]], envelope: str,
-                normalize: Callable[[str], str] = str) -> bytes:
+def merged_list(
+    inventories: Iterable[list[tuple[str, dict]]],
+    envelope: str,
+    normalize: Callable[[str], str] = str,
+) -> bytes:
     """One list in the engine's envelope: one record per model, the first occurrence winning,
     in node order, passed through unchanged (docs/references.md#model-list-merge).
 

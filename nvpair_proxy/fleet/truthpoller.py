@@ -30,8 +30,15 @@ from ..core.timers import cancel_pending
 from ..http.loopguard import LoopGuard
 from ..nodes.discovery import Node
 from ..nodes.engines import Engine
-from ..routing.enginetruth import EngineTruth, ModelStates, Slots, TruthError, read_loaded, read_models, \
-    read_slots
+from ..routing.enginetruth import (
+    EngineTruth,
+    ModelStates,
+    Slots,
+    TruthError,
+    read_loaded,
+    read_models,
+    read_slots,
+)
 from .inventory import Reply, fetch, node_url
 
 log = logger()
@@ -43,14 +50,20 @@ NOT_REPORTED = frozenset({404, 405, 501})
 class TruthPoller(Service):
     """Keeps a facade's router told what each node's engine reports (``ITruthSink``)."""
 
-    def __init__(self, engine: Engine, sink: ITruthSink, agent_for: Callable[[Node], IAgent],
-                 clock: IReactorTime, random: Callable[[], float],
-                 loop_guard: LoopGuard | None = None,
-                 active: float = constants.TRUTH_ACTIVE_INTERVAL,
-                 idle: float = constants.TRUTH_IDLE_INTERVAL,
-                 window: float = constants.TRUTH_TRAFFIC_WINDOW,
-                 jitter: float = constants.TRUTH_JITTER,
-                 timeout: float = constants.TRUTH_TIMEOUT) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        sink: ITruthSink,
+        agent_for: Callable[[Node], IAgent],
+        clock: IReactorTime,
+        random: Callable[[], float],
+        loop_guard: LoopGuard | None = None,
+        active: float = constants.TRUTH_ACTIVE_INTERVAL,
+        idle: float = constants.TRUTH_IDLE_INTERVAL,
+        window: float = constants.TRUTH_TRAFFIC_WINDOW,
+        jitter: float = constants.TRUTH_JITTER,
+        timeout: float = constants.TRUTH_TIMEOUT,
+    ) -> None:
         self.engine, self.sink, self.agent_for, self.clock = engine, sink, agent_for, clock
         self.random = random
         self.active, self.idle, self.window, self.jitter = active, idle, window, jitter
@@ -119,14 +132,21 @@ class TruthPoller(Service):
             self._warn(node, str(error))
             truth = None
         except Exception as error:  # refused, reset, timed out: the engine said nothing
-            log.debug("engine truth of {node} unavailable: {why}", node=node.id,
-                      why=error.__class__.__name__, engine=self.engine.id)
+            log.debug(
+                "engine truth of {node} unavailable: {why}",
+                node=node.id,
+                why=error.__class__.__name__,
+                engine=self.engine.id,
+            )
             truth = None
         else:
             self._warned.pop(node.id, None)
-            log.debug("engine truth of {node} read: {said}", node=node.id,
-                      said="nothing" if truth is None else "slots and models",
-                      engine=self.engine.id)
+            log.debug(
+                "engine truth of {node} read: {said}",
+                node=node.id,
+                said="nothing" if truth is None else "slots and models",
+                engine=self.engine.id,
+            )
         if node.id in {n.id for n in self.sink.routable()}:
             self.sink.set_truth(node.id, truth)
 
@@ -142,15 +162,16 @@ class TruthPoller(Service):
         elif routes.models is not None:
             body = yield self._get(node, routes.models)
             if body is not None:
-                states = read_models(body, normalize,
-                                     listed_are_loaded=self.engine.inventory_source == "loaded")
+                states = read_models(
+                    body, normalize, listed_are_loaded=self.engine.inventory_source == "loaded"
+                )
         slots: Slots | None = None
         model_slots: dict[str, Slots] = {}
         if routes.slots is not None:
             if states.per_model:
                 # A llama.cpp router answers /slots only for a named model, and asking about
                 # an unloaded one could load it: only loaded models are asked.
-                for model in sorted(states.warm or ())[:constants.TRUTH_MAX_MODEL_SLOTS]:
+                for model in sorted(states.warm or ())[: constants.TRUTH_MAX_MODEL_SLOTS]:
                     body = yield self._get(node, f"{routes.slots}?model={quote(model, safe='')}")
                     if body is not None:
                         model_slots[model] = read_slots(body)
@@ -160,15 +181,19 @@ class TruthPoller(Service):
                     slots = read_slots(body)
         if slots is None and not model_slots and states.warm is None:
             return None
-        return EngineTruth(read_at=read_at, slots=slots, warm=states.warm,
-                           model_slots=model_slots)
+        return EngineTruth(read_at=read_at, slots=slots, warm=states.warm, model_slots=model_slots)
 
     @inlineCallbacks
     def _get(self, node: Node, path: str):
         """The body of a 200, None when the engine does not report this; else TruthError."""
-        reply: Reply = yield fetch(self.agent_for(node), self.clock, node_url(node, path),
-                                   self.headers, timeout=self.timeout,
-                                   limit=constants.TRUTH_MAX_BODY)
+        reply: Reply = yield fetch(
+            self.agent_for(node),
+            self.clock,
+            node_url(node, path),
+            self.headers,
+            timeout=self.timeout,
+            limit=constants.TRUTH_MAX_BODY,
+        )
         if reply.status == 200:
             return reply.body
         if reply.status in NOT_REPORTED or reply.status == 400:
@@ -180,5 +205,9 @@ class TruthPoller(Service):
         if self._warned.get(node.id) == why:
             return
         self._warned[node.id] = why
-        log.warn("engine truth of node {node} not understood ({why}); placing it as unknown",
-                 node=node.id, why=why, engine=self.engine.id)
+        log.warn(
+            "engine truth of node {node} not understood ({why}); placing it as unknown",
+            node=node.id,
+            why=why,
+            engine=self.engine.id,
+        )

@@ -37,11 +37,18 @@ class AgentPools(Generic[K]):
         """The client of ``key``, made with TLS ``policy()`` the first time it is asked for."""
         client = self._clients.get(key)
         if client is None:
-            pool = ConnectionPool(self.reactor, max_idle_per_host=self.max_idle_per_host,
-                                  idle_timeout=self.idle_timeout)
-            client = self._clients[key] = Client(self.reactor, pool,
-                                                 connect_timeout=self.connect_timeout,
-                                                 tls=policy(), keepalive=self.keepalive)
+            pool = ConnectionPool(
+                self.reactor,
+                max_idle_per_host=self.max_idle_per_host,
+                idle_timeout=self.idle_timeout,
+            )
+            client = self._clients[key] = Client(
+                self.reactor,
+                pool,
+                connect_timeout=self.connect_timeout,
+                tls=policy(),
+                keepalive=self.keepalive,
+            )
         return client
 
     def retire(self, key: K) -> None:
@@ -57,5 +64,6 @@ class AgentPools(Generic[K]):
 
     def close(self) -> Deferred:
         """Close every idle connection of every client; fires when they are all gone."""
-        return DeferredList([client.pool.closeCachedConnections()
-                             for client in self._clients.values()])
+        return DeferredList(
+            [client.pool.closeCachedConnections() for client in self._clients.values()]
+        )

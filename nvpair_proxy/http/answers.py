@@ -21,22 +21,26 @@ INVENTORY_UNAVAILABLE = "model inventory unavailable"
 ORIGIN_DENIED = "origin not allowed by every engine"
 SHUTTING_DOWN = "the proxy is shutting down"
 NO_PREFLIGHT_ANSWER = "no engine answered the preflight"
-LOOPBACK_ONLY = ("loopback-only", "plaintext requests are accepted only from loopback; "
-                 "cluster peers must use the mTLS ingress")
+LOOPBACK_ONLY = (
+    "loopback-only",
+    "plaintext requests are accepted only from loopback; cluster peers must use the mTLS ingress",
+)
 # Opt-in LAN keys (docs/references.md#lan-keys): the allowlist refusal, and the missing or wrong
 # key.
-SOURCE_NOT_ALLOWED = ("source-not-allowed", "this source address is not allowed to use "
-                      "this proxy")
-UNAUTHORIZED = ("unauthorized", "a valid API key is required for non-loopback requests; "
-                "send it as Authorization: Bearer <key> or X-Api-Key: <key>")
+SOURCE_NOT_ALLOWED = ("source-not-allowed", "this source address is not allowed to use this proxy")
+UNAUTHORIZED = (
+    "unauthorized",
+    "a valid API key is required for non-loopback requests; "
+    "send it as Authorization: Bearer <key> or X-Api-Key: <key>",
+)
 # The mutual-TLS ingress's refusals (their codes are what the admin listener counts by).
-CLUSTER_AUTH = ("cluster-auth", "client certificate is not a pinned member of this node's "
-                "cluster")
+CLUSTER_AUTH = ("cluster-auth", "client certificate is not a pinned member of this node's cluster")
 NO_LOCAL_BACKEND = "no-local-backend"
 # A request that already passed through this process (its own token in Via, loopguard.py).
 FORWARDING_LOOP = "forwarding loop: this request already passed through this proxy"
 # The identity probe's 409 (docs/references.md#identity-probe): this text, then the engine's id.
 FACADE_FOR = "this port is the nvpair-proxy facade for "
+
 
 class Reason(enum.Enum):
     """Why a request did not complete: the exact text it is reported with (on ``proxy/request``,
@@ -65,18 +69,26 @@ class Reason(enum.Enum):
     # Routing and dispatch (docs/references.md#proxy-answers).
     NO_OWNER = ("no available node advertises the requested model", "no_owner")
     NO_CANDIDATE = ("no active node selected or available", "no_candidate")
-    ALL_OWNERS_BUSY = ("every node advertising the requested model is busy; retry shortly",
-                       "busy")
-    DEADLINE_PASSED = ("the retry deadline passed while dispatch attempts were still failing",
-                       "deadline")
-    NO_OWNER_RETURNED = ("no node advertising the requested model became available before "
-                         "the retry deadline", "owner_never_returned")
+    ALL_OWNERS_BUSY = ("every node advertising the requested model is busy; retry shortly", "busy")
+    DEADLINE_PASSED = (
+        "the retry deadline passed while dispatch attempts were still failing",
+        "deadline",
+    )
+    NO_OWNER_RETURNED = (
+        "no node advertising the requested model became available before the retry deadline",
+        "owner_never_returned",
+    )
     EVERY_ATTEMPT_FAILED = ("every dispatch attempt failed", "attempts_exhausted")
     # Late binding: a request that waited in the queue for a free slot until its deadline.
-    NO_FREE_SLOT = ("no slot became free on a node advertising the requested model before "
-                    "the retry deadline; retry later", "queue_deadline")
-    NO_CONTENT = ("upstream error: upstream sent no response body within the first-byte "
-                  "budget", "no_content")
+    NO_FREE_SLOT = (
+        "no slot became free on a node advertising the requested model before "
+        "the retry deadline; retry later",
+        "queue_deadline",
+    )
+    NO_CONTENT = (
+        "upstream error: upstream sent no response body within the first-byte budget",
+        "no_content",
+    )
     TRANSPORT = ("upstream error: ", "transport")
     UPSTREAM_STATUS = ("upstream returned HTTP ", "upstream_status")
     # How a request in flight ended without an answer of its own (docs/references.md#end-texts).
@@ -96,15 +108,28 @@ class Reason(enum.Enum):
 # The labels a request that did not complete is counted under: the reasons', a status's when
 # an engine's own answer was relayed (no reason of ours), and ``other``.
 OTHER = "other"
-STATUS_LABELS = {400: "bad_request", 401: "unauthorized", 409: "identity_probe",
-                 413: "body_too_large", 499: "client_gone"}
+STATUS_LABELS = {
+    400: "bad_request",
+    401: "unauthorized",
+    409: "identity_probe",
+    413: "body_too_large",
+    499: "client_gone",
+}
 LABELS = frozenset({*(reason.label for reason in Reason), *STATUS_LABELS.values(), OTHER})
 
 
-_REASONS = {400: b"Bad Request", 401: b"Unauthorized", 403: b"Forbidden", 409: b"Conflict",
-            413: b"Request Entity Too Large", 500: b"Internal Server Error",
-            502: b"Bad Gateway", 503: b"Service Unavailable", 504: b"Gateway Timeout",
-            508: b"Loop Detected"}
+_REASONS = {
+    400: b"Bad Request",
+    401: b"Unauthorized",
+    403: b"Forbidden",
+    409: b"Conflict",
+    413: b"Request Entity Too Large",
+    500: b"Internal Server Error",
+    502: b"Bad Gateway",
+    503: b"Service Unavailable",
+    504: b"Gateway Timeout",
+    508: b"Loop Detected",
+}
 
 
 def error_body(text: str, code: str | None = None) -> bytes:
@@ -114,8 +139,15 @@ def error_body(text: str, code: str | None = None) -> bytes:
     return json.dumps(body).encode()
 
 
-def send_error(request: Request, status: int, text: str, *, code: str | None = None,
-               retry_after: int = 0, headers: Headers | None = None) -> None:
+def send_error(
+    request: Request,
+    status: int,
+    text: str,
+    *,
+    code: str | None = None,
+    retry_after: int = 0,
+    headers: Headers | None = None,
+) -> None:
     """Answer ``{"error": text}`` and finish.
 
     A proxy error grants no CORS permission of its own (docs/references.md#browser-policy):
@@ -137,8 +169,9 @@ def send_error(request: Request, status: int, text: str, *, code: str | None = N
     request.finish()
 
 
-def send_whole(request: Request, status: int, headers: Headers, body: bytes,
-                phrase: bytes | None = None) -> None:
+def send_whole(
+    request: Request, status: int, headers: Headers, body: bytes, phrase: bytes | None = None
+) -> None:
     """Answer with a response read whole (an engine's, or one the proxy put together).
 
     Only hop-by-hop headers and the framing are replaced; nothing is added, not even a
@@ -161,8 +194,7 @@ def answer_internal_error(request: Request) -> None:
     ``request`` is a ``server.BoundedRequest``: ``client_gone`` says the client already left
     (notifyFinish). Typed as the Request it extends: server.py builds on this module, not the
     other way."""
-    if (not request.startedWriting and not request.finished
-            and not request.client_gone):  # type: ignore[attr-defined]
+    if not request.startedWriting and not request.finished and not request.client_gone:  # type: ignore[attr-defined]
         send_error(request, 500, "internal error")
     elif not request.finished and request.channel is not None:
         # The channel's TCP or TLS transport (both abort), while the request is not finished.

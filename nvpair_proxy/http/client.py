@@ -35,27 +35,57 @@ from typing import Callable, cast
 
 from twisted.internet.abstract import isIPAddress, isIPv6Address
 from twisted.internet.defer import Deferred
-from twisted.internet.endpoints import (HostnameEndpoint, TCP4ClientEndpoint, TCP6ClientEndpoint,
-                                        wrapClientTLS)
-from twisted.internet.interfaces import (IConsumer, IPushProducer, IStreamClientEndpoint,
-                                         ITCPTransport)
+from twisted.internet.endpoints import (
+    HostnameEndpoint,
+    TCP4ClientEndpoint,
+    TCP6ClientEndpoint,
+    wrapClientTLS,
+)
+from twisted.internet.interfaces import (
+    IConsumer,
+    IPushProducer,
+    IStreamClientEndpoint,
+    ITCPTransport,
+)
 from twisted.internet.protocol import Factory, Protocol, connectionDone
 from twisted.python.failure import Failure
-from twisted.web.client import (BrowserLikePolicyForHTTPS, RequestTransmissionFailed,
-                                ResponseDone, ResponseFailed, ResponseNeverReceived, URI)
+from twisted.web.client import (
+    BrowserLikePolicyForHTTPS,
+    RequestTransmissionFailed,
+    ResponseDone,
+    ResponseFailed,
+    ResponseNeverReceived,
+    URI,
+)
 from twisted.web.http import PotentialDataLoss
 from twisted.web.http_headers import Headers
-from twisted.web.iweb import (UNKNOWN_LENGTH, IAgent, IBodyProducer, IClientRequest,
-                              IPolicyForHTTPS, IResponse)
+from twisted.web.iweb import (
+    UNKNOWN_LENGTH,
+    IAgent,
+    IBodyProducer,
+    IClientRequest,
+    IPolicyForHTTPS,
+    IResponse,
+)
 from zope.interface import implementer
 
 from ..core import constants
 from ..core.memo import Memo
 from .pool import ConnectionPool
 from .requestbody import BytesProducer
-from .responsewire import (CHUNKED, LENGTH, MAX_HEAD, UNTIL_CLOSE, ChunkedBody, WireError,
-                           body_framing, find_head_end, keep_alive_for, parse_head,
-                           persistent)
+from .responsewire import (
+    CHUNKED,
+    LENGTH,
+    MAX_HEAD,
+    UNTIL_CLOSE,
+    ChunkedBody,
+    WireError,
+    body_framing,
+    find_head_end,
+    keep_alive_for,
+    parse_head,
+    persistent,
+)
 
 # Headers the client writes itself: the caller's are not relayed (a body is framed by us,
 # and whether the connection persists is ours to say). A caller's Host is kept, as Agent does.
@@ -129,8 +159,16 @@ class Origin:
 
     __slots__ = ("key", "host", "port", "host_header", "tcp", "tls", "factory")
 
-    def __init__(self, key: tuple, host: bytes, port: int, host_header: bytes, tcp,
-                 tls: IPolicyForHTTPS | None, pool: "ConnectionPool") -> None:
+    def __init__(
+        self,
+        key: tuple,
+        host: bytes,
+        port: int,
+        host_header: bytes,
+        tcp,
+        tls: IPolicyForHTTPS | None,
+        pool: "ConnectionPool",
+    ) -> None:
         self.key, self.host, self.port, self.host_header = key, host, port, host_header
         self.tcp, self.tls = tcp, tls
         self.factory = _ConnectionFactory(pool, key)
@@ -145,17 +183,28 @@ class Origin:
 class Client:
     """``IAgent.request`` over pooled HTTP/1.1 connections (see the module docstring)."""
 
-    def __init__(self, reactor, pool: "ConnectionPool | None" = None, *,
-                 connect_timeout: float = constants.DIAL_TIMEOUT,
-                 tls: IPolicyForHTTPS | None = None, keepalive: float = 0.0) -> None:
+    def __init__(
+        self,
+        reactor,
+        pool: "ConnectionPool | None" = None,
+        *,
+        connect_timeout: float = constants.DIAL_TIMEOUT,
+        tls: IPolicyForHTTPS | None = None,
+        keepalive: float = 0.0,
+    ) -> None:
         self.reactor, self.connect_timeout, self.keepalive = reactor, connect_timeout, keepalive
         self.pool = pool if pool is not None else ConnectionPool(reactor)
         self.tls = tls
         self._origins: Memo[bytes, Origin] = Memo(_MAX_ORIGINS)
         self._routes: Memo[bytes, tuple[Origin, bytes]] = Memo(_MAX_ROUTES)
 
-    def request(self, method: bytes, uri: bytes, headers: Headers | None = None,
-                bodyProducer: IBodyProducer | None = None) -> Deferred:
+    def request(
+        self,
+        method: bytes,
+        uri: bytes,
+        headers: Headers | None = None,
+        bodyProducer: IBodyProducer | None = None,
+    ) -> Deferred:
         if bodyProducer is not None and not isinstance(bodyProducer, BytesProducer):
             return self._read_body_first(method, uri, headers, bodyProducer)
         origin, path = self._route(uri)
@@ -186,18 +235,29 @@ class Client:
                 return connection
             connection.close_idle()
 
-    def _dial(self, dial: "_Dial", origin: Origin, method: bytes, uri: bytes, path: bytes,
-              headers: Headers | None, producer: BytesProducer | None,
-              result: Deferred[IResponse]) -> None:
+    def _dial(
+        self,
+        dial: "_Dial",
+        origin: Origin,
+        method: bytes,
+        uri: bytes,
+        path: bytes,
+        headers: Headers | None,
+        producer: BytesProducer | None,
+        result: Deferred[IResponse],
+    ) -> None:
         dial.connection = None
         connecting = dial.connecting = origin.endpoint().connect(origin.factory)
-        connecting.addCallbacks(dial.connected, dial.failed,
-                                callbackArgs=(method, uri, path, origin.host_header, headers,
-                                              producer, result),
-                                errbackArgs=(result,))
+        connecting.addCallbacks(
+            dial.connected,
+            dial.failed,
+            callbackArgs=(method, uri, path, origin.host_header, headers, producer, result),
+            errbackArgs=(result,),
+        )
 
-    def _read_body_first(self, method: bytes, uri: bytes, headers: Headers | None,
-                         producer: IBodyProducer) -> Deferred:
+    def _read_body_first(
+        self, method: bytes, uri: bytes, headers: Headers | None, producer: IBodyProducer
+    ) -> Deferred:
         """A body from any other producer is read whole, then sent as an in-memory one: a
         connection never carries a request half written (the proxy's own bodies are already
         in memory; this is for other callers of the IAgent)."""
@@ -218,13 +278,26 @@ class Client:
                 return
             body = b"".join(parts)
             if producer.length is not UNKNOWN_LENGTH and producer.length != len(body):
-                result.errback(Failure(RequestTransmissionFailed([Failure(ValueError(
-                    f"the body producer wrote {len(body)} bytes, not {producer.length}"))])))
+                result.errback(
+                    Failure(
+                        RequestTransmissionFailed(
+                            [
+                                Failure(
+                                    ValueError(
+                                        f"the body producer wrote {len(body)} bytes, not {producer.length}"
+                                    )
+                                )
+                            ]
+                        )
+                    )
+                )
                 return
             sent = self.request(method, uri, headers, BytesProducer(body))
             sending.append(sent)
-            sent.addCallbacks(lambda response: None if result.called else result.callback(response),
-                              lambda failure: None if result.called else result.errback(failure))
+            sent.addCallbacks(
+                lambda response: None if result.called else result.callback(response),
+                lambda failure: None if result.called else result.errback(failure),
+            )
 
         def failed(failure: Failure) -> None:
             if not result.called:
@@ -279,9 +352,15 @@ class Client:
         if parsed.scheme == b"https":
             policy = self.tls if self.tls is not None else BrowserLikePolicyForHTTPS()
         default = (parsed.scheme, port) in ((b"http", 80), (b"https", 443))
-        origin = Origin((parsed.scheme, host, port), host, port,
-                        named if default else b"%b:%d" % (named, port), endpoint, policy,
-                        self.pool)
+        origin = Origin(
+            (parsed.scheme, host, port),
+            host,
+            port,
+            named if default else b"%b:%d" % (named, port),
+            endpoint,
+            policy,
+            self.pool,
+        )
         return self._origins.remember(base, origin)
 
 
@@ -296,8 +375,9 @@ class KeepAliveEndpoint:
     ``--stream-idle-timeout`` is for that.
     """
 
-    def __init__(self, endpoint, seconds: float,
-                 probes: int = constants.UPSTREAM_KEEPALIVE_PROBES) -> None:
+    def __init__(
+        self, endpoint, seconds: float, probes: int = constants.UPSTREAM_KEEPALIVE_PROBES
+    ) -> None:
         self.endpoint, self.probes = endpoint, probes
         self.seconds = max(1, math.ceil(seconds))
 
@@ -310,9 +390,12 @@ class KeepAliveEndpoint:
             return protocol  # in memory (tests): nothing to set
         transport.setTcpKeepAlive(True)
         handle = transport.getHandle()
-        for name, value in (("TCP_KEEPIDLE", self.seconds), ("TCP_KEEPINTVL", self.seconds),
-                            ("TCP_KEEPCNT", self.probes),
-                            ("TCP_USER_TIMEOUT", 1000 * self.seconds * (1 + self.probes))):
+        for name, value in (
+            ("TCP_KEEPIDLE", self.seconds),
+            ("TCP_KEEPINTVL", self.seconds),
+            ("TCP_KEEPCNT", self.probes),
+            ("TCP_USER_TIMEOUT", 1000 * self.seconds * (1 + self.probes)),
+        ):
             option = getattr(socket, name, None)
             if option is not None:
                 handle.setsockopt(socket.IPPROTO_TCP, option, value)
@@ -334,8 +417,17 @@ class _Dial:
         elif self.connecting is not None:
             self.connecting.cancel()
 
-    def connected(self, connection: "_Connection", method, uri, path, host_header, headers,
-                  producer, result: Deferred) -> None:
+    def connected(
+        self,
+        connection: "_Connection",
+        method,
+        uri,
+        path,
+        host_header,
+        headers,
+        producer,
+        result: Deferred,
+    ) -> None:
         self.connecting = None
         if result.called:
             connection.pool.give(connection)
@@ -406,8 +498,9 @@ class _Connection(Protocol):
 
     transport: _IConnectionTransport  # set by makeConnection, before connectionMade
 
-    def __init__(self, pool: "ConnectionPool", key: tuple,
-                 origin: "_ConnectionFactory | None" = None) -> None:
+    def __init__(
+        self, pool: "ConnectionPool", key: tuple, origin: "_ConnectionFactory | None" = None
+    ) -> None:
         self.pool, self.key, self.origin = pool, key, origin
         self.state = CONNECTING
         self.result: Deferred[IResponse] | None = None
@@ -438,9 +531,16 @@ class _Connection(Protocol):
 
     # Sending.
 
-    def send(self, method: bytes, uri: bytes, path: bytes, host_header: bytes,
-             headers: Headers | None, producer: BytesProducer | None,
-             result: Deferred[IResponse]) -> None:
+    def send(
+        self,
+        method: bytes,
+        uri: bytes,
+        path: bytes,
+        host_header: bytes,
+        headers: Headers | None,
+        producer: BytesProducer | None,
+        result: Deferred[IResponse],
+    ) -> None:
         self.state, self.result, self.streamed_at = WAITING, result, None
         self.sent = (method, uri, headers)
         head = [method, b" ", path, b" HTTP/1.1\r\n"]
@@ -518,8 +618,9 @@ class _Connection(Protocol):
             head.fields.pop(b"content-length", None)
         self.framing, self.remaining = framing, length
         # parse_head admits only token names, so Headers takes every field it returns.
-        response = self.response = ClientResponse(self, head, length if framing == LENGTH
-                                                  else UNKNOWN_LENGTH, self.sent)
+        response = self.response = ClientResponse(
+            self, head, length if framing == LENGTH else UNKNOWN_LENGTH, self.sent
+        )
         if framing == CHUNKED:
             self.chunked.restart(response.data)
         self.state = BODY
@@ -674,8 +775,11 @@ class _Connection(Protocol):
         if state is IDLE:
             self.pool.forget(self)
             streamed_at, origin = self.streamed_at, self.origin
-            if (streamed_at is not None and origin is not None
-                    and self.pool.clock.seconds() - streamed_at <= STREAM_CLOSE_WINDOW):
+            if (
+                streamed_at is not None
+                and origin is not None
+                and self.pool.clock.seconds() - streamed_at <= STREAM_CLOSE_WINDOW
+            ):
                 origin.closes_after_streams = True
         result, self.result = self.result, None
         if result is not None and not result.called:

@@ -10,9 +10,20 @@ from twisted.web.http_headers import Headers
 
 from ..core.memo import Memo
 
-HOP_BY_HOP = frozenset(name.lower() for name in (
-    b"Connection", b"Keep-Alive", b"Proxy-Authenticate", b"Proxy-Authorization",
-    b"Proxy-Connection", b"TE", b"Trailer", b"Transfer-Encoding", b"Upgrade"))
+HOP_BY_HOP = frozenset(
+    name.lower()
+    for name in (
+        b"Connection",
+        b"Keep-Alive",
+        b"Proxy-Authenticate",
+        b"Proxy-Authorization",
+        b"Proxy-Connection",
+        b"TE",
+        b"Trailer",
+        b"Transfer-Encoding",
+        b"Upgrade",
+    )
+)
 
 
 def _canonical(names) -> frozenset[bytes]:
@@ -47,8 +58,12 @@ def copy_end_to_end(headers: Headers, into: Headers, drop: tuple[bytes, ...] = (
     key = (drop, tuple(connection)) if connection else drop
     skip = _SKIP.get(key)
     if skip is None:
-        named = (token.strip() for value in connection or ()
-                 for token in value.split(b",") if token.strip())
+        named = (
+            token.strip()
+            for value in connection or ()
+            for token in value.split(b",")
+            if token.strip()
+        )
         skip = _canonical([*HOP_BY_HOP, *drop, *named])
         if sum(map(len, connection or ())) <= MAX_CACHED_VALUE:
             _SKIP.remember(key, skip)

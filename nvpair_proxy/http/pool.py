@@ -33,9 +33,18 @@ class Idle(Protocol):
 class ConnectionPool:
     """Idle connections by origin, newest first; one timer closes those idle too long."""
 
-    def __init__(self, clock, *, max_idle_per_host: int = 256,
-                 idle_timeout: float = constants.POOL_IDLE_TIMEOUT) -> None:
-        self.clock, self.max_idle_per_host, self.idle_timeout = clock, max_idle_per_host, idle_timeout
+    def __init__(
+        self,
+        clock,
+        *,
+        max_idle_per_host: int = 256,
+        idle_timeout: float = constants.POOL_IDLE_TIMEOUT,
+    ) -> None:
+        self.clock, self.max_idle_per_host, self.idle_timeout = (
+            clock,
+            max_idle_per_host,
+            idle_timeout,
+        )
         self._idle: dict[tuple, list[Idle]] = {}
         self._sweep: IDelayedCall | None = None
         #: How many times every idle connection was closed (``closeCachedConnections``): a

@@ -167,8 +167,9 @@ class StreamIdle:
     upstream is paused by us then, and the dead-client deadline is the one that applies.
     """
 
-    def __init__(self, clock, limit: float, client_paused: Callable[[], bool],
-                 on_idle: Callable[[], None]) -> None:
+    def __init__(
+        self, clock, limit: float, client_paused: Callable[[], bool], on_idle: Callable[[], None]
+    ) -> None:
         self.clock, self.limit = clock, limit
         self.client_paused, self.on_idle = client_paused, on_idle
         self.last = clock.seconds()

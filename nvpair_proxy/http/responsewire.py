@@ -39,8 +39,9 @@ class Head:
 
     __slots__ = ("version", "code", "phrase", "fields")
 
-    def __init__(self, version: bytes, code: int, phrase: bytes,
-                 fields: dict[bytes, list[bytes]]) -> None:
+    def __init__(
+        self, version: bytes, code: int, phrase: bytes, fields: dict[bytes, list[bytes]]
+    ) -> None:
         self.version, self.code, self.phrase, self.fields = version, code, phrase, fields
 
 
@@ -121,8 +122,9 @@ def persistent(head: Head, framing: str) -> bool:
     connection = head.fields.get(b"connection")
     if connection is None:
         return True
-    return b"close" not in {token.strip().lower()
-                            for value in connection for token in value.split(b",")}
+    return b"close" not in {
+        token.strip().lower() for value in connection for token in value.split(b",")
+    }
 
 
 # How long before the server's own idle timeout we stop reusing its connection: a request
@@ -227,7 +229,7 @@ class ChunkedBody:
                     continue
                 stop = position + size
                 if stop + 2 <= end:
-                    if data[stop:stop + 2] != b"\r\n":
+                    if data[stop : stop + 2] != b"\r\n":
                         raise WireError("chunk data not followed by CRLF")
                     keep(data[position:stop])
                     position = stop + 2
@@ -235,7 +237,7 @@ class ChunkedBody:
                 self.remaining, self.state = size, DATA
             elif state is DATA:
                 take = min(self.remaining, end - position)
-                keep(data[position:position + take])
+                keep(data[position : position + take])
                 position += take
                 self.remaining -= take
                 if self.remaining == 0:
@@ -244,7 +246,7 @@ class ChunkedBody:
                 if end - position < 2:
                     self._keep(data, position, 2)
                     return None
-                if data[position:position + 2] != b"\r\n":
+                if data[position : position + 2] != b"\r\n":
                     raise WireError("chunk data not followed by CRLF")
                 position += 2
                 self.state = SIZE

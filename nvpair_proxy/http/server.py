@@ -62,8 +62,9 @@ _FIELD_LINE = re.compile(rb"[!#$%&'*+.^_`|~0-9A-Za-z-]+:[^\x00-\x08\x0a-\x1f\x7f
 _FRAMING = (b"content-length", b"transfer-encoding")
 
 
-def _not_reported(method: bytes, target: bytes, status: int, reason: Reason,
-                  detail: str = "") -> None:
+def _not_reported(
+    method: bytes, target: bytes, status: int, reason: Reason, detail: str = ""
+) -> None:
     """A Site built without a reporter: the 413 is still answered, only not reported."""
 
 
@@ -161,8 +162,12 @@ class BoundedChannel(HTTPChannel):
     def headerReceived(self, line: bytes) -> bool:
         name, colon, value = line.partition(b":")
         # Length first: most header lines are decided without lower-casing their name.
-        if (colon and len(name) == 17 and name.lower() == b"transfer-encoding"
-                and value.strip(b" \t").lower() != b"chunked"):
+        if (
+            colon
+            and len(name) == 17
+            and name.lower() == b"transfer-encoding"
+            and value.strip(b" \t").lower() != b"chunked"
+        ):
             self.refuse(Reason.BAD_FRAMING, "a transfer coding other than a single chunked")
             return False
         if _CONTROL.search(line):
@@ -172,9 +177,11 @@ class BoundedChannel(HTTPChannel):
 
     def checkPersistence(self, request: Request, version: bytes) -> bool:
         """Twisted's, but ``Connection`` read as the comma-separated list it is."""
-        tokens = {token.strip().lower()
-                  for value in request.requestHeaders.getRawHeaders(b"connection", ())
-                  for token in value.split(b",")}
+        tokens = {
+            token.strip().lower()
+            for value in request.requestHeaders.getRawHeaders(b"connection", ())
+            for token in value.split(b",")
+        }
         if version != b"HTTP/1.1":
             return False
         if b"close" in tokens:
@@ -210,8 +217,7 @@ class BoundedChannel(HTTPChannel):
         self._between_requests = True
         self._framing_line = False
         for line in trailer_lines(self):
-            if (not _FIELD_LINE.fullmatch(line)
-                    or line.partition(b":")[0].lower() in _FRAMING):
+            if not _FIELD_LINE.fullmatch(line) or line.partition(b":")[0].lower() in _FRAMING:
                 # The request is never processed: a line a strict parser refuses, or one that
                 # reads as a request line to a front end that ended the body at ``0\r\n``.
                 self.refuse(Reason.BAD_FRAMING, "a trailer line that is not a field")
@@ -295,13 +301,18 @@ class BoundedSite(Site):
     displayTracebacks = False
     noisy = False
 
-    def __init__(self, resource: IResource, *, reactor, timeout: float | None,
-                 on_rejected: Rejected = _not_reported) -> None:
+    def __init__(
+        self,
+        resource: IResource,
+        *,
+        reactor,
+        timeout: float | None,
+        on_rejected: Rejected = _not_reported,
+    ) -> None:
         # We never read request.args: parsing a POST's Content-Type through the email
         # package cost a fifth of a request's CPU (the profile behind
         # docs/references.md#bare-proxy-cpu).
-        super().__init__(resource, timeout=timeout, reactor=reactor,
-                         parsePOSTFormSubmission=False)
+        super().__init__(resource, timeout=timeout, reactor=reactor, parsePOSTFormSubmission=False)
         self.on_rejected = on_rejected
 
     def log(self, request: http.Request) -> None:

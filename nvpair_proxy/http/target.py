@@ -53,7 +53,7 @@ def origin_form(method: bytes, target: bytes) -> bytes:
         absolute = _ABSOLUTE.match(target)
         if absolute is None:
             raise BadTarget("want a path (/...) or an absolute http(s) URL")
-        target = target[absolute.end():]
+        target = target[absolute.end() :]
         if not target.startswith(b"/"):
             target = b"/" + target
     path, mark, query = target.partition(b"?")

@@ -1,2 +1,1 @@
-"""LAN clients: API keys and the allowed sources.
-"""
+"""LAN clients: API keys and the allowed sources."""

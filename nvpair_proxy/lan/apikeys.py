@@ -69,8 +69,10 @@ def parse_keys(entries: Iterable[tuple[int, str]], source: str) -> list[bytes]:
         if not key:
             continue
         if not KEY_SYNTAX.fullmatch(key):
-            raise KeysError(f"{source} line {number}: not a valid API key (32 to 512 characters "
-                            f"of A-Z a-z 0-9 - . _ ~ + / =)")
+            raise KeysError(
+                f"{source} line {number}: not a valid API key (32 to 512 characters "
+                f"of A-Z a-z 0-9 - . _ ~ + / =)"
+            )
         digests.append(_digest(key))
     return digests
 
@@ -83,8 +85,10 @@ def env_entries(value: str) -> list[tuple[int, str]]:
 def check_file(path: str, st: os.stat_result, uid: int) -> None:
     """The keys file may be read by us alone, owned by us or root, and at most 64 KiB."""
     if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
-        raise KeysError(f"{path}: refused: group or others have access "
-                        f"(mode {stat.S_IMODE(st.st_mode):o}; use chmod 600)")
+        raise KeysError(
+            f"{path}: refused: group or others have access "
+            f"(mode {stat.S_IMODE(st.st_mode):o}; use chmod 600)"
+        )
     if st.st_uid not in (uid, 0):
         raise KeysError(f"{path}: refused: owned by uid {st.st_uid}, not by us or root")
     if st.st_size > MAX_KEYS_FILE:
@@ -177,11 +181,11 @@ class KeyStore:
 
 
 class Verdict(enum.Enum):
-    SERVE = "serve"                  # a valid key: serve as loopback, credentials removed
+    SERVE = "serve"  # a valid key: serve as loopback, credentials removed
     LOOPBACK_ONLY = "loopback-only"  # no keys (or a bad key source): the gate is off
-    NOT_ALLOWED = "not-allowed"      # outside the source allowlist
-    MISSING = "missing"              # no key presented
-    REJECTED = "rejected"            # a key presented, none valid
+    NOT_ALLOWED = "not-allowed"  # outside the source allowlist
+    MISSING = "missing"  # no key presented
+    REJECTED = "rejected"  # a key presented, none valid
 
 
 def presented(headers: Headers) -> list[bytes]:
@@ -260,8 +264,12 @@ class LanGate:
         entry[1] += 1
         if entry[1] >= BURST_SIZE and not entry[2]:
             entry[2] = True
-            log.warn("{n} refused LAN requests from {address} within a minute (last: {why})",
-                     n=entry[1], address=host, why=why)
+            log.warn(
+                "{n} refused LAN requests from {address} within a minute (last: {why})",
+                n=entry[1],
+                address=host,
+                why=why,
+            )
 
     def _make_room(self) -> None:
         """At MAX_SOURCES, the source whose window began first is forgotten (one whose window

@@ -75,9 +75,13 @@ class Node:
 
     def describe(self) -> dict:
         """The Node object of ``nodes/list`` and the node diffs (docs/references.md#node-shape)."""
-        out: dict = {"id": self.id, "host": self.name, "port": self.port,
-                     "addresses": list(self.addresses),
-                     "txt": None if self.txt is None else list(self.txt)}
+        out: dict = {
+            "id": self.id,
+            "host": self.name,
+            "port": self.port,
+            "addresses": list(self.addresses),
+            "txt": None if self.txt is None else list(self.txt),
+        }
         if self.advertised is not None:
             out["models"] = list(self.advertised)
         if self.addresses:
@@ -87,20 +91,49 @@ class Node:
     def view(self) -> NodeView:
         """What ``/status`` shows of the node: its models as advertised, else the ids it is
         known to own (sorted), else None; never its access settings."""
-        models = (self.advertised if self.advertised is not None
-                  else tuple(sorted(self.models)) if self.models is not None else None)
-        return NodeView(id=self.id, name=self.name, port=self.port, addresses=self.addresses,
-                        models=models, local=self.local)
+        models = (
+            self.advertised
+            if self.advertised is not None
+            else tuple(sorted(self.models))
+            if self.models is not None
+            else None
+        )
+        return NodeView(
+            id=self.id,
+            name=self.name,
+            port=self.port,
+            addresses=self.addresses,
+            models=models,
+            local=self.local,
+        )
 
 
-def make_node(engine: Engine, *, id: str, name: str | None = None, port: int,
-              addresses: Sequence[str], models: Iterable[str] | None = None,
-              source: str = "manual", **extra) -> Node:
+def make_node(
+    engine: Engine,
+    *,
+    id: str,
+    name: str | None = None,
+    port: int,
+    addresses: Sequence[str],
+    models: Iterable[str] | None = None,
+    source: str = "manual",
+    **extra,
+) -> Node:
     """A Node whose advertised models are normalized by the engine's model-id rule."""
     advertised = None if models is None else tuple(models)
-    normalized = None if advertised is None else frozenset(engine.normalize_model(m) for m in advertised)
-    return Node(id=id, name=name or id, port=port, addresses=tuple(addresses), source=source,
-                models=normalized, advertised=advertised, **extra)
+    normalized = (
+        None if advertised is None else frozenset(engine.normalize_model(m) for m in advertised)
+    )
+    return Node(
+        id=id,
+        name=name or id,
+        port=port,
+        addresses=tuple(addresses),
+        source=source,
+        models=normalized,
+        advertised=advertised,
+        **extra,
+    )
 
 
 @attrs.frozen
@@ -122,7 +155,8 @@ def diff(old: Mapping[str, Node], new: Mapping[str, Node]) -> Diff:
     return Diff(
         discovered=tuple(new[i] for i in sorted(new) if i not in old),
         updated=tuple(new[i] for i in sorted(new) if i in old and _changed(old[i], new[i])),
-        removed=tuple(old[i] for i in sorted(old) if i not in new))
+        removed=tuple(old[i] for i in sorted(old) if i not in new),
+    )
 
 
 def admit_unless_self(node: Node) -> Node | None:
@@ -222,8 +256,10 @@ class NodeSet:
             if node is not None:
                 advertised = tuple(models)
                 table[node_id] = attrs.evolve(
-                    node, advertised=advertised,
-                    models=frozenset(engine.normalize_model(m) for m in advertised))
+                    node,
+                    advertised=advertised,
+                    models=frozenset(engine.normalize_model(m) for m in advertised),
+                )
                 self.changed()
 
     def _stamp(self, node: Node) -> Node:
@@ -278,5 +314,13 @@ def project(engine: Engine, raw: Mapping) -> Node | None:
     models = [m for m in models if isinstance(m, str)] if isinstance(models, list) else []
     name = raw.get("name") if isinstance(raw.get("name"), str) else node_id
     cluster = raw.get("clusterUuid") if isinstance(raw.get("clusterUuid"), str) else ""
-    return make_node(engine, id=node_id, name=name or node_id, port=port, addresses=addresses,
-                     models=models, source="discovered", cluster_uuid=cluster)
+    return make_node(
+        engine,
+        id=node_id,
+        name=name or node_id,
+        port=port,
+        addresses=addresses,
+        models=models,
+        source="discovered",
+        cluster_uuid=cluster,
+    )

@@ -92,9 +92,13 @@ class Engine:
     host_variable: str | None = None
     truth: TruthRoutes = TruthRoutes()
     _table: Mapping[tuple[str, str], Route] = attrs.field(
-        init=False, repr=False, eq=False,
-        default=attrs.Factory(lambda self: {(r.method, r.path): r for r in self.routes},
-                              takes_self=True))
+        init=False,
+        repr=False,
+        eq=False,
+        default=attrs.Factory(
+            lambda self: {(r.method, r.path): r for r in self.routes}, takes_self=True
+        ),
+    )
 
     def classify(self, method: str | bytes, path: str | bytes) -> Route | None:
         """The route class of a request, or None: unlisted traffic is forwarded verbatim.
@@ -132,7 +136,9 @@ def _field(data: Mapping, key: str, kind: type | tuple, where: str, required: bo
 def _choice(data: Mapping, key: str, choices: tuple, where: str, required: bool = True):
     value = _field(data, key, str, where, required)
     if value is not None and value not in choices:
-        raise EngineFileError(f"{where}: field {key!r} must be one of {', '.join(choices)} (got {value!r})")
+        raise EngineFileError(
+            f"{where}: field {key!r} must be one of {', '.join(choices)} (got {value!r})"
+        )
     return value
 
 
@@ -156,25 +162,45 @@ def _path(data: Mapping, key: str, where: str, required: bool = True) -> str | N
 
 def parse_engine(data: Mapping, source: str) -> Engine:
     """Build an Engine from a decoded engine file; ``source`` names it in errors."""
-    known = {"id", "service_key", "persisted_port_file", "host_variable", "model_rule",
-             "inventory_source", "ports", "model_list", "routes", "truth"}
+    known = {
+        "id",
+        "service_key",
+        "persisted_port_file",
+        "host_variable",
+        "model_rule",
+        "inventory_source",
+        "ports",
+        "model_list",
+        "routes",
+        "truth",
+    }
     for key in data:
         if key not in known:
             raise EngineFileError(f"{source}: unknown field {key!r}")
     engine_id = _field(data, "id", str, source)
     if not engine_id or not engine_id.isidentifier() or engine_id != engine_id.lower():
-        raise EngineFileError(f"{source}: field 'id' must be a lower-case identifier (got {engine_id!r})")
+        raise EngineFileError(
+            f"{source}: field 'id' must be a lower-case identifier (got {engine_id!r})"
+        )
     ports_data = _field(data, "ports", dict, source)
     where = f"{source}: ports"
     reserved = _field(ports_data, "reserved", list, where, required=False) or []
     for value in reserved:
         if not is_port(value):
-            raise EngineFileError(f"{where}: field 'reserved' must list ports 1-65535 (got {value!r})")
-    ports = Ports(own=_port(ports_data, "own", where), relocated=_port(ports_data, "relocated", where),
-                  standalone=_port(ports_data, "standalone", where), reserved=tuple(reserved))
+            raise EngineFileError(
+                f"{where}: field 'reserved' must list ports 1-65535 (got {value!r})"
+            )
+    ports = Ports(
+        own=_port(ports_data, "own", where),
+        relocated=_port(ports_data, "relocated", where),
+        standalone=_port(ports_data, "standalone", where),
+        reserved=tuple(reserved),
+    )
     ml = _field(data, "model_list", dict, source)
-    model_list = ModelList(upstream_path=_path(ml, "upstream_path", f"{source}: model_list"),
-                           envelope=_choice(ml, "envelope", ENVELOPES, f"{source}: model_list"))
+    model_list = ModelList(
+        upstream_path=_path(ml, "upstream_path", f"{source}: model_list"),
+        envelope=_choice(ml, "envelope", ENVELOPES, f"{source}: model_list"),
+    )
     routes = []
     seen = set()
     for index, raw in enumerate(_field(data, "routes", list, source)):
@@ -184,11 +210,14 @@ def parse_engine(data: Mapping, source: str) -> Engine:
         for key in raw:
             if key not in ("method", "path", "class", "upstream_path", "envelope", "terminal"):
                 raise EngineFileError(f"{where}: unknown field {key!r}")
-        route = Route(method=_choice(raw, "method", METHODS, where), path=_path(raw, "path", where),
-                      kind=_choice(raw, "class", ROUTE_CLASSES, where),
-                      upstream_path=_path(raw, "upstream_path", where, required=False),
-                      envelope=_choice(raw, "envelope", ENVELOPES, where, required=False),
-                      terminal=_choice(raw, "terminal", TERMINAL_FRAMES, where, required=False))
+        route = Route(
+            method=_choice(raw, "method", METHODS, where),
+            path=_path(raw, "path", where),
+            kind=_choice(raw, "class", ROUTE_CLASSES, where),
+            upstream_path=_path(raw, "upstream_path", where, required=False),
+            envelope=_choice(raw, "envelope", ENVELOPES, where, required=False),
+            terminal=_choice(raw, "terminal", TERMINAL_FRAMES, where, required=False),
+        )
         if (route.method, route.path) in seen:
             raise EngineFileError(f"{where}: route {route.method} {route.path} is declared twice")
         seen.add((route.method, route.path))
@@ -201,15 +230,21 @@ def parse_engine(data: Mapping, source: str) -> Engine:
     for key in truth_data:
         if key not in TRUTH_ROUTES:
             raise EngineFileError(f"{source}: truth: unknown field {key!r}")
-    truth = TruthRoutes(**{key: _path(truth_data, key, f"{source}: truth", required=False)
-                           for key in TRUTH_ROUTES})
-    return Engine(id=engine_id, service_key=_field(data, "service_key", str, source),
-                  ports=ports, persisted_port_file=_field(data, "persisted_port_file", str, source),
-                  model_rule=_choice(data, "model_rule", MODEL_RULES, source),
-                  inventory_source=_choice(data, "inventory_source", INVENTORY_SOURCES, source),
-                  model_list=model_list, routes=tuple(routes),
-                  host_variable=_field(data, "host_variable", str, source, required=False),
-                  truth=truth)
+    truth = TruthRoutes(
+        **{key: _path(truth_data, key, f"{source}: truth", required=False) for key in TRUTH_ROUTES}
+    )
+    return Engine(
+        id=engine_id,
+        service_key=_field(data, "service_key", str, source),
+        ports=ports,
+        persisted_port_file=_field(data, "persisted_port_file", str, source),
+        model_rule=_choice(data, "model_rule", MODEL_RULES, source),
+        inventory_source=_choice(data, "inventory_source", INVENTORY_SOURCES, source),
+        model_list=model_list,
+        routes=tuple(routes),
+        host_variable=_field(data, "host_variable", str, source, required=False),
+        truth=truth,
+    )
 
 
 def load_engine_file(path: str) -> Engine:
@@ -241,8 +276,13 @@ def load_engines(directories: Iterable[str] = ()) -> dict[str, Engine]:
     """
     files = _builtin_files()
     for directory in directories:
-        files.extend(sorted(os.path.join(directory, name) for name in os.listdir(directory)
-                            if name.endswith(".toml")))
+        files.extend(
+            sorted(
+                os.path.join(directory, name)
+                for name in os.listdir(directory)
+                if name.endswith(".toml")
+            )
+        )
     engines: dict[str, Engine] = {}
     for path in files:
         engine = load_engine_file(path)

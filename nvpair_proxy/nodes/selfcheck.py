@@ -58,11 +58,14 @@ class SelfCheck:
     def __call__(self, node) -> bool:
         if node.port not in self.ports():
             return False  # the usual case, decided without touching a socket
-        return any(is_loopback(address, name=True) or self.is_local(address)
-                   for address in node.addresses)
+        return any(
+            is_loopback(address, name=True) or self.is_local(address) for address in node.addresses
+        )
 
 
 def self_reason(engine: str, port: int) -> str:
     """Why ``/status`` and the log say a node is left out."""
-    return (f"it is this proxy's own {engine} facade (port {port}); "
-            "a request sent there would come back here")
+    return (
+        f"it is this proxy's own {engine} facade (port {port}); "
+        "a request sent there would come back here"
+    )

@@ -1,2 +1,1 @@
-"""The process: options, the service tree, twistd's entry, the command line and the vitals line.
-"""
+"""The process: options, the service tree, twistd's entry, the command line and the vitals line."""

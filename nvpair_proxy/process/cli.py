@@ -46,6 +46,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         sys.stderr.write(f"nvpair-proxy: {exc}\n")
         raise SystemExit(2)
     from twisted.scripts.twistd import run
+
     run()
 
 

@@ -62,8 +62,10 @@ def admin_address(text: str) -> tuple[str, int]:
         host = "127.0.0.1"
     address = ip_of(host)
     if address is None or not address.is_loopback:  # validate.is_loopback, parsed once
-        raise ValueError(f"--admin: {host} is not a loopback address; the admin listener "
-                         f"serves this machine only (use 127.0.0.1 or ::1)")
+        raise ValueError(
+            f"--admin: {host} is not a loopback address; the admin listener "
+            f"serves this machine only (use 127.0.0.1 or ::1)"
+        )
     return str(address), port
 
 
@@ -124,54 +126,115 @@ class Config:
 
 
 class Options(usage.Options):
-    synopsis = ("[--ipc PATH] [--cluster-dir DIR] [--log-level LEVEL] "
-                "[--response-header-timeout DURATION] [--stream-idle-timeout DURATION] "
-                "[--upstream-keepalive DURATION] "
-                "[--state-dir DIR] [--api-keys-file FILE] [--allowed-cidrs LIST] "
-                "[--admin HOST:PORT] [--log-format text|json] [--access-log] [--version] "
-                "[--engine ENGINE[:PORT]]... [--nodes FILE] [--engines-dir DIR] "
-                "[--queue-depth N] [--no-late-binding] [--no-affinity] [--affinity]")
-    longdesc = ("Broker mode (default): JSON-RPC on stdin/stdout or --ipc. Standalone mode: any "
-                "--engine; the fleet comes from --nodes, else this machine's engine.")
+    synopsis = (
+        "[--ipc PATH] [--cluster-dir DIR] [--log-level LEVEL] "
+        "[--response-header-timeout DURATION] [--stream-idle-timeout DURATION] "
+        "[--upstream-keepalive DURATION] "
+        "[--state-dir DIR] [--api-keys-file FILE] [--allowed-cidrs LIST] "
+        "[--admin HOST:PORT] [--log-format text|json] [--access-log] [--version] "
+        "[--engine ENGINE[:PORT]]... [--nodes FILE] [--engines-dir DIR] "
+        "[--queue-depth N] [--no-late-binding] [--no-affinity] [--affinity]"
+    )
+    longdesc = (
+        "Broker mode (default): JSON-RPC on stdin/stdout or --ipc. Standalone mode: any "
+        "--engine; the fleet comes from --nodes, else this machine's engine."
+    )
 
     optParameters = [
         ["ipc", None, None, "Unix socket of the broker to connect to (default: stdin/stdout)."],
         ["cluster-dir", None, None, "Cluster directory (node identity, pins) for mTLS."],
-        ["log-level", None, None, "debug, info, warn or error (default $NVPAIR_LOG_LEVEL, else info)."],
-        ["response-header-timeout", None, None,
-         "Header and first-content cap: seconds or 30m-style (default "
-         "$NVPAIR_PROXY_RESPONSE_HEADER_TIMEOUT, else 30m; 0 disables both)."],
-        ["stream-idle-timeout", None, None,
-         "After commit, close an upstream silent this long: seconds or 30m-style (default "
-         "$NVPAIR_PROXY_STREAM_IDLE_TIMEOUT, else 0: off, the spec's behaviour)."],
-        ["upstream-keepalive", None, None,
-         "TCP keepalive toward engines and peers: probe after this long idle, then as often; "
-         "4 unanswered end the connection (default $NVPAIR_PROXY_UPSTREAM_KEEPALIVE, else "
-         "15s; 0 disables)."],
-        ["state-dir", None, None, "Where persisted ports live (default $STATE_DIRECTORY, else "
-                                  "~/.config/Nvidia Corporation/Personal AI Router)."],
+        [
+            "log-level",
+            None,
+            None,
+            "debug, info, warn or error (default $NVPAIR_LOG_LEVEL, else info).",
+        ],
+        [
+            "response-header-timeout",
+            None,
+            None,
+            "Header and first-content cap: seconds or 30m-style (default "
+            "$NVPAIR_PROXY_RESPONSE_HEADER_TIMEOUT, else 30m; 0 disables both).",
+        ],
+        [
+            "stream-idle-timeout",
+            None,
+            None,
+            "After commit, close an upstream silent this long: seconds or 30m-style (default "
+            "$NVPAIR_PROXY_STREAM_IDLE_TIMEOUT, else 0: off, the spec's behaviour).",
+        ],
+        [
+            "upstream-keepalive",
+            None,
+            None,
+            "TCP keepalive toward engines and peers: probe after this long idle, then as often; "
+            "4 unanswered end the connection (default $NVPAIR_PROXY_UPSTREAM_KEEPALIVE, else "
+            "15s; 0 disables).",
+        ],
+        [
+            "state-dir",
+            None,
+            None,
+            "Where persisted ports live (default $STATE_DIRECTORY, else "
+            "~/.config/Nvidia Corporation/Personal AI Router).",
+        ],
         ["nodes", None, None, "Standalone fleet: a TOML nodes file, reloaded on change."],
         ["engines-dir", None, None, "Extra directory of engine files (*.toml)."],
-        ["api-keys-file", None, None, "LAN API keys, one per line, mode 600 (default "
-                                      "$NVPAIR_PROXY_API_KEYS_FILE, else <state-dir>/proxy-api-keys)."],
-        ["allowed-cidrs", None, None, "LAN sources allowed to present a key, comma-separated "
-                                      "(default $NVPAIR_PROXY_ALLOWED_CIDRS, else any)."],
-        ["admin", None, None, "Admin listener HOST:PORT, loopback only: /metrics, /status, "
-                              "/healthz and the status page at /."],
+        [
+            "api-keys-file",
+            None,
+            None,
+            "LAN API keys, one per line, mode 600 (default "
+            "$NVPAIR_PROXY_API_KEYS_FILE, else <state-dir>/proxy-api-keys).",
+        ],
+        [
+            "allowed-cidrs",
+            None,
+            None,
+            "LAN sources allowed to present a key, comma-separated "
+            "(default $NVPAIR_PROXY_ALLOWED_CIDRS, else any).",
+        ],
+        [
+            "admin",
+            None,
+            None,
+            "Admin listener HOST:PORT, loopback only: /metrics, /status, "
+            "/healthz and the status page at /.",
+        ],
         ["log-format", None, "text", "text, or json: one JSON object per line."],
-        ["queue-depth", None, str(constants.QUEUE_DEPTH),
-         "Standalone: requests one facade keeps waiting for a free slot; one more gets the "
-         "busy 503."],
+        [
+            "queue-depth",
+            None,
+            str(constants.QUEUE_DEPTH),
+            "Standalone: requests one facade keeps waiting for a free slot; one more gets the "
+            "busy 503.",
+        ],
     ]
     optFlags = [
-        ["access-log", None, "Log one line per HTTP request (method, path without query, "
-                             "status, size; never bodies)."],
-        ["no-late-binding", None, "Standalone: send a request to an engine even when every "
-                                  "owner is full, instead of waiting in the proxy for a slot."],
-        ["no-affinity", None, "Standalone: place a conversation's next turn like any other "
-                              "request, not on the node that holds its cache."],
-        ["affinity", None, "Broker mode: among candidates equally loaded, prefer the node that "
-                           "holds the conversation's cache."],
+        [
+            "access-log",
+            None,
+            "Log one line per HTTP request (method, path without query, "
+            "status, size; never bodies).",
+        ],
+        [
+            "no-late-binding",
+            None,
+            "Standalone: send a request to an engine even when every "
+            "owner is full, instead of waiting in the proxy for a slot.",
+        ],
+        [
+            "no-affinity",
+            None,
+            "Standalone: place a conversation's next turn like any other "
+            "request, not on the node that holds its cache.",
+        ],
+        [
+            "affinity",
+            None,
+            "Broker mode: among candidates equally loaded, prefer the node that "
+            "holds the conversation's cache.",
+        ],
     ]
 
     def __init__(self) -> None:
@@ -206,18 +269,27 @@ class Options(usage.Options):
             level, source = os.environ.get("NVPAIR_LOG_LEVEL") or "info", "NVPAIR_LOG_LEVEL"
         if level not in LEVELS:
             raise ValueError(f"{source} must be one of {', '.join(LEVELS)} (got {level!r})")
-        response_timeout = self._parsed("response-header-timeout",
-                                        "NVPAIR_PROXY_RESPONSE_HEADER_TIMEOUT",
-                                        str(constants.DEFAULT_RESPONSE_TIMEOUT), parse_duration)
-        stream_idle = self._parsed("stream-idle-timeout", "NVPAIR_PROXY_STREAM_IDLE_TIMEOUT",
-                                   "0", parse_duration)
-        keepalive = self._parsed("upstream-keepalive", "NVPAIR_PROXY_UPSTREAM_KEEPALIVE",
-                                 str(constants.UPSTREAM_KEEPALIVE), parse_keepalive)
+        response_timeout = self._parsed(
+            "response-header-timeout",
+            "NVPAIR_PROXY_RESPONSE_HEADER_TIMEOUT",
+            str(constants.DEFAULT_RESPONSE_TIMEOUT),
+            parse_duration,
+        )
+        stream_idle = self._parsed(
+            "stream-idle-timeout", "NVPAIR_PROXY_STREAM_IDLE_TIMEOUT", "0", parse_duration
+        )
+        keepalive = self._parsed(
+            "upstream-keepalive",
+            "NVPAIR_PROXY_UPSTREAM_KEEPALIVE",
+            str(constants.UPSTREAM_KEEPALIVE),
+            parse_keepalive,
+        )
         admin = None if self["admin"] is None else admin_address(self["admin"])
         if self["log-format"] not in LOG_FORMATS:
             raise ValueError(f"--log-format must be text or json (got {self['log-format']!r})")
         state_dir = os.path.expanduser(
-            self["state-dir"] or os.environ.get("STATE_DIRECTORY") or DEFAULT_STATE_DIR)
+            self["state-dir"] or os.environ.get("STATE_DIRECTORY") or DEFAULT_STATE_DIR
+        )
         facades = self._facades()
         if self["nodes"] is not None and not facades:
             raise ValueError("--nodes needs at least one --engine (standalone mode)")
@@ -230,37 +302,58 @@ class Options(usage.Options):
         api_keys, api_keys_file, allowed_cidrs = self._lan_keys(state_dir)
         depth = str(self["queue-depth"]).strip()
         if not depth.isdigit() or int(depth) < 1:
-            raise ValueError(f"--queue-depth must be a whole number of at least 1 "
-                             f"(got {self['queue-depth']!r})")
+            raise ValueError(
+                f"--queue-depth must be a whole number of at least 1 (got {self['queue-depth']!r})"
+            )
         queue_depth = int(depth)
         if facades and self["affinity"]:
-            raise ValueError("--affinity is for broker mode (standalone mode has it on; "
-                             "--no-affinity turns it off)")
+            raise ValueError(
+                "--affinity is for broker mode (standalone mode has it on; "
+                "--no-affinity turns it off)"
+            )
         if not facades and self["no-affinity"]:
-            raise ValueError("--no-affinity is for standalone mode (broker mode has it off; "
-                             "--affinity turns it on)")
+            raise ValueError(
+                "--no-affinity is for standalone mode (broker mode has it off; "
+                "--affinity turns it on)"
+            )
         affinity = bool(self["affinity"]) if not facades else not self["no-affinity"]
-        return Config(engines=self.engines, log_level=level, log_format=self["log-format"],
-                      access_log=bool(self["access-log"]), response_timeout=response_timeout,
-                      stream_idle=stream_idle, upstream_keepalive=keepalive,
-                      state_dir=state_dir, admin=admin, facades=tuple(facades),
-                      nodes=self["nodes"], cluster_dir=self["cluster-dir"], ipc=self["ipc"],
-                      api_keys=api_keys, api_keys_file=api_keys_file,
-                      allowed_cidrs=allowed_cidrs, late_binding=not self["no-late-binding"],
-                      queue_depth=queue_depth, affinity=affinity)
+        return Config(
+            engines=self.engines,
+            log_level=level,
+            log_format=self["log-format"],
+            access_log=bool(self["access-log"]),
+            response_timeout=response_timeout,
+            stream_idle=stream_idle,
+            upstream_keepalive=keepalive,
+            state_dir=state_dir,
+            admin=admin,
+            facades=tuple(facades),
+            nodes=self["nodes"],
+            cluster_dir=self["cluster-dir"],
+            ipc=self["ipc"],
+            api_keys=api_keys,
+            api_keys_file=api_keys_file,
+            allowed_cidrs=allowed_cidrs,
+            late_binding=not self["no-late-binding"],
+            queue_depth=queue_depth,
+            affinity=affinity,
+        )
 
     def _lan_keys(self, state_dir: str) -> tuple[str | None, str, tuple[Network, ...]]:
         """Opt-in LAN keys: the environment's keys, the keys file and the allowed
         sources. The keys themselves are checked when read, so a bad one turns the gate off
         (logged) rather than stopping start-up."""
         from ..lan.apikeys import KEYS_FILE_NAME, parse_cidrs
-        path = (self["api-keys-file"] or os.environ.get("NVPAIR_PROXY_API_KEYS_FILE")
-                or os.path.join(state_dir, KEYS_FILE_NAME))
+
+        path = (
+            self["api-keys-file"]
+            or os.environ.get("NVPAIR_PROXY_API_KEYS_FILE")
+            or os.path.join(state_dir, KEYS_FILE_NAME)
+        )
         allowed = self._parsed("allowed-cidrs", "NVPAIR_PROXY_ALLOWED_CIDRS", "", parse_cidrs)
         return os.environ.get("NVPAIR_PROXY_API_KEYS") or None, path, tuple(allowed)
 
-    def _parsed(self, name: str, variable: str, default: str,
-                parse: Callable[[str], _T]) -> _T:
+    def _parsed(self, name: str, variable: str, default: str, parse: Callable[[str], _T]) -> _T:
         """The flag's value, else the environment's (set but empty counts as unset), else
         ``default``, parsed; a bad value stops start-up with one line naming its source."""
         raw, source = self[name], f"--{name}"
@@ -277,8 +370,10 @@ class Options(usage.Options):
             engine_id, colon, port_text = spec.partition(":")
             engine = self.engines.get(engine_id)
             if engine is None:
-                raise ValueError(f"--engine: unknown engine {engine_id!r}; want one of "
-                                 f"{', '.join(sorted(self.engines))}")
+                raise ValueError(
+                    f"--engine: unknown engine {engine_id!r}; want one of "
+                    f"{', '.join(sorted(self.engines))}"
+                )
             port = engine.ports.standalone
             if colon:
                 try:

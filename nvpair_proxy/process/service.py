@@ -92,54 +92,98 @@ class Runtime:
     affinity: bool = False
 
     @classmethod
-    def build(cls, config: Config, reactor: IReactorTime, emitter: IEmitter,
-              peer_agents: PeerAgents | None = None) -> "Runtime":
+    def build(
+        cls,
+        config: Config,
+        reactor: IReactorTime,
+        emitter: IEmitter,
+        peer_agents: PeerAgents | None = None,
+    ) -> "Runtime":
         set_level(config.log_level)
         set_access_log(config.access_log)
         pool = make_pool(reactor)
-        agent = Client(reactor, pool, connect_timeout=constants.DIAL_TIMEOUT,
-                       keepalive=config.upstream_keepalive)
+        agent = Client(
+            reactor,
+            pool,
+            connect_timeout=constants.DIAL_TIMEOUT,
+            keepalive=config.upstream_keepalive,
+        )
         recorder: IRequestRecorder | None = None
         if config.admin is not None:
             from ..admin.recorder import Recorder
+
             recorder = Recorder()
         # Only a nodes file names engine TLS or keys: standalone mode only.
         engine_agents: EngineAgents | None = None
         agent_for_node: Callable[[Node], IAgent] | None = None
         if config.standalone:
-            engine_agents = EngineAgents(reactor, agent, constants.DIAL_TIMEOUT,
-                                         constants.POOL_IDLE_TIMEOUT,
-                                         keepalive=config.upstream_keepalive)
+            engine_agents = EngineAgents(
+                reactor,
+                agent,
+                constants.DIAL_TIMEOUT,
+                constants.POOL_IDLE_TIMEOUT,
+                keepalive=config.upstream_keepalive,
+            )
             agent_for_node = engine_agents.for_node
         elif peer_agents is not None:
             agent_for_node = peer_dialler(peer_agents, agent)
-        return cls(reactor=reactor, emitter=emitter, recorder=recorder,
-                   bounds=Bounds(response_timeout=config.response_timeout,
-                                 stream_idle=config.stream_idle), pool=pool,
-                   agent=agent, activity=ActivityThrottle(emitter, reactor.seconds),
-                   engine_agents=engine_agents, peer_agents=peer_agents,
-                   agent_for_node=agent_for_node, scheduling=config.standalone,
-                   late_binding=config.standalone and config.late_binding,
-                   queue_depth=config.queue_depth, affinity=config.affinity)
+        return cls(
+            reactor=reactor,
+            emitter=emitter,
+            recorder=recorder,
+            bounds=Bounds(response_timeout=config.response_timeout, stream_idle=config.stream_idle),
+            pool=pool,
+            agent=agent,
+            activity=ActivityThrottle(emitter, reactor.seconds),
+            engine_agents=engine_agents,
+            peer_agents=peer_agents,
+            agent_for_node=agent_for_node,
+            scheduling=config.standalone,
+            late_binding=config.standalone and config.late_binding,
+            queue_depth=config.queue_depth,
+            affinity=config.affinity,
+        )
 
     def facade(self, engine) -> Facade:
-        return make_facade(engine, clock=self.reactor, agent=self.agent, emitter=self.emitter,
-                           run_id=self.run_id, random=self.rng.random, bounds=self.bounds,
-                           reservations=self.reservations, activity=self.activity,
-                           recorder=self.recorder, agent_for_node=self.agent_for_node,
-                           loop_guard=self.loop_guard, scheduling=self.scheduling,
-                           queue_depth=self.queue_depth if self.late_binding else None,
-                           affinity=self.affinity)
+        return make_facade(
+            engine,
+            clock=self.reactor,
+            agent=self.agent,
+            emitter=self.emitter,
+            run_id=self.run_id,
+            random=self.rng.random,
+            bounds=self.bounds,
+            reservations=self.reservations,
+            activity=self.activity,
+            recorder=self.recorder,
+            agent_for_node=self.agent_for_node,
+            loop_guard=self.loop_guard,
+            scheduling=self.scheduling,
+            queue_depth=self.queue_depth if self.late_binding else None,
+            affinity=self.affinity,
+        )
 
     def poller(self, facade: Facade) -> TruthPoller:
         """Standalone mode: what each node's engine reports, for placement."""
-        return TruthPoller(facade.engine, facade.router, facade.upstreams.agent_for,
-                           self.reactor, self.rng.random, loop_guard=facade.upstreams.loop_guard)
+        return TruthPoller(
+            facade.engine,
+            facade.router,
+            facade.upstreams.agent_for,
+            self.reactor,
+            self.rng.random,
+            loop_guard=facade.upstreams.loop_guard,
+        )
 
     def prober(self, facade: Facade, should_probe) -> Prober:
-        return Prober(facade.engine, facade.router, self.agent, self.reactor, should_probe,
-                      agent_for=facade.upstreams.agent_for,
-                      loop_guard=facade.upstreams.loop_guard)
+        return Prober(
+            facade.engine,
+            facade.router,
+            self.agent,
+            self.reactor,
+            should_probe,
+            agent_for=facade.upstreams.agent_for,
+            loop_guard=facade.upstreams.loop_guard,
+        )
 
 
 class RuntimeService(Service):
@@ -204,6 +248,7 @@ class ProcessService(MultiService):
         would kill the process by signal. The watchdog starts with READY, as systemd
         expects pings only from a service that is up."""
         from ..core.sdnotify import notify, watchdog
+
         if not self.running:
             return
         stop_on_signals(self.reactor)
@@ -215,6 +260,7 @@ class ProcessService(MultiService):
 
     def stopService(self) -> Deferred:
         from ..core.sdnotify import notify
+
         Service.stopService(self)
         notify("STOPPING=1")
         stopped = succeed(None)
@@ -236,10 +282,13 @@ class ProcessService(MultiService):
         except KeyError:
             link = None
         return ProcessSnapshot(
-            running=bool(self.running), facades=facades.views() if facades is not None else (),
-            reservations=reservations, streamed=streamed,
+            running=bool(self.running),
+            facades=facades.views() if facades is not None else (),
+            reservations=reservations,
+            streamed=streamed,
             link_up=link.is_up() if isinstance(link, LinkService) else None,
-            cluster_pins=facades.cluster_pins() if facades is not None else None)
+            cluster_pins=facades.cluster_pins() if facades is not None else None,
+        )
 
     @staticmethod
     def _stop_next(result, child):
@@ -259,11 +308,18 @@ def local_fleet(config: Config) -> ConfiguredNodes:
     for engine_id, port in config.facades:
         engine = config.engines[engine_id]
         engine_port = engine.ports.relocated if port == engine.ports.own else engine.ports.own
-        nodes[engine_id] = (make_node(engine, id="local", name="local", port=engine_port,
-                                      addresses=["127.0.0.1"], source="standalone"),)
+        nodes[engine_id] = (
+            make_node(
+                engine,
+                id="local",
+                name="local",
+                port=engine_port,
+                addresses=["127.0.0.1"],
+                source="standalone",
+            ),
+        )
         probed.add((engine_id, "local"))
     return ConfiguredNodes(nodes, frozenset(probed))
-
 
 
 class Standalone(MultiService):
@@ -276,8 +332,9 @@ class Standalone(MultiService):
 
     name = "standalone"  # type: ignore[assignment]  # Twisted leaves Service.name untyped (None)
 
-    def __init__(self, config: Config, reactor, facades: Facades,
-                 engine_agents: EngineAgents | None = None) -> None:
+    def __init__(
+        self, config: Config, reactor, facades: Facades, engine_agents: EngineAgents | None = None
+    ) -> None:
         super().__init__()
         self.config, self.facades, self.engine_agents = config, facades, engine_agents
         self.probed: frozenset = frozenset()
@@ -294,14 +351,19 @@ class Standalone(MultiService):
         config = self.config
         for engine_id, port in config.facades:
             try:
-                service = self.facades.open(config.engines[engine_id], port,
-                                            should_probe=self._probes(engine_id))
+                service = self.facades.open(
+                    config.engines[engine_id], port, should_probe=self._probes(engine_id)
+                )
             except CannotListenError as exc:
-                raise SystemExit(f"nvpair-proxy: {engine_id}: cannot listen on port {port}: "
-                                 f"{exc.socketError}") from None
+                raise SystemExit(
+                    f"nvpair-proxy: {engine_id}: cannot listen on port {port}: {exc.socketError}"
+                ) from None
             self.facades.add(service)
-            log.info("{engine} facade listening on port {port}", engine=engine_id,
-                     port=service.listening.getHost().port)
+            log.info(
+                "{engine} facade listening on port {port}",
+                engine=engine_id,
+                port=service.listening.getHost().port,
+            )
         if self.watcher is not None:
             try:
                 self.watcher.load()
@@ -331,17 +393,24 @@ class Standalone(MultiService):
         if self.engine_agents is not None:
             self.engine_agents.retain(tls_configs(fleet))
 
-
     def warn_self(self) -> None:
         """Name every node that is this proxy's own facade, once per change
         (docs/references.md#self-by-address)."""
-        found = frozenset((service.name, node.id, node.port) for service in self.facades
-                          for node in service.facade.router.nodes.all() if node.local)
+        found = frozenset(
+            (service.name, node.id, node.port)
+            for service in self.facades
+            for node in service.facade.router.nodes.all()
+            if node.local
+        )
         for engine_id, node_id, port in sorted(found):
             why = self_reason(engine_id, port)
             if self.warned_self.new((engine_id, node_id), why):
-                log.warn("node {node} is left out of the {engine} fleet: {why}", node=node_id,
-                         engine=engine_id, why=why)
+                log.warn(
+                    "node {node} is left out of the {engine} fleet: {why}",
+                    node=node_id,
+                    engine=engine_id,
+                    why=why,
+                )
         self.warned_self.retain({(e, n) for e, n, _ in found}.__contains__)
 
 
@@ -349,6 +418,7 @@ def stop_once(reactor) -> None:
     """Stop the reactor unless it is already stopping: a broker's ``shutdown`` followed by
     SIGTERM, or Ctrl-C twice, must not log a ReactorNotRunning traceback."""
     from twisted.internet.error import ReactorNotRunning
+
     try:
         reactor.stop()
     except ReactorNotRunning:
@@ -380,6 +450,7 @@ def claim_stdout() -> int:
     """
     import os
     import sys
+
     sys.stdout.flush()
     link_fd = os.dup(1)
     os.dup2(2, 1)
@@ -390,13 +461,15 @@ def connect_ipc(path: str):
     """Connect to the broker's socket at start-up; failure is one clear line
     (docs/references.md#ready-and-ipc)."""
     import socket
+
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         sock.connect(path)
     except OSError as exc:
         sock.close()
-        raise SystemExit(f"nvpair-proxy: --ipc: cannot connect to {path}: "
-                         f"{exc.strerror or exc}") from None
+        raise SystemExit(
+            f"nvpair-proxy: --ipc: cannot connect to {path}: {exc.strerror or exc}"
+        ) from None
     return sock
 
 
@@ -408,6 +481,7 @@ class LinkService(Service):
 
     def __init__(self, reactor, ipc: str | None, dispatch) -> None:
         from ..broker.rpc import RpcLink
+
         self.reactor, self.ipc = reactor, ipc
         self.sock = None
         # Before twistd starts its log observer on stdout (makeService runs first).
@@ -423,14 +497,19 @@ class LinkService(Service):
         import socket
         from twisted.internet.protocol import Factory
         from twisted.internet.stdio import StandardIO
+
         if self.sock is not None:
             factory = Factory.forProtocol(lambda: self.link.framer)
             self.reactor.adoptStreamConnection(self.sock.fileno(), socket.AF_UNIX, factory)
             self.sock.close()
         else:
             # POSIX's StandardIO; mypy reads stdio's Windows branch, which takes no fds.
-            StandardIO(self.link.framer, stdin=0, stdout=self.link_fd,  # type: ignore[call-arg]
-                       reactor=self.reactor)
+            StandardIO(
+                self.link.framer,
+                stdin=0,
+                stdout=self.link_fd,  # type: ignore[call-arg]
+                reactor=self.reactor,
+            )
         log.info("nvpair-proxy broker link up ({channel})", channel=self.ipc or "stdio")
 
     def is_up(self) -> bool:
@@ -456,6 +535,7 @@ class LinkService(Service):
         def closed(reason: Failure) -> None:
             if not flushed.called:
                 flushed.callback(None)
+
         self.link.framer.on_closed = closed
         transport.loseConnection()
         flushed.addTimeout(constants.FACADE_SHUTDOWN_GRACE, self.reactor)
@@ -466,17 +546,20 @@ def lan_gate(config: Config, reactor):
     """The opt-in LAN keys every facade's listener asks (docs/references.md#lan-keys), the same in
     both modes."""
     from ..lan.apikeys import KeyStore, LanGate
-    return LanGate(KeyStore(reactor, env=config.api_keys, path=config.api_keys_file),
-                   allowed=list(config.allowed_cidrs))
+
+    return LanGate(
+        KeyStore(reactor, env=config.api_keys, path=config.api_keys_file),
+        allowed=list(config.allowed_cidrs),
+    )
 
 
-def add_admin(root: ProcessService, runtime: Runtime, config: Config, reactor,
-              mode: str) -> None:
+def add_admin(root: ProcessService, runtime: Runtime, config: Config, reactor, mode: str) -> None:
     """The admin listener (docs/references.md#admin-listener), when ``--admin`` asks for it: it
     reads the tree's snapshots and the runtime's recorder (made whenever ``--admin`` is given)."""
     if config.admin is not None:
         from ..admin.admin import AdminService
         from ..admin.recorder import Recorder
+
         recorder = runtime.recorder
         assert isinstance(recorder, Recorder)
         AdminService(root, recorder, config.admin, reactor, mode).setServiceParent(root)
@@ -488,9 +571,14 @@ def standalone_tree(config: Config, reactor) -> ProcessService:
     runtime = Runtime.build(config, reactor, LogEmitter())
     RuntimeService(runtime).setServiceParent(root)
     add_admin(root, runtime, config, reactor, "standalone")
-    facades = Facades(make_facade=runtime.facade, listen=listen_on(reactor),
-                      make_prober=runtime.prober, clock=reactor, lan=lan_gate(config, reactor),
-                      make_poller=runtime.poller)
+    facades = Facades(
+        make_facade=runtime.facade,
+        listen=listen_on(reactor),
+        make_prober=runtime.prober,
+        clock=reactor,
+        lan=lan_gate(config, reactor),
+        make_poller=runtime.poller,
+    )
     Standalone(config, reactor, facades, runtime.engine_agents).setServiceParent(root)
     facades.setServiceParent(root)
     root.runtime, root.facades = runtime, facades
@@ -500,37 +588,56 @@ def standalone_tree(config: Config, reactor) -> ProcessService:
 def broker_tree(config: Config, reactor) -> ProcessService:
     """Broker mode: no facade until ``facade/enable``; the link is stdio or ``--ipc``."""
     from ..broker.broker import Broker
+
     root = ProcessService(reactor)
     broker: Broker  # made last, from the link and the facades; the link calls it later
     link = LinkService(reactor, config.ipc, lambda method, params: broker.dispatch(method, params))
     directory = peer_agents = None
     if config.cluster_dir:
         from ..cluster.trust import ClusterDirectory
+
         directory = ClusterDirectory(config.cluster_dir)
-        peer_agents = PeerAgents(reactor, directory, constants.DIAL_TIMEOUT,
-                                 constants.POOL_IDLE_TIMEOUT,
-                                 keepalive=config.upstream_keepalive)
+        peer_agents = PeerAgents(
+            reactor,
+            directory,
+            constants.DIAL_TIMEOUT,
+            constants.POOL_IDLE_TIMEOUT,
+            keepalive=config.upstream_keepalive,
+        )
     runtime = Runtime.build(config, reactor, link.link, peer_agents)
     RuntimeService(runtime).setServiceParent(root)
     add_admin(root, runtime, config, reactor, "broker")
     link.setServiceParent(root)
     if directory is not None:
         from ..cluster.trust import trust_watch
+
         trust_watch(directory, reactor).setServiceParent(root)
-    facades = Facades(make_facade=runtime.facade, listen=listen_on(reactor),
-                      make_prober=runtime.prober, clock=reactor, admission=True,
-                      directory=directory, lan=lan_gate(config, reactor))
+    facades = Facades(
+        make_facade=runtime.facade,
+        listen=listen_on(reactor),
+        make_prober=runtime.prober,
+        clock=reactor,
+        admission=True,
+        directory=directory,
+        lan=lan_gate(config, reactor),
+    )
     facades.setServiceParent(root)
-    broker = Broker(engines=config.engines, emitter=link.link,
-                    reservations=runtime.reservations, state_dir=config.state_dir,
-                    facades=facades, on_shutdown=lambda: reactor.callLater(0, stop_once, reactor),
-                    after_answer=link.link.after_answer.append)
+    broker = Broker(
+        engines=config.engines,
+        emitter=link.link,
+        reservations=runtime.reservations,
+        state_dir=config.state_dir,
+        facades=facades,
+        on_shutdown=lambda: reactor.callLater(0, stop_once, reactor),
+        after_answer=link.link.after_answer.append,
+    )
     root.runtime, root.facades = runtime, facades
     return root
 
 
 def build_service(config: Config):
     from twisted.internet import reactor
+
     if config.standalone:
         return standalone_tree(config, reactor)
     return broker_tree(config, reactor)

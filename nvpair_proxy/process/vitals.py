@@ -39,10 +39,14 @@ def open_fds() -> int | None:
 
 def snapshot(reactor, pool, reservations, facades: Iterable) -> dict:
     facades = list(facades)
-    return {"pending_calls": len(reactor.getDelayedCalls()), "pooled": pool.idle_count(),
-            "reservations": sum(reservations.reservations.values()),
-            "in_flight": sum(len(facade.in_flight) for facade in facades),
-            "rss_kib": rss_kib(), "fds": open_fds()}
+    return {
+        "pending_calls": len(reactor.getDelayedCalls()),
+        "pooled": pool.idle_count(),
+        "reservations": sum(reservations.reservations.values()),
+        "in_flight": sum(len(facade.in_flight) for facade in facades),
+        "rss_kib": rss_kib(),
+        "fds": open_fds(),
+    }
 
 
 def report_on_sigusr1(reactor, gather: Callable[[], dict | None]) -> None:

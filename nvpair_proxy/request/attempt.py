@@ -32,6 +32,7 @@ from ..nodes.discovery import Node, host_port
 from ..routing.reservations import Reservation
 from ..standalone.engineaccess import tls_problem
 
+
 class State(enum.Enum):
     DIALING = "dialing"
     PEEKING = "peeking"
@@ -60,6 +61,7 @@ TRANSITIONS: dict[State, frozenset[State]] = {
 
 class InvalidTransition(RuntimeError):
     """A move the table does not allow: a bug, never a race (the reactor thread decides)."""
+
 
 # Failure kinds of an attempt that did not commit.
 STATUS, TRANSPORT, NO_CONTENT, ATTEMPT_CANCELLED = "status", "transport", "no-content", "cancelled"
@@ -199,8 +201,16 @@ class Attempt:
     (docs/references.md#final-attempt-answers).
     """
 
-    def __init__(self, *, agent: IAgent, clock: IReactorTime, addresses: AddressMemory,
-                 node: Node, request: UpstreamRequest, final: Callable[[], bool]):
+    def __init__(
+        self,
+        *,
+        agent: IAgent,
+        clock: IReactorTime,
+        addresses: AddressMemory,
+        node: Node,
+        request: UpstreamRequest,
+        final: Callable[[], bool],
+    ):
         self.agent, self.clock, self.addresses, self.node = agent, clock, addresses, node
         self.request, self.final = request, final
         self.response_timeout = request.response_timeout
@@ -240,8 +250,13 @@ class Attempt:
         self._address = self._pending_addresses.pop(0)
         sent = self.request
         url = origin_of(self.node.scheme, self._address, self.node.port) + sent.target
-        request = maybeDeferred(self.agent.request, sent.method, url, sent.headers,
-                                BytesProducer(sent.body) if sent.body else None)
+        request = maybeDeferred(
+            self.agent.request,
+            sent.method,
+            url,
+            sent.headers,
+            BytesProducer(sent.body) if sent.body else None,
+        )
         self._request = request
         request.addCallbacks(self._got_response, self._dial_failed)
 
@@ -303,12 +318,20 @@ class Attempt:
     def _timed_out(self) -> None:
         self._timer = None
         if self.state == DIALING:
-            self._end(Failed(self.node, TRANSPORT, "timeout awaiting response headers",
-                             spent=True), FAILED)
+            self._end(
+                Failed(self.node, TRANSPORT, "timeout awaiting response headers", spent=True),
+                FAILED,
+            )
         elif self.state == PEEKING:
-            self._end(Failed(self.node, NO_CONTENT,
-                             "upstream sent no response body within the first-byte budget",
-                             spent=True), FAILED)
+            self._end(
+                Failed(
+                    self.node,
+                    NO_CONTENT,
+                    "upstream sent no response body within the first-byte budget",
+                    spent=True,
+                ),
+                FAILED,
+            )
 
     def _end(self, outcome: Failed, state: State) -> None:
         self._enter(state)
@@ -330,7 +353,9 @@ class Attempt:
 
     def _enter(self, state: State) -> None:
         if state not in TRANSITIONS[self.state]:
-            raise InvalidTransition(f"attempt on {self.node.id}: {self.state.value} -> {state.value}")
+            raise InvalidTransition(
+                f"attempt on {self.node.id}: {self.state.value} -> {state.value}"
+            )
         self.state = state
 
     def _cancel_timer(self) -> None:

@@ -27,8 +27,7 @@ from ..nodes.discovery import Node
 from ..routing.reservations import Reservation
 from ..routing.router import BUSY_STATUSES
 from ..routing.slotqueue import Waiter
-from .attempt import (NO_CONTENT, STATUS, AddressMemory, Attempt, Committed, Failed,
-                      UpstreamRequest)
+from .attempt import NO_CONTENT, STATUS, AddressMemory, Attempt, Committed, Failed, UpstreamRequest
 
 # The proxy's own answer texts (docs/references.md#proxy-answers), as the reasons carry them.
 NO_OWNER = Reason.NO_OWNER.text
@@ -126,9 +125,14 @@ LOOP_DETECTED = 508
 def retryable_status(inference: bool) -> Callable[[int], bool]:
     """408, 429 and 5xx always (but 508, a forwarding loop); 404 only where inventory may be stale
     (inference): docs/references.md#status-handling."""
+
     def retryable(status: int) -> bool:
-        return (status in (408, 429) or (status >= 500 and status != LOOP_DETECTED)
-                or (inference and status == 404))
+        return (
+            status in (408, 429)
+            or (status >= 500 and status != LOOP_DETECTED)
+            or (inference and status == 404)
+        )
+
     return retryable
 
 
@@ -187,7 +191,11 @@ class Dispatch:
         upstreams = job.upstreams
         self.job, self.upstreams = job, upstreams
         self.clock, self.random, self.router, self.model = (
-            upstreams.clock, upstreams.random, job.router, job.model)
+            upstreams.clock,
+            upstreams.random,
+            job.router,
+            job.model,
+        )
         self.inference, self.bounds = job.inference, upstreams.bounds
         self.deadline = job.created_at + self.bounds.deadline
         self.no_candidate = job.no_candidate
@@ -223,8 +231,12 @@ class Dispatch:
         """The node the attempt in flight targets, None between attempts (for status)."""
         return self.attempt.node.id if self.attempt is not None else None
 
-    def run(self, on_done: Callable[[Committed | Answer | Gone], None],
-            on_error: Callable[[Failure], None], candidates: list[Node] | None = None) -> None:
+    def run(
+        self,
+        on_done: Callable[[Committed | Answer | Gone], None],
+        on_error: Callable[[Failure], None],
+        candidates: list[Node] | None = None,
+    ) -> None:
         """Start. Exactly one of ``on_done`` (Committed, Answer or Gone) and ``on_error`` (a
         bug in the loop) is called, once. ``candidates``: the first round's, when the caller
         just resolved them."""
@@ -270,8 +282,7 @@ class Dispatch:
             self._wait(ahead=self.dispatches > 0)
             return
         if self.reserve and self.job.key is not None and not self._waited_for_affine:
-            waiting = self.router.affinity_wait(candidates, self.model, self.job.key,
-                                                self.job.size)
+            waiting = self.router.affinity_wait(candidates, self.model, self.job.key, self.job.size)
             if waiting is not None:
                 self._waited_for_affine = True
                 self._wait(ahead=self.dispatches > 0, prefer=waiting[0], patience=waiting[1])
@@ -310,9 +321,14 @@ class Dispatch:
             self.reservation.move(node.id)
         self.observer.dispatched(node)
         upstreams = self.upstreams
-        attempt = self.attempt = Attempt(agent=upstreams.agent_for(node), clock=self.clock,
-                                         addresses=upstreams.addresses, node=node,
-                                         request=self.job.request, final=self.is_final)
+        attempt = self.attempt = Attempt(
+            agent=upstreams.agent_for(node),
+            clock=self.clock,
+            addresses=upstreams.addresses,
+            node=node,
+            request=self.job.request,
+            final=self.is_final,
+        )
         if self.inference:
             self.router.watch(attempt)
         attempt.start(self._attempt_outcome)
@@ -368,8 +384,7 @@ class Dispatch:
         elif outcome.spent:
             self.router.stalled(node_id)
 
-    def _wait(self, ahead: bool, prefer: str | None = None,
-              patience: float | None = None) -> None:
+    def _wait(self, ahead: bool, prefer: str | None = None, patience: float | None = None) -> None:
         """Every owner is full (or the conversation's node is worth waiting for): wait in the
         facade's queue, costing no attempt and holding no reservation, until a slot frees or
         the deadline passes (docs/decisions.md#late-binding, #affinity)."""
@@ -377,10 +392,15 @@ class Dispatch:
         self._release()
         self._queue = []
         self.observer.cleared()
-        self._waiting = self.router.wait(self.model, self.deadline,
-                                         wake=lambda: self._guarded(self._woken),
-                                         expire=lambda: self._guarded(self._expired),
-                                         ahead=ahead, prefer=prefer, patience=patience)
+        self._waiting = self.router.wait(
+            self.model,
+            self.deadline,
+            wake=lambda: self._guarded(self._woken),
+            expire=lambda: self._guarded(self._expired),
+            ahead=ahead,
+            prefer=prefer,
+            patience=patience,
+        )
 
     def _woken(self) -> None:
         self._waiting = None
@@ -420,8 +440,13 @@ class Dispatch:
         self._done = True
         if isinstance(result, Committed) and self.reservation is not None:
             # The claim goes with the commit: the stream holds the node until it ends.
-            result = Committed(result.node, result.address, result.response, result.relay,
-                               reservation=self.reservation)  # what attrs.evolve does, cheaper
+            result = Committed(
+                result.node,
+                result.address,
+                result.response,
+                result.relay,
+                reservation=self.reservation,
+            )  # what attrs.evolve does, cheaper
             self.reservation = None
         self._cleanup()
         on_done = self._let_go()

@@ -23,7 +23,13 @@ from ..core.interfaces import IEmitter, IRequestRecorder
 from ..core.logs import enabled, logger
 from ..http.answers import Reason
 
-QUEUED, RUNNING, COMPLETED, FAILED, CANCELLED = "queued", "running", "completed", "failed", "cancelled"
+QUEUED, RUNNING, COMPLETED, FAILED, CANCELLED = (
+    "queued",
+    "running",
+    "completed",
+    "failed",
+    "cancelled",
+)
 
 CLIENT_GONE = Reason.CLIENT_GONE.text
 SHUTDOWN = Reason.SHUTDOWN.text
@@ -50,8 +56,12 @@ class LogEmitter:
         if not enabled(LogLevel.debug):
             return  # nobody reads it: do not encode it (docs/references.md#bare-proxy-cpu)
         name = f"{engine}:{method}" if engine else method
-        log.debug("event {method} {params}", method=name, params=json.dumps(params, sort_keys=True),
-                  engine=engine)
+        log.debug(
+            "event {method} {params}",
+            method=name,
+            params=json.dumps(params, sort_keys=True),
+            engine=engine,
+        )
 
     def notify_json(self, method: str, params: str, engine: str | None = None) -> None:
         if enabled(LogLevel.debug):
@@ -75,8 +85,10 @@ def _ms_text(seconds: float | None) -> str:
 
 
 #: The keys of a ``stats`` block (``tokens.measure``), each as JSON.
-_STATS_KEYS = {key: quoted(key) + ":" for key in (
-    "promptTokens", "completionTokens", "tokensPerSecond", "ttftMs", "estimated")}
+_STATS_KEYS = {
+    key: quoted(key) + ":"
+    for key in ("promptTokens", "completionTokens", "tokensPerSecond", "ttftMs", "estimated")
+}
 
 
 def _stats_text(stats: dict) -> str:
@@ -100,8 +112,9 @@ def _stats_text(stats: dict) -> str:
     return "{" + ",".join(parts) + "}"
 
 
-_STATES = {state: quoted(state) for state in ("queued", "running", "completed", "failed",
-                                              "cancelled")}
+_STATES = {
+    state: quoted(state) for state in ("queued", "running", "completed", "failed", "cancelled")
+}
 
 
 @attrs.define
@@ -158,8 +171,9 @@ class Workload:
         self.scheduled_on = node_id
         self._emit("workload:submitted", None, None, None)
 
-    def _emit(self, method: str, error: str | None, completed_at: float | None,
-              stats: dict | None) -> None:
+    def _emit(
+        self, method: str, error: str | None, completed_at: float | None, stats: dict | None
+    ) -> None:
         self._sent_any = True
         self.seq += 1
         if not self.emitter.listening:
@@ -170,36 +184,66 @@ class Workload:
         head = self._head
         if head is None:
             head = self._head = (
-                '{"workloadInfo":{"id":' + quoted(self.id) + ',"model":' + quoted(self.model)
-                + ',"engine":' + quoted(self.engine) + ',"runId":' + quoted(self.run_id)
-                + ',"state":')
+                '{"workloadInfo":{"id":'
+                + quoted(self.id)
+                + ',"model":'
+                + quoted(self.model)
+                + ',"engine":'
+                + quoted(self.engine)
+                + ',"runId":'
+                + quoted(self.run_id)
+                + ',"state":'
+            )
             self._created = _ms_text(self.created_at)
         state = _STATES.get(self.state) or quoted(self.state)
         placed = ',"scheduledOn":' + quoted(self.scheduled_on) if self.scheduled_on else ""
-        params = (head + state + ',"originatedFrom":""' + placed
-                  + ',"createdAt":' + self._created
-                  + ',"startedAt":' + _ms_text(self.started_at)
-                  + ',"completedAt":' + _ms_text(completed_at)
-                  + ',"error":' + ("null" if error is None else quoted(error))
-                  + ',"requesterId":null,"seq":' + str(self.seq)
-                  + (',"stats":' + _stats_text(stats) if stats else "") + "}}")
+        params = (
+            head
+            + state
+            + ',"originatedFrom":""'
+            + placed
+            + ',"createdAt":'
+            + self._created
+            + ',"startedAt":'
+            + _ms_text(self.started_at)
+            + ',"completedAt":'
+            + _ms_text(completed_at)
+            + ',"error":'
+            + ("null" if error is None else quoted(error))
+            + ',"requesterId":null,"seq":'
+            + str(self.seq)
+            + (',"stats":' + _stats_text(stats) if stats else "")
+            + "}}"
+        )
         self.emitter.notify_json(method, params)
 
 
 def _request_head(id: str, method: str, path: str, target: str, node_id: str | None) -> str:
     """The fields both request events start with (docs/references.md#request-events), in the
     contract's order, as compact JSON without the closing brace; ``node_id`` only when set."""
-    return ('{"id":' + quoted(id) + (',"node_id":' + quoted(node_id) if node_id else "")
-            + ',"method":' + quoted(method) + ',"path":' + quoted(path)
-            + ',"target":' + quoted(target))
+    return (
+        '{"id":'
+        + quoted(id)
+        + (',"node_id":' + quoted(node_id) if node_id else "")
+        + ',"method":'
+        + quoted(method)
+        + ',"path":'
+        + quoted(path)
+        + ',"target":'
+        + quoted(target)
+    )
 
 
 class ActivityThrottle:
     """``node/activity`` on streamed bytes, at most once per node per 2 s
     (docs/references.md#node-activity)."""
 
-    def __init__(self, emitter: IEmitter, clock: Callable[[], float],
-                 interval: float = constants.ACTIVITY_INTERVAL) -> None:
+    def __init__(
+        self,
+        emitter: IEmitter,
+        clock: Callable[[], float],
+        interval: float = constants.ACTIVITY_INTERVAL,
+    ) -> None:
         self.emitter, self.clock, self.interval = emitter, clock, interval
         self._last: dict[str, float] = {}
 
@@ -275,9 +319,15 @@ class Reporter:
         return str(next(self._request_ids))
 
     def new_workload(self, model: str, created_at: float) -> Workload:
-        return Workload(emitter=self.emitter, clock=self.clock, run_id=self.run_id,
-                        engine=self.engine, id=str(next(self._workload_ids)), model=model,
-                        created_at=created_at)
+        return Workload(
+            emitter=self.emitter,
+            clock=self.clock,
+            run_id=self.run_id,
+            engine=self.engine,
+            id=str(next(self._workload_ids)),
+            model=model,
+            created_at=created_at,
+        )
 
     @property
     def listening(self) -> bool:
@@ -288,25 +338,46 @@ class Reporter:
     def notify(self, method: str, params: dict) -> None:
         self.emitter.notify(method, params, engine=self.engine)
 
-    def request_started(self, id: str, method: str, path: str, target: str,
-                        node_id: str | None = None) -> None:
+    def request_started(
+        self, id: str, method: str, path: str, target: str, node_id: str | None = None
+    ) -> None:
         """``proxy/request-started``."""
         if self.emitter.listening:
-            self.emitter.notify_json("proxy/request-started",
-                                     _request_head(id, method, path, target, node_id) + "}",
-                                     engine=self.engine)
+            self.emitter.notify_json(
+                "proxy/request-started",
+                _request_head(id, method, path, target, node_id) + "}",
+                engine=self.engine,
+            )
 
-    def request_finished(self, id: str, method: str, path: str, target: str, status: int,
-                         duration: float, node_id: str | None = None,
-                         ttfb: float | None = None, error: str | None = None) -> None:
+    def request_finished(
+        self,
+        id: str,
+        method: str,
+        path: str,
+        target: str,
+        status: int,
+        duration: float,
+        node_id: str | None = None,
+        ttfb: float | None = None,
+        error: str | None = None,
+    ) -> None:
         """``proxy/request``; ``duration`` and ``ttfb`` in seconds, sent as whole ms,
         ``ttfb_ms`` and ``error`` only when there are ones."""
         if self.emitter.listening:
-            self.emitter.notify_json("proxy/request", (
-                _request_head(id, method, path, target, node_id)
-                + ',"status":' + str(int(status)) + ',"duration_ms":' + _ms_text(duration)
-                + ("" if ttfb is None else ',"ttfb_ms":' + _ms_text(ttfb))
-                + (',"error":' + quoted(error) if error else "") + "}"), engine=self.engine)
+            self.emitter.notify_json(
+                "proxy/request",
+                (
+                    _request_head(id, method, path, target, node_id)
+                    + ',"status":'
+                    + str(int(status))
+                    + ',"duration_ms":'
+                    + _ms_text(duration)
+                    + ("" if ttfb is None else ',"ttfb_ms":' + _ms_text(ttfb))
+                    + (',"error":' + quoted(error) if error else "")
+                    + "}"
+                ),
+                engine=self.engine,
+            )
 
     def activity_on(self, node_id: str) -> float:
         """Bytes streamed from the node; returns the time before which asking again is moot."""
@@ -315,8 +386,7 @@ class Reporter:
     def request_ended(self, **fields) -> None:
         """A finished request, with :class:`RequestEnded`'s fields, for the recorder if any."""
         if self.recorder is not None:
-            self.recorder.request_ended(RequestEnded(engine=self.engine, at=self.clock(),
-                                                     **fields))
+            self.recorder.request_ended(RequestEnded(engine=self.engine, at=self.clock(), **fields))
 
     def dispatch_ended(self, outcome) -> None:
         """One dispatch's outcome (Committed or Failed), for the recorder if any."""

@@ -31,8 +31,17 @@ from .attempt import Committed, UpstreamRequest
 from ..routing.affinity import affinity_key
 from ..routing.rates import PromptReading
 from .dispatch import Answer, Dispatch, Gone, Job, Upstreams, retryable_status
-from .events import (BACKSTOP, CANCELLED, CLIENT_GONE, COMPLETED, FAILED, SHUTDOWN, Reporter,
-                     Workload, route_class)
+from .events import (
+    BACKSTOP,
+    CANCELLED,
+    CLIENT_GONE,
+    COMPLETED,
+    FAILED,
+    SHUTDOWN,
+    Reporter,
+    Workload,
+    route_class,
+)
 from .stream import Happened, Stream, StreamEvent
 
 log = logger()
@@ -96,9 +105,19 @@ class Exchange:
     """A client request's whole life in one facade: its dispatch loop's observer, and the
     owner of the committed stream (stream.py) that reports back to it."""
 
-    def __init__(self, request: Request, *, engine: Engine, router: IRouter, reporter: Reporter,
-                 upstreams: Upstreams, in_flight: set, route=UNCLASSIFIED,
-                 inference: bool | None = None, bad_gateway_code: str | None = None) -> None:
+    def __init__(
+        self,
+        request: Request,
+        *,
+        engine: Engine,
+        router: IRouter,
+        reporter: Reporter,
+        upstreams: Upstreams,
+        in_flight: set,
+        route=UNCLASSIFIED,
+        inference: bool | None = None,
+        bad_gateway_code: str | None = None,
+    ) -> None:
         """``inference`` None follows the route; False forwards in one pass without reading
         a model (the ingress: the originating node already routed). ``bad_gateway_code`` is
         the ``code`` every 502 the proxy answers carries (the ingress's backend error)."""
@@ -109,10 +128,12 @@ class Exchange:
         self.id = reporter.next_request_id()
         self.method = request.method.decode("latin-1")
         self.path = request.path.decode("latin-1")
-        self.route = (engine.classify(request.method, request.path) if route is UNCLASSIFIED
-                      else route)
-        self.inference = (self.route is not None and self.route.is_inference
-                          if inference is None else inference)
+        self.route = (
+            engine.classify(request.method, request.path) if route is UNCLASSIFIED else route
+        )
+        self.inference = (
+            self.route is not None and self.route.is_inference if inference is None else inference
+        )
         self.bad_gateway_code = bad_gateway_code
         # The model the body named, as the client spelled it: for the admin listener's recent
         # requests, including those answered before a workload existed (no owner, busy).
@@ -166,22 +187,43 @@ class Exchange:
         if model is not None:
             self.workload = self.reporter.new_workload(model, self.admitted_at)
             self.workload.admitted()
-        log.debug("request {id} admitted: {method} {path} model={model} job={job}", id=self.id,
-                  method=self.method, path=self.path, model=model,
-                  job=self.workload.id if self.workload else None, engine=self.engine.id)
+        log.debug(
+            "request {id} admitted: {method} {path} model={model} job={job}",
+            id=self.id,
+            method=self.method,
+            path=self.path,
+            model=model,
+            job=self.workload.id if self.workload else None,
+            engine=self.engine.id,
+        )
         self.in_flight.add(self)
         self.request.notifyFinish().addCallbacks(self._request_finished, self._client_gone)
         upstreams = self.upstreams
         sent = UpstreamRequest(
-            method=self.request.method, target=self.request.uri,
+            method=self.request.method,
+            target=self.request.uri,
             headers=upstreams.loop_guard.stamp(
-                end_to_end(self.request.requestHeaders, drop=(b"host", b"content-length"))),
-            body=body, inference=self.inference, retryable=retryable_status(self.inference),
-            response_timeout=upstreams.bounds.response_timeout)
-        self.dispatch = Dispatch(Job(
-            request=sent, router=self.router, upstreams=upstreams, model=wanted,
-            created_at=self.admitted_at, no_candidate=no_candidate,
-            reserve=self.workload is not None, key=key, size=len(body)), observer=self)
+                end_to_end(self.request.requestHeaders, drop=(b"host", b"content-length"))
+            ),
+            body=body,
+            inference=self.inference,
+            retryable=retryable_status(self.inference),
+            response_timeout=upstreams.bounds.response_timeout,
+        )
+        self.dispatch = Dispatch(
+            Job(
+                request=sent,
+                router=self.router,
+                upstreams=upstreams,
+                model=wanted,
+                created_at=self.admitted_at,
+                no_candidate=no_candidate,
+                reserve=self.workload is not None,
+                key=key,
+                size=len(body),
+            ),
+            observer=self,
+        )
         self._enter(Phase.DISPATCHING)
         self.dispatch.run(self._dispatched, self.crashed, candidates)
 
@@ -195,9 +237,11 @@ class Exchange:
         dispatch, node = self.dispatch, self.node_id
         if node is None and dispatch is not None:
             node = dispatch.attempting()
-        return InFlightView(node=node,
-                            waiting_for_owner=dispatch is not None and dispatch.waiting_for_owner,
-                            queued=dispatch is not None and dispatch.queued)
+        return InFlightView(
+            node=node,
+            waiting_for_owner=dispatch is not None and dispatch.waiting_for_owner,
+            queued=dispatch is not None and dispatch.queued,
+        )
 
     def _enter(self, phase: Phase) -> None:
         if phase not in PHASES[self.phase]:
@@ -209,9 +253,13 @@ class Exchange:
     def dispatched(self, node: Node) -> None:
         self.dispatched_at = self.clock.seconds()
         self.target = host_port(node.addresses[0] if node.addresses else "", node.port)
-        log.debug("request {id} dispatch {n} to node {node}", id=self.id,
-                  n=self.dispatch.dispatches if self.dispatch else 0, node=node.id,
-                  engine=self.engine.id)
+        log.debug(
+            "request {id} dispatch {n} to node {node}",
+            id=self.id,
+            n=self.dispatch.dispatches if self.dispatch else 0,
+            node=node.id,
+            engine=self.engine.id,
+        )
         if self.workload is not None:
             self.workload.dispatched(node.id)
 
@@ -247,8 +295,13 @@ class Exchange:
             answer = attrs.evolve(answer, code=self.bad_gateway_code)
         self._end(FAILED, answer.reason, answer.detail, status=answer.status)
         if not self.request.finished and not getattr(self.request, "client_gone", False):
-            send_error(self.request, answer.status, answer.text, code=answer.code,
-                       retry_after=answer.retry_after)
+            send_error(
+                self.request,
+                answer.status,
+                answer.text,
+                code=answer.code,
+                retry_after=answer.retry_after,
+            )
 
     def _commit(self, committed: Committed) -> None:
         """The first byte (or a non-retried answer's headers) made this node ours
@@ -256,13 +309,23 @@ class Exchange:
         self._enter(Phase.STREAMING)
         # From here the stream owns the relay and the reservation the commit handed over: a
         # crash below still aborts the one and releases the other.
-        stream = self.stream = Stream(self.request, committed, clock=self.clock,
-                                      terminal=self.route.terminal if self.route else None,
-                                      idle_limit=self.upstreams.bounds.stream_idle,
-                                      activity=self.reporter.activity_on, report=self._streamed)
+        stream = self.stream = Stream(
+            self.request,
+            committed,
+            clock=self.clock,
+            terminal=self.route.terminal if self.route else None,
+            idle_limit=self.upstreams.bounds.stream_idle,
+            activity=self.reporter.activity_on,
+            report=self._streamed,
+        )
         response, node = committed.response, committed.node
-        log.debug("request {id} committed to node {node} with HTTP {status}", id=self.id,
-                  node=node.id, status=response.code, engine=self.engine.id)
+        log.debug(
+            "request {id} committed to node {node} with HTTP {status}",
+            id=self.id,
+            node=node.id,
+            status=response.code,
+            engine=self.engine.id,
+        )
         self.node_id = node.id
         self.target = host_port(committed.address, node.port)
         if self.key is not None and response.code < 400:
@@ -286,9 +349,13 @@ class Exchange:
                 self._end_committed()
         elif happened is Happened.UPSTREAM_IDLE:
             seconds = self.stream.idle_limit if self.stream is not None else 0.0
-            log.warn("request {id}: node {node} sent nothing for {seconds:g}s after commit; "
-                     "closing it", id=self.id, node=self.node_id, seconds=seconds,
-                     engine=self.engine.id)
+            log.warn(
+                "request {id}: node {node} sent nothing for {seconds:g}s after commit; closing it",
+                id=self.id,
+                node=self.node_id,
+                seconds=seconds,
+                engine=self.engine.id,
+            )
         elif happened is Happened.CLIENT_STALLED:
             self._client_stalled()
         else:
@@ -305,17 +372,27 @@ class Exchange:
                 stats = stream.measure(self.admitted_at)
             except Exception:
                 # Stats are additive; a body the reader cannot measure still completes.
-                log.failure("could not measure the response of request {id}", id=self.id,
-                            engine=self.engine.id)
+                log.failure(
+                    "could not measure the response of request {id}",
+                    id=self.id,
+                    engine=self.engine.id,
+                )
         if self.router.affinity is not None and code < 400 and self.dispatched_at is not None:
             node = stream.node_id
             if self.router.wants_rate(node):
                 figures = stream.figures()
                 size = self.dispatch.job.size if self.dispatch is not None else 0
-                self.router.rate_read(node, PromptReading(size=size) if figures is None else
-                                      PromptReading(rate=figures.prompt_rate,
-                                                    read=figures.prompt_read,
-                                                    seen=figures.prompt_seen, size=size))
+                self.router.rate_read(
+                    node,
+                    PromptReading(size=size)
+                    if figures is None
+                    else PromptReading(
+                        rate=figures.prompt_rate,
+                        read=figures.prompt_read,
+                        seen=figures.prompt_seen,
+                        size=size,
+                    ),
+                )
             self.router.served(node, self.clock.seconds() - self.dispatched_at)
         if 200 <= code < 300:
             self._end(COMPLETED, None, status=code, stats=stats, note=stream.idle_note)
@@ -325,8 +402,7 @@ class Exchange:
     def _request_finished(self, _) -> None:
         """The backstop: a response that ended without reporting still reports, once."""
         if not self.ended:
-            log.error("request {id} finished without an outcome", id=self.id,
-                      engine=self.engine.id)
+            log.error("request {id} finished without an outcome", id=self.id, engine=self.engine.id)
             if self.dispatch is not None:
                 self.dispatch.stop(BACKSTOP)
             self._end(FAILED, Reason.BACKSTOP, status=500)
@@ -377,8 +453,13 @@ class Exchange:
     def crashed(self, failure: Failure) -> None:
         """A bug costs this request only: logged with its traceback, answered 500
         (docs/references.md#request-containment)."""
-        log.failure("unexpected error handling {method} {path}", failure, method=self.method,
-                    path=self.path, engine=self.engine.id)
+        log.failure(
+            "unexpected error handling {method} {path}",
+            failure,
+            method=self.method,
+            path=self.path,
+            engine=self.engine.id,
+        )
         if self.dispatch is not None:
             self.dispatch.stop(BACKSTOP)
         if self.stream is not None:
@@ -388,9 +469,16 @@ class Exchange:
 
     # The one end.
 
-    def _end(self, state: str, reason: Reason | None, detail: str = "", *,
-             status: int | None = None, stats: dict | None = None,
-             note: str | None = None) -> None:
+    def _end(
+        self,
+        state: str,
+        reason: Reason | None,
+        detail: str = "",
+        *,
+        status: int | None = None,
+        stats: dict | None = None,
+        note: str | None = None,
+    ) -> None:
         """The one end: ``reason`` (None when it completed) and its detail say why, in its
         text on the wire and by its label in the metrics. ``note`` is said on
         ``proxy/request`` only: why a completed request's stream was cut."""
@@ -403,16 +491,28 @@ class Exchange:
         finally:
             self.router.offer_held()
 
-    def _ended(self, state: str, reason: Reason | None, detail: str, status: int | None,
-               stats: dict | None, note: str | None) -> None:
+    def _ended(
+        self,
+        state: str,
+        reason: Reason | None,
+        detail: str,
+        status: int | None,
+        stats: dict | None,
+        note: str | None,
+    ) -> None:
         error = reason.says(detail) if reason is not None else None
         self._enter(Phase.ENDED)
         stream = self.stream
         if stream is not None:
             stream.stop()
         self.in_flight.discard(self)
-        log.debug("request {id} ended {state} ({error})", id=self.id, state=state,
-                  error=error or "ok", engine=self.engine.id)
+        log.debug(
+            "request {id} ended {state} ({error})",
+            id=self.id,
+            state=state,
+            error=error or "ok",
+            engine=self.engine.id,
+        )
         if self.workload is not None:
             self.workload.terminal(state, error, stats)
         first_byte_at = stream.first_byte_at if stream is not None else None
@@ -420,12 +520,27 @@ class Exchange:
         status = status if status is not None else 499
         duration = self.clock.seconds() - self.admitted_at
         self.reporter.request_finished(
-            self.id, self.method, self.path, self.target, status, duration,
-            node_id=self.node_id, ttfb=ttfb, error=error or note)
+            self.id,
+            self.method,
+            self.path,
+            self.target,
+            status,
+            duration,
+            node_id=self.node_id,
+            ttfb=ttfb,
+            error=error or note,
+        )
         if self.reporter.recorder is not None:
             self.reporter.request_ended(
-                route=route_class(self.route), outcome=state, status=status, duration=duration,
-                node=self.node_id, model=self.model,
-                reason=reason, ttfb=ttfb, stats=stats,
+                route=route_class(self.route),
+                outcome=state,
+                status=status,
+                duration=duration,
+                node=self.node_id,
+                model=self.model,
+                reason=reason,
+                ttfb=ttfb,
+                stats=stats,
                 dispatches=self.dispatch.dispatches if self.dispatch else 0,
-                affinity=self.affinity)
+                affinity=self.affinity,
+            )

@@ -73,9 +73,17 @@ class Stream:
     ``report`` hears every :class:`StreamEvent`.
     """
 
-    def __init__(self, request: Request, committed: Committed, *, clock: IReactorTime,
-                 terminal: str | None, idle_limit: float, activity: Callable[[str], float],
-                 report: Callable[[StreamEvent], None]) -> None:
+    def __init__(
+        self,
+        request: Request,
+        committed: Committed,
+        *,
+        clock: IReactorTime,
+        terminal: str | None,
+        idle_limit: float,
+        activity: Callable[[str], float],
+        report: Callable[[StreamEvent], None],
+    ) -> None:
         self.request, self.committed, self.clock = request, committed, clock
         self.node_id = committed.node.id
         self.activity, self.report = activity, report
@@ -84,7 +92,8 @@ class Stream:
         self.observer: BodyObserver | None = None
         if response.code < 400:
             self.observer = BodyObserver(
-                terminal, response.headers.getRawHeaders(b"content-type", [b""])[0])
+                terminal, response.headers.getRawHeaders(b"content-type", [b""])[0]
+            )
         self.first_byte_at: float | None = None
         self.bytes_written = 0
         self.activity_due = 0.0
@@ -93,8 +102,12 @@ class Stream:
         self.idle_limit = idle_limit
         self.stopped = False
         # A response body's transport is its producer (``IResponse.deliverBody``).
-        self.watch = ClientWatch(cast(IPushProducer, committed.relay.transport), clock,
-                                 self._client_stalled, constants.DEAD_CLIENT_WRITE_DEADLINE)
+        self.watch = ClientWatch(
+            cast(IPushProducer, committed.relay.transport),
+            clock,
+            self._client_stalled,
+            constants.DEAD_CLIENT_WRITE_DEADLINE,
+        )
         self.idle: StreamIdle | None = None
 
     def start(self) -> None:
@@ -102,8 +115,9 @@ class Stream:
         request, watch = self.request, self.watch
         request.registerProducer(watch, True)
         if self.idle_limit > 0:
-            self.idle = StreamIdle(self.clock, self.idle_limit,
-                                   lambda: watch.timer is not None, self._upstream_idle)
+            self.idle = StreamIdle(
+                self.clock, self.idle_limit, lambda: watch.timer is not None, self._upstream_idle
+            )
         self.committed.relay.attach(self)
         if not self.stopped and channel_paused(request):
             # The channel does not pause a producer registered while it is itself paused.
@@ -165,8 +179,9 @@ class Stream:
         observer; may raise on a body the reader cannot measure."""
         if self.observer is None:
             return None
-        return self.observer.measure(admitted_at=admitted_at, first_byte_at=self.first_byte_at,
-                                     ended_at=self.clock.seconds())
+        return self.observer.measure(
+            admitted_at=admitted_at, first_byte_at=self.first_byte_at, ended_at=self.clock.seconds()
+        )
 
     # Its end.
 

@@ -23,8 +23,13 @@ from twisted.web.http_headers import Headers
 
 #: The client's own name for a session, first match wins: OpenCode, Claude Code, Codex (both
 #: spellings), and the generic one.
-SESSION_HEADERS = (b"x-session-affinity", b"x-claude-code-session-id", b"session_id",
-                   b"session-id", b"x-session-id")
+SESSION_HEADERS = (
+    b"x-session-affinity",
+    b"x-claude-code-session-id",
+    b"session_id",
+    b"session-id",
+    b"x-session-id",
+)
 #: The most bytes of a conversation's head that are hashed per request.
 HASHED = 16 * 1024
 #: How much of a completion prompt is its stable head.
@@ -121,8 +126,11 @@ def affinity_key(headers: Headers, body: Any, model: str, path: str) -> bytes | 
     given = body.get("input")
     if isinstance(given, (str, list)):
         # OpenAI Responses: its instructions and its first input.
-        first = given if isinstance(given, str) else (
-            _head_of_messages(given, None) or [b"".join(_text(given[:1]))])
+        first = (
+            given
+            if isinstance(given, str)
+            else (_head_of_messages(given, None) or [b"".join(_text(given[:1]))])
+        )
         parts = [b"".join(_text(body.get("instructions")))] if body.get("instructions") else []
         parts += [b"".join(_text(first))] if isinstance(first, str) else first
         return _digest(b"responses", model, parts)

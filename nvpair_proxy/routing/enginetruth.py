@@ -113,8 +113,9 @@ class ModelStates:
     per_model: bool
 
 
-def read_models(body: bytes, normalize: Callable[[str], str],
-                listed_are_loaded: bool) -> ModelStates:
+def read_models(
+    body: bytes, normalize: Callable[[str], str], listed_are_loaded: bool
+) -> ModelStates:
     """A list of models each with a state (LM Studio ``/api/v0/models``, a llama.cpp router's
     ``/models``); only ``loaded`` is warm (``loading`` is not yet).
 
@@ -127,6 +128,7 @@ def read_models(body: bytes, normalize: Callable[[str], str],
         if listed_are_loaded:
             return ModelStates(frozenset(normalize(n) for n, _ in states if n is not None), False)
         return ModelStates(None, False)
-    warm = frozenset(normalize(name) for name, state in states
-                     if name is not None and state == "loaded")
+    warm = frozenset(
+        normalize(name) for name, state in states if name is not None and state == "loaded"
+    )
     return ModelStates(warm, True)

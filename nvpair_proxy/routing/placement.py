@@ -46,8 +46,9 @@ class Standing:
         return (self.full, _WARMTH[self.warm], self.busy)
 
 
-def rank_key(node: Node, model: str | None, truth: EngineTruth | None, ours: int,
-             ended_since_read: int = 0) -> tuple[bool, int, int]:
+def rank_key(
+    node: Node, model: str | None, truth: EngineTruth | None, ours: int, ended_since_read: int = 0
+) -> tuple[bool, int, int]:
     """``standing(...).key()`` without the value: the ranking's per-request path."""
     reported = truth.slots_for(model) if truth is not None else None
     if reported is None:
@@ -59,8 +60,9 @@ def rank_key(node: Node, model: str | None, truth: EngineTruth | None, ours: int
     return (total is not None and busy >= total, _WARMTH[warm], busy)
 
 
-def standing(node: Node, model: str | None, truth: EngineTruth | None, ours: int,
-             ended_since_read: int = 0) -> Standing:
+def standing(
+    node: Node, model: str | None, truth: EngineTruth | None, ours: int, ended_since_read: int = 0
+) -> Standing:
     """``ours``: our dispatches in flight to the node now; ``ended_since_read``: ours that
     ended there since the engine's report was read, which that report still counts as busy."""
     reported = truth.slots_for(model) if truth is not None else None

@@ -10,8 +10,14 @@ from __future__ import annotations
 
 import attrs
 
-__all__ = ["BYTES_PER_TOKEN", "MIN_PROMPT_TOKENS", "NodeRates", "PromptReading",
-           "RATE_READ_INTERVAL", "RATE_WEIGHT"]
+__all__ = [
+    "BYTES_PER_TOKEN",
+    "MIN_PROMPT_TOKENS",
+    "NodeRates",
+    "PromptReading",
+    "RATE_READ_INTERVAL",
+    "RATE_WEIGHT",
+]
 
 #: A request body's bytes per prompt token until a node has measured its own: about four
 #: characters a token for English text and code, JSON quoting included. Other text (a

@@ -126,8 +126,9 @@ class Router:
         for node_id in [n for n in self._rates if n not in known]:
             del self._rates[node_id]
 
-    def set_admission(self, admit: Callable[[Node], Node | None],
-                      state: Callable[[], object] | None = None) -> None:
+    def set_admission(
+        self, admit: Callable[[Node], Node | None], state: Callable[[], object] | None = None
+    ) -> None:
         """How a discovered node is reached (broker mode: self through the local backend,
         peers over pinned mutual TLS only), asked again whenever ``state()``, what its answers
         depend on, changes (without ``state``: at every read)."""
@@ -208,29 +209,35 @@ class Router:
         if not self._held and not self._cooling:
             return ordered
         now = self.clock.seconds()
-        return sorted(ordered, key=lambda n: (self._is_held(n.id, now),
-                                               self._is_cooling(n.id, now)))
+        return sorted(
+            ordered, key=lambda n: (self._is_held(n.id, now), self._is_cooling(n.id, now))
+        )
 
     def standings(self, nodes: Sequence[Node], model: str | None) -> list[Standing]:
         """Each node's slots, busy count and warmth for ``model``, as placement weighs them."""
         truth, ended = self._truth, self._ended_since_read
-        return [standing(node, model, truth.get(node.id), self._ours(node.id),
-                         ended.get(node.id, 0)) for node in nodes]
+        return [
+            standing(node, model, truth.get(node.id), self._ours(node.id), ended.get(node.id, 0))
+            for node in nodes
+        ]
 
     def _ranked(self, nodes: Sequence[Node], model: str | None) -> list[Node]:
         """Free before full, warm before cold, fewer busy, node id; held and cooling last."""
         if len(nodes) < 2:
             return list(nodes)  # nothing to weigh: one owner is the usual standalone case
-        truth, ended, held, cooling = self._truth, self._ended_since_read, self._held, \
-            self._cooling
+        truth, ended, held, cooling = self._truth, self._ended_since_read, self._held, self._cooling
         now = self.clock.seconds()
 
         def key(node: Node) -> tuple:
             node_id = node.id
-            return (bool(held) and self._is_held(node_id, now),
-                    bool(cooling) and self._is_cooling(node_id, now),
-                    rank_key(node, model, truth.get(node_id), self._ours(node_id),
-                             ended.get(node_id, 0)), node_id)
+            return (
+                bool(held) and self._is_held(node_id, now),
+                bool(cooling) and self._is_cooling(node_id, now),
+                rank_key(
+                    node, model, truth.get(node_id), self._ours(node_id), ended.get(node_id, 0)
+                ),
+                node_id,
+            )
 
         return sorted(nodes, key=key)
 
@@ -261,14 +268,30 @@ class Router:
         """A new request would wait, and the queue has no room for it (the busy 503)."""
         return self.queue is not None and self.queue.is_full() and self.all_full(nodes, model)
 
-    def wait(self, model: str, deadline: float, wake: Callable[[], None],
-             expire: Callable[[], None], ahead: bool = False, prefer: str | None = None,
-             patience: float | None = None) -> Waiter:
+    def wait(
+        self,
+        model: str,
+        deadline: float,
+        wake: Callable[[], None],
+        expire: Callable[[], None],
+        ahead: bool = False,
+        prefer: str | None = None,
+        patience: float | None = None,
+    ) -> Waiter:
         assert self.queue is not None
         now = self.clock.seconds()
-        waiter = self.queue.add(Waiter(
-            model=model, deadline=deadline, since=now, wake=wake, expire=expire, ahead=ahead,
-            prefer=prefer, patience_until=None if patience is None else now + patience))
+        waiter = self.queue.add(
+            Waiter(
+                model=model,
+                deadline=deadline,
+                since=now,
+                wake=wake,
+                expire=expire,
+                ahead=ahead,
+                prefer=prefer,
+                patience_until=None if patience is None else now + patience,
+            )
+        )
         # A slot may have freed while nobody waited (a failover's own reservation, released
         # as it joins): the offer that would have followed it is made now. Usually every
         # owner is still full, as the request just found, and nothing is scheduled.
@@ -298,8 +321,11 @@ class Router:
         from its body's tail: at most once a second per node, so placement's rates cost
         O(nodes) a second, not a parse per request."""
         rates = self._rates.get(node_id)
-        return rates is None or rates.rate_read_at is None or (
-            self.clock.seconds() - rates.rate_read_at >= RATE_READ_INTERVAL)
+        return (
+            rates is None
+            or rates.rate_read_at is None
+            or (self.clock.seconds() - rates.rate_read_at >= RATE_READ_INTERVAL)
+        )
 
     def served(self, node_id: str, seconds: float) -> None:
         """One request's time on ``node_id``, from its dispatch to its end."""
@@ -321,8 +347,9 @@ class Router:
             rates = self._rates[node_id] = NodeRates()
         return rates
 
-    def affinity_wait(self, nodes: Sequence[Node], model: str | None, key: bytes | None,
-                      size: int) -> tuple[str, float] | None:
+    def affinity_wait(
+        self, nodes: Sequence[Node], model: str | None, key: bytes | None, size: int
+    ) -> tuple[str, float] | None:
         """The spill rule (docs/decisions.md#affinity): when the conversation's node is full
         while another owner is free, wait for it (its id and how long at most) if that is
         expected to cost less than reading the context again elsewhere; None to go elsewhere
@@ -345,13 +372,19 @@ class Router:
         rates = self._rates.get(affine)
         if rates is None or rates.prompt_rate is None or rates.service is None:
             return None  # nothing measured: never wait for it
-        free = [s for s in self.standings([n for n in nodes if n.id != affine], model)
-                if not s.full and not self._is_held(s.node_id, now)]
+        free = [
+            s
+            for s in self.standings([n for n in nodes if n.id != affine], model)
+            if not s.full and not self._is_held(s.node_id, now)
+        ]
         if not free:
             return None
         expected = rates.service * (1 + self.queue.waiting_for(affine)) / max(1, mine.total or 1)
-        elsewhere = [r.prompt_rate for s in free
-                     if (r := self._rates.get(s.node_id)) is not None and r.prompt_rate]
+        elsewhere = [
+            r.prompt_rate
+            for s in free
+            if (r := self._rates.get(s.node_id)) is not None and r.prompt_rate
+        ]
         reread = rates.tokens(size) / max(elsewhere or [rates.prompt_rate])
         if expected >= reread:
             return None
@@ -360,11 +393,13 @@ class Router:
     def _free_for(self, node_id: str, nodes: Sequence[Node]) -> bool:
         """Whether ``node_id`` is among ``nodes``, neither held nor cooling, nor full."""
         now = self.clock.seconds()
-        if node_id not in {n.id for n in nodes} or self._is_held(node_id, now) or \
-                self._is_cooling(node_id, now):
+        if (
+            node_id not in {n.id for n in nodes}
+            or self._is_held(node_id, now)
+            or self._is_cooling(node_id, now)
+        ):
             return False
-        return not any(s.full for s in self.standings(
-            [n for n in nodes if n.id == node_id], None))
+        return not any(s.full for s in self.standings([n for n in nodes if n.id == node_id], None))
 
     def _may_go(self, waiter: Waiter) -> bool:
         """A waiter for its preferred node goes when that node is free (or no longer one it
@@ -374,8 +409,10 @@ class Router:
         nodes = self.candidates(waiter.model)
         if waiter.prefer not in {n.id for n in nodes}:
             return True
-        return not any(s.full for s in self.standings(
-            [n for n in nodes if n.id == waiter.prefer], waiter.model))
+        return not any(
+            s.full
+            for s in self.standings([n for n in nodes if n.id == waiter.prefer], waiter.model)
+        )
 
     def _released(self, node_id: str) -> None:
         if node_id in self.nodes:
@@ -440,8 +477,9 @@ class Router:
 
     # Placement (docs/references.md#reserve-least-loaded, #reservations).
 
-    def place(self, nodes: Sequence[Node], key: bytes | None = None
-              ) -> tuple[list[Node], Reservation | None]:
+    def place(
+        self, nodes: Sequence[Node], key: bytes | None = None
+    ) -> tuple[list[Node], Reservation | None]:
         """Reserve the least loaded candidate and move it to the front.
 
         An eligible pin first takes no reservation. The chooser skips held and cooling nodes
@@ -504,14 +542,19 @@ class Router:
         queue = self.queue
         oldest = queue.oldest_since() if queue is not None else None
         now = self.clock.seconds()
-        return RoutingView(pin=self._pin, nodes=tuple(node.view() for node in self.nodes.all()),
-                           routable=tuple(node.id for node in routable),
-                           held=tuple(self.held()), cooling=tuple(self.cooling()),
-                           engines=self._engine_views(routable) if self.scheduling else (),
-                           queued=len(queue) if queue is not None else 0,
-                           oldest_wait=None if oldest is None else now - oldest,
-                           affinity_keys=None if self.affinity is None else tuple(
-                               sorted(self.affinity.keys_per_node(now).items())))
+        return RoutingView(
+            pin=self._pin,
+            nodes=tuple(node.view() for node in self.nodes.all()),
+            routable=tuple(node.id for node in routable),
+            held=tuple(self.held()),
+            cooling=tuple(self.cooling()),
+            engines=self._engine_views(routable) if self.scheduling else (),
+            queued=len(queue) if queue is not None else 0,
+            oldest_wait=None if oldest is None else now - oldest,
+            affinity_keys=None
+            if self.affinity is None
+            else tuple(sorted(self.affinity.keys_per_node(now).items())),
+        )
 
     def _engine_views(self, nodes: Sequence[Node]) -> tuple[EngineView, ...]:
         now = self.clock.seconds()
@@ -521,14 +564,20 @@ class Router:
             slots = truth.slots_for(None) if truth is not None else None
             warm = None if truth is None or truth.warm is None else tuple(sorted(truth.warm))
             rates = self._rates.get(node.id)
-            views.append(EngineView(node=node.id, slots_total=item.total, busy=item.busy,
-                                    ours=self._ours(node.id),
-                                    reported_busy=None if slots is None else slots.busy,
-                                    warm=warm,
-                                    read_age=None if truth is None else now - truth.read_at,
-                                    service=rates.service if rates else None,
-                                    prompt_rate=rates.prompt_rate if rates else None,
-                                    bytes_per_token=rates.bytes_per_token if rates else None))
+            views.append(
+                EngineView(
+                    node=node.id,
+                    slots_total=item.total,
+                    busy=item.busy,
+                    ours=self._ours(node.id),
+                    reported_busy=None if slots is None else slots.busy,
+                    warm=warm,
+                    read_age=None if truth is None else now - truth.read_at,
+                    service=rates.service if rates else None,
+                    prompt_rate=rates.prompt_rate if rates else None,
+                    bytes_per_token=rates.bytes_per_token if rates else None,
+                )
+            )
         return tuple(views)
 
     # An attempt whose target left the routable set is abandoned

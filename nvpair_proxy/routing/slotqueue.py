@@ -109,8 +109,9 @@ class SlotQueue:
     def models(self) -> list[str]:
         """The models with waiters, the one whose first waiter came earliest first."""
         firsts = [(line.first(), model) for model, line in self._lines.items()]
-        return [model for first, model in sorted(
-            ((w.since, m) for w, m in firsts if w is not None))]
+        return [
+            model for first, model in sorted(((w.since, m) for w, m in firsts if w is not None))
+        ]
 
     def wake_first(self, model: str, may_go: Callable[[Waiter], bool] | None = None) -> bool:
         """Dispatch ``model``'s first waiter that ``may_go`` (one waiting for its preferred
@@ -152,8 +153,9 @@ class SlotQueue:
             return
         cancel_pending(self._timer)
         self._due = deadline
-        self._timer = self.clock.callLater(max(0.0, deadline - self.clock.seconds()),
-                                           self._expire_due)
+        self._timer = self.clock.callLater(
+            max(0.0, deadline - self.clock.seconds()), self._expire_due
+        )
 
     @staticmethod
     def _due_of(waiter: Waiter) -> float:
@@ -173,8 +175,9 @@ class SlotQueue:
         for waiter in [w for w in waiters if w.deadline <= now]:
             if self.remove(waiter):
                 waiter.expire()
-        earliest = min((self._due_of(w) for line in self._lines.values() for w in line),
-                       default=None)
+        earliest = min(
+            (self._due_of(w) for line in self._lines.values() for w in line), default=None
+        )
         if earliest is not None:
             self._arm(earliest)
         if impatient and self.on_patience is not None:

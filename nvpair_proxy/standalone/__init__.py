@@ -1,2 +1,1 @@
-"""Standalone mode's fleet: the nodes file and how its engines are reached (TLS, keys).
-"""
+"""Standalone mode's fleet: the nodes file and how its engines are reached (TLS, keys)."""

@@ -95,7 +95,8 @@ def load_tls(ca_file: str | None, cert_file: str | None, key_file: str | None) -
         except ValueError:
             raise AccessError(f"ca_file {ca_file}: no PEM certificate in it") from None
         trust = ssl.trustRootFromCertificates(
-            [ssl.Certificate.loadPEM(c.public_bytes(Encoding.PEM)) for c in certificates])
+            [ssl.Certificate.loadPEM(c.public_bytes(Encoding.PEM)) for c in certificates]
+        )
     client = None
     if cert_file is not None:
         if key_file is None:
@@ -105,13 +106,16 @@ def load_tls(ca_file: str | None, cert_file: str | None, key_file: str | None) -
         try:
             certificate, key = load_key_pair(cert_pem, key_pem)
         except KeyPairError as exc:
-            raise AccessError({
-                "certificate": f"cert_file {cert_file}: not a PEM certificate",
-                "key": f"key_file {key_file}: not an unencrypted PEM private key",
-                "match": f"key_file {key_file}: does not match cert_file {cert_file}",
-            }[exc.part]) from None
-        client = ssl.PrivateCertificate.fromCertificateAndKeyPair(ssl.Certificate(certificate),
-                                                                  ssl.KeyPair(key))
+            raise AccessError(
+                {
+                    "certificate": f"cert_file {cert_file}: not a PEM certificate",
+                    "key": f"key_file {key_file}: not an unencrypted PEM private key",
+                    "match": f"key_file {key_file}: does not match cert_file {cert_file}",
+                }[exc.part]
+            ) from None
+        client = ssl.PrivateCertificate.fromCertificateAndKeyPair(
+            ssl.Certificate(certificate), ssl.KeyPair(key)
+        )
     return EngineTLS(ca_file, cert_file, key_file, digest.digest(), trust, client)
 
 
@@ -125,7 +129,7 @@ def access_from(spec: dict, base: str) -> tuple[str, EngineAccess | None]:
     nodes file's folder ``base``. Raises AccessError naming the field."""
     scheme = spec.get("scheme", "http")
     if scheme not in ("http", "https"):
-        raise AccessError("field 'scheme' must be \"http\" or \"https\"")
+        raise AccessError('field \'scheme\' must be "http" or "https"')
     paths = {}
     for field in TLS_FILE_FIELDS:
         value = spec.get(field)
@@ -134,14 +138,15 @@ def access_from(spec: dict, base: str) -> tuple[str, EngineAccess | None]:
         if not isinstance(value, str) or not value:
             raise AccessError(f"field {field!r} must be a non-empty string")
         if scheme != "https":
-            raise AccessError(f"field {field!r} needs scheme = \"https\"")
+            raise AccessError(f'field {field!r} needs scheme = "https"')
         paths[field] = resolve_path(base, value)
     if ("cert_file" in paths) != ("key_file" in paths):
         raise AccessError("fields 'cert_file' and 'key_file' go together")
     api_key = spec.get("api_key")
     if api_key is not None and (not isinstance(api_key, str) or not _API_KEY.fullmatch(api_key)):
-        raise AccessError("field 'api_key' must be a string of visible ASCII characters "
-                          "without spaces")
+        raise AccessError(
+            "field 'api_key' must be a string of visible ASCII characters without spaces"
+        )
     tls = None
     if scheme == "https":
         tls = load_tls(paths.get("ca_file"), paths.get("cert_file"), paths.get("key_file"))
@@ -159,8 +164,9 @@ class EnginePolicy:
         self.tls = tls
 
     def creatorForNetloc(self, hostname: bytes, port: int):
-        return ssl.optionsForClientTLS(hostname.decode("ascii"), trustRoot=self.tls.trust,
-                                       clientCertificate=self.tls.client)
+        return ssl.optionsForClientTLS(
+            hostname.decode("ascii"), trustRoot=self.tls.trust, clientCertificate=self.tls.client
+        )
 
 
 def tls_problem(failure: Failure) -> str | None:
@@ -172,8 +178,11 @@ def tls_problem(failure: Failure) -> str | None:
         if isinstance(value, VerificationError):
             return "the certificate does not name the host dialled"
         if isinstance(value, SSL.Error):
-            reasons = [part[2] for part in (value.args[0] if value.args else [])
-                       if isinstance(part, tuple) and len(part) == 3 and part[2]]
+            reasons = [
+                part[2]
+                for part in (value.args[0] if value.args else [])
+                if isinstance(part, tuple) and len(part) == 3 and part[2]
+            ]
             return ", ".join(reasons) or "TLS handshake failed"
         pending.extend(getattr(value, "reasons", None) or [])
     return None
@@ -183,13 +192,15 @@ def tls_problem(failure: Failure) -> str | None:
 class _NodeAgent:
     """One node's view of its agent: its key in place of the caller's, TLS failures reported."""
 
-    def __init__(self, agent: IAgent, node_id: str, api_key: str | None,
-                 agents: "EngineAgents") -> None:
+    def __init__(
+        self, agent: IAgent, node_id: str, api_key: str | None, agents: "EngineAgents"
+    ) -> None:
         self.agent, self.node_id, self.agents = agent, node_id, agents
         self._authorization = None if api_key is None else b"Bearer " + api_key.encode()
 
-    def request(self, method: bytes, uri: bytes, headers: Headers | None = None,
-                bodyProducer=None) -> Deferred:
+    def request(
+        self, method: bytes, uri: bytes, headers: Headers | None = None, bodyProducer=None
+    ) -> Deferred:
         if self._authorization is not None:
             headers = headers.copy() if headers is not None else Headers()
             headers.removeHeader(b"x-api-key")
@@ -211,11 +222,19 @@ class _NodeAgent:
 class EngineAgents:
     """One pooled HTTPS Agent per distinct TLS configuration; closed at shutdown."""
 
-    def __init__(self, reactor, agent: IAgent, connect_timeout: float, idle_timeout: float,
-                 max_idle_per_host: int = 256, keepalive: float = 0.0) -> None:
+    def __init__(
+        self,
+        reactor,
+        agent: IAgent,
+        connect_timeout: float,
+        idle_timeout: float,
+        max_idle_per_host: int = 256,
+        keepalive: float = 0.0,
+    ) -> None:
         self.agent = agent
-        self._pools: AgentPools[EngineTLS] = AgentPools(reactor, connect_timeout, idle_timeout,
-                                                        max_idle_per_host, keepalive)
+        self._pools: AgentPools[EngineTLS] = AgentPools(
+            reactor, connect_timeout, idle_timeout, max_idle_per_host, keepalive
+        )
         self._warned: WarnOnce[str] = WarnOnce()
 
     def for_node(self, node) -> IAgent:

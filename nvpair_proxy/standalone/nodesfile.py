@@ -23,8 +23,15 @@ from ..core.logs import logger
 from ..core.validate import is_int, is_port
 from ..nodes.discovery import Node, make_node
 from ..nodes.engines import Engine
-from .engineaccess import (ACCESS_FIELDS, TLS_FILE_FIELDS, AccessError, EngineAccess, EngineTLS,
-                           access_from, resolve_path)
+from .engineaccess import (
+    ACCESS_FIELDS,
+    TLS_FILE_FIELDS,
+    AccessError,
+    EngineAccess,
+    EngineTLS,
+    access_from,
+    resolve_path,
+)
 
 log = logger()
 
@@ -74,8 +81,11 @@ def parse_nodes(text: str, engines: Mapping[str, Engine], source: str) -> Config
         seen.add(node_id)
         where = f"{source}: node {node_id!r}"
         addresses = raw.get("addresses", [raw["address"]] if "address" in raw else None)
-        if (not isinstance(addresses, list) or not addresses
-                or not all(isinstance(a, str) and a for a in addresses)):
+        if (
+            not isinstance(addresses, list)
+            or not addresses
+            or not all(isinstance(a, str) and a for a in addresses)
+        ):
             raise NodesFileError(f"{where}: needs 'address' (a string) or 'addresses' (a list)")
         name = raw.get("name", node_id)
         if not isinstance(name, str):
@@ -86,8 +96,10 @@ def parse_nodes(text: str, engines: Mapping[str, Engine], source: str) -> Config
         for engine_id, spec in node_engines.items():
             engine = engines.get(engine_id)
             if engine is None:
-                raise NodesFileError(f"{where}: unknown engine {engine_id!r}; want one of "
-                                     f"{', '.join(sorted(engines))}")
+                raise NodesFileError(
+                    f"{where}: unknown engine {engine_id!r}; want one of "
+                    f"{', '.join(sorted(engines))}"
+                )
             ewhere = f"{where}: engines.{engine_id}"
             if not isinstance(spec, dict):
                 raise NodesFileError(f"{ewhere}: must be a table")
@@ -102,19 +114,31 @@ def parse_nodes(text: str, engines: Mapping[str, Engine], source: str) -> Config
             if not is_port(port):
                 raise NodesFileError(f"{ewhere}: field 'port' must be 1-65535 (got {port!r})")
             models = spec.get("models")
-            if models is not None and (not isinstance(models, list)
-                                       or not all(isinstance(m, str) for m in models)):
+            if models is not None and (
+                not isinstance(models, list) or not all(isinstance(m, str) for m in models)
+            ):
                 raise NodesFileError(f"{ewhere}: field 'models' must be a list of strings")
             if models is None:
                 probed.add((engine_id, node_id))
             slots = spec.get("slots")
             if slots is not None and (not is_int(slots) or slots < 1):
-                raise NodesFileError(f"{ewhere}: field 'slots' must be a whole number of at "
-                                     f"least 1 (got {slots!r})")
-            nodes[engine_id].append(make_node(engine, id=node_id, name=name, port=port,
-                                              addresses=addresses, models=models,
-                                              source="standalone", scheme=scheme,
-                                              access=access, slots=slots))
+                raise NodesFileError(
+                    f"{ewhere}: field 'slots' must be a whole number of at least 1 (got {slots!r})"
+                )
+            nodes[engine_id].append(
+                make_node(
+                    engine,
+                    id=node_id,
+                    name=name,
+                    port=port,
+                    addresses=addresses,
+                    models=models,
+                    source="standalone",
+                    scheme=scheme,
+                    access=access,
+                    slots=slots,
+                )
+            )
     return ConfiguredNodes({k: tuple(v) for k, v in nodes.items()}, frozenset(probed))
 
 
@@ -139,9 +163,14 @@ class NodesFileWatcher(TimerService):
     A TimerService, so the watch runs exactly while the standalone tree does.
     """
 
-    def __init__(self, path: str, engines: Mapping[str, Engine], clock: IReactorTime,
-                 apply: Callable[[ConfiguredNodes], None],
-                 interval: float = constants.NODES_FILE_CHECK_INTERVAL) -> None:
+    def __init__(
+        self,
+        path: str,
+        engines: Mapping[str, Engine],
+        clock: IReactorTime,
+        apply: Callable[[ConfiguredNodes], None],
+        interval: float = constants.NODES_FILE_CHECK_INTERVAL,
+    ) -> None:
         super().__init__(interval, self.check)
         self.path, self.engines, self.clock, self.apply = path, engines, clock, apply
         self._tls_files: tuple[str, ...] = ()
@@ -205,11 +234,23 @@ def named_tls_files(path: str) -> tuple[str, ...]:
 
 def tls_configs(configured: ConfiguredNodes) -> set[EngineTLS]:
     """The TLS configurations the configured nodes use."""
-    return {node.access.tls for nodes in configured.nodes.values() for node in nodes
-            if isinstance(node.access, EngineAccess) and node.access.tls is not None}
+    return {
+        node.access.tls
+        for nodes in configured.nodes.values()
+        for node in nodes
+        if isinstance(node.access, EngineAccess) and node.access.tls is not None
+    }
 
 
 def tls_files(configured: ConfiguredNodes) -> tuple[str, ...]:
     """Every TLS file the configured nodes name, once each, in a stable order."""
-    return tuple(sorted({path for tls in tls_configs(configured)
-                         for path in (tls.ca_file, tls.cert_file, tls.key_file) if path}))
+    return tuple(
+        sorted(
+            {
+                path
+                for tls in tls_configs(configured)
+                for path in (tls.ca_file, tls.cert_file, tls.key_file)
+                if path
+            }
+        )
+    )

@@ -6,6 +6,7 @@ import os
 from hypothesis import HealthCheck, settings
 
 settings.register_profile("ci", max_examples=100, deadline=None)
-settings.register_profile("fuzz", max_examples=5000, deadline=None,
-                          suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile(
+    "fuzz", max_examples=5000, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))

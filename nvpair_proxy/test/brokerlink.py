@@ -29,6 +29,7 @@ ENGINES = load_engines()
 
 # The listen seam.
 
+
 def _clash(a: str, b: str) -> bool:
     """Two binds on one port collide on the same address, or when either is the wildcard."""
     return a == b or "::" in (a, b)
@@ -70,8 +71,9 @@ class FakeListen:
         self.calls.append((port, interface))
         taken = self.occupied + [(l.port, l.interface) for l in self.active]
         if any(p == port and _clash(i, interface) for p, i in taken):
-            raise CannotListenError(interface, port,
-                                    OSError(errno.EADDRINUSE, "Address already in use"))
+            raise CannotListenError(
+                interface, port, OSError(errno.EADDRINUSE, "Address already in use")
+            )
         fake = self.reactor.listenTCP(port, factory, interface=interface)
         listening = Listening(self, port, interface, factory, fake)
         self.active.append(listening)
@@ -87,8 +89,16 @@ class FakeListen:
 class Proxy:
     """A Broker wired as ``broker_tree`` wires it, on fakes."""
 
-    def __init__(self, test: SynchronousTestCase, *, is_local=None, state_dir: str | None = None,
-                 make_facade=None, on_shutdown=None, directory=None) -> None:
+    def __init__(
+        self,
+        test: SynchronousTestCase,
+        *,
+        is_local=None,
+        state_dir: str | None = None,
+        make_facade=None,
+        on_shutdown=None,
+        directory=None,
+    ) -> None:
         self.reactor = MemoryReactorClock()
         self.agent = FakeAgent()
         self.reservations = ReservationMap()
@@ -102,22 +112,37 @@ class Proxy:
         self.link = RpcLink(lambda method, params: self.broker.dispatch(method, params))
         self.transport = StringTransport()
         self.link.framer.makeConnection(self.transport)
-        self.facades = Facades(make_facade=make_facade or self.make_facade, listen=self.listen,
-                               make_prober=self.make_prober, clock=self.reactor,
-                               admission=True, directory=directory)
+        self.facades = Facades(
+            make_facade=make_facade or self.make_facade,
+            listen=self.listen,
+            make_prober=self.make_prober,
+            clock=self.reactor,
+            admission=True,
+            directory=directory,
+        )
         self.facades.startService()
         test.addCleanup(self.assert_quiet, test)
         self.broker = Broker(
-            engines=ENGINES, emitter=self.link, reservations=self.reservations,
-            state_dir=state_dir, facades=self.facades,
+            engines=ENGINES,
+            emitter=self.link,
+            reservations=self.reservations,
+            state_dir=state_dir,
+            facades=self.facades,
             on_shutdown=on_shutdown or (lambda: self.shutdowns.append(self.transport.value())),
             after_answer=self.link.after_answer.append,
-            is_local=is_local or (lambda address: False))
+            is_local=is_local or (lambda address: False),
+        )
 
     def make_facade(self, engine):
-        return make_facade(engine, clock=self.reactor, agent=self.agent, emitter=self.link,
-                           run_id="0123456789abcdef", random=lambda: 0.5,
-                           reservations=self.reservations)
+        return make_facade(
+            engine,
+            clock=self.reactor,
+            agent=self.agent,
+            emitter=self.link,
+            run_id="0123456789abcdef",
+            random=lambda: 0.5,
+            reservations=self.reservations,
+        )
 
     def assert_quiet(self, test: SynchronousTestCase) -> None:
         """As World's check: no upstream request unanswered and no response left open when
@@ -177,8 +202,14 @@ class Proxy:
     def listed(self, engine: str = "ollama") -> list[dict]:
         return self.result(f"{engine}:nodes/list")["nodes"]
 
-    def add(self, node_id: str, address: str = "10.0.0.1", models=("llama3:latest",),
-            port: int = 11434, engine: str = "ollama") -> None:
+    def add(
+        self,
+        node_id: str,
+        address: str = "10.0.0.1",
+        models=("llama3:latest",),
+        port: int = 11434,
+        engine: str = "ollama",
+    ) -> None:
         params = {"id": node_id, "host": node_id, "port": port, "addresses": [address]}
         if models is not None:
             params["models"] = list(models)
@@ -196,8 +227,12 @@ class Proxy:
         waiting is answered whole, then every client connection closes."""
         for record in self.agent.requests:
             if record.pending and record.uri.endswith(b"/api/chat"):
-                record.respond(200, {"Content-Type": "application/x-ndjson"},
-                               body=b'{"done":true}\n', finish=True)
+                record.respond(
+                    200,
+                    {"Content-Type": "application/x-ndjson"},
+                    body=b'{"done":true}\n',
+                    finish=True,
+                )
         for protocol in self.clients:
             protocol.connectionLost(Failure(ConnectionDone()))
         self.clients.clear()

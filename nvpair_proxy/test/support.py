@@ -19,7 +19,7 @@ from nvpair_proxy.core import logs
 from nvpair_proxy.lan.apikeys import KeyStore, LanGate, parse_cidrs
 from nvpair_proxy.testing import processes
 
-KEY = "k" * 24 + "-._~+/=0123"           # 35 characters of the LAN keys' alphabet
+KEY = "k" * 24 + "-._~+/=0123"  # 35 characters of the LAN keys' alphabet
 
 
 class LogCapture:
@@ -40,12 +40,15 @@ class LogCapture:
         return [e for e in self.events if e.get("log_namespace") == logs.COMPONENT]
 
     def at(self, level: str) -> list[dict]:
-        return [e for e in self.ours() if e.get("log_level") is not None
-                and e["log_level"].name == level]
+        return [
+            e
+            for e in self.ours()
+            if e.get("log_level") is not None and e["log_level"].name == level
+        ]
 
     def take(self) -> list[dict]:
         """The events since the last ``take``."""
-        taken = list(self.events)[self._taken:]
+        taken = list(self.events)[self._taken :]
         self._taken += len(taken)
         return taken
 
@@ -60,7 +63,6 @@ def rewrite(path: str, text: str) -> None:
 
 def gate(clock: Clock, env: str | None = KEY, path: str | None = None, cidrs: str = "") -> LanGate:
     return LanGate(KeyStore(clock, env=env, path=path), allowed=parse_cidrs(cidrs))
-
 
 
 def failures(gate: LanGate, host: str) -> int:

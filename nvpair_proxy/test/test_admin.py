@@ -29,22 +29,34 @@ from nvpair_proxy.admin.status import ProcessView, status
 from nvpair_proxy.testing import lan, loopback
 from nvpair_proxy.core.views import InFlightView
 from nvpair_proxy.test.support import gate
-from nvpair_proxy.test.world import (Response, WorldStatus, WorldTestCase, request_bytes,
-                                     serve_all)
+from nvpair_proxy.test.world import Response, WorldStatus, WorldTestCase, request_bytes, serve_all
 
 NDJSON = {"Content-Type": "application/x-ndjson"}
 # The gauges /metrics reads from the tree at scrape time (not the recorder's counts).
-STATE_GAUGES = tuple(f"nvpair_proxy_{name}{{" for name in (
-    "requests_in_flight", "requests_waiting_for_owner", "nodes", "nodes_busy_held",
-    "nodes_cooling", "node_requests_in_flight", "reservations"))
+STATE_GAUGES = tuple(
+    f"nvpair_proxy_{name}{{"
+    for name in (
+        "requests_in_flight",
+        "requests_waiting_for_owner",
+        "nodes",
+        "nodes_busy_held",
+        "nodes_cooling",
+        "node_requests_in_flight",
+        "reservations",
+    )
+)
 MARKER = "PROMPT-MARKER-4e1d9b"
 
 
 # The scenario's nodes by address, and what its events say without the recorder.
 NODES = {b"10.0.0.1": "a", b"10.0.0.2": "b", b"10.0.0.3": "c"}
 EARLY = (dispatch.NO_OWNER, dispatch.NO_CANDIDATE, dispatch.ALL_OWNERS_BUSY)
-ERROR_TEXTS = ((events.CLIENT_GONE, "client_gone"), (dispatch.NO_OWNER, "no_owner"),
-               ("upstream error: ", "transport"), (answers.FACADE_FOR, "identity_probe"))
+ERROR_TEXTS = (
+    (events.CLIENT_GONE, "client_gone"),
+    (dispatch.NO_OWNER, "no_owner"),
+    ("upstream error: ", "transport"),
+    (answers.FACADE_FOR, "identity_probe"),
+)
 
 
 def route_of(world, params: dict) -> str:
@@ -74,8 +86,13 @@ def dispatch_result(record) -> str:
 
 
 def view_of(world, recorder: Recorder) -> ProcessView:
-    return ProcessView(source=WorldStatus(world), recorder=recorder, mode="standalone",
-                       clock=world.clock.seconds, started=world.clock.seconds())
+    return ProcessView(
+        source=WorldStatus(world),
+        recorder=recorder,
+        mode="standalone",
+        clock=world.clock.seconds,
+        started=world.clock.seconds(),
+    )
 
 
 def scraped(view: ProcessView) -> dict[tuple[str, tuple], float]:
@@ -88,8 +105,11 @@ def scraped(view: ProcessView) -> dict[tuple[str, tuple], float]:
 
 
 def total(samples: dict, name: str, **labels) -> float:
-    return sum(value for (sample, key), value in samples.items()
-               if sample == name and all((k, v) in key for k, v in labels.items()))
+    return sum(
+        value
+        for (sample, key), value in samples.items()
+        if sample == name and all((k, v) in key for k, v in labels.items())
+    )
 
 
 def by_labels(samples: dict, name: str, *labels: str) -> Counter:
@@ -102,10 +122,12 @@ def by_labels(samples: dict, name: str, *labels: str) -> Counter:
     return out
 
 
-def admin_get(view: ProcessView, path: str, host: str = "127.0.0.1:9464",
-              method: str = "GET") -> Response:
-    site = BoundedSite(AdminResource(view, registry(view), status_page()), reactor=None,
-                       timeout=None)
+def admin_get(
+    view: ProcessView, path: str, host: str = "127.0.0.1:9464", method: str = "GET"
+) -> Response:
+    site = BoundedSite(
+        AdminResource(view, registry(view), status_page()), reactor=None, timeout=None
+    )
     protocol = site.buildProtocol(loopback())
     transport = StringTransport(peerAddress=loopback())
     protocol.makeConnection(transport)
@@ -131,18 +153,27 @@ class ScenarioTests(WorldTestCase):
         w.agent.last.refuse()
         w.clock.advance(1)
         w.clock.advance(30)
-        w.agent.last.respond(200, NDJSON, body=(
-            b'{"message":{"content":"hi"},"done":false}\n'
-            b'{"done":true,"prompt_eval_count":11,"eval_count":7,"eval_duration":700000000}\n'),
-            finish=True)
+        w.agent.last.respond(
+            200,
+            NDJSON,
+            body=(
+                b'{"message":{"content":"hi"},"done":false}\n'
+                b'{"done":true,"prompt_eval_count":11,"eval_count":7,"eval_duration":700000000}\n'
+            ),
+            finish=True,
+        )
         self.assertEqual(first.response().status, 200)
 
         # 2. One 500, then a non-streaming answer.
         second = w.send("POST", "/api/chat", dict(body, stream=False))
         w.agent.last.respond(500, length=0, finish=True)
         w.clock.advance(1)
-        w.agent.last.respond(200, {"Content-Type": "application/json"}, body=(
-            b'{"done":true,"prompt_eval_count":5,"eval_count":3}'), finish=True)
+        w.agent.last.respond(
+            200,
+            {"Content-Type": "application/json"},
+            body=(b'{"done":true,"prompt_eval_count":5,"eval_count":3}'),
+            finish=True,
+        )
         self.assertEqual(second.response().status, 200)
 
         # 3. The client leaves while its attempt runs: cancelled.
@@ -150,8 +181,9 @@ class ScenarioTests(WorldTestCase):
         third.disconnect()
 
         # 4. Nobody has the model: a local 502, no dispatch.
-        self.assertEqual(w.send("POST", "/api/chat", dict(body, model="nope")).response().status,
-                         502)
+        self.assertEqual(
+            w.send("POST", "/api/chat", dict(body, model="nope")).response().status, 502
+        )
 
         # 5. Five transport failures: the fifth answers 502.
         fifth = w.send("POST", "/api/generate", {"model": "llama3", "prompt": MARKER})
@@ -174,8 +206,12 @@ class ScenarioTests(WorldTestCase):
         # 7. The fleet's model list, and 8. a rejected identity probe.
         tags = w.send("GET", "/api/tags")
         for record in w.agent.requests[-3:]:
-            record.respond(200, {"Content-Type": "application/json"},
-                           body=b'{"models":[{"name":"llama3:latest"}]}', finish=True)
+            record.respond(
+                200,
+                {"Content-Type": "application/json"},
+                body=b'{"models":[{"name":"llama3:latest"}]}',
+                finish=True,
+            )
         self.assertEqual(tags.response().status, 200)
         probe = w.send("GET", "/api/version", headers={"X-NVPAIR-Engine-Identity-Probe": "1"})
         self.assertEqual(probe.response().status, 409)
@@ -186,54 +222,70 @@ class ScenarioTests(WorldTestCase):
         view = view_of(w, recorder)
         samples = scraped(view)
         requests = [params for method, params in w.emitter.sent if method == "ollama:proxy/request"]
-        workloads = [info for method, info in w.emitter.workload()
-                     if method in ("workload:completed", "workload:errored")]
+        workloads = [
+            info
+            for method, info in w.emitter.workload()
+            if method in ("workload:completed", "workload:errored")
+        ]
         states = Counter(info["state"] for info in workloads)
         early = [p for p in requests if p["target"] == "" and p.get("error") in EARLY]
 
         # Requests by route and outcome, each read from its proxy/request alone.
         ends = Counter((route_of(w, p), outcome_of(p)) for p in requests)
-        self.assertEqual(by_labels(samples, "nvpair_proxy_requests_total", "route", "outcome"),
-                         ends)
+        self.assertEqual(
+            by_labels(samples, "nvpair_proxy_requests_total", "route", "outcome"), ends
+        )
         # Inference outcomes against the workload events: a failed request is a
         # workload:errored one, or one answered before any workload existed (no owner).
         self.assertEqual(ends["inference", "completed"], states["completed"])
         self.assertEqual(ends["inference", "cancelled"], states["cancelled"])
         self.assertEqual(ends["inference", "failed"], states["failed"] + len(early))
-        self.assertEqual(ends, {("inference", "completed"): 3, ("inference", "cancelled"): 1,
-                                ("inference", "failed"): 2, ("models", "completed"): 1,
-                                ("other", "rejected"): 1})
+        self.assertEqual(
+            ends,
+            {
+                ("inference", "completed"): 3,
+                ("inference", "cancelled"): 1,
+                ("inference", "failed"): 2,
+                ("models", "completed"): 1,
+                ("other", "rejected"): 1,
+            },
+        )
 
         # Reasons: each request that did not complete, by the proxy's text it ended with.
         reasons = Counter()
         for p in requests:
             if outcome_of(p) != "completed":
-                reasons[next(name for text, name in ERROR_TEXTS
-                             if p["error"].startswith(text))] += 1
-        self.assertEqual(by_labels(samples, "nvpair_proxy_request_errors_total", "reason"),
-                         reasons)
-        self.assertEqual(set(reasons), {"client_gone", "no_owner", "transport",
-                                        "identity_probe"})
+                reasons[
+                    next(name for text, name in ERROR_TEXTS if p["error"].startswith(text))
+                ] += 1
+        self.assertEqual(by_labels(samples, "nvpair_proxy_request_errors_total", "reason"), reasons)
+        self.assertEqual(set(reasons), {"client_gone", "no_owner", "transport", "identity_probe"})
 
         # Dispatches: every upstream request of the request path (the model list's are the
         # fleet's, not dispatches), by node and by how the fake engine answered it.
         dispatched = [r for r in w.agent.requests if b"/api/tags" not in r.uri]
-        results = Counter((NODES[r.uri.split(b"/")[2].split(b":")[0]], dispatch_result(r))
-                          for r in dispatched)
-        self.assertEqual(by_labels(samples, "nvpair_proxy_dispatches_total", "node", "result"),
-                         results)
-        self.assertEqual({result for _, result in results}, {
-            "committed", "refused_status", "transport", "no_content", "cancelled"})
+        results = Counter(
+            (NODES[r.uri.split(b"/")[2].split(b":")[0]], dispatch_result(r)) for r in dispatched
+        )
+        self.assertEqual(
+            by_labels(samples, "nvpair_proxy_dispatches_total", "node", "result"), results
+        )
+        self.assertEqual(
+            {result for _, result in results},
+            {"committed", "refused_status", "transport", "no_content", "cancelled"},
+        )
         started = [info for method, info in w.emitter.workload() if method == "workload:started"]
-        self.assertEqual(total(samples, "nvpair_proxy_dispatches_total", result="committed"),
-                         len(started))
+        self.assertEqual(
+            total(samples, "nvpair_proxy_dispatches_total", result="committed"), len(started)
+        )
         # A failover is every dispatch after a request's first.
         placed = {info["id"] for _, info in w.emitter.workload() if info.get("scheduledOn")}
-        self.assertEqual(total(samples, "nvpair_proxy_failovers_total"),
-                         len(dispatched) - len(placed))
+        self.assertEqual(
+            total(samples, "nvpair_proxy_failovers_total"), len(dispatched) - len(placed)
+        )
 
         # The stalled node cools (30 s, and no time passed since).
-        stalled, = [node for node, result in results if result == "no_content"]
+        (stalled,) = [node for node, result in results if result == "no_content"]
         self.assertEqual(total(samples, "nvpair_proxy_nodes_cooling", engine="ollama"), 1)
         document = status(view)
         self.assertEqual(document["engines"][0]["cooling"], [stalled])
@@ -241,27 +293,47 @@ class ScenarioTests(WorldTestCase):
 
         for node in ("a", "b", "c"):
             done = [i for i in workloads if i.get("scheduledOn") == node and "stats" in i]
-            self.assertEqual(total(samples, "nvpair_proxy_generated_tokens_total", node=node),
-                             sum(i["stats"]["completionTokens"] for i in done))
-            self.assertEqual(total(samples, "nvpair_proxy_prompt_tokens_total", node=node),
-                             sum(i["stats"].get("promptTokens", 0) for i in done))
+            self.assertEqual(
+                total(samples, "nvpair_proxy_generated_tokens_total", node=node),
+                sum(i["stats"]["completionTokens"] for i in done),
+            )
+            self.assertEqual(
+                total(samples, "nvpair_proxy_prompt_tokens_total", node=node),
+                sum(i["stats"].get("promptTokens", 0) for i in done),
+            )
             with_ttfb = [p for p in requests if p.get("node_id") == node and "ttfb_ms" in p]
-            self.assertEqual(total(samples, "nvpair_proxy_ttfb_seconds_count", node=node),
-                             len(with_ttfb))
-            self.assertAlmostEqual(total(samples, "nvpair_proxy_ttfb_seconds_sum", node=node),
-                                   sum(p["ttfb_ms"] for p in with_ttfb) / 1000, places=2)
+            self.assertEqual(
+                total(samples, "nvpair_proxy_ttfb_seconds_count", node=node), len(with_ttfb)
+            )
+            self.assertAlmostEqual(
+                total(samples, "nvpair_proxy_ttfb_seconds_sum", node=node),
+                sum(p["ttfb_ms"] for p in with_ttfb) / 1000,
+                places=2,
+            )
         self.assertEqual(total(samples, "nvpair_proxy_generated_tokens_total"), 11)
         self.assertEqual(total(samples, "nvpair_proxy_prompt_tokens_total"), 16)
-        self.assertEqual(total(samples, "nvpair_proxy_request_duration_seconds_count"),
-                         len(requests))
+        self.assertEqual(
+            total(samples, "nvpair_proxy_request_duration_seconds_count"), len(requests)
+        )
         self.assertEqual(total(samples, "nvpair_proxy_requests_in_flight"), 0)
         self.assertEqual(total(samples, "nvpair_proxy_nodes", engine="ollama"), 3)
 
     def test_labels_are_bounded_vocabularies_never_models_paths_or_clients(self):
         w, recorder = self.scenario()
         text = scrape(registry(view_of(w, recorder))).decode()
-        allowed = {"engine", "node", "route", "outcome", "result", "reason", "le", "version",
-                   "mode", "python", "twisted"}
+        allowed = {
+            "engine",
+            "node",
+            "route",
+            "outcome",
+            "result",
+            "reason",
+            "le",
+            "version",
+            "mode",
+            "python",
+            "twisted",
+        }
         for name in re.findall(r"[{,]([a-z_]+)=", text):
             self.assertIn(name, allowed)
         for forbidden in ("llama3", "/api/", "127.0.0.1", "nope", MARKER):
@@ -331,11 +403,14 @@ class ReasonTests(WorldTestCase):
             keyed.send("POST", "/api/chat", body, peer=outside).response().status,
             keyless.send("POST", "/api/chat", body, peer=lan()).response().status,
             keyed.send("GET", "/api/tags", headers={"X-NVPAIR-Engine-Identity-Probe": "1"})
-            .response().status,
+            .response()
+            .status,
         ]
         too_large = keyed.connect()
-        too_large.protocol.dataReceived(b"POST /api/chat HTTP/1.1\r\nHost: x\r\n"
-                                        b"Content-Length: %d\r\n\r\n" % (MAX_REQUEST_BODY + 1))
+        too_large.protocol.dataReceived(
+            b"POST /api/chat HTTP/1.1\r\nHost: x\r\n"
+            b"Content-Length: %d\r\n\r\n" % (MAX_REQUEST_BODY + 1)
+        )
         statuses.append(too_large.response().status)
         keyed.facade.shutdown()
         statuses.append(keyed.send("POST", "/api/chat", body).response().status)
@@ -343,44 +418,79 @@ class ReasonTests(WorldTestCase):
         self.assertEqual(keyed.agent.requests, [])
 
         view = view_of(keyed, recorder)
-        expected = {"unauthorized": 1, "source_not_allowed": 1, "loopback_only": 1,
-                    "identity_probe": 1, "body_too_large": 1, "shutting_down": 1}
+        expected = {
+            "unauthorized": 1,
+            "source_not_allowed": 1,
+            "loopback_only": 1,
+            "identity_probe": 1,
+            "body_too_large": 1,
+            "shutting_down": 1,
+        }
         samples = scraped(view)
-        self.assertEqual(by_labels(samples, "nvpair_proxy_request_errors_total", "reason"),
-                         expected)
-        self.assertEqual(by_labels(samples, "nvpair_proxy_requests_total", "outcome"),
-                         {"rejected": 6})
-        engine, = json.loads(admin_get(view, "/status").body)["engines"]
+        self.assertEqual(
+            by_labels(samples, "nvpair_proxy_request_errors_total", "reason"), expected
+        )
+        self.assertEqual(
+            by_labels(samples, "nvpair_proxy_requests_total", "outcome"), {"rejected": 6}
+        )
+        (engine,) = json.loads(admin_get(view, "/status").body)["engines"]
         self.assertEqual((engine["reasons"], engine["requests"]), (expected, {"rejected": 6}))
 
     def test_every_reason_is_its_text_and_its_label_and_the_operations_doc_names_each_label(self):
         """A request's end carries a Reason: its label is what is counted (no text is read
         back), and the metrics vocabulary of docs/operations.md is exactly the labels."""
         for member in answers.Reason:
-            ended = events.RequestEnded(engine="ollama", at=0.0, route="inference",
-                                        outcome="failed", status=599, duration=0.0,
-                                        reason=member)
+            ended = events.RequestEnded(
+                engine="ollama",
+                at=0.0,
+                route="inference",
+                outcome="failed",
+                status=599,
+                duration=0.0,
+                reason=member,
+            )
             self.assertEqual(reason(ended), member.label, member)
         # Wire texts are protocol 5's and 4's, whole or as the fixed start of a detailed one.
-        self.assertEqual(answers.Reason.TRANSPORT.says("Connection refused"),
-                         "upstream error: Connection refused")
+        self.assertEqual(
+            answers.Reason.TRANSPORT.says("Connection refused"),
+            "upstream error: Connection refused",
+        )
         self.assertEqual(answers.Reason.UPSTREAM_STATUS.says(500), "upstream returned HTTP 500")
-        self.assertEqual(answers.Reason.IDENTITY_PROBE.says("lmstudio"),
-                         "this port is the nvpair-proxy facade for lmstudio")
+        self.assertEqual(
+            answers.Reason.IDENTITY_PROBE.says("lmstudio"),
+            "this port is the nvpair-proxy facade for lmstudio",
+        )
         self.assertEqual(answers.Reason.NO_OWNER.says(), dispatch.NO_OWNER)
         self.assertEqual(answers.Reason.CLIENT_GONE.text, events.CLIENT_GONE)
         # An engine's own answer, relayed with no reason of ours: its status, else other.
         for status_code, expected in ((401, "unauthorized"), (418, "other"), (499, "client_gone")):
-            ended = events.RequestEnded(engine="ollama", at=0.0, route="models",
-                                        outcome="failed", status=status_code, duration=0.0)
+            ended = events.RequestEnded(
+                engine="ollama",
+                at=0.0,
+                route="models",
+                outcome="failed",
+                status=status_code,
+                duration=0.0,
+            )
             self.assertEqual(reason(ended), expected)
-        completed = events.RequestEnded(engine="ollama", at=0.0, route="inference",
-                                        outcome="completed", status=200, duration=0.0)
+        completed = events.RequestEnded(
+            engine="ollama",
+            at=0.0,
+            route="inference",
+            outcome="completed",
+            status=200,
+            duration=0.0,
+        )
         self.assertIsNone(reason(completed))
-        operations = open(os.path.join(os.path.dirname(__file__), "..", "..", "docs",
-                                       "operations.md"), encoding="utf-8").read()
-        row = next(line for line in operations.splitlines()
-                   if line.startswith("| `nvpair_proxy_request_errors_total`"))
+        operations = open(
+            os.path.join(os.path.dirname(__file__), "..", "..", "docs", "operations.md"),
+            encoding="utf-8",
+        ).read()
+        row = next(
+            line
+            for line in operations.splitlines()
+            if line.startswith("| `nvpair_proxy_request_errors_total`")
+        )
         named = set(re.findall(r"`([a-z_]+)`", row.split("`reason`", 1)[1]))
         self.assertEqual(named, set(REASONS))
         self.assertEqual(len(REASONS), 27)
@@ -394,30 +504,105 @@ class StatusTests(WorldTestCase):
         w.chat()
         w.agent.last.respond(200, NDJSON, body=b'{"done":true,"eval_count":2}\n', finish=True)
         document = json.loads(admin_get(view_of(w, recorder), "/status").body)
-        self.assertEqual(set(document), {
-            "schema", "version", "mode", "now", "uptime_s", "broker_link_up", "cluster_pins",
-            "reservations", "engines", "nodes", "recent"})
-        self.assertEqual((document["schema"], document["mode"], document["broker_link_up"],
-                          document["cluster_pins"]), (1, "standalone", None, None))
-        engine, = document["engines"]
-        self.assertEqual(set(engine), {
-            "engine", "port", "pin", "nodes", "in_flight", "waiting_for_owner", "held",
-            "cooling", "queued", "oldest_wait_s", "affinity_keys", "requests", "reasons", "dispatches",
-            "failovers", "prompt_tokens", "completion_tokens", "slots"})
-        self.assertEqual((engine["engine"], engine["port"], engine["requests"],
-                          engine["dispatches"], engine["slots"]),
-                         ("ollama", 11435, {"completed": 1}, {"committed": 1}, None))
-        node, = document["nodes"]
-        self.assertEqual(node, {"id": "a", "name": "a", "addresses": ["10.0.0.1", "10.0.1.1"],
-                                "engines": [{"engine": "ollama", "port": 11434,
-                                             "models": ["llama3:latest"], "state": "ready"}],
-                                "last_activity": 0.0, "reservations": 0, "in_flight": 0,
-                                "held": False, "cooling": False})
-        recent, = document["recent"]
-        self.assertEqual(recent, {
-            "time": 0.0, "engine": "ollama", "route": "inference", "model": "llama3",
-            "node": "a", "outcome": "completed", "status": 200, "ttfb_ms": 0,
-            "duration_ms": 0, "dispatches": 1, "prompt_tokens": None, "completion_tokens": 2})
+        self.assertEqual(
+            set(document),
+            {
+                "schema",
+                "version",
+                "mode",
+                "now",
+                "uptime_s",
+                "broker_link_up",
+                "cluster_pins",
+                "reservations",
+                "engines",
+                "nodes",
+                "recent",
+            },
+        )
+        self.assertEqual(
+            (
+                document["schema"],
+                document["mode"],
+                document["broker_link_up"],
+                document["cluster_pins"],
+            ),
+            (1, "standalone", None, None),
+        )
+        (engine,) = document["engines"]
+        self.assertEqual(
+            set(engine),
+            {
+                "engine",
+                "port",
+                "pin",
+                "nodes",
+                "in_flight",
+                "waiting_for_owner",
+                "held",
+                "cooling",
+                "queued",
+                "oldest_wait_s",
+                "affinity_keys",
+                "requests",
+                "reasons",
+                "dispatches",
+                "failovers",
+                "prompt_tokens",
+                "completion_tokens",
+                "slots",
+            },
+        )
+        self.assertEqual(
+            (
+                engine["engine"],
+                engine["port"],
+                engine["requests"],
+                engine["dispatches"],
+                engine["slots"],
+            ),
+            ("ollama", 11435, {"completed": 1}, {"committed": 1}, None),
+        )
+        (node,) = document["nodes"]
+        self.assertEqual(
+            node,
+            {
+                "id": "a",
+                "name": "a",
+                "addresses": ["10.0.0.1", "10.0.1.1"],
+                "engines": [
+                    {
+                        "engine": "ollama",
+                        "port": 11434,
+                        "models": ["llama3:latest"],
+                        "state": "ready",
+                    }
+                ],
+                "last_activity": 0.0,
+                "reservations": 0,
+                "in_flight": 0,
+                "held": False,
+                "cooling": False,
+            },
+        )
+        (recent,) = document["recent"]
+        self.assertEqual(
+            recent,
+            {
+                "time": 0.0,
+                "engine": "ollama",
+                "route": "inference",
+                "model": "llama3",
+                "node": "a",
+                "outcome": "completed",
+                "status": 200,
+                "ttfb_ms": 0,
+                "duration_ms": 0,
+                "dispatches": 1,
+                "prompt_tokens": None,
+                "completion_tokens": 2,
+            },
+        )
 
     def test_a_whole_status_document_and_the_state_gauges_are_pinned(self):
         """Every field of ``/status`` and every gauge read from the tree, for a fleet with a
@@ -431,8 +616,9 @@ class StatusTests(WorldTestCase):
         w.add("c", models=("mistral:7b",), addresses=("10.0.0.3",))
         w.add("self", addresses=("127.0.0.1",), port=11435)
         done = w.chat()
-        w.agent.last.respond(200, NDJSON, body=b'{"done":true,"prompt_eval_count":3,'
-                             b'"eval_count":2}\n', finish=True)
+        w.agent.last.respond(
+            200, NDJSON, body=b'{"done":true,"prompt_eval_count":3,"eval_count":2}\n', finish=True
+        )
         self.assertEqual(done.response().status, 200)
         w.clock.advance(5)
         streaming = w.chat()
@@ -446,56 +632,150 @@ class StatusTests(WorldTestCase):
         view = view_of(w, recorder)
         answer = admin_get(view, "/status")
         expected = {
-            "schema": 1, "version": __version__, "mode": "standalone", "now": 6.0,
-            "uptime_s": 0.0, "broker_link_up": None, "cluster_pins": None, "reservations": 2,
-            "engines": [{
-                "engine": "ollama", "port": 11435, "pin": "a", "nodes": 3, "in_flight": 2,
-                "waiting_for_owner": 0, "held": ["b"], "cooling": ["c"],
-                "queued": 0, "oldest_wait_s": None, "affinity_keys": None,
-                "requests": {"completed": 1}, "reasons": {}, "dispatches": {"committed": 2},
-                "failovers": 0, "prompt_tokens": 3, "completion_tokens": 2, "slots": None}],
+            "schema": 1,
+            "version": __version__,
+            "mode": "standalone",
+            "now": 6.0,
+            "uptime_s": 0.0,
+            "broker_link_up": None,
+            "cluster_pins": None,
+            "reservations": 2,
+            "engines": [
+                {
+                    "engine": "ollama",
+                    "port": 11435,
+                    "pin": "a",
+                    "nodes": 3,
+                    "in_flight": 2,
+                    "waiting_for_owner": 0,
+                    "held": ["b"],
+                    "cooling": ["c"],
+                    "queued": 0,
+                    "oldest_wait_s": None,
+                    "affinity_keys": None,
+                    "requests": {"completed": 1},
+                    "reasons": {},
+                    "dispatches": {"committed": 2},
+                    "failovers": 0,
+                    "prompt_tokens": 3,
+                    "completion_tokens": 2,
+                    "slots": None,
+                }
+            ],
             "nodes": [
-                {"id": "a", "name": "a", "addresses": ["10.0.0.1", "10.0.1.1"],
-                 "engines": [{"engine": "ollama", "port": 11434, "models": ["llama3:latest"],
-                              "state": "ready"}],
-                 "last_activity": 5.0, "reservations": 1, "in_flight": 1, "held": False,
-                 "cooling": False},
-                {"id": "b", "name": "b", "addresses": ["10.0.0.2"],
-                 "engines": [{"engine": "ollama", "port": 11434, "models": ["llama3:latest"],
-                              "state": "held"}],
-                 "last_activity": None, "reservations": 0, "in_flight": 0, "held": True,
-                 "cooling": False},
-                {"id": "c", "name": "c", "addresses": ["10.0.0.3"],
-                 "engines": [{"engine": "ollama", "port": 11434, "models": ["mistral:7b"],
-                              "state": "cooling"}],
-                 "last_activity": None, "reservations": 1, "in_flight": 1, "held": False,
-                 "cooling": True},
-                {"id": "self", "name": "self", "addresses": ["127.0.0.1"],
-                 "engines": [{"engine": "ollama", "port": 11435, "models": ["llama3:latest"],
-                              "state": "excluded",
-                              "excluded": self_reason("ollama", 11435)}],
-                 "last_activity": None, "reservations": 0, "in_flight": 0, "held": False,
-                 "cooling": False}],
-            "recent": [{
-                "time": 0.0, "engine": "ollama", "route": "inference", "model": "llama3",
-                "node": "a", "outcome": "completed", "status": 200, "ttfb_ms": 0,
-                "duration_ms": 0, "dispatches": 1, "prompt_tokens": 3,
-                "completion_tokens": 2}]}
+                {
+                    "id": "a",
+                    "name": "a",
+                    "addresses": ["10.0.0.1", "10.0.1.1"],
+                    "engines": [
+                        {
+                            "engine": "ollama",
+                            "port": 11434,
+                            "models": ["llama3:latest"],
+                            "state": "ready",
+                        }
+                    ],
+                    "last_activity": 5.0,
+                    "reservations": 1,
+                    "in_flight": 1,
+                    "held": False,
+                    "cooling": False,
+                },
+                {
+                    "id": "b",
+                    "name": "b",
+                    "addresses": ["10.0.0.2"],
+                    "engines": [
+                        {
+                            "engine": "ollama",
+                            "port": 11434,
+                            "models": ["llama3:latest"],
+                            "state": "held",
+                        }
+                    ],
+                    "last_activity": None,
+                    "reservations": 0,
+                    "in_flight": 0,
+                    "held": True,
+                    "cooling": False,
+                },
+                {
+                    "id": "c",
+                    "name": "c",
+                    "addresses": ["10.0.0.3"],
+                    "engines": [
+                        {
+                            "engine": "ollama",
+                            "port": 11434,
+                            "models": ["mistral:7b"],
+                            "state": "cooling",
+                        }
+                    ],
+                    "last_activity": None,
+                    "reservations": 1,
+                    "in_flight": 1,
+                    "held": False,
+                    "cooling": True,
+                },
+                {
+                    "id": "self",
+                    "name": "self",
+                    "addresses": ["127.0.0.1"],
+                    "engines": [
+                        {
+                            "engine": "ollama",
+                            "port": 11435,
+                            "models": ["llama3:latest"],
+                            "state": "excluded",
+                            "excluded": self_reason("ollama", 11435),
+                        }
+                    ],
+                    "last_activity": None,
+                    "reservations": 0,
+                    "in_flight": 0,
+                    "held": False,
+                    "cooling": False,
+                },
+            ],
+            "recent": [
+                {
+                    "time": 0.0,
+                    "engine": "ollama",
+                    "route": "inference",
+                    "model": "llama3",
+                    "node": "a",
+                    "outcome": "completed",
+                    "status": 200,
+                    "ttfb_ms": 0,
+                    "duration_ms": 0,
+                    "dispatches": 1,
+                    "prompt_tokens": 3,
+                    "completion_tokens": 2,
+                }
+            ],
+        }
         self.maxDiff = None
         self.assertEqual(json.loads(answer.body), expected)
         self.assertEqual(answer.body, json.dumps(expected, sort_keys=True).encode() + b"\n")
-        state = [line for line in scrape(registry(view)).decode().splitlines()
-                 if line.startswith(STATE_GAUGES)]
-        self.assertEqual(state, [
-            'nvpair_proxy_requests_in_flight{engine="ollama"} 2.0',
-            'nvpair_proxy_requests_waiting_for_owner{engine="ollama"} 0.0',
-            'nvpair_proxy_nodes{engine="ollama"} 3.0',
-            'nvpair_proxy_nodes_busy_held{engine="ollama"} 1.0',
-            'nvpair_proxy_nodes_cooling{engine="ollama"} 1.0',
-            'nvpair_proxy_node_requests_in_flight{engine="ollama",node="a"} 1.0',
-            'nvpair_proxy_node_requests_in_flight{engine="ollama",node="c"} 1.0',
-            'nvpair_proxy_reservations{node="a"} 1.0',
-            'nvpair_proxy_reservations{node="c"} 1.0'])
+        state = [
+            line
+            for line in scrape(registry(view)).decode().splitlines()
+            if line.startswith(STATE_GAUGES)
+        ]
+        self.assertEqual(
+            state,
+            [
+                'nvpair_proxy_requests_in_flight{engine="ollama"} 2.0',
+                'nvpair_proxy_requests_waiting_for_owner{engine="ollama"} 0.0',
+                'nvpair_proxy_nodes{engine="ollama"} 3.0',
+                'nvpair_proxy_nodes_busy_held{engine="ollama"} 1.0',
+                'nvpair_proxy_nodes_cooling{engine="ollama"} 1.0',
+                'nvpair_proxy_node_requests_in_flight{engine="ollama",node="a"} 1.0',
+                'nvpair_proxy_node_requests_in_flight{engine="ollama",node="c"} 1.0',
+                'nvpair_proxy_reservations{node="a"} 1.0',
+                'nvpair_proxy_reservations{node="c"} 1.0',
+            ],
+        )
         upstream.write(b'{"done":true}\n')
         upstream.finish()
         serve_all(self, w, streaming, waiting)
@@ -510,8 +790,9 @@ class StatusTests(WorldTestCase):
         client = w.chat()
         after = source.snapshot()
         self.assertEqual((before.facades[0].in_flight, dict(before.reservations)), ((), {}))
-        self.assertEqual(after.facades[0].in_flight,
-                         (InFlightView(node="a", waiting_for_owner=False),))
+        self.assertEqual(
+            after.facades[0].in_flight, (InFlightView(node="a", waiting_for_owner=False),)
+        )
         self.assertEqual(dict(after.reservations), {"a": 1})
         self.assertEqual(after.facades[0].routing.routable, ("a",))
         with self.assertRaises(attrs.exceptions.FrozenInstanceError):
@@ -545,9 +826,10 @@ class StatusTests(WorldTestCase):
         nobody = w.chat(model="Nope-Model")
         self.assertEqual((busy.response().status, nobody.response().status), (503, 502))
         view = view_of(w, recorder)
-        self.assertEqual([(r["model"], r["status"], r["node"], r["dispatches"])
-                          for r in status(view)["recent"]],
-                         [("Nope-Model", 502, None, 0), ("llama3", 503, None, 0)])
+        self.assertEqual(
+            [(r["model"], r["status"], r["node"], r["dispatches"]) for r in status(view)["recent"]],
+            [("Nope-Model", 502, None, 0), ("llama3", 503, None, 0)],
+        )
         text = scrape(registry(view)).decode()
         self.assertNotIn("llama3", text)
         self.assertNotIn("Nope-Model", text)
@@ -567,11 +849,29 @@ class StatusTests(WorldTestCase):
         self.assertNotRegex(page, r"<(link|img|iframe)\b|<script[^>]*\bsrc=")
         self.assertNotIn("innerHTML", page)
         headings = re.findall(r"<th[^>]*>([^<]+)</th>", page)
-        self.assertEqual(headings, [
-            "node", "addresses", "engines", "models", "last activity", "reservations",
-            "in flight", "busy / cooling",
-            "time", "engine", "route", "model", "node", "outcome", "status", "TTFB", "duration",
-            "tokens in / out"])
+        self.assertEqual(
+            headings,
+            [
+                "node",
+                "addresses",
+                "engines",
+                "models",
+                "last activity",
+                "reservations",
+                "in flight",
+                "busy / cooling",
+                "time",
+                "engine",
+                "route",
+                "model",
+                "node",
+                "outcome",
+                "status",
+                "TTFB",
+                "duration",
+                "tokens in / out",
+            ],
+        )
         self.assertIn('id="engines"', page)
         self.assertIn('facts.push(["local slots", slotsText(e.slots)])', page)
 
@@ -579,8 +879,9 @@ class StatusTests(WorldTestCase):
         recorder = Recorder()
         w = self.world(recorder=recorder)
         view = view_of(w, recorder)
-        self.assertEqual((admin_get(view, "/healthz").status, admin_get(view, "/healthz").body),
-                         (200, b"ok\n"))
+        self.assertEqual(
+            (admin_get(view, "/healthz").status, admin_get(view, "/healthz").body), (200, b"ok\n")
+        )
         metrics = admin_get(view, "/metrics")
         self.assertTrue(metrics.header("content-type").startswith("text/plain; version="))
         self.assertIn(b"nvpair_proxy_build_info{", metrics.body)
@@ -596,11 +897,24 @@ class StatusTests(WorldTestCase):
         w = self.world(recorder=recorder)
         view = view_of(w, recorder)
         self.assertEqual(admin_get(view, "/status", host="evil.example:9464").status, 403)
-        for host in ("localhost:9464", "127.0.0.1", "[::1]:9464", "LOCALHOST", "[::1]",
-                     "[::ffff:127.0.0.1]:9464"):
+        for host in (
+            "localhost:9464",
+            "127.0.0.1",
+            "[::1]:9464",
+            "LOCALHOST",
+            "[::1]",
+            "[::ffff:127.0.0.1]:9464",
+        ):
             self.assertTrue(loopback_host(host.encode()), host)
-        for host in (b"", b"10.0.0.1:9464", b"example.com", b"127.0.0.1.nip.io",
-                     b"[::ffff:10.0.0.1]:9464", b"localhost.evil:9464", b"[127.0.0.1]:9464"):
+        for host in (
+            b"",
+            b"10.0.0.1:9464",
+            b"example.com",
+            b"127.0.0.1.nip.io",
+            b"[::ffff:10.0.0.1]:9464",
+            b"localhost.evil:9464",
+            b"[127.0.0.1]:9464",
+        ):
             self.assertFalse(loopback_host(host), host)
 
 
@@ -614,22 +928,37 @@ class AdminAddressTests(SynchronousTestCase):
         self.assertEqual(admin_address("[::ffff:127.0.0.1]:9464"), ("127.0.0.1", 9464))
 
     def test_a_non_loopback_admin_address_stops_start_up_with_one_line(self):
-        for value, shown in (("0.0.0.0:9464", "0.0.0.0"), ("192.168.1.5:9464", "192.168.1.5"),
-                             ("[::]:9464", "::"), ("example.com:9464", "example.com")):
+        for value, shown in (
+            ("0.0.0.0:9464", "0.0.0.0"),
+            ("192.168.1.5:9464", "192.168.1.5"),
+            ("[::]:9464", "::"),
+            ("example.com:9464", "example.com"),
+        ):
             with self.assertRaises(SystemExit) as caught:
                 Options().parseOptions(["--engine", "ollama", "--admin", value])
-            self.assertEqual(caught.exception.code,
-                             f"nvpair-proxy: --admin: {shown} is not a loopback address; the "
-                             f"admin listener serves this machine only (use 127.0.0.1 or ::1)")
+            self.assertEqual(
+                caught.exception.code,
+                f"nvpair-proxy: --admin: {shown} is not a loopback address; the "
+                f"admin listener serves this machine only (use 127.0.0.1 or ::1)",
+            )
 
     def test_a_malformed_admin_address_names_the_flag(self):
-        for value in ("9464", "127.0.0.1", "127.0.0.1:x", "127.0.0.1:70000", ":9464",
-                      "::1:9464", "[127.0.0.1]:9464", "127.0.0.1:\u00b2"):
+        for value in (
+            "9464",
+            "127.0.0.1",
+            "127.0.0.1:x",
+            "127.0.0.1:70000",
+            ":9464",
+            "::1:9464",
+            "[127.0.0.1]:9464",
+            "127.0.0.1:\u00b2",
+        ):
             with self.assertRaises(SystemExit) as caught:
                 Options().parseOptions(["--admin", value])
-            self.assertEqual(caught.exception.code,
-                             f"nvpair-proxy: --admin: want HOST:PORT, e.g. 127.0.0.1:9464 "
-                             f"(got {value!r})")
+            self.assertEqual(
+                caught.exception.code,
+                f"nvpair-proxy: --admin: want HOST:PORT, e.g. 127.0.0.1:9464 (got {value!r})",
+            )
 
 
 class TreeTests(SynchronousTestCase):
@@ -637,25 +966,29 @@ class TreeTests(SynchronousTestCase):
 
     def setUp(self):
         from nvpair_proxy.core import logs
+
         self.addCleanup(logs.set_level, logs.level_name())
         self.addCleanup(logs.set_access_log, False)
 
     def test_standalone_tree_binds_the_admin_listener_on_loopback(self):
         from twisted.internet.testing import MemoryReactorClock
         from nvpair_proxy.process.service import standalone_tree
+
         options = Options()
         options.parseOptions(["--engine", "ollama:1300", "--admin", "127.0.0.1:9464"])
         reactor = MemoryReactorClock()
         root = standalone_tree(options.config, reactor)
         self.assertEqual([s.name for s in root], ["runtime", "admin", "standalone", "facades"])
         root.privilegedStartService()
-        self.assertEqual([(t[0], t[3]) for t in reactor.tcpServers],
-                         [(9464, "127.0.0.1"), (1300, "::")])
+        self.assertEqual(
+            [(t[0], t[3]) for t in reactor.tcpServers], [(9464, "127.0.0.1"), (1300, "::")]
+        )
         self.assertIs(root.facades["ollama"].facade.reporter.recorder, root.runtime.recorder)
 
     def test_without_admin_there_is_no_recorder(self):
         from twisted.internet.testing import MemoryReactorClock
         from nvpair_proxy.process.service import standalone_tree
+
         options = Options()
         options.parseOptions(["--engine", "ollama:1300"])
         root = standalone_tree(options.config, MemoryReactorClock())
@@ -667,6 +1000,7 @@ class TreeTests(SynchronousTestCase):
         """A broker tree with the admin listener bound on a MemoryReactorClock."""
         from twisted.internet.testing import MemoryReactorClock
         from nvpair_proxy.process import service
+
         self.patch(service, "claim_stdout", lambda: 99)
         options = Options()
         options.parseOptions(["--admin", "[::1]:9464", *arguments])
@@ -681,10 +1015,17 @@ class TreeTests(SynchronousTestCase):
         self.assertEqual([s.name for s in root], ["runtime", "admin", "link", "facades"])
         self.assertEqual([(t[0], t[3]) for t in reactor.tcpServers], [(9464, "::1")])
         document = status(admin.view)
-        self.assertEqual((document["mode"], document["broker_link_up"], document["engines"],
-                          document["cluster_pins"]), ("broker", False, [], None))
+        self.assertEqual(
+            (
+                document["mode"],
+                document["broker_link_up"],
+                document["engines"],
+                document["cluster_pins"],
+            ),
+            ("broker", False, [], None),
+        )
         text = scrape(registry(admin.view)).decode()
-        self.assertIn('nvpair_proxy_broker_link_up 0.0', text)
+        self.assertIn("nvpair_proxy_broker_link_up 0.0", text)
         self.assertNotIn("nvpair_proxy_cluster_pins", text)
 
     def test_broker_healthz_follows_the_link(self):
@@ -708,6 +1049,7 @@ class TreeTests(SynchronousTestCase):
 
     def test_cluster_pins_count_the_live_pins_of_a_member(self):
         from nvpair_proxy.testing.certs import make_certificate, write_identity, write_pin
+
         folder = self.mktemp()
         os.makedirs(folder)
         root, admin, _ = self.broker_tree("--cluster-dir", folder)
@@ -734,18 +1076,25 @@ class TreeTests(SynchronousTestCase):
 
         def call(method: str, params: dict) -> dict:
             framer.transport.clear()
-            framer.dataReceived(json.dumps({"jsonrpc": "2.0", "id": 1, "method": method,
-                                            "params": params}).encode() + b"\n")
+            framer.dataReceived(
+                json.dumps({"jsonrpc": "2.0", "id": 1, "method": method, "params": params}).encode()
+                + b"\n"
+            )
             return json.loads(framer.transport.value().splitlines()[-1])
 
         self.assertIn("result", call("facade/enable", {"engine": "ollama", "port": 11435}))
         self.assertEqual(status(admin.view)["engines"][0]["slots"], None)
-        backend = {"engine": "ollama", "port": 11434,
-                   "slots": {"default": 4, "models": {"llama3": 2, "mistral:7b": 0}}}
+        backend = {
+            "engine": "ollama",
+            "port": 11434,
+            "slots": {"default": 4, "models": {"llama3": 2, "mistral:7b": 0}},
+        }
         self.assertEqual(call("ollama:node/set-local-backend", backend)["result"], {"ok": True})
-        engine, = status(admin.view)["engines"]
-        self.assertEqual((engine["engine"], engine["slots"]),
-                         ("ollama", {"default": 4, "models": {"llama3:latest": 2}}))
+        (engine,) = status(admin.view)["engines"]
+        self.assertEqual(
+            (engine["engine"], engine["slots"]),
+            ("ollama", {"default": 4, "models": {"llama3:latest": 2}}),
+        )
         # A backend named without slots clears them, as nodes/list shows.
         call("ollama:node/set-local-backend", {"engine": "ollama", "port": 11434})
         self.assertIsNone(status(admin.view)["engines"][0]["slots"])
@@ -757,12 +1106,14 @@ class SchedulerStatusTests(WorldTestCase):
 
     def test_the_queue_and_each_engines_report_show_on_status_and_metrics(self):
         from nvpair_proxy.routing.enginetruth import EngineTruth, Slots
+
         recorder = Recorder()
         w = self.world(recorder=recorder, scheduling=True, queue_depth=10)
         w.add("a", addresses=("10.0.0.1",))
         w.add("b", addresses=("10.0.0.2",))
-        w.facade.router.set_truth("a", EngineTruth(read_at=0, slots=Slots(1, 0),
-                                                   warm=frozenset({"llama3:latest"})))
+        w.facade.router.set_truth(
+            "a", EngineTruth(read_at=0, slots=Slots(1, 0), warm=frozenset({"llama3:latest"}))
+        )
         w.facade.router.set_truth("b", EngineTruth(read_at=0, slots=Slots(2, 2)))
         first = w.chat()
         stream = w.agent.last.respond(200, NDJSON)
@@ -770,23 +1121,43 @@ class SchedulerStatusTests(WorldTestCase):
         w.clock.advance(2)
         view = view_of(w, recorder)
         document = json.loads(admin_get(view, "/status").body)
-        engine, = document["engines"]
+        (engine,) = document["engines"]
         self.assertEqual((engine["queued"], engine["oldest_wait_s"]), (1, 2.0))
         reports = {node["id"]: node["engines"][0]["engine_report"] for node in document["nodes"]}
-        self.assertEqual(reports["a"], {"slots_total": 1, "slots_busy": 1, "ours": 1,
-                                        "reported_busy": 0, "warm": ["llama3:latest"],
-                                        "read_age_s": 2.0, "service_s": None,
-                                        "prompt_tokens_per_second": None,
-                                        "prompt_bytes_per_token": None})
-        self.assertEqual(reports["b"], {"slots_total": 2, "slots_busy": 2, "ours": 0,
-                                        "reported_busy": 2, "warm": None, "read_age_s": 2.0,
-                                        "service_s": None, "prompt_tokens_per_second": None,
-                                        "prompt_bytes_per_token": None})
+        self.assertEqual(
+            reports["a"],
+            {
+                "slots_total": 1,
+                "slots_busy": 1,
+                "ours": 1,
+                "reported_busy": 0,
+                "warm": ["llama3:latest"],
+                "read_age_s": 2.0,
+                "service_s": None,
+                "prompt_tokens_per_second": None,
+                "prompt_bytes_per_token": None,
+            },
+        )
+        self.assertEqual(
+            reports["b"],
+            {
+                "slots_total": 2,
+                "slots_busy": 2,
+                "ours": 0,
+                "reported_busy": 2,
+                "warm": None,
+                "read_age_s": 2.0,
+                "service_s": None,
+                "prompt_tokens_per_second": None,
+                "prompt_bytes_per_token": None,
+            },
+        )
         samples = scraped(view)
         self.assertEqual(total(samples, "nvpair_proxy_queue_depth", engine="ollama"), 1)
-        self.assertEqual(by_labels(samples, "nvpair_proxy_node_slots", "node", "state"),
-                         Counter({("a", "busy"): 1, ("a", "total"): 1, ("b", "busy"): 2,
-                                  ("b", "total"): 2}))
+        self.assertEqual(
+            by_labels(samples, "nvpair_proxy_node_slots", "node", "state"),
+            Counter({("a", "busy"): 1, ("a", "total"): 1, ("b", "busy"): 2, ("b", "total"): 2}),
+        )
         stream.write(b'{"done":true}\n')
         stream.finish()
         w.clock.advance(0)

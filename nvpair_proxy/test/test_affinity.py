@@ -42,43 +42,70 @@ def key(body: dict, path: str = "/api/chat", **headers: str) -> bytes | None:
 class KeyTests(SynchronousTestCase):
     def test_each_session_header_names_the_conversation_in_order(self):
         body = chat("first")
-        for header in ("x-session-affinity", "x-claude-code-session-id", "session_id",
-                       "session-id", "x-session-id"):
-            self.assertEqual(key(body, **{header: "s1"}), key(chat("other"), **{header: "s1"}),
-                             header)
+        for header in (
+            "x-session-affinity",
+            "x-claude-code-session-id",
+            "session_id",
+            "session-id",
+            "x-session-id",
+        ):
+            self.assertEqual(
+                key(body, **{header: "s1"}), key(chat("other"), **{header: "s1"}), header
+            )
             self.assertNotEqual(key(body, **{header: "s1"}), key(body, **{header: "s2"}), header)
-        self.assertEqual(key(body, **{"x-session-affinity": "one", "x-session-id": "two"}),
-                         key(body, **{"x-session-affinity": "one"}), "the first match wins")
+        self.assertEqual(
+            key(body, **{"x-session-affinity": "one", "x-session-id": "two"}),
+            key(body, **{"x-session-affinity": "one"}),
+            "the first match wins",
+        )
 
     def test_the_body_prompt_cache_key_names_it_when_no_header_does(self):
         named = dict(chat("first"), prompt_cache_key="k")
         self.assertEqual(key(named), key(dict(chat("other"), prompt_cache_key="k")))
         self.assertNotEqual(key(named), key(chat("first")))
-        self.assertEqual(key(named, **{"x-session-id": "h"}), key(chat("x"), **{"x-session-id": "h"}))
+        self.assertEqual(
+            key(named, **{"x-session-id": "h"}), key(chat("x"), **{"x-session-id": "h"})
+        )
 
     def test_a_conversations_turns_share_its_digest_and_other_first_messages_do_not(self):
-        self.assertEqual(key(chat("read this file")), key(chat("read this file", "and now?",
-                                                               "more")))
+        self.assertEqual(
+            key(chat("read this file")), key(chat("read this file", "and now?", "more"))
+        )
         self.assertNotEqual(key(chat("read this file")), key(chat("read that file")))
-        self.assertNotEqual(key(chat("read this file")), key(chat("read this file",
-                                                                  system="be long")))
+        self.assertNotEqual(
+            key(chat("read this file")), key(chat("read this file", system="be long"))
+        )
 
     def test_messages_responses_and_prompts_have_their_own_heads(self):
-        messages = {"model": "m", "system": [{"type": "text", "text": "sys"}],
-                    "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}
-        self.assertEqual(key(messages, "/v1/messages"),
-                         key(dict(messages, messages=messages["messages"] + [
-                             {"role": "assistant", "content": "x"},
-                             {"role": "user", "content": "y"}]), "/v1/messages"))
+        messages = {
+            "model": "m",
+            "system": [{"type": "text", "text": "sys"}],
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+        }
+        self.assertEqual(
+            key(messages, "/v1/messages"),
+            key(
+                dict(
+                    messages,
+                    messages=messages["messages"]
+                    + [{"role": "assistant", "content": "x"}, {"role": "user", "content": "y"}],
+                ),
+                "/v1/messages",
+            ),
+        )
         responses = {"model": "m", "instructions": "i", "input": "question"}
         self.assertIsNotNone(key(responses, "/v1/responses"))
-        self.assertNotEqual(key(responses, "/v1/responses"),
-                            key(dict(responses, instructions="j"), "/v1/responses"))
+        self.assertNotEqual(
+            key(responses, "/v1/responses"), key(dict(responses, instructions="j"), "/v1/responses")
+        )
         prompt = {"model": "m", "prompt": "once upon a time"}
-        self.assertEqual(key(prompt, "/api/generate"),
-                         key({"model": "m", "prompt": "once upon a time"}, "/api/generate"))
-        self.assertNotEqual(key(prompt, "/api/generate"),
-                            key({"model": "m", "prompt": "twice"}, "/api/generate"))
+        self.assertEqual(
+            key(prompt, "/api/generate"),
+            key({"model": "m", "prompt": "once upon a time"}, "/api/generate"),
+        )
+        self.assertNotEqual(
+            key(prompt, "/api/generate"), key({"model": "m", "prompt": "twice"}, "/api/generate")
+        )
 
     def test_no_key_for_embeddings_or_a_body_without_a_conversation(self):
         self.assertIsNone(key({"model": "m", "input": "x"}, "/v1/embeddings"))
@@ -89,8 +116,11 @@ class KeyTests(SynchronousTestCase):
 
     def test_at_most_16_KiB_of_a_head_is_hashed(self):
         head = "x" * HASHED
-        self.assertEqual(key(chat(head + "a" * 200_000)), key(chat(head + "b")),
-                         "bytes past the bound never reach the digest")
+        self.assertEqual(
+            key(chat(head + "a" * 200_000)),
+            key(chat(head + "b")),
+            "bytes past the bound never reach the digest",
+        )
         self.assertNotEqual(key(chat("a" + head)), key(chat("b" + head)))
 
     def test_the_key_is_a_digest_never_the_text(self):
@@ -106,8 +136,15 @@ class TableTests(SynchronousTestCase):
         table.committed(b"k2", "b", 1)
         table.committed(b"k1", "a", 2)
         table.committed(b"k3", "c", 3)
-        self.assertEqual((table.node_for(b"k1", 3), table.node_for(b"k2", 3),
-                          table.node_for(b"k3", 3), len(table)), ("a", None, "c", 2))
+        self.assertEqual(
+            (
+                table.node_for(b"k1", 3),
+                table.node_for(b"k2", 3),
+                table.node_for(b"k3", 3),
+                len(table),
+            ),
+            ("a", None, "c", 2),
+        )
 
     def test_an_idle_key_expires(self):
         table = AffinityTable(idle_expiry=60)
@@ -127,18 +164,19 @@ class TableTests(SynchronousTestCase):
 
 class PlacementTests(WorldTestCase):
     def fleet(self, *nodes: str, recorder=None, **kwargs):
-        w = self.world(scheduling=True, queue_depth=100, affinity=True, recorder=recorder,
-                       **kwargs)
+        w = self.world(scheduling=True, queue_depth=100, affinity=True, recorder=recorder, **kwargs)
         for node in nodes:
             w.add(node, addresses=(ADDRESS[node],))
         return w
 
     def tell(self, w, node: str, total: int, busy: int = 0) -> None:
-        w.facade.router.set_truth(node, EngineTruth(read_at=w.clock.seconds(),
-                                                    slots=Slots(total, busy)))
+        w.facade.router.set_truth(
+            node, EngineTruth(read_at=w.clock.seconds(), slots=Slots(total, busy))
+        )
 
-    def turn(self, w, body: dict, *, answer: bool = True,
-             timings: dict | None = None) -> tuple[str, object]:
+    def turn(
+        self, w, body: dict, *, answer: bool = True, timings: dict | None = None
+    ) -> tuple[str, object]:
         """Send one turn; answer it at once unless told not to: (node, client)."""
         client = w.send("POST", "/api/chat", body)
         request = w.agent.last
@@ -200,8 +238,7 @@ class PlacementTests(WorldTestCase):
         self.assertEqual(node, "b", "no timings from a: spill at once")
         w.agent.requests[1].respond(200, NDJSON, DONE, finish=True)
 
-    def measured(self, w, prompt_per_second: float = 100.0,
-                 bytes_per_token: float = 4.0) -> None:
+    def measured(self, w, prompt_per_second: float = 100.0, bytes_per_token: float = 4.0) -> None:
         """a served a request of conversation "seed" in 2 s, at a measured prompt rate and
         a measured number of body bytes per prompt token: with the conversation's own first
         turn (0 s), a's time to serve one is 0.6 s (a moving average weighting each new
@@ -211,11 +248,24 @@ class PlacementTests(WorldTestCase):
         client = w.send("POST", "/api/chat", body)
         self.assertEqual(node_of(w.agent.last), "a")
         w.clock.advance(2)
-        w.agent.last.respond(200, NDJSON, json.dumps(
-            {"done": True, "timings": {"prompt_n": 64, "cache_n": round(size / bytes_per_token) - 64,
-                                       "predicted_n": 5, "predicted_per_second": 50.0,
-                                       "prompt_per_second": prompt_per_second}}).encode()
-            + b"\n", finish=True)
+        w.agent.last.respond(
+            200,
+            NDJSON,
+            json.dumps(
+                {
+                    "done": True,
+                    "timings": {
+                        "prompt_n": 64,
+                        "cache_n": round(size / bytes_per_token) - 64,
+                        "predicted_n": 5,
+                        "predicted_per_second": 50.0,
+                        "prompt_per_second": prompt_per_second,
+                    },
+                }
+            ).encode()
+            + b"\n",
+            finish=True,
+        )
         self.assertEqual(client.response().status, 200)
         view = next(v for v in w.facade.router.view().engines if v.node == "a")
         self.assertEqual(view.prompt_rate, prompt_per_second)
@@ -289,12 +339,16 @@ class PlacementTests(WorldTestCase):
         def served(timings: dict) -> None:
             client = w.send("POST", "/api/chat", chat("seed " * 100))
             w.clock.advance(1)
-            w.agent.last.respond(200, NDJSON, json.dumps(
-                {"done": True, "timings": timings}).encode() + b"\n", finish=True)
+            w.agent.last.respond(
+                200,
+                NDJSON,
+                json.dumps({"done": True, "timings": timings}).encode() + b"\n",
+                finish=True,
+            )
             self.assertEqual(client.response().status, 200)
 
         def report():
-            view, = w.facade.router.view().engines
+            (view,) = w.facade.router.view().engines
             return view.prompt_rate, view.bytes_per_token
 
         size = len(json.dumps(chat("seed " * 100)))
@@ -305,8 +359,11 @@ class PlacementTests(WorldTestCase):
         served({"prompt_n": 10, "prompt_per_second": 20.0})
         self.assertEqual(report(), (400.0, first), "10 tokens read: unchanged")
         served({"prompt_n": 10, "cache_n": size - 10, "prompt_per_second": 20.0})
-        self.assertEqual(report(), (400.0, first + 0.3 * (1.0 - first)),
-                         "a whole prompt of many tokens moves bytes per token, not the rate")
+        self.assertEqual(
+            report(),
+            (400.0, first + 0.3 * (1.0 - first)),
+            "a whole prompt of many tokens moves bytes per token, not the rate",
+        )
 
     def test_a_nodes_prompt_rate_is_read_from_a_tail_at_most_once_a_second(self):
         w = self.fleet("a")
@@ -314,13 +371,16 @@ class PlacementTests(WorldTestCase):
         def served(rate: float, after: float) -> None:
             client = w.send("POST", "/api/chat", chat("one"))
             w.clock.advance(after)
-            w.agent.last.respond(200, NDJSON, json.dumps(
-                {"done": True, "timings": {"prompt_per_second": rate}}).encode() + b"\n",
-                finish=True)
+            w.agent.last.respond(
+                200,
+                NDJSON,
+                json.dumps({"done": True, "timings": {"prompt_per_second": rate}}).encode() + b"\n",
+                finish=True,
+            )
             self.assertEqual(client.response().status, 200)
 
         def report():
-            view, = w.facade.router.view().engines
+            (view,) = w.facade.router.view().engines
             return view.prompt_rate, view.service
 
         served(100.0, after=2)
@@ -333,18 +393,27 @@ class PlacementTests(WorldTestCase):
     def test_hits_spills_misses_and_none_are_counted_once_per_request(self):
         recorder = Recorder()
         w = self.fleet("a", "b", recorder=recorder)
-        self.turn(w, chat("one"))                          # miss
-        self.turn(w, chat("one", "next"))                  # hit
+        self.turn(w, chat("one"))  # miss
+        self.turn(w, chat("one", "next"))  # hit
         w.facade.router.answered("a", 503)
-        self.turn(w, chat("one", "again"))                 # spill: a is held
+        self.turn(w, chat("one", "again"))  # spill: a is held
         client = w.send("POST", "/api/embed", {"model": "llama3", "input": "x"})
         w.agent.last.respond(200, {"Content-Type": "application/json"}, b"{}", finish=True)
-        self.assertEqual(client.response().status, 200)    # none
-        self.assertEqual(dict(recorder.affinity), {("ollama", "miss"): 1, ("ollama", "hit"): 1,
-                                                   ("ollama", "spill"): 1,
-                                                   ("ollama", "none"): 1})
-        self.assertEqual(w.facade.router.view().affinity_keys, (("b", 1),),
-                         "the conversation now lives where it spilled")
+        self.assertEqual(client.response().status, 200)  # none
+        self.assertEqual(
+            dict(recorder.affinity),
+            {
+                ("ollama", "miss"): 1,
+                ("ollama", "hit"): 1,
+                ("ollama", "spill"): 1,
+                ("ollama", "none"): 1,
+            },
+        )
+        self.assertEqual(
+            w.facade.router.view().affinity_keys,
+            (("b", 1),),
+            "the conversation now lives where it spilled",
+        )
 
     def test_no_log_line_carries_a_key_or_a_digest(self):
         logs = LogCapture(self, level="debug")

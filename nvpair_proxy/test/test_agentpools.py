@@ -25,8 +25,7 @@ class Idle:
 class AgentPoolsTests(SynchronousTestCase):
     def setUp(self) -> None:
         self.policies: list[str] = []
-        self.pools: AgentPools[str] = AgentPools(MemoryReactorClock(), 5.0, 90.0, 16,
-                                                 keepalive=7.0)
+        self.pools: AgentPools[str] = AgentPools(MemoryReactorClock(), 5.0, 90.0, 16, keepalive=7.0)
 
     def get(self, key: str):
         return self.pools.get(key, lambda: self.policies.append(key) or f"policy {key}")
@@ -36,8 +35,10 @@ class AgentPoolsTests(SynchronousTestCase):
         self.assertIs(self.get("a"), a)
         self.assertIsNot(a.pool, b.pool)
         self.assertEqual((self.policies, a.tls, b.tls), (["a", "b"], "policy a", "policy b"))
-        self.assertEqual((a.connect_timeout, a.keepalive, a.pool.idle_timeout,
-                          a.pool.max_idle_per_host), (5.0, 7.0, 90.0, 16))
+        self.assertEqual(
+            (a.connect_timeout, a.keepalive, a.pool.idle_timeout, a.pool.max_idle_per_host),
+            (5.0, 7.0, 90.0, 16),
+        )
 
     def test_a_retired_key_closes_its_idle_connections_and_gets_a_fresh_client(self):
         closed: list = []

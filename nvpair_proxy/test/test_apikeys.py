@@ -17,11 +17,16 @@ from nvpair_proxy.test.world import World, WorldTestCase
 from nvpair_proxy.testing import lan, loopback
 
 OTHER = "Z" * 40
-UNAUTHORIZED = {"error": "a valid API key is required for non-loopback requests; send it as "
-                         "Authorization: Bearer <key> or X-Api-Key: <key>",
-                "code": "unauthorized"}
-LOOPBACK_ONLY = {"error": "plaintext requests are accepted only from loopback; cluster peers "
-                          "must use the mTLS ingress", "code": "loopback-only"}
+UNAUTHORIZED = {
+    "error": "a valid API key is required for non-loopback requests; send it as "
+    "Authorization: Bearer <key> or X-Api-Key: <key>",
+    "code": "unauthorized",
+}
+LOOPBACK_ONLY = {
+    "error": "plaintext requests are accepted only from loopback; cluster peers "
+    "must use the mTLS ingress",
+    "code": "loopback-only",
+}
 
 
 def keys_file(test, text: str, mode: int = 0o600) -> str:
@@ -114,20 +119,26 @@ class GateDecisionTests(SynchronousTestCase):
         self.assertIs(g.decide("192.168.1.20", bearer), Verdict.SERVE)
         self.assertIs(g.decide("10.0.0.9", bearer), Verdict.NOT_ALLOWED)
         self.assertIs(g.decide("192.168.1.20", Headers()), Verdict.MISSING)
-        self.assertIs(g.decide("192.168.1.20", Headers({b"X-Api-Key": [OTHER.encode()]})),
-                      Verdict.REJECTED)
-        self.assertIs(g.decide("::ffff:192.168.1.20", Headers({b"x-api-key": [KEY.encode()]})),
-                      Verdict.SERVE)
+        self.assertIs(
+            g.decide("192.168.1.20", Headers({b"X-Api-Key": [OTHER.encode()]})), Verdict.REJECTED
+        )
+        self.assertIs(
+            g.decide("::ffff:192.168.1.20", Headers({b"x-api-key": [KEY.encode()]})), Verdict.SERVE
+        )
 
     def test_a_basic_credential_is_no_key(self):
         g = gate(Clock())
-        self.assertIs(g.decide("192.168.1.20", Headers({b"Authorization": [b"Basic " + KEY.encode()]})),
-                      Verdict.MISSING)
+        self.assertIs(
+            g.decide("192.168.1.20", Headers({b"Authorization": [b"Basic " + KEY.encode()]})),
+            Verdict.MISSING,
+        )
 
     def test_the_bearer_scheme_is_case_insensitive(self):
         g = gate(Clock())
-        self.assertIs(g.decide("192.168.1.20", Headers({b"Authorization": [b"bearer " + KEY.encode()]})),
-                      Verdict.SERVE)
+        self.assertIs(
+            g.decide("192.168.1.20", Headers({b"Authorization": [b"bearer " + KEY.encode()]})),
+            Verdict.SERVE,
+        )
 
     def test_without_keys_every_lan_request_is_loopback_only(self):
         g = gate(Clock(), env=None, cidrs="192.168.1.0/24")
@@ -148,7 +159,6 @@ class GateDecisionTests(SynchronousTestCase):
             g.decide("192.168.1.20", Headers({b"X-Api-Key": [OTHER.encode()]}))
         self.assertEqual(len(logs.at("warn")), 2)
         self.assertNotIn(OTHER, repr(list(logs.events)))
-
 
     def test_many_sources_inside_their_window_do_not_grow_the_failure_map(self):
         self.patch(apikeys, "MAX_SOURCES", 4)
@@ -197,16 +207,20 @@ class GateAnswerTests(WorldTestCase):
 
     def test_a_wrong_key_is_401_with_invalid_token(self):
         w = self.world()
-        response = w.send("GET", "/api/tags", peer=lan(),
-                          headers={"Authorization": f"Bearer {OTHER}"}).response()
+        response = w.send(
+            "GET", "/api/tags", peer=lan(), headers={"Authorization": f"Bearer {OTHER}"}
+        ).response()
         self.assertEqual((response.status, response.json()), (401, UNAUTHORIZED))
-        self.assertEqual(response.header("www-authenticate"),
-                         'Bearer realm="nvpair-proxy", error="invalid_token"')
+        self.assertEqual(
+            response.header("www-authenticate"),
+            'Bearer realm="nvpair-proxy", error="invalid_token"',
+        )
 
     def test_outside_the_allowlist_is_403_without_a_challenge(self):
         w = self.world(cidrs="10.0.0.0/8")
-        response = w.send("GET", "/api/tags", peer=lan(),
-                          headers={"Authorization": f"Bearer {KEY}"}).response()
+        response = w.send(
+            "GET", "/api/tags", peer=lan(), headers={"Authorization": f"Bearer {KEY}"}
+        ).response()
         self.assertEqual(response.status, 403)
         self.assertEqual(response.json()["code"], "source-not-allowed")
         self.assertIsNone(response.header("www-authenticate"))
@@ -214,9 +228,13 @@ class GateAnswerTests(WorldTestCase):
 
     def test_a_valid_key_is_served_as_loopback_without_either_credential_header(self):
         w = self.world()
-        w.send("POST", "/api/chat", {"model": "llama3"}, peer=lan(),
-               headers={"Authorization": f"Bearer {KEY}", "X-Api-Key": OTHER,
-                        "X-Other": "kept"})
+        w.send(
+            "POST",
+            "/api/chat",
+            {"model": "llama3"},
+            peer=lan(),
+            headers={"Authorization": f"Bearer {KEY}", "X-Api-Key": OTHER, "X-Other": "kept"},
+        )
         [upstream] = w.agent.requests
         self.assertFalse(upstream.headers.hasHeader(b"authorization"))
         self.assertFalse(upstream.headers.hasHeader(b"x-api-key"))
@@ -225,23 +243,34 @@ class GateAnswerTests(WorldTestCase):
 
     def test_a_preflight_gets_no_exemption(self):
         w = self.world()
-        response = w.send("OPTIONS", "/v1/chat/completions", peer=lan(), headers={
-            "Origin": "http://app.example", "Access-Control-Request-Method": "POST"}).response()
+        response = w.send(
+            "OPTIONS",
+            "/v1/chat/completions",
+            peer=lan(),
+            headers={"Origin": "http://app.example", "Access-Control-Request-Method": "POST"},
+        ).response()
         self.assertEqual(response.status, 401)
         self.assertEqual(w.agent.requests, [])
 
     def test_loopback_is_never_asked_and_its_authorization_passes_through(self):
         w = self.world()
-        w.send("POST", "/api/chat", {"model": "llama3"}, peer=loopback(),
-               headers={"Authorization": "Bearer engine-token"})
-        self.assertEqual(w.agent.last.headers.getRawHeaders(b"authorization"),
-                         [b"Bearer engine-token"])
+        w.send(
+            "POST",
+            "/api/chat",
+            {"model": "llama3"},
+            peer=loopback(),
+            headers={"Authorization": "Bearer engine-token"},
+        )
+        self.assertEqual(
+            w.agent.last.headers.getRawHeaders(b"authorization"), [b"Bearer engine-token"]
+        )
         w.agent.last.respond(200, length=0, finish=True)
 
     def test_with_no_keys_lan_plaintext_is_still_loopback_only(self):
         w = self.world(env=None)
-        response = w.send("GET", "/api/tags", peer=lan(),
-                          headers={"Authorization": f"Bearer {KEY}"}).response()
+        response = w.send(
+            "GET", "/api/tags", peer=lan(), headers={"Authorization": f"Bearer {KEY}"}
+        ).response()
         self.assertEqual((response.status, response.json()), (403, LOOPBACK_ONLY))
 
     def test_each_request_of_a_keep_alive_connection_is_decided(self):

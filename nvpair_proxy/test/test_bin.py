@@ -31,8 +31,15 @@ class BinTests(SynchronousTestCase):
         self.addCleanup(shutil.rmtree, tmp, True)
         env = dict(os.environ, TMPDIR=tmp)
         env.pop("NOTIFY_SOCKET", None)
-        result = subprocess.run(list(argv), cwd=ROOT, env=env, capture_output=True, text=True,
-                                timeout=60, stdin=subprocess.DEVNULL)
+        result = subprocess.run(
+            list(argv),
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            stdin=subprocess.DEVNULL,
+        )
         self.assertEqual(os.listdir(tmp), [], f"{argv} left files in TMPDIR")
         return result
 
@@ -76,29 +83,35 @@ class BinTests(SynchronousTestCase):
             self.assertRefused(argv + ["--bogus=1"], line)
             self.assertRefused(argv + ["--hold", "--bogus"], line)
             self.assertRefused(argv + ["--ho"], "bin/demo: unknown flag --ho (see bin/demo --help)")
-            self.assertRefused(argv + ["stray"],
-                               "bin/demo: unexpected argument 'stray' (see bin/demo --help)")
+            self.assertRefused(
+                argv + ["stray"], "bin/demo: unexpected argument 'stray' (see bin/demo --help)"
+            )
 
     # bin/status-screenshot, bin/status_screenshot.py
 
     def test_status_screenshot_help_prints_the_usage_and_starts_nothing(self):
         for flag in ("--help", "-h"):
             for argv in (self.script("status_screenshot.py"), self.wrapper("status-screenshot")):
-                out = self.assertHelp(argv + [flag], "usage: bin/status-screenshot [-h] [--out OUT]")
+                out = self.assertHelp(
+                    argv + [flag], "usage: bin/status-screenshot [-h] [--out OUT]"
+                )
                 self.assertNotIn("screenshot saved", out)
                 for line in DEMO_OUTPUT:
                     self.assertNotIn(line, out)
-        self.assertHelp(self.wrapper("status-screenshot") + ["--out", "x.png", "--help"],
-                        "usage: bin/status-screenshot")
+        self.assertHelp(
+            self.wrapper("status-screenshot") + ["--out", "x.png", "--help"],
+            "usage: bin/status-screenshot",
+        )
 
     def test_status_screenshot_refuses_an_unknown_flag(self):
         line = "bin/status-screenshot: unknown flag --bogus (see bin/status-screenshot --help)"
         for argv in (self.script("status_screenshot.py"), self.wrapper("status-screenshot")):
             self.assertRefused(argv + ["--bogus"], line)
             self.assertRefused(argv + ["--out=x.png", "--bogus"], line)
-        self.assertRefused(self.wrapper("status-screenshot") + ["--out"],
-                           "bin/status-screenshot: --out needs a path "
-                           "(see bin/status-screenshot --help)")
+        self.assertRefused(
+            self.wrapper("status-screenshot") + ["--out"],
+            "bin/status-screenshot: --out needs a path (see bin/status-screenshot --help)",
+        )
 
     # bin/test, bin/test-real-engine, bin/install-llama-server
 
@@ -107,45 +120,64 @@ class BinTests(SynchronousTestCase):
             self.assertHelp(self.wrapper("test") + [flag], "usage: bin/test [-h] [TEST ...]")
 
     def test_test_refuses_flags(self):
-        line = "bin/test: unknown flag --bogus; bin/test takes test names only (see bin/test --help)"
+        line = (
+            "bin/test: unknown flag --bogus; bin/test takes test names only (see bin/test --help)"
+        )
         self.assertRefused(self.wrapper("test") + ["--bogus"], line)
         self.assertRefused(self.wrapper("test") + ["nvpair_proxy.test.test_cli", "--bogus"], line)
 
     def test_test_real_engine_help_prints_the_usage(self):
         for flag in ("--help", "-h"):
-            self.assertHelp(self.wrapper("test-real-engine") + [flag],
-                            "usage: bin/test-real-engine [-h] [TEST ...]")
+            self.assertHelp(
+                self.wrapper("test-real-engine") + [flag],
+                "usage: bin/test-real-engine [-h] [TEST ...]",
+            )
 
     def test_test_real_engine_refuses_flags_before_building(self):
-        self.assertRefused(self.wrapper("test-real-engine") + ["--bogus"],
-                           "bin/test-real-engine: unknown flag --bogus; it takes test names only "
-                           "(see bin/test-real-engine --help)")
+        self.assertRefused(
+            self.wrapper("test-real-engine") + ["--bogus"],
+            "bin/test-real-engine: unknown flag --bogus; it takes test names only "
+            "(see bin/test-real-engine --help)",
+        )
 
     def test_install_llama_server_help_prints_the_usage(self):
         for flag in ("--help", "-h"):
-            out = self.assertHelp(self.wrapper("install-llama-server") + [flag],
-                                  "usage: bin/install-llama-server [-h]")
+            out = self.assertHelp(
+                self.wrapper("install-llama-server") + [flag],
+                "usage: bin/install-llama-server [-h]",
+            )
             self.assertIn("NVPAIR_LLAMA_SERVER", out)
 
     def test_install_llama_server_refuses_arguments_before_building(self):
-        self.assertRefused(self.wrapper("install-llama-server") + ["--bogus"],
-                           "bin/install-llama-server: unknown flag --bogus; it takes no arguments "
-                           "(see --help)")
-        self.assertRefused(self.wrapper("install-llama-server") + ["stray"],
-                           "bin/install-llama-server: unexpected argument 'stray'; it takes no "
-                           "arguments (see --help)")
+        self.assertRefused(
+            self.wrapper("install-llama-server") + ["--bogus"],
+            "bin/install-llama-server: unknown flag --bogus; it takes no arguments (see --help)",
+        )
+        self.assertRefused(
+            self.wrapper("install-llama-server") + ["stray"],
+            "bin/install-llama-server: unexpected argument 'stray'; it takes no "
+            "arguments (see --help)",
+        )
 
     # bin/nvpair-proxy: the existing implementation's Go-style flags
 
     def test_nvpair_proxy_help_prints_the_usage(self):
         for flag in ("--help", "-help", "-h", "--h"):
-            out = self.assertHelp(self.wrapper("nvpair-proxy") + [flag],
-                                  "usage: bin/nvpair-proxy [-ipc PATH]")
-            for name in ("-ipc", "-cluster-dir", "-log-level", "-response-header-timeout",
-                         "-version"):
+            out = self.assertHelp(
+                self.wrapper("nvpair-proxy") + [flag], "usage: bin/nvpair-proxy [-ipc PATH]"
+            )
+            for name in (
+                "-ipc",
+                "-cluster-dir",
+                "-log-level",
+                "-response-header-timeout",
+                "-version",
+            ):
                 self.assertIn(f"  {name} ", out)
-        self.assertHelp(self.wrapper("nvpair-proxy") + ["-log-level", "debug", "-help"],
-                        "usage: bin/nvpair-proxy")
+        self.assertHelp(
+            self.wrapper("nvpair-proxy") + ["-log-level", "debug", "-help"],
+            "usage: bin/nvpair-proxy",
+        )
 
     def test_nvpair_proxy_refuses_an_unknown_flag(self):
         # As the Go proxy's flag package said it: one dash, whichever was given.

@@ -18,10 +18,27 @@ BASE = ["twistd", "-n", "--pidfile=", "nvpair-proxy"]
 
 class TranslateTests(SynchronousTestCase):
     def test_go_style_flags_with_one_or_two_dashes_and_either_value_form(self):
-        self.assertEqual(translate(["-ipc", "/run/b.sock", "--cluster-dir=/c", "-log-level=debug",
-                                    "--response-header-timeout", "90s", "-version"]),
-                         BASE + ["--ipc=/run/b.sock", "--cluster-dir=/c", "--log-level=debug",
-                                 "--response-header-timeout=90s", "--version"])
+        self.assertEqual(
+            translate(
+                [
+                    "-ipc",
+                    "/run/b.sock",
+                    "--cluster-dir=/c",
+                    "-log-level=debug",
+                    "--response-header-timeout",
+                    "90s",
+                    "-version",
+                ]
+            ),
+            BASE
+            + [
+                "--ipc=/run/b.sock",
+                "--cluster-dir=/c",
+                "--log-level=debug",
+                "--response-header-timeout=90s",
+                "--version",
+            ],
+        )
 
     def test_unknown_flags_and_missing_values_are_refused(self):
         with self.assertRaises(CliError) as caught:

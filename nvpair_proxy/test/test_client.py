@@ -19,8 +19,12 @@ from twisted.trial.unittest import SynchronousTestCase, TestCase
 from twisted.web.client import readBody
 from twisted.web.server import Site
 from twisted.web.resource import Resource
-from twisted.web.client import (ResponseDone, ResponseFailed, ResponseNeverReceived,
-                                RequestTransmissionFailed)
+from twisted.web.client import (
+    ResponseDone,
+    ResponseFailed,
+    ResponseNeverReceived,
+    RequestTransmissionFailed,
+)
 from twisted.web.http import PotentialDataLoss
 from twisted.web.http_headers import Headers
 from twisted.web.iweb import UNKNOWN_LENGTH, IBodyProducer, IPolicyForHTTPS
@@ -77,30 +81,43 @@ class ClientCase(SynchronousTestCase):
 
 class RequestBytesTests(ClientCase):
     def test_the_head_and_body_go_out_in_one_write_with_our_framing(self):
-        headers = Headers({b"Content-Type": [b"application/json"], b"X-Two": [b"a", b"b"],
-                           b"Content-Length": [b"999"], b"Connection": [b"close"],
-                           b"Transfer-Encoding": [b"chunked"]})
-        self.client.request(b"POST", URL + b"?stream=1#frag", headers,
-                            BytesProducer(b'{"model":"m"}'))
+        headers = Headers(
+            {
+                b"Content-Type": [b"application/json"],
+                b"X-Two": [b"a", b"b"],
+                b"Content-Length": [b"999"],
+                b"Connection": [b"close"],
+                b"Transfer-Encoding": [b"chunked"],
+            }
+        )
+        self.client.request(
+            b"POST", URL + b"?stream=1#frag", headers, BytesProducer(b'{"model":"m"}')
+        )
         host, port, _, timeout, _ = self.reactor.tcpClients[0]
         self.assertEqual((host, port, timeout), ("10.0.0.1", 11434, 7.0))
         wire = Wire(self.reactor)
-        self.assertEqual(wire.sent(), b"POST /api/chat?stream=1 HTTP/1.1\r\n"
-                                      b"Host: 10.0.0.1:11434\r\n"
-                                      b"Content-Type: application/json\r\n"
-                                      b"X-Two: a\r\nX-Two: b\r\n"
-                                      b"Content-Length: 13\r\n\r\n"
-                                      b'{"model":"m"}')
+        self.assertEqual(
+            wire.sent(),
+            b"POST /api/chat?stream=1 HTTP/1.1\r\n"
+            b"Host: 10.0.0.1:11434\r\n"
+            b"Content-Type: application/json\r\n"
+            b"X-Two: a\r\nX-Two: b\r\n"
+            b"Content-Length: 13\r\n\r\n"
+            b'{"model":"m"}',
+        )
 
     def test_the_host_header_as_agent_writes_it_and_a_callers_own_kept(self):
-        for url, host in ((b"http://[::1]:8080/x", b"[::1]:8080"),
-                          (b"http://127.0.0.1:80", b"127.0.0.1"),
-                          (b"http://engine.lan:8080/x", b"engine.lan:8080")):
+        for url, host in (
+            (b"http://[::1]:8080/x", b"[::1]:8080"),
+            (b"http://127.0.0.1:80", b"127.0.0.1"),
+            (b"http://engine.lan:8080/x", b"engine.lan:8080"),
+        ):
             self.client.request(b"GET", url)
             self.assertIn(b"\r\nHost: " + host + b"\r\n", Wire(self.reactor).sent())
         self.client.request(b"GET", URL, Headers({b"Host": [b"named.example"]}))
-        self.assertEqual(Wire(self.reactor).sent(),
-                         b"GET /api/chat HTTP/1.1\r\nHost: named.example\r\n\r\n")
+        self.assertEqual(
+            Wire(self.reactor).sent(), b"GET /api/chat HTTP/1.1\r\nHost: named.example\r\n\r\n"
+        )
 
     def test_another_producers_body_is_read_whole_then_sent_with_its_length(self):
         producer = Producer(UNKNOWN_LENGTH)
@@ -109,9 +126,10 @@ class RequestBytesTests(ClientCase):
         producer.consumer.write(b"de")
         self.assertEqual(self.reactor.tcpClients, [], "nothing dialled while the body is read")
         producer.done.callback(None)
-        self.assertEqual(Wire(self.reactor).sent(),
-                         b"PUT /api/chat HTTP/1.1\r\nHost: 10.0.0.1:11434\r\n"
-                         b"Content-Length: 5\r\n\r\nabcde")
+        self.assertEqual(
+            Wire(self.reactor).sent(),
+            b"PUT /api/chat HTTP/1.1\r\nHost: 10.0.0.1:11434\r\nContent-Length: 5\r\n\r\nabcde",
+        )
         self.assertNoResult(d)
 
     def test_a_body_that_fails_or_misstates_its_length_fails_the_request_undialled(self):
@@ -143,13 +161,15 @@ class RequestBytesTests(ClientCase):
 
 class ResponseTests(ClientCase):
     def test_status_headers_and_a_length_framed_body_then_a_clean_end(self):
-        response, wire = self.respond(b"HTTP/1.1 201 Made\r\nX-Engine: one\r\n"
-                                      b"Content-Length: 10\r\n\r\nhello")
-        self.assertEqual((response.code, response.phrase, response.length, response.version),
-                         (201, b"Made", 10, (b"HTTP", 1, 1)))
+        response, wire = self.respond(
+            b"HTTP/1.1 201 Made\r\nX-Engine: one\r\nContent-Length: 10\r\n\r\nhello"
+        )
+        self.assertEqual(
+            (response.code, response.phrase, response.length, response.version),
+            (201, b"Made", 10, (b"HTTP", 1, 1)),
+        )
         self.assertEqual(response.headers.getRawHeaders(b"x-engine"), [b"one"])
-        self.assertEqual((response.request.method, response.request.absoluteURI),
-                         (b"GET", URL))
+        self.assertEqual((response.request.method, response.request.absoluteURI), (b"GET", URL))
         body = self.body_of(response)
         self.assertEqual((body.body, body.reason), (b"hello", None))
         wire.reply(b"world")
@@ -158,8 +178,9 @@ class ResponseTests(ClientCase):
         self.assertEqual(self.pool.idle_count(), 1)
 
     def test_a_chunked_body_is_decoded_and_the_connection_reused(self):
-        response, wire = self.respond(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
-                                      b"3\r\nabc\r\n")
+        response, wire = self.respond(
+            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n"
+        )
         self.assertIs(response.length, UNKNOWN_LENGTH)
         body = self.body_of(response)
         wire.reply(b"2\r\nde\r\n0\r\n\r\n")
@@ -167,8 +188,9 @@ class ResponseTests(ClientCase):
         self.assertTrue(body.reason.check(ResponseDone))
         d = self.client.request(b"GET", URL)
         self.assertEqual(len(self.reactor.tcpClients), 1, "reused, not dialled again")
-        self.assertTrue(wire.sent().endswith(b"GET /api/chat HTTP/1.1\r\n"
-                                             b"Host: 10.0.0.1:11434\r\n\r\n"))
+        self.assertTrue(
+            wire.sent().endswith(b"GET /api/chat HTTP/1.1\r\nHost: 10.0.0.1:11434\r\n\r\n")
+        )
         wire.reply(OK)
         self.assertEqual(self.successResultOf(d).code, 200)
 
@@ -196,22 +218,29 @@ class ResponseTests(ClientCase):
         self.assertTrue(body.reason.check(ResponseDone))
 
     def test_responses_without_a_body_end_at_once(self):
-        for status, method in ((b"204 No Content", b"GET"), (b"304 Not Modified", b"GET"),
-                               (b"200 OK", b"HEAD")):
-            response, wire = self.respond(b"HTTP/1.1 " + status + b"\r\nContent-Length: 9\r\n\r\n",
-                                          method=method)
+        for status, method in (
+            (b"204 No Content", b"GET"),
+            (b"304 Not Modified", b"GET"),
+            (b"200 OK", b"HEAD"),
+        ):
+            response, wire = self.respond(
+                b"HTTP/1.1 " + status + b"\r\nContent-Length: 9\r\n\r\n", method=method
+            )
             self.assertEqual(response.length, 0)
             self.assertTrue(self.body_of(response).reason.check(ResponseDone))
 
     def test_an_interim_response_is_skipped(self):
-        response, wire = self.respond(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Hints\r\n"
-                                      b"Link: x\r\n\r\n" + OK)
+        response, wire = self.respond(
+            b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Hints\r\nLink: x\r\n\r\n" + OK
+        )
         self.assertEqual((response.code, self.body_of(response).body), (200, b"hello"))
 
     def test_heads_with_bare_lf_line_ends_are_read(self):
-        for data in (b"HTTP/1.1 200 OK\nContent-Length: 2\n\nok",
-                     b"HTTP/1.1 200 OK\nContent-Length: 2\n\r\nok",
-                     b"HTTP/1.1 200 OK\r\nContent-Length: 2\n\nok"):
+        for data in (
+            b"HTTP/1.1 200 OK\nContent-Length: 2\n\nok",
+            b"HTTP/1.1 200 OK\nContent-Length: 2\n\r\nok",
+            b"HTTP/1.1 200 OK\r\nContent-Length: 2\n\nok",
+        ):
             response, wire = self.respond(data)
             self.assertEqual((response.code, self.body_of(response).body), (200, b"ok"), data)
 
@@ -220,9 +249,11 @@ class ResponseTests(ClientCase):
         self.assertEqual(self.body_of(response).body, b"hello")
 
     def test_a_length_beside_chunked_is_dropped_and_the_connection_not_reused(self):
-        response, wire = self.respond(b"HTTP/1.1 200 OK\r\nContent-Length: 3\r\n"
-                                      b"Transfer-Encoding: chunked\r\n\r\n"
-                                      b"5\r\nhello\r\n0\r\n\r\n")
+        response, wire = self.respond(
+            b"HTTP/1.1 200 OK\r\nContent-Length: 3\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n"
+            b"5\r\nhello\r\n0\r\n\r\n"
+        )
         self.assertIsNone(response.headers.getRawHeaders(b"content-length"))
         self.assertEqual(self.body_of(response).body, b"hello")
         self.assertTrue(wire.transport.disconnected)
@@ -235,9 +266,11 @@ class ResponseTests(ClientCase):
         for byte in range(len(OK)):
             if byte < head_end:
                 self.assertNoResult(d)
-            wire.reply(OK[byte:byte + 1])
-        self.assertEqual(self.body_of(self.successResultOf(d)).chunks, list(b"hello"[i:i + 1]
-                                                                            for i in range(5)))
+            wire.reply(OK[byte : byte + 1])
+        self.assertEqual(
+            self.body_of(self.successResultOf(d)).chunks,
+            list(b"hello"[i : i + 1] for i in range(5)),
+        )
 
     def test_connection_close_and_http_1_0_are_not_pooled(self):
         for head in (b"HTTP/1.1 200 OK\r\nConnection: close\r\n", b"HTTP/1.0 200 OK\r\n"):
@@ -253,11 +286,14 @@ class ResponseTests(ClientCase):
         self.assertEqual(self.pool.idle_count(), 0)
 
     def test_an_unframeable_head_fails_the_request_and_aborts(self):
-        for data in (b"HTTP/1.1 200 OK\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\n",
-                     b"SSH-2.0-OpenSSH\r\n\r\n", b"HTTP/1.1 101 Switching\r\n\r\n",
-                     b"HTTP/1.1 000 Zero\r\n\r\n",
-                     b"HTTP/1.1 200 OK\r\nX: " + b"a" * 70000,
-                     b"HTTP/1.1 200 OK\r\nX: " + b"a" * 70000 + b"\r\n\r\n"):
+        for data in (
+            b"HTTP/1.1 200 OK\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\n",
+            b"SSH-2.0-OpenSSH\r\n\r\n",
+            b"HTTP/1.1 101 Switching\r\n\r\n",
+            b"HTTP/1.1 000 Zero\r\n\r\n",
+            b"HTTP/1.1 200 OK\r\nX: " + b"a" * 70000,
+            b"HTTP/1.1 200 OK\r\nX: " + b"a" * 70000 + b"\r\n\r\n",
+        ):
             d = self.client.request(b"GET", URL)
             wire = Wire(self.reactor)
             wire.reply(data)
@@ -266,8 +302,9 @@ class ResponseTests(ClientCase):
             self.assertTrue(wire.transport.disconnected)
 
     def test_broken_chunked_framing_fails_the_body_and_aborts(self):
-        response, wire = self.respond(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
-                                      b"2\r\nok\r\nzz\r\n")
+        response, wire = self.respond(
+            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nok\r\nzz\r\n"
+        )
         body = self.body_of(response)
         self.assertEqual(body.body, b"ok")
         self.assertTrue(body.reason.check(ResponseFailed))
@@ -325,6 +362,7 @@ class BodyTransportTests(ClientCase):
         d = self.client.request(b"GET", URL)
         wire = Wire(self.reactor)
         wire.reply(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\n")
+
         class PauseAtOnce(Collect):
             def dataReceived(self, data):
                 super().dataReceived(data)
@@ -349,8 +387,9 @@ class BodyTransportTests(ClientCase):
         self.assertEqual(self.pool.idle_count(), 1)
 
     def test_stop_aborts_delivers_nothing_more_and_ends_once_the_socket_is_gone(self):
-        response, wire = self.respond(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
-                                      b"3\r\nabc\r\n")
+        response, wire = self.respond(
+            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n"
+        )
         body = self.body_of(response)
         body.transport.stopProducing()
         self.assertTrue(wire.transport.disconnected)
@@ -397,8 +436,9 @@ class PoolTests(ClientCase):
         self.reactor.advance(60)
         (second,) = self.idle_connections(1, b"http://10.0.0.9:11434/")
         self.reactor.advance(30)
-        self.assertEqual((first.transport.disconnecting, second.transport.disconnecting),
-                         (True, False))
+        self.assertEqual(
+            (first.transport.disconnecting, second.transport.disconnecting), (True, False)
+        )
         self.reactor.advance(60)
         self.assertTrue(second.transport.disconnecting)
         self.assertEqual(self.reactor.getDelayedCalls(), [])
@@ -416,8 +456,10 @@ class PoolTests(ClientCase):
     def test_close_cached_connections_fires_once_they_are_all_gone(self):
         first, second = self.idle_connections(2)
         d = self.pool.closeCachedConnections()
-        self.assertTrue(first.transport.disconnected and second.transport.disconnected,
-                        "aborted: a graceful TLS close waits for a peer's close_notify")
+        self.assertTrue(
+            first.transport.disconnected and second.transport.disconnected,
+            "aborted: a graceful TLS close waits for a peer's close_notify",
+        )
         self.assertEqual(self.reactor.getDelayedCalls(), [])
         first.close()
         self.assertNoResult(d)
@@ -427,9 +469,11 @@ class PoolTests(ClientCase):
 
 
 KEPT_5 = b"HTTP/1.1 200 OK\r\nKeep-Alive: timeout=5, max=100\r\nContent-Length: 2\r\n\r\nok"
-STREAM = (b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
-          b"Keep-Alive: timeout=5, max=100\r\nTransfer-Encoding: chunked\r\n\r\n"
-          b"e\r\ndata: [DONE]\n\n\r\n0\r\n\r\n")
+STREAM = (
+    b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+    b"Keep-Alive: timeout=5, max=100\r\nTransfer-Encoding: chunked\r\n\r\n"
+    b"e\r\ndata: [DONE]\n\n\r\n0\r\n\r\n"
+)
 
 
 class WokenBy(Collect):
@@ -471,8 +515,9 @@ class ReuseTests(ClientCase):
         self.assertEqual(self.reactor.getDelayedCalls(), [])
 
     def test_a_server_keeping_a_connection_a_second_or_less_is_not_pooled(self):
-        response, wire = self.respond(b"HTTP/1.1 200 OK\r\nKeep-Alive: timeout=1\r\n"
-                                      b"Content-Length: 0\r\n\r\n")
+        response, wire = self.respond(
+            b"HTTP/1.1 200 OK\r\nKeep-Alive: timeout=1\r\nContent-Length: 0\r\n\r\n"
+        )
         self.assertEqual(self.pool.idle_count(), 0)
         self.assertTrue(wire.transport.disconnecting)
 
@@ -488,8 +533,11 @@ class ReuseTests(ClientCase):
         self.successResultOf(d).deliverBody(woken)
         wire.reply(STREAM[head:])
         self.assertTrue(woken.reason.check(ResponseDone))
-        self.assertEqual((len(self.reactor.tcpClients), wire.sent()), (2, b""),
-                         "the woken request dialled; nothing was written on the stream's")
+        self.assertEqual(
+            (len(self.reactor.tcpClients), wire.sent()),
+            (2, b""),
+            "the woken request dialled; nothing was written on the stream's",
+        )
         self.assertEqual(self.pool.idle_count(), 1, "the stream's connection pooled after")
 
     def test_a_stream_whose_end_closed_the_idle_connections_is_closed_too(self):
@@ -540,14 +588,18 @@ class TLSTests(ClientCase):
             def creatorForNetloc(self, hostname, port):
                 asked.append((hostname, port))
                 from twisted.internet.ssl import optionsForClientTLS
+
                 return optionsForClientTLS("peer.example")
 
         client = Client(self.reactor, self.pool, tls=Policy())
         client.request(b"GET", b"https://10.0.0.2:9443/v1/models")
         client.request(b"GET", b"https://10.0.0.2:9443/v1/other")
-        self.assertEqual(asked, [(b"10.0.0.2", 9443)] * 2,
-                         "asked at every new connection: the pinned-peer policy reads this "
-                         "node's current identity then")
+        self.assertEqual(
+            asked,
+            [(b"10.0.0.2", 9443)] * 2,
+            "asked at every new connection: the pinned-peer policy reads this "
+            "node's current identity then",
+        )
         self.assertEqual(self.reactor.tcpClients[0][:2], ("10.0.0.2", 9443))
         hello = Wire(self.reactor, 0).sent()
         self.assertEqual(hello[:2], b"\x16\x03", "a TLS handshake, not plaintext HTTP")
@@ -578,16 +630,30 @@ class KeepAliveTests(TestCase):
         connection = pool.take((b"http", b"127.0.0.1", number))
         pool.give(connection)
         handle = connection.transport.getHandle()
-        return {name: handle.getsockopt(level, getattr(socket, name)) for level, name in (
-            (socket.SOL_SOCKET, "SO_KEEPALIVE"), (socket.IPPROTO_TCP, "TCP_KEEPIDLE"),
-            (socket.IPPROTO_TCP, "TCP_KEEPINTVL"), (socket.IPPROTO_TCP, "TCP_KEEPCNT"),
-            (socket.IPPROTO_TCP, "TCP_USER_TIMEOUT"))}
+        return {
+            name: handle.getsockopt(level, getattr(socket, name))
+            for level, name in (
+                (socket.SOL_SOCKET, "SO_KEEPALIVE"),
+                (socket.IPPROTO_TCP, "TCP_KEEPIDLE"),
+                (socket.IPPROTO_TCP, "TCP_KEEPINTVL"),
+                (socket.IPPROTO_TCP, "TCP_KEEPCNT"),
+                (socket.IPPROTO_TCP, "TCP_USER_TIMEOUT"),
+            )
+        }
 
     @inlineCallbacks
     def test_upstream_connections_probe_an_idle_peer(self):
         options = yield self.connection_options(7.5)
-        self.assertEqual(options, {"SO_KEEPALIVE": 1, "TCP_KEEPIDLE": 8, "TCP_KEEPINTVL": 8,
-                                   "TCP_KEEPCNT": 4, "TCP_USER_TIMEOUT": 40_000})
+        self.assertEqual(
+            options,
+            {
+                "SO_KEEPALIVE": 1,
+                "TCP_KEEPIDLE": 8,
+                "TCP_KEEPINTVL": 8,
+                "TCP_KEEPCNT": 4,
+                "TCP_USER_TIMEOUT": 40_000,
+            },
+        )
 
     @inlineCallbacks
     def test_zero_leaves_the_kernels_defaults(self):
@@ -642,20 +708,35 @@ class HostileEngineProperties(SynchronousTestCase):
     goes: the attempt above always learns how its dispatch ended."""
 
     @settings(max_examples=settings.default.max_examples, deadline=None)
-    @given(data=st.one_of(st.binary(max_size=600), st.builds(
-               lambda head, body: head + body,
-               st.sampled_from([b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n",
-                                b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\n",
-                                b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 204 No\r\n\r\n",
-                                b"HTTP/1.0 200 OK\n\n"]),
-               st.binary(max_size=300))),
-           cuts=st.lists(st.integers(0, 1000), max_size=12), method=st.sampled_from([b"GET", b"HEAD"]))
+    @given(
+        data=st.one_of(
+            st.binary(max_size=600),
+            st.builds(
+                lambda head, body: head + body,
+                st.sampled_from(
+                    [
+                        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n",
+                        b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\n",
+                        b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 204 No\r\n\r\n",
+                        b"HTTP/1.0 200 OK\n\n",
+                    ]
+                ),
+                st.binary(max_size=300),
+            ),
+        ),
+        cuts=st.lists(st.integers(0, 1000), max_size=12),
+        method=st.sampled_from([b"GET", b"HEAD"]),
+    )
     def test_any_reply_ends_the_request_once(self, data, cuts, method):
         self.check_reply(data, cuts, method)
 
     @settings(max_examples=settings.default.max_examples, deadline=None)
-    @given(head=HEADS, body=st.binary(max_size=100),
-           cuts=st.lists(st.integers(0, 1000), max_size=12), method=st.sampled_from([b"GET", b"HEAD"]))
+    @given(
+        head=HEADS,
+        body=st.binary(max_size=100),
+        cuts=st.lists(st.integers(0, 1000), max_size=12),
+        method=st.sampled_from([b"GET", b"HEAD"]),
+    )
     def test_any_head_ends_the_request_once(self, head, body, cuts, method):
         """Heads with well-formed and hostile header lines (test_responsewire.HEADS)."""
         self.check_reply(head + b"\r\n\r\n" + body, cuts, method)
@@ -714,14 +795,18 @@ class StateTests(ClientCase):
         response, wire = self.respond(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nhello")
         body = self.body_of(response)
         self.client.request(b"GET", URL)
-        self.assertEqual((len(self.reactor.tcpClients), self.pool.idle_count()), (2, 0),
-                         "a connection carrying a body is not lent to another request")
+        self.assertEqual(
+            (len(self.reactor.tcpClients), self.pool.idle_count()),
+            (2, 0),
+            "a connection carrying a body is not lent to another request",
+        )
         wire.reply(b"world")
         self.assertTrue(body.reason.check(ResponseDone))
         self.client.request(b"GET", URL)
         self.assertEqual(len(self.reactor.tcpClients), 2, "idle again: reused, not dialled")
-        self.assertTrue(wire.sent().endswith(b"GET /api/chat HTTP/1.1\r\n"
-                                             b"Host: 10.0.0.1:11434\r\n\r\n"))
+        self.assertTrue(
+            wire.sent().endswith(b"GET /api/chat HTTP/1.1\r\nHost: 10.0.0.1:11434\r\n\r\n")
+        )
 
     def test_closed_after_an_interim_answer_is_a_response_failure(self):
         d = self.client.request(b"GET", URL)

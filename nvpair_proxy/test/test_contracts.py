@@ -36,8 +36,15 @@ from nvpair_proxy.request.dispatch import SILENT
 from nvpair_proxy.request.events import LogEmitter
 from nvpair_proxy.testing import RecordingEmitter
 from nvpair_proxy.facade.ingress import LocalBackendRoute
-from nvpair_proxy.core.interfaces import (IBodySink, IDispatchObserver, IEmitter, IRequestRecorder,
-                                     IRouter, IStatusSource, ITruthSink)
+from nvpair_proxy.core.interfaces import (
+    IBodySink,
+    IDispatchObserver,
+    IEmitter,
+    IRequestRecorder,
+    IRouter,
+    IStatusSource,
+    ITruthSink,
+)
 from nvpair_proxy.admin.recorder import Recorder
 from nvpair_proxy.http.requestbody import BytesProducer
 from nvpair_proxy.routing.router import Router
@@ -60,8 +67,9 @@ def refuse_dial(reactor: MemoryReactorClock) -> None:
     """The last connection attempt on ``reactor`` is refused, as a closed port refuses it.
     Agent's HostnameEndpoint reports only once its 0.3 s attempt loop has looked again."""
     factory = reactor.tcpClients[-1][2]
-    factory.clientConnectionFailed(reactor.connectors[-1],
-                                   Failure(ConnectionRefusedError("Connection refused")))
+    factory.clientConnectionFailed(
+        reactor.connectors[-1], Failure(ConnectionRefusedError("Connection refused"))
+    )
     reactor.advance(1)
 
 
@@ -79,18 +87,26 @@ class Interfaces(SynchronousTestCase):
         (committed,) = streaming.facade.in_flight
         self.addCleanup(upstream.finish)
         for interface, implementation in (
-                (IAgent, FakeAgent()), (IAgent, Agent(MemoryReactorClock())),
-                (IAgent, Client(MemoryReactorClock())),
-                (IEmitter, RecordingEmitter()), (IEmitter, LogEmitter()),
-                (IRouter, Router(engine=ENGINES["ollama"], clock=Clock())),
-                (ITruthSink, Router(engine=ENGINES["ollama"], clock=Clock())),
-                (IRouter, LocalBackendRoute(node)), (IReactorTime, Clock()),
-                (IBodySink, committed.stream), (IDispatchObserver, exchange),
-                (IDispatchObserver, SILENT), (IRequestRecorder, Recorder()),
-                (IStatusSource, ProcessService(MemoryReactorClock())),
-                (IStatusSource, WorldStatus(World()))):
-            self.assertTrue(verifyObject(interface, implementation),
-                            f"{type(implementation).__name__} vs {interface.__name__}")
+            (IAgent, FakeAgent()),
+            (IAgent, Agent(MemoryReactorClock())),
+            (IAgent, Client(MemoryReactorClock())),
+            (IEmitter, RecordingEmitter()),
+            (IEmitter, LogEmitter()),
+            (IRouter, Router(engine=ENGINES["ollama"], clock=Clock())),
+            (ITruthSink, Router(engine=ENGINES["ollama"], clock=Clock())),
+            (IRouter, LocalBackendRoute(node)),
+            (IReactorTime, Clock()),
+            (IBodySink, committed.stream),
+            (IDispatchObserver, exchange),
+            (IDispatchObserver, SILENT),
+            (IRequestRecorder, Recorder()),
+            (IStatusSource, ProcessService(MemoryReactorClock())),
+            (IStatusSource, WorldStatus(World())),
+        ):
+            self.assertTrue(
+                verifyObject(interface, implementation),
+                f"{type(implementation).__name__} vs {interface.__name__}",
+            )
 
     def test_a_fake_response_provides_iresponse(self):
         agent = FakeAgent()
@@ -113,8 +129,12 @@ class AgentContract:
 
     def test_status_headers_and_body_arrive_in_order_then_a_clean_end(self):
         agent = self.answer(201, {b"X-Engine": b"one"}, [b"hel", b"lo"], clean=True)
-        d = agent.request(b"POST", URL, Headers({b"Content-Type": [b"application/json"]}),
-                          BytesProducer(b'{"model":"m"}'))
+        d = agent.request(
+            b"POST",
+            URL,
+            Headers({b"Content-Type": [b"application/json"]}),
+            BytesProducer(b'{"model":"m"}'),
+        )
         self.pump()
         response = self.successResultOf(d)
         self.assertEqual(response.code, 201)
@@ -206,8 +226,9 @@ class ClientContract(AgentContract, SynchronousTestCase):
 
     def answer(self, status, headers, chunks, clean):
         self.reactor = MemoryReactorClock()
-        self.site = Site(engine_resource(self, status, headers, chunks, clean),
-                         reactor=self.reactor)  # its idle timers on the memory reactor
+        self.site = Site(
+            engine_resource(self, status, headers, chunks, clean), reactor=self.reactor
+        )  # its idle timers on the memory reactor
         self.pumps: list = []
         return Client(self.reactor)
 
@@ -215,8 +236,11 @@ class ClientContract(AgentContract, SynchronousTestCase):
         while len(self.pumps) < len(self.reactor.tcpClients):
             factory = self.reactor.tcpClients[len(self.pumps)][2]
             client, server = factory.buildProtocol(None), self.site.buildProtocol(None)
-            self.pumps.append(iosim.connect(server, iosim.makeFakeServer(server),
-                                            client, iosim.makeFakeClient(client)))
+            self.pumps.append(
+                iosim.connect(
+                    server, iosim.makeFakeServer(server), client, iosim.makeFakeClient(client)
+                )
+            )
         for pump in self.pumps:
             pump.flush()
 

@@ -57,8 +57,9 @@ class KilledWriterTests(SynchronousTestCase):
         return folder
 
     def kill_at(self, folder: str, step: str, port: int) -> None:
-        child = subprocess.run([sys.executable, "-c", CHILD, folder, step, str(port)],
-                               capture_output=True, timeout=60)
+        child = subprocess.run(
+            [sys.executable, "-c", CHILD, folder, step, str(port)], capture_output=True, timeout=60
+        )
         self.assertEqual(child.returncode, -signal.SIGKILL, child.stderr[-2000:])
 
     def content(self, folder: str) -> bytes | None:
@@ -76,14 +77,13 @@ class KilledWriterTests(SynchronousTestCase):
                 renamed = WRITE_STEPS.index(step) >= WRITE_STEPS.index("renamed")
                 expected = written(NEW) if renamed else (None if old is None else written(old))
                 self.assertEqual(self.content(folder), expected, (old, step))
-                self.assertEqual(read_port(folder, OLLAMA),
-                                 NEW if renamed else old, (old, step))
+                self.assertEqual(read_port(folder, OLLAMA), NEW if renamed else old, (old, step))
                 # What the crash left (a temporary file at most) stops no later write.
                 write_port(folder, OLLAMA, NEW + 1)
                 self.assertEqual(read_port(folder, OLLAMA), NEW + 1, (old, step))
 
     def test_a_failure_at_each_step_leaves_the_old_file_and_no_temporary_one(self) -> None:
-        for step in WRITE_STEPS[:WRITE_STEPS.index("renamed")]:
+        for step in WRITE_STEPS[: WRITE_STEPS.index("renamed")]:
             folder = self.state_dir(OLD)
 
             def fail(name: str, at: str = step) -> None:

@@ -28,14 +28,25 @@ from nvpair_proxy.test.support import start_standalone
 LIMIT = 128
 CLIENTS = 300
 CHAT = json.dumps({"model": "llama3", "messages": [{"role": "user", "content": "hi"}]}).encode()
-REQUEST = (b"POST /api/chat HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Type: "
-           b"application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(CHAT), CHAT))
-ANSWER_BODY = json.dumps({"model": "llama3", "created_at": "2026-01-01T00:00:00Z",
-                          "message": {"role": "assistant", "content": "ok"}, "done": True,
-                          "done_reason": "stop", "prompt_eval_count": 1,
-                          "eval_count": 1}).encode()
-ANSWER = (b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nConnection: close\r\n"
-          b"Content-Length: %d\r\n\r\n%s" % (len(ANSWER_BODY), ANSWER_BODY))
+REQUEST = (
+    b"POST /api/chat HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Type: "
+    b"application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(CHAT), CHAT)
+)
+ANSWER_BODY = json.dumps(
+    {
+        "model": "llama3",
+        "created_at": "2026-01-01T00:00:00Z",
+        "message": {"role": "assistant", "content": "ok"},
+        "done": True,
+        "done_reason": "stop",
+        "prompt_eval_count": 1,
+        "eval_count": 1,
+    }
+).encode()
+ANSWER = (
+    b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nConnection: close\r\n"
+    b"Content-Length: %d\r\n\r\n%s" % (len(ANSWER_BODY), ANSWER_BODY)
+)
 CONDITION = "out of file descriptors"
 
 # A spinning accept loop (Twisted's, when accept fails and the socket stays readable) keeps
@@ -70,9 +81,15 @@ class AcceptGuardTests(SynchronousTestCase):
         self.events: list[dict] = []
         self.reading = True
         self.clients = Clients()
-        self.guard = AcceptGuard("facade port 1", self.clock, self.pause, self.resume,
-                                 clients=self.clients, limit=lambda: LIMIT,
-                                 log=Logger(observer=self.events.append))
+        self.guard = AcceptGuard(
+            "facade port 1",
+            self.clock,
+            self.pause,
+            self.resume,
+            clients=self.clients,
+            limit=lambda: LIMIT,
+            log=Logger(observer=self.events.append),
+        )
         self.listener = FakeListener()
         self.sock = GuardedSocket(self.listener, self.guard)  # type: ignore[arg-type]
         self.accepted: list[socket.socket] = []
@@ -111,8 +128,10 @@ class AcceptGuardTests(SynchronousTestCase):
         self.assertFalse(self.reading)
         self.assertEqual(len(self.lines()), 1)
         self.assertIn(CONDITION, self.lines()[0])
-        self.assertEqual(self.events[0]["why"], "accept failed with EMFILE; 3 client "
-                                                "connections, descriptor limit 128")
+        self.assertEqual(
+            self.events[0]["why"],
+            "accept failed with EMFILE; 3 client connections, descriptor limit 128",
+        )
         calls = self.listener.calls
         # A reactor that still called doRead would get EAGAIN without an accept(2).
         self.assertEqual(self.accept_loop(), 0)
@@ -148,11 +167,11 @@ class AcceptGuardTests(SynchronousTestCase):
 
     def test_clients_at_half_the_free_descriptors_pause_until_one_leaves(self) -> None:
         half = (LIMIT - ACCEPT_RESERVE) // 2
-        self.assertEqual(self.accept_loop(), half)   # the last one accepted, then paused
+        self.assertEqual(self.accept_loop(), half)  # the last one accepted, then paused
         self.assertFalse(self.reading)
         self.assertEqual(self.clients.count, half)
         self.assertEqual(len(self.lines()), 1)
-        for _ in range(10):                          # still full: no accept(2) at all
+        for _ in range(10):  # still full: no accept(2) at all
             self.clock.advance(ACCEPT_PAUSE)
             self.assertFalse(self.reading)
         self.assertEqual(self.listener.calls, half)
@@ -165,7 +184,7 @@ class AcceptGuardTests(SynchronousTestCase):
         self.assertEqual(len(self.lines()), 2)
         self.assertIn("accepting connections again", self.lines()[1])
         self.accepted[-1].close()
-        self.accepted[-1].close()   # a second close is no second release
+        self.accepted[-1].close()  # a second close is no second release
         self.assertEqual(self.clients.count, half - 2)
 
     def test_a_closed_port_keeps_no_timer(self) -> None:
@@ -306,9 +325,13 @@ class Burst:
 
     def answered(self) -> int:
         """Clients whose whole answer came: a 200 with the engine's body."""
-        return sum(1 for sock in self.ended if status_of(self.received[sock]) == 200
-                   and self.received[sock].endswith(b"}") and b'"done":true' in
-                   self.received[sock].replace(b" ", b""))
+        return sum(
+            1
+            for sock in self.ended
+            if status_of(self.received[sock]) == 200
+            and self.received[sock].endswith(b"}")
+            and b'"done":true' in self.received[sock].replace(b" ", b"")
+        )
 
     def close(self) -> None:
         self.selector.close()
@@ -338,8 +361,9 @@ class AtTheLimitTests(SynchronousTestCase):
             handle.write(nodes_toml([("gpu", "ollama", self.engine.port, ["llama3:latest"])]))
         self.port = free_port()
         self.log = os.path.abspath(self.mktemp())
-        self.proc = start_standalone(self, ["--engine", f"ollama:{self.port}", "--nodes", nodes],
-                                     logfile=self.log)
+        self.proc = start_standalone(
+            self, ["--engine", f"ollama:{self.port}", "--nodes", nodes], logfile=self.log
+        )
         self.resting = descriptors(self.proc.pid)
         resource.prlimit(self.proc.pid, resource.RLIMIT_NOFILE, (LIMIT, LIMIT))
         self.began = time.monotonic()
@@ -362,7 +386,7 @@ class AtTheLimitTests(SynchronousTestCase):
                 break
         self.assertGreater(self.engine.requests, 0)
         before, began = cpu_seconds(self.proc.pid), time.monotonic()
-        burst.pump(WINDOW)   # the window itself: clients keep connecting and waiting
+        burst.pump(WINDOW)  # the window itself: clients keep connecting and waiting
         used = (cpu_seconds(self.proc.pid) - before) / (time.monotonic() - began)
         self.assertLess(used, CPU_BOUND, f"{used:.2f} of a core while at the limit")
         self.assertIsNone(self.proc.poll())
@@ -373,8 +397,7 @@ class AtTheLimitTests(SynchronousTestCase):
         each), nothing per client, no traceback."""
         with open(self.log, encoding="utf-8") as handle:
             text = handle.read()
-        for unwanted in ("EMFILE encountered", "EMFILE recovery", "Could not accept",
-                         "Traceback"):
+        for unwanted in ("EMFILE encountered", "EMFILE recovery", "Could not accept", "Traceback"):
             self.assertEqual(text.count(unwanted), 0, f"{unwanted!r} logged")
         lines = self.condition_lines()
         elapsed = time.monotonic() - self.began
@@ -387,8 +410,10 @@ class AtTheLimitTests(SynchronousTestCase):
         It closes a client's connection before it lets go of that request's upstream one, so
         once the engine has seen every upstream connection close (at most one engine-truth
         read may be open; at most 10 s) the count is read once."""
-        self.assertTrue(self.engine.wait_open_at_most(1, 10),
-                        "the proxy still holds its connections to the engine")
+        self.assertTrue(
+            self.engine.wait_open_at_most(1, 10),
+            "the proxy still holds its connections to the engine",
+        )
         self.assertLessEqual(descriptors(self.proc.pid), self.resting + 4)
 
     def serves_normally(self) -> None:
@@ -412,15 +437,18 @@ class AtTheLimitTests(SynchronousTestCase):
         self.engine.release()
         burst.pump(30)
         self.assertEqual(burst.answered(), CLIENTS)
-        self.assertEqual(self.engine.requests, CLIENTS)   # each sent once, none retried
+        self.assertEqual(self.engine.requests, CLIENTS)  # each sent once, none retried
         burst.close()
         self.check_log()
         self.released()
         self.serves_normally()
         # Clients held half of what the process's own files leave; the rest waited.
         self.assertLessEqual(held, (LIMIT - ACCEPT_RESERVE) // 2)
-        print(f"\ndescriptors: burst answered, {self.cpu:.3f} of a core at the limit, "
-              f"{self.condition_count} condition lines", file=sys.stderr)
+        print(
+            f"\ndescriptors: burst answered, {self.cpu:.3f} of a core at the limit, "
+            f"{self.condition_count} condition lines",
+            file=sys.stderr,
+        )
 
     def test_an_engine_that_never_answers_holds_the_limit_and_the_proxy_recovers(self):
         burst = Burst(self.port)
@@ -428,11 +456,14 @@ class AtTheLimitTests(SynchronousTestCase):
         self.at_the_limit(burst)
         held = self.engine.requests
         self.assertEqual(burst.answered(), 0)
-        burst.close()          # the clients give up; the engine still answers nothing
+        burst.close()  # the clients give up; the engine still answers nothing
         self.check_log()
-        self.released()        # so the proxy let go of their upstream connections itself
+        self.released()  # so the proxy let go of their upstream connections itself
         self.engine.release()  # the engine comes back, for the next client
         self.serves_normally()
         self.assertLessEqual(held, (LIMIT - ACCEPT_RESERVE) // 2)
-        print(f"\ndescriptors: silent engine, {self.cpu:.3f} of a core at the limit, "
-              f"{self.condition_count} condition lines", file=sys.stderr)
+        print(
+            f"\ndescriptors: silent engine, {self.cpu:.3f} of a core at the limit, "
+            f"{self.condition_count} condition lines",
+            file=sys.stderr,
+        )

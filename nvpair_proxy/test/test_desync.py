@@ -43,16 +43,19 @@ N = len(CHAT)
 CL = b"Content-Length: %d\r\n" % N
 TE = b"Transfer-Encoding: chunked\r\n"
 SMUGGLED = b"GET /api/smuggled HTTP/1.1\r\nHost: x\r\n\r\n"
-ANSWER = (b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 14\r\n\r\n"
-          b'{"done":true}\n')
+ANSWER = (
+    b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 14\r\n\r\n"
+    b'{"done":true}\n'
+)
 
 
 def post(headers: bytes, body: bytes = b"", version: bytes = b"HTTP/1.1") -> bytes:
     return b"POST /api/chat " + version + b"\r\nHost: x\r\n" + headers + b"\r\n" + body
 
 
-def chunks(body: bytes = CHAT, size: bytes | None = None, end: bytes = b"\r\n",
-           last: bytes = b"0\r\n\r\n") -> bytes:
+def chunks(
+    body: bytes = CHAT, size: bytes | None = None, end: bytes = b"\r\n", last: bytes = b"0\r\n\r\n"
+) -> bytes:
     """``body`` as one chunk and the last chunk; ``size``, ``end`` and ``last`` replace the
     chunk-size line's size, the chunk's CRLF and the last chunk with its trailer section."""
     return (size if size is not None else b"%x" % len(body)) + b"\r\n" + body + end + last
@@ -76,66 +79,145 @@ CORPUS = [
     # reads the smuggled request as a request of its own.
     Case("two framings", "CL.TE", post(CL + TE, chunks() + SMUGGLED), REFUSED),
     Case("two framings", "TE.CL", post(TE + CL, chunks() + SMUGGLED), REFUSED),
-    Case("two framings", "TE with Content-Length 0", post(TE + b"Content-Length: 0\r\n",
-                                                          chunks() + SMUGGLED), REFUSED),
+    Case(
+        "two framings",
+        "TE with Content-Length 0",
+        post(TE + b"Content-Length: 0\r\n", chunks() + SMUGGLED),
+        REFUSED,
+    ),
     Case("two framings", "TE.TE, chunked twice", post(TE + TE, chunks()), REFUSED),
-    Case("two framings", "TE.TE, the second obfuscated",
-         post(TE + b"Transfer-Encoding: x\r\n", chunks() + SMUGGLED), REFUSED),
+    Case(
+        "two framings",
+        "TE.TE, the second obfuscated",
+        post(TE + b"Transfer-Encoding: x\r\n", chunks() + SMUGGLED),
+        REFUSED,
+    ),
     # Transfer-Encoding obfuscations.
-    Case("te obfuscation", "coding upper case", post(b"Transfer-Encoding: CHUNKED\r\n", chunks()),
-         FORWARDED),
-    Case("te obfuscation", "name mixed case", post(b"tRANSFER-eNCODING: chunked\r\n", chunks()),
-         FORWARDED),
-    Case("te obfuscation", "tab before the value", post(b"Transfer-Encoding:\tchunked\r\n",
-                                                        chunks()), FORWARDED),
-    Case("te obfuscation", "space after the value", post(b"Transfer-Encoding: chunked \r\n",
-                                                         chunks()), FORWARDED),
-    Case("te obfuscation", "space before the colon", post(b"Transfer-Encoding : chunked\r\n",
-                                                          chunks() + SMUGGLED), REFUSED),
-    Case("te obfuscation", "chunked, identity", post(b"Transfer-Encoding: chunked, identity\r\n",
-                                                     chunks()), REFUSED),
-    Case("te obfuscation", "identity, chunked", post(b"Transfer-Encoding: identity, chunked\r\n",
-                                                     chunks()), REFUSED),
-    Case("te obfuscation", "identity alone", post(b"Transfer-Encoding: identity\r\n",
-                                                  CHAT + SMUGGLED), REFUSED),
-    Case("te obfuscation", "chunked,chunked in one line",
-         post(b"Transfer-Encoding: chunked,chunked\r\n", chunks()), REFUSED),
-    Case("te obfuscation", "vertical tab before the value",
-         post(b"Transfer-Encoding:\x0bchunked\r\n", chunks() + SMUGGLED), REFUSED),
-    Case("te obfuscation", "vertical tab after the value",
-         post(b"Transfer-Encoding: chunked\x0b\r\n", chunks() + SMUGGLED), REFUSED),
-    Case("te obfuscation", "xchunked", post(b"Transfer-Encoding: xchunked\r\n", chunks()),
-         REFUSED),
-    Case("te obfuscation", "quoted", post(b'Transfer-Encoding: "chunked"\r\n', chunks()),
-         REFUSED),
-    Case("te obfuscation", "folded onto the next line",
-         post(b"Transfer-Encoding:\r\n chunked\r\n", chunks() + SMUGGLED), REFUSED),
-    Case("te obfuscation", "in HTTP/1.0 (read, then closed)",
-         post(TE, chunks() + SMUGGLED, b"HTTP/1.0"), FORWARDED),
+    Case(
+        "te obfuscation",
+        "coding upper case",
+        post(b"Transfer-Encoding: CHUNKED\r\n", chunks()),
+        FORWARDED,
+    ),
+    Case(
+        "te obfuscation",
+        "name mixed case",
+        post(b"tRANSFER-eNCODING: chunked\r\n", chunks()),
+        FORWARDED,
+    ),
+    Case(
+        "te obfuscation",
+        "tab before the value",
+        post(b"Transfer-Encoding:\tchunked\r\n", chunks()),
+        FORWARDED,
+    ),
+    Case(
+        "te obfuscation",
+        "space after the value",
+        post(b"Transfer-Encoding: chunked \r\n", chunks()),
+        FORWARDED,
+    ),
+    Case(
+        "te obfuscation",
+        "space before the colon",
+        post(b"Transfer-Encoding : chunked\r\n", chunks() + SMUGGLED),
+        REFUSED,
+    ),
+    Case(
+        "te obfuscation",
+        "chunked, identity",
+        post(b"Transfer-Encoding: chunked, identity\r\n", chunks()),
+        REFUSED,
+    ),
+    Case(
+        "te obfuscation",
+        "identity, chunked",
+        post(b"Transfer-Encoding: identity, chunked\r\n", chunks()),
+        REFUSED,
+    ),
+    Case(
+        "te obfuscation",
+        "identity alone",
+        post(b"Transfer-Encoding: identity\r\n", CHAT + SMUGGLED),
+        REFUSED,
+    ),
+    Case(
+        "te obfuscation",
+        "chunked,chunked in one line",
+        post(b"Transfer-Encoding: chunked,chunked\r\n", chunks()),
+        REFUSED,
+    ),
+    Case(
+        "te obfuscation",
+        "vertical tab before the value",
+        post(b"Transfer-Encoding:\x0bchunked\r\n", chunks() + SMUGGLED),
+        REFUSED,
+    ),
+    Case(
+        "te obfuscation",
+        "vertical tab after the value",
+        post(b"Transfer-Encoding: chunked\x0b\r\n", chunks() + SMUGGLED),
+        REFUSED,
+    ),
+    Case("te obfuscation", "xchunked", post(b"Transfer-Encoding: xchunked\r\n", chunks()), REFUSED),
+    Case("te obfuscation", "quoted", post(b'Transfer-Encoding: "chunked"\r\n', chunks()), REFUSED),
+    Case(
+        "te obfuscation",
+        "folded onto the next line",
+        post(b"Transfer-Encoding:\r\n chunked\r\n", chunks() + SMUGGLED),
+        REFUSED,
+    ),
+    Case(
+        "te obfuscation",
+        "in HTTP/1.0 (read, then closed)",
+        post(TE, chunks() + SMUGGLED, b"HTTP/1.0"),
+        FORWARDED,
+    ),
     # Content-Length spellings.
     Case("content-length", "plus sign", post(b"Content-Length: +%d\r\n" % N, CHAT), REFUSED),
     Case("content-length", "minus sign", post(b"Content-Length: -%d\r\n" % N, CHAT), REFUSED),
     Case("content-length", "space inside", post(b"Content-Length: 6 8\r\n", CHAT), REFUSED),
     Case("content-length", "space after", post(b"Content-Length: %d \r\n" % N, CHAT), FORWARDED),
-    Case("content-length", "leading zeros", post(b"Content-Length: 000%d\r\n" % N, CHAT),
-         FORWARDED),
+    Case(
+        "content-length", "leading zeros", post(b"Content-Length: 000%d\r\n" % N, CHAT), FORWARDED
+    ),
     Case("content-length", "a list", post(b"Content-Length: %d, %d\r\n" % (N, N), CHAT), REFUSED),
     Case("content-length", "a duplicate of the same value", post(CL + CL, CHAT), REFUSED),
-    Case("content-length", "a duplicate of another value",
-         post(b"Content-Length: 2\r\n" + CL, CHAT), REFUSED),
+    Case(
+        "content-length",
+        "a duplicate of another value",
+        post(b"Content-Length: 2\r\n" + CL, CHAT),
+        REFUSED,
+    ),
     Case("content-length", "hexadecimal", post(b"Content-Length: 0x44\r\n", CHAT), REFUSED),
     Case("content-length", "underscore", post(b"Content-Length: 6_8\r\n", CHAT), REFUSED),
-    Case("content-length", "past 64 bits", post(b"Content-Length: 99999999999999999999999\r\n",
-                                                CHAT), REFUSED),
-    Case("content-length", "space before the colon", post(b"Content-Length : %d\r\n" % N,
-                                                          CHAT), REFUSED),
+    Case(
+        "content-length",
+        "past 64 bits",
+        post(b"Content-Length: 99999999999999999999999\r\n", CHAT),
+        REFUSED,
+    ),
+    Case(
+        "content-length",
+        "space before the colon",
+        post(b"Content-Length : %d\r\n" % N, CHAT),
+        REFUSED,
+    ),
     Case("content-length", "folded", post(b"Content-Length:\r\n %d\r\n" % N, CHAT), REFUSED),
     # Chunk sizes and terminators.
     Case("chunks", "an extension", post(TE, chunks(size=b"%x;name=value" % N)), FORWARDED),
-    Case("chunks", "a quoted extension with a semicolon",
-         post(TE, chunks(size=b'%x;a="b;c"' % N)), FORWARDED),
-    Case("chunks", "size past 64 bits (held, then closed idle)",
-         post(TE, chunks(size=b"1" + b"0" * 16 + b"44")), REFUSED),
+    Case(
+        "chunks",
+        "a quoted extension with a semicolon",
+        post(TE, chunks(size=b'%x;a="b;c"' % N)),
+        FORWARDED,
+    ),
+    Case(
+        "chunks",
+        "size past 64 bits (held, then closed idle)",
+        post(TE, chunks(size=b"1" + b"0" * 16 + b"44")),
+        REFUSED,
+    ),
     Case("chunks", "0x prefix", post(TE, chunks(size=b"0x44")), REFUSED),
     Case("chunks", "negative size", post(TE, chunks(size=b"-44")), REFUSED),
     Case("chunks", "plus sign", post(TE, chunks(size=b"+44")), REFUSED),
@@ -144,22 +226,49 @@ CORPUS = [
     Case("chunks", "bare LF chunk terminator", post(TE, chunks(end=b"\n")), REFUSED),
     Case("chunks", "bare LF after the size", post(TE, b"44\n" + CHAT + b"\r\n0\r\n\r\n"), REFUSED),
     Case("chunks", "a trailer field", post(TE, chunks(last=b"0\r\nX-T: 1\r\n\r\n")), FORWARDED),
-    Case("chunks", "a request line in the trailer section",
-         post(TE, chunks(last=b"0\r\n" + SMUGGLED)), REFUSED),
-    Case("chunks", "Content-Length in the trailer section",
-         post(TE, chunks(last=b"0\r\nContent-Length: 5\r\n\r\n")), REFUSED),
+    Case(
+        "chunks",
+        "a request line in the trailer section",
+        post(TE, chunks(last=b"0\r\n" + SMUGGLED)),
+        REFUSED,
+    ),
+    Case(
+        "chunks",
+        "Content-Length in the trailer section",
+        post(TE, chunks(last=b"0\r\nContent-Length: 5\r\n\r\n")),
+        REFUSED,
+    ),
     # Line endings, folding, header syntax.
-    Case("header syntax", "bare LF line endings (held, then closed)",
-         b"POST /api/chat HTTP/1.1\nHost: x\nContent-Length: %d\n\n%s" % (N, CHAT), REFUSED),
-    Case("header syntax", "bare LF inside the headers",
-         b"POST /api/chat HTTP/1.1\r\nHost: x\n" + CL + b"\r\n" + CHAT, REFUSED),
-    Case("header syntax", "bare CR inside the headers",
-         b"POST /api/chat HTTP/1.1\r\nHost: x\rContent-Length: 5\r\n" + CL + b"\r\n" + CHAT,
-         REFUSED),
-    Case("header syntax", "obs-fold of another header", post(b"X-A: one\r\n two\r\n" + CL, CHAT),
-         FORWARDED),
-    Case("header syntax", "tab before the colon", post(b"Content-Length\t: %d\r\n" % N, CHAT),
-         REFUSED),
+    Case(
+        "header syntax",
+        "bare LF line endings (held, then closed)",
+        b"POST /api/chat HTTP/1.1\nHost: x\nContent-Length: %d\n\n%s" % (N, CHAT),
+        REFUSED,
+    ),
+    Case(
+        "header syntax",
+        "bare LF inside the headers",
+        b"POST /api/chat HTTP/1.1\r\nHost: x\n" + CL + b"\r\n" + CHAT,
+        REFUSED,
+    ),
+    Case(
+        "header syntax",
+        "bare CR inside the headers",
+        b"POST /api/chat HTTP/1.1\r\nHost: x\rContent-Length: 5\r\n" + CL + b"\r\n" + CHAT,
+        REFUSED,
+    ),
+    Case(
+        "header syntax",
+        "obs-fold of another header",
+        post(b"X-A: one\r\n two\r\n" + CL, CHAT),
+        FORWARDED,
+    ),
+    Case(
+        "header syntax",
+        "tab before the colon",
+        post(b"Content-Length\t: %d\r\n" % N, CHAT),
+        REFUSED,
+    ),
     Case("header syntax", "space in a name", post(b"X A: b\r\n" + CL, CHAT), REFUSED),
     Case("header syntax", "empty name", post(b": b\r\n" + CL, CHAT), REFUSED),
     Case("header syntax", "NUL in a value", post(b"X-A: a\x00b\r\n" + CL, CHAT), REFUSED),
@@ -169,50 +278,95 @@ CORPUS = [
     Case("header syntax", "ESC in a value", post(b"X-A: a\x1bb\r\n" + CL, CHAT), REFUSED),
     Case("header syntax", "DEL in a value", post(b"X-A: a\x7fb\r\n" + CL, CHAT), REFUSED),
     # Request targets and methods.
-    Case("targets", "absolute-form", b"POST http://evil:1/api/chat HTTP/1.1\r\nHost: x\r\n" + CL
-         + b"\r\n" + CHAT, FORWARDED),
-    Case("targets", "absolute-form https",
-         b"GET https://evil/api/version HTTP/1.1\r\nHost: x\r\n\r\n", FORWARDED),
+    Case(
+        "targets",
+        "absolute-form",
+        b"POST http://evil:1/api/chat HTTP/1.1\r\nHost: x\r\n" + CL + b"\r\n" + CHAT,
+        FORWARDED,
+    ),
+    Case(
+        "targets",
+        "absolute-form https",
+        b"GET https://evil/api/version HTTP/1.1\r\nHost: x\r\n\r\n",
+        FORWARDED,
+    ),
     Case("targets", "asterisk-form", b"OPTIONS * HTTP/1.1\r\nHost: x\r\n\r\n", REFUSED),
-    Case("targets", "CONNECT", b"CONNECT 10.0.0.1:11434 HTTP/1.1\r\nHost: x\r\n\r\n" + SMUGGLED,
-         REFUSED),
-    Case("targets", "two spaces in the request line",
-         b"GET  /api/version HTTP/1.1\r\nHost: x\r\n\r\n", REFUSED),
+    Case(
+        "targets",
+        "CONNECT",
+        b"CONNECT 10.0.0.1:11434 HTTP/1.1\r\nHost: x\r\n\r\n" + SMUGGLED,
+        REFUSED,
+    ),
+    Case(
+        "targets",
+        "two spaces in the request line",
+        b"GET  /api/version HTTP/1.1\r\nHost: x\r\n\r\n",
+        REFUSED,
+    ),
     Case("targets", "HTTP/0.9 request line", b"GET /api/version\r\n\r\n", REFUSED),
     Case("targets", "HTTP/1.2", b"GET /api/version HTTP/1.2\r\nHost: x\r\n\r\n", REFUSED),
-    Case("targets", "an upgrade to h2c, sent without it",
-         b"GET /api/version HTTP/1.1\r\nHost: x\r\nConnection: Upgrade, HTTP2-Settings\r\n"
-         b"Upgrade: h2c\r\nHTTP2-Settings: AAMAAABkAAQAAP__\r\n\r\n", FORWARDED),
+    Case(
+        "targets",
+        "an upgrade to h2c, sent without it",
+        b"GET /api/version HTTP/1.1\r\nHost: x\r\nConnection: Upgrade, HTTP2-Settings\r\n"
+        b"Upgrade: h2c\r\nHTTP2-Settings: AAMAAABkAAQAAP__\r\n\r\n",
+        FORWARDED,
+    ),
     # Versions and Expect.
-    Case("versions", "HTTP/1.0 with keep-alive, a request behind it",
-         post(b"Connection: keep-alive\r\n" + CL, CHAT + SMUGGLED, b"HTTP/1.0"), FORWARDED),
-    Case("versions", "HTTP/1.0 without a length (no body)",
-         post(b"", b"", b"HTTP/1.0"), FORWARDED),
-    Case("versions", "Expect: 100-continue", post(b"Expect: 100-continue\r\n" + CL, CHAT),
-         FORWARDED),
-    Case("versions", "Expect: 100-continue, chunked",
-         post(b"Expect: 100-continue\r\n" + TE, chunks()), FORWARDED),
+    Case(
+        "versions",
+        "HTTP/1.0 with keep-alive, a request behind it",
+        post(b"Connection: keep-alive\r\n" + CL, CHAT + SMUGGLED, b"HTTP/1.0"),
+        FORWARDED,
+    ),
+    Case("versions", "HTTP/1.0 without a length (no body)", post(b"", b"", b"HTTP/1.0"), FORWARDED),
+    Case(
+        "versions", "Expect: 100-continue", post(b"Expect: 100-continue\r\n" + CL, CHAT), FORWARDED
+    ),
+    Case(
+        "versions",
+        "Expect: 100-continue, chunked",
+        post(b"Expect: 100-continue\r\n" + TE, chunks()),
+        FORWARDED,
+    ),
     # Pipelining behind a body: each request read is forwarded as itself, in order.
     Case("pipelined", "behind a Content-Length body", post(CL, CHAT + SMUGGLED), FORWARDED, 2),
     Case("pipelined", "behind a chunked body", post(TE, chunks() + SMUGGLED), FORWARDED, 2),
-    Case("pipelined", "a length shorter than the body", post(b"Content-Length: 2\r\n",
-                                                             b"{}" + SMUGGLED), FORWARDED, 2),
-    Case("pipelined", "a request as a GET's body",
-         b"GET /api/version HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s"
-         % (len(SMUGGLED), SMUGGLED), FORWARDED),
-    Case("pipelined", "an empty line before a pipelined request",
-         post(CL, CHAT + b"\r\n" + SMUGGLED), FORWARDED, 2),
-    Case("pipelined", "Connection: close, then a request",
-         b"GET /api/version HTTP/1.1\r\nHost: x\r\nConnection: close, te\r\n\r\n" + SMUGGLED,
-         FORWARDED),
+    Case(
+        "pipelined",
+        "a length shorter than the body",
+        post(b"Content-Length: 2\r\n", b"{}" + SMUGGLED),
+        FORWARDED,
+        2,
+    ),
+    Case(
+        "pipelined",
+        "a request as a GET's body",
+        b"GET /api/version HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s"
+        % (len(SMUGGLED), SMUGGLED),
+        FORWARDED,
+    ),
+    Case(
+        "pipelined",
+        "an empty line before a pipelined request",
+        post(CL, CHAT + b"\r\n" + SMUGGLED),
+        FORWARDED,
+        2,
+    ),
+    Case(
+        "pipelined",
+        "Connection: close, then a request",
+        b"GET /api/version HTTP/1.1\r\nHost: x\r\nConnection: close, te\r\n\r\n" + SMUGGLED,
+        FORWARDED,
+    ),
 ]
 
 # Accepted by us, read otherwise by h11 reading the client's bytes, and why that is safe: h11
 # is stricter than RFC 9112 here, and each request we forward is one it reads whole.
 LENIENT = {
     "an empty line before a pipelined request": "RFC 9112 2.2: a server SHOULD ignore at least "
-                                                "one empty line before a request line; h11 "
-                                                "does not, so it reads only the first",
+    "one empty line before a request line; h11 "
+    "does not, so it reads only the first",
 }
 
 
@@ -263,8 +417,13 @@ def through(data: bytes) -> Outcome:
         # Held: the request-line, header and idle deadlines are what end it.
         w.site_clock.advance(SERVER_IDLE_TIMEOUT + 1)
         idle = True
-    return Outcome(read, [bytes(received) for _, received in wires], client.raw(),
-                   client.transport.disconnecting, idle)
+    return Outcome(
+        read,
+        [bytes(received) for _, received in wires],
+        client.raw(),
+        client.transport.disconnecting,
+        idle,
+    )
 
 
 @dataclass
@@ -292,12 +451,18 @@ def strict_read(data: bytes) -> Read:
             break
         if isinstance(event, h11.Request):
             requests.append([event.method, event.target, b""])
-            framing.append([name + b": " + value for name, value in event.headers.raw_items()
-                            if name.lower() in (b"content-length", b"transfer-encoding")])
+            framing.append(
+                [
+                    name + b": " + value
+                    for name, value in event.headers.raw_items()
+                    if name.lower() in (b"content-length", b"transfer-encoding")
+                ]
+            )
         elif isinstance(event, h11.Data):
             requests[-1][2] += event.data
-        elif isinstance(event, h11.EndOfMessage) or (event is h11.PAUSED
-                                                     and parser.their_state is h11.DONE):
+        elif isinstance(event, h11.EndOfMessage) or (
+            event is h11.PAUSED and parser.their_state is h11.DONE
+        ):
             ended += isinstance(event, h11.EndOfMessage)
             parser.send(h11.Response(status_code=200, headers=[("content-length", "0")]))
             parser.send(h11.EndOfMessage())
@@ -316,9 +481,8 @@ def origin_form(target: bytes) -> bytes:
     """An absolute-form target as the origin form we send, for comparing with h11's target."""
     for scheme in (b"http://", b"https://"):
         if target.lower().startswith(scheme):
-            rest = target[len(scheme):]
-            cut = min((i for i in (rest.find(b"/"), rest.find(b"?")) if i >= 0),
-                      default=len(rest))
+            rest = target[len(scheme) :]
+            cut = min((i for i in (rest.find(b"/"), rest.find(b"?")) if i >= 0), default=len(rest))
             path = rest[cut:]
             return path if path.startswith(b"/") else b"/" + path
     return target
@@ -355,8 +519,15 @@ class Oracle:
             test.assertEqual(read.leftover, b"", (name, "left on the upstream connection"))
             for (method, target, body), framing in zip(read.requests, read.framing):
                 # Canonical: no Transfer-Encoding, one Content-Length when there is a body.
-                test.assertEqual(framing, [b"Content-Length: %d" % len(body)] if body else
-                                 [b"Content-Length: 0"] if framing else [], (name, wire))
+                test.assertEqual(
+                    framing,
+                    [b"Content-Length: %d" % len(body)]
+                    if body
+                    else [b"Content-Length: 0"]
+                    if framing
+                    else [],
+                    (name, wire),
+                )
                 forwarded.append((method, target, body))
         test.assertEqual(forwarded, outcome.read, (name, "the engine read other requests"))
         test.assertEqual(status_of(outcome.answer), 200, (name, outcome.answer[:200]))
@@ -364,14 +535,18 @@ class Oracle:
         # we read is one h11 read whole, the same, in the same place.
         client_read = strict_read(data)
         theirs = [(m, origin_form(t), b) for m, t, b in client_read.requests]
-        if outcome.read != theirs[:len(outcome.read)]:
-            test.assertTrue(lenient and client_read.error not in (None, "incomplete"),
-                            (name, "h11 reads the client's bytes otherwise", client_read.error,
-                             theirs))
+        if outcome.read != theirs[: len(outcome.read)]:
+            test.assertTrue(
+                lenient and client_read.error not in (None, "incomplete"),
+                (name, "h11 reads the client's bytes otherwise", client_read.error, theirs),
+            )
 
     def refused(self, name: str, outcome: Outcome) -> None:
-        self.test.assertEqual(outcome.wires, [b""] * len(outcome.wires),
-                              (name, "the engine received bytes of a refused request"))
+        self.test.assertEqual(
+            outcome.wires,
+            [b""] * len(outcome.wires),
+            (name, "the engine received bytes of a refused request"),
+        )
         status = status_of(outcome.answer)
         self.test.assertTrue(status is None or 400 <= status < 500, (name, outcome.answer[:200]))
         self.test.assertTrue(outcome.closed, (name, "a refused request's connection stays open"))
@@ -381,9 +556,19 @@ class CorpusTests(SynchronousTestCase):
     def test_the_corpus_covers_each_family(self) -> None:
         self.assertGreaterEqual(len(CORPUS), 40)
         self.assertEqual(len({(case.group, case.name) for case in CORPUS}), len(CORPUS))
-        self.assertEqual({case.group for case in CORPUS},
-                         {"two framings", "te obfuscation", "content-length", "chunks",
-                          "header syntax", "targets", "versions", "pipelined"})
+        self.assertEqual(
+            {case.group for case in CORPUS},
+            {
+                "two framings",
+                "te obfuscation",
+                "content-length",
+                "chunks",
+                "header syntax",
+                "targets",
+                "versions",
+                "pipelined",
+            },
+        )
 
     def test_each_framing_is_refused_or_forwarded_as_exactly_what_we_read(self) -> None:
         oracle = Oracle(self)
@@ -409,20 +594,32 @@ class CorpusTests(SynchronousTestCase):
         """A guard that cannot fail guards nothing: two requests on the engine's wire where
         our server read one, and a body framed twice, are both caught."""
         oracle = Oracle(self)
-        smuggled = Outcome([(b"POST", b"/api/chat", CHAT)],
-                           [b"POST /api/chat HTTP/1.1\r\nHost: e\r\n" + CL + b"\r\n" + CHAT
-                            + SMUGGLED], b"HTTP/1.1 200 OK\r\n\r\n", False)
-        both = Outcome([(b"POST", b"/api/chat", CHAT)],
-                       [b"POST /api/chat HTTP/1.1\r\nHost: e\r\n" + CL + TE + b"\r\n" + chunks()],
-                       b"HTTP/1.1 200 OK\r\n\r\n", False)
+        smuggled = Outcome(
+            [(b"POST", b"/api/chat", CHAT)],
+            [b"POST /api/chat HTTP/1.1\r\nHost: e\r\n" + CL + b"\r\n" + CHAT + SMUGGLED],
+            b"HTTP/1.1 200 OK\r\n\r\n",
+            False,
+        )
+        both = Outcome(
+            [(b"POST", b"/api/chat", CHAT)],
+            [b"POST /api/chat HTTP/1.1\r\nHost: e\r\n" + CL + TE + b"\r\n" + chunks()],
+            b"HTTP/1.1 200 OK\r\n\r\n",
+            False,
+        )
         for outcome in (smuggled, both):
             self.assertRaises(self.failureException, oracle.judge, "fake", GOOD, outcome)
         refused = Outcome([], [b"GET /api/smuggled HTTP/1.1\r\n\r\n"], b"", True)
         self.assertRaises(self.failureException, oracle.judge, "fake", GOOD, refused)
-        oracle.judge("fake", GOOD, Outcome([(b"POST", b"/api/chat", CHAT)],
-                                           [b"POST /api/chat HTTP/1.1\r\nHost: e\r\n" + CL
-                                            + b"\r\n" + CHAT], b"HTTP/1.1 200 OK\r\n\r\n",
-                                           False))
+        oracle.judge(
+            "fake",
+            GOOD,
+            Outcome(
+                [(b"POST", b"/api/chat", CHAT)],
+                [b"POST /api/chat HTTP/1.1\r\nHost: e\r\n" + CL + b"\r\n" + CHAT],
+                b"HTTP/1.1 200 OK\r\n\r\n",
+                False,
+            ),
+        )
 
 
 # The mutations of a valid request, by family; each takes (head lines, body, framing) and
@@ -436,13 +633,56 @@ def _valid(method: bytes, path: bytes, body: bytes, chunked: bool) -> tuple[list
     return lines, body
 
 
-TE_SPELLINGS = [b"chunked", b"CHUNKED", b" chunked", b"chunked ", b"\tchunked", b"chunked, identity",
-                b"identity, chunked", b"identity", b"\x0bchunked", b"chunked\x0b", b'"chunked"',
-                b"chunked,chunked", b"gzip, chunked", b"xchunked", b"chunked;q=1", b""]
-CL_SPELLINGS = [b"+%d", b"-%d", b" %d", b"%d ", b"0%d", b"00000%d", b"%d, %d", b"%d,%d", b"0x%x",
-                b"%d.0", b"%de0", b"%d\x0b", b"\x0c%d", b"1%d", b"%d0", b""]
-CHUNK_SIZES = [b"%x;ext", b"%x;a=b;c=\"d\"", b"0x%x", b"-%x", b"+%x", b"%x ", b" %x", b"%X",
-               b"000%x", b"1000000000000000%x", b"%x\x00", b"%x\x0b"]
+TE_SPELLINGS = [
+    b"chunked",
+    b"CHUNKED",
+    b" chunked",
+    b"chunked ",
+    b"\tchunked",
+    b"chunked, identity",
+    b"identity, chunked",
+    b"identity",
+    b"\x0bchunked",
+    b"chunked\x0b",
+    b'"chunked"',
+    b"chunked,chunked",
+    b"gzip, chunked",
+    b"xchunked",
+    b"chunked;q=1",
+    b"",
+]
+CL_SPELLINGS = [
+    b"+%d",
+    b"-%d",
+    b" %d",
+    b"%d ",
+    b"0%d",
+    b"00000%d",
+    b"%d, %d",
+    b"%d,%d",
+    b"0x%x",
+    b"%d.0",
+    b"%de0",
+    b"%d\x0b",
+    b"\x0c%d",
+    b"1%d",
+    b"%d0",
+    b"",
+]
+CHUNK_SIZES = [
+    b"%x;ext",
+    b'%x;a=b;c="d"',
+    b"0x%x",
+    b"-%x",
+    b"+%x",
+    b"%x ",
+    b" %x",
+    b"%X",
+    b"000%x",
+    b"1000000000000000%x",
+    b"%x\x00",
+    b"%x\x0b",
+]
 CONTROLS = [bytes([c]) for c in (*range(0, 9), *range(10, 32), 127)]
 
 
@@ -457,13 +697,36 @@ def mutated(draw) -> tuple[bytes, str | None]:
     lines, payload = _valid(method, path, body, chunked)
     tail = draw(st.sampled_from([b"", SMUGGLED, b"0\r\n\r\n", b"\r\n" + SMUGGLED]))
     lenient = "an empty line before a pipelined request" if tail.startswith(b"\r\n") else None
-    family = draw(st.sampled_from(["te", "cl", "chunk", "endings", "fold", "colon", "control",
-                                   "target", "version", "expect", "duplicate"]))
+    family = draw(
+        st.sampled_from(
+            [
+                "te",
+                "cl",
+                "chunk",
+                "endings",
+                "fold",
+                "colon",
+                "control",
+                "target",
+                "version",
+                "expect",
+                "duplicate",
+            ]
+        )
+    )
     index = draw(st.integers(1, len(lines)))
     if family == "te":
         spelling = draw(st.sampled_from(TE_SPELLINGS))
-        name = draw(st.sampled_from([b"Transfer-Encoding", b"transfer-encoding",
-                                     b"TRANSFER-ENCODING", b"Transfer-Encoding "]))
+        name = draw(
+            st.sampled_from(
+                [
+                    b"Transfer-Encoding",
+                    b"transfer-encoding",
+                    b"TRANSFER-ENCODING",
+                    b"Transfer-Encoding ",
+                ]
+            )
+        )
         lines.insert(index, name + b":" + spelling)
     elif family == "cl":
         spelling = draw(st.sampled_from(CL_SPELLINGS))
@@ -474,8 +737,18 @@ def mutated(draw) -> tuple[bytes, str | None]:
         if body:
             size = draw(st.sampled_from(CHUNK_SIZES))
             end = draw(st.sampled_from([b"\r\n", b"\n", b"XX", b"", b"\r\r\n"]))
-            last = draw(st.sampled_from([b"0\r\n\r\n", b"0\r\nX-T: 1\r\n\r\n", b"0\r\n",
-                                         b"0\n\n", b"00\r\n\r\n", b"0;e\r\n\r\n"]))
+            last = draw(
+                st.sampled_from(
+                    [
+                        b"0\r\n\r\n",
+                        b"0\r\nX-T: 1\r\n\r\n",
+                        b"0\r\n",
+                        b"0\n\n",
+                        b"00\r\n\r\n",
+                        b"0;e\r\n\r\n",
+                    ]
+                )
+            )
             payload = chunks(body, size % len(body), end, last)
             if not chunked:
                 lines.append(b"Transfer-Encoding: chunked")
@@ -484,7 +757,7 @@ def mutated(draw) -> tuple[bytes, str | None]:
         where = draw(st.integers(0, head.count(b"\r\n") - 1))
         pieces = head.split(b"\r\n")
         joiner = draw(st.sampled_from([b"\n", b"\r", b"\n\r"]))
-        head = b"\r\n".join(pieces[:where + 1]) + joiner + b"\r\n".join(pieces[where + 1:])
+        head = b"\r\n".join(pieces[: where + 1]) + joiner + b"\r\n".join(pieces[where + 1 :])
         return head + payload + tail, lenient
     elif family == "fold":
         lines.insert(index, draw(st.sampled_from([b" folded", b"\tfolded", b" 5", b" chunked"])))
@@ -497,22 +770,39 @@ def mutated(draw) -> tuple[bytes, str | None]:
         control = draw(st.sampled_from(CONTROLS))
         lines.insert(index, b"X-A: a" + control + b"b")
     elif family == "target":
-        target = draw(st.sampled_from([b"http://evil:1" + path, b"https://e" + path, b"*",
-                                       b"evil:80", b"7" + path, path + b"#f", b"//" + path]))
+        target = draw(
+            st.sampled_from(
+                [
+                    b"http://evil:1" + path,
+                    b"https://e" + path,
+                    b"*",
+                    b"evil:80",
+                    b"7" + path,
+                    path + b"#f",
+                    b"//" + path,
+                ]
+            )
+        )
         verb = draw(st.sampled_from([method, b"CONNECT", b"OPTIONS"]))
         lines[0] = verb + b" " + target + b" HTTP/1.1"
     elif family == "version":
-        version = draw(st.sampled_from([b"HTTP/1.0", b"HTTP/1.2", b"http/1.1", b"HTTP/2.0",
-                                        b"HTTP/1.1 ", b""]))
+        version = draw(
+            st.sampled_from([b"HTTP/1.0", b"HTTP/1.2", b"http/1.1", b"HTTP/2.0", b"HTTP/1.1 ", b""])
+        )
         lines[0] = method + b" " + path + (b" " + version if version else b"")
         if draw(st.booleans()):
             lines.insert(index, b"Connection: keep-alive")
     elif family == "expect":
-        lines.insert(index, b"Expect: " + draw(st.sampled_from([b"100-continue",
-                                                               b"100-Continue", b"200-ok"])))
+        lines.insert(
+            index,
+            b"Expect: " + draw(st.sampled_from([b"100-continue", b"100-Continue", b"200-ok"])),
+        )
     else:  # a framing header repeated
-        line = next(line for line in lines if line.lower().startswith(
-            (b"content-length", b"transfer-encoding")))
+        line = next(
+            line
+            for line in lines
+            if line.lower().startswith((b"content-length", b"transfer-encoding"))
+        )
         lines.insert(index, line)
     return b"\r\n".join(lines) + b"\r\n\r\n" + payload + tail, lenient
 

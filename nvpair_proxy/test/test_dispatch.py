@@ -24,12 +24,20 @@ class FailoverTests(WorldTestCase):
         upstream.finish()
         response = client.response()
         self.assertEqual(response.status, 200)
-        self.assertEqual(response.body, b'{"message":{"content":"hi"},"done":false}\n'
-                                        b'{"done":true,"eval_count":1}\n')
-        self.assertEqual(w.workload_events(), [
-            ("workload:submitted", "queued", None), ("workload:submitted", "queued", "a"),
-            ("workload:submitted", "queued", "b"), ("workload:started", "running", "b"),
-            ("workload:completed", "completed", "b")])
+        self.assertEqual(
+            response.body,
+            b'{"message":{"content":"hi"},"done":false}\n{"done":true,"eval_count":1}\n',
+        )
+        self.assertEqual(
+            w.workload_events(),
+            [
+                ("workload:submitted", "queued", None),
+                ("workload:submitted", "queued", "a"),
+                ("workload:submitted", "queued", "b"),
+                ("workload:started", "running", "b"),
+                ("workload:completed", "completed", "b"),
+            ],
+        )
         self.assertEqual([i["seq"] for _, i in w.emitter.workload()], [1, 2, 3, 4, 5])
         w.assert_quiet(self)
 
@@ -71,8 +79,9 @@ class FailoverTests(WorldTestCase):
             self.assertEqual(len(w.agent.requests), index + 1)
             w.clock.advance([1, 2, 4, 8][index])
         self.assertEqual(len(w.agent.requests), 5)
-        w.agent.requests[4].respond(503, {"Content-Type": "text/plain"}, body=b"still busy",
-                                    length=10, finish=True)
+        w.agent.requests[4].respond(
+            503, {"Content-Type": "text/plain"}, body=b"still busy", length=10, finish=True
+        )
         response = client.response()
         self.assertEqual((response.status, response.body), (503, b"still busy"))
         self.assertEqual(w.agent.hosts(), ["10.0.0.1:11434"] * 5)
@@ -125,7 +134,9 @@ class FailoverTests(WorldTestCase):
 
     def test_final_attempt_without_content_answers_504_and_never_hangs(self):
         w = self.world(response_timeout=60)
-        w.facade.upstreams.bounds = w.facade.upstreams.bounds.__class__(max_attempts=1, response_timeout=60)
+        w.facade.upstreams.bounds = w.facade.upstreams.bounds.__class__(
+            max_attempts=1, response_timeout=60
+        )
         w.add("a")
         client = w.chat()
         upstream = w.agent.last.respond(200, NDJSON)
@@ -134,8 +145,13 @@ class FailoverTests(WorldTestCase):
         w.clock.advance(0.2)
         response = client.response()
         self.assertEqual(response.status, 504)
-        self.assertEqual(response.json(), {"error": "upstream error: upstream sent no response "
-                                                    "body within the first-byte budget"})
+        self.assertEqual(
+            response.json(),
+            {
+                "error": "upstream error: upstream sent no response "
+                "body within the first-byte budget"
+            },
+        )
         self.assertTrue(upstream.transport.stopped)
         w.assert_quiet(self)
 
@@ -179,8 +195,13 @@ class StatusTableTests(WorldTestCase):
             client = w.send(method, path, {"model": "llama3"})
         else:
             client = w.send(method, path)
-        w.agent.requests[0].respond(status, {"Content-Type": "application/json"},
-                                    body=b'{"error":"x"}', length=13, finish=True)
+        w.agent.requests[0].respond(
+            status,
+            {"Content-Type": "application/json"},
+            body=b'{"error":"x"}',
+            length=13,
+            finish=True,
+        )
         return w, client
 
     def test_2xx_commits(self):
@@ -260,8 +281,10 @@ class BoundsTests(WorldTestCase):
         response = client.response()
         self.assertEqual(response.status, 503)
         self.assertEqual(response.header("retry-after"), "1")
-        self.assertEqual(response.json(), {"error": "the retry deadline passed while dispatch "
-                                                    "attempts were still failing"})
+        self.assertEqual(
+            response.json(),
+            {"error": "the retry deadline passed while dispatch attempts were still failing"},
+        )
         w.assert_quiet(self)
 
     def test_no_owner_after_a_dispatch_waits_without_spending_attempts_then_503(self):
@@ -274,8 +297,10 @@ class BoundsTests(WorldTestCase):
         self.assertEqual(len(w.agent.requests), 1)
         response = client.response()
         self.assertEqual(response.status, 503)
-        self.assertEqual(response.json()["error"], "no node advertising the requested model "
-                                                   "became available before the retry deadline")
+        self.assertEqual(
+            response.json()["error"],
+            "no node advertising the requested model became available before the retry deadline",
+        )
         w.assert_quiet(self)
 
     def test_no_owner_at_admission_is_an_immediate_502_without_a_workload(self):
@@ -283,8 +308,10 @@ class BoundsTests(WorldTestCase):
         w.add("a", models=("mistral:latest",))
         client = w.chat()
         response = client.response()
-        self.assertEqual((response.status, response.json()),
-                         (502, {"error": "no available node advertises the requested model"}))
+        self.assertEqual(
+            (response.status, response.json()),
+            (502, {"error": "no available node advertises the requested model"}),
+        )
         self.assertEqual(w.agent.requests, [])
         self.assertEqual(w.emitter.workload(), [])
         self.assertEqual(w.emitter.methods(), ["ollama:proxy/request"])
@@ -372,7 +399,9 @@ class CancellationTests(WorldTestCase):
         w.clock.advance(100)
         self.assertEqual(len(w.agent.requests), 1)
         self.assertEqual(w.emitter.workload()[-1][1]["state"], "cancelled")
-        self.assertEqual(w.emitter.workload()[-1][1]["error"], "client disconnected before completion")
+        self.assertEqual(
+            w.emitter.workload()[-1][1]["error"], "client disconnected before completion"
+        )
         w.assert_quiet(self)
 
     def test_requester_leaving_cancels_the_upstream_attempt(self):
@@ -390,7 +419,9 @@ class CancellationTests(WorldTestCase):
         w.chat()
         w.facade.shutdown()
         self.assertTrue(w.agent.last.cancelled)
-        self.assertEqual(w.emitter.workload()[-1][1]["error"], "request cancelled before completion")
+        self.assertEqual(
+            w.emitter.workload()[-1][1]["error"], "request cancelled before completion"
+        )
         w.assert_quiet(self)
 
     def test_exception_is_contained_to_its_request_and_answered_500(self):
@@ -404,8 +435,10 @@ class CancellationTests(WorldTestCase):
         other = w.chat()
         w.agent.last.respond(200, body=b"fine", finish=True)
         self.assertEqual(other.response().body, b"fine")
-        self.assertEqual([e for e in w.emitter.workload() if e[0] != "workload:submitted"][0][1]["error"],
-                         "request handler exited before completion")
+        self.assertEqual(
+            [e for e in w.emitter.workload() if e[0] != "workload:submitted"][0][1]["error"],
+            "request handler exited before completion",
+        )
 
 
 class CommittedTests(WorldTestCase):
@@ -464,8 +497,9 @@ class ConnectionTests(WorldTestCase):
         w.chat()
         w.agent.last.refuse()
         w.agent.last.refuse()
-        self.assertEqual(w.agent.hosts(), ["127.0.0.1:11434", "10.0.0.9:11434",
-                                           "192.168.1.9:11434"])
+        self.assertEqual(
+            w.agent.hosts(), ["127.0.0.1:11434", "10.0.0.9:11434", "192.168.1.9:11434"]
+        )
         self.assertEqual(w.workload_events()[1:], [("workload:submitted", "queued", "a")])
         w.agent.last.respond(200, length=0, finish=True)
 
@@ -492,6 +526,7 @@ class ConnectionTests(WorldTestCase):
     def test_a_reused_pooled_connection_failing_before_the_response_fails_over(self):
         from twisted.python.failure import Failure
         from twisted.web._newclient import RequestNotSent, ResponseNeverReceived
+
         for error in (RequestNotSent(), ResponseNeverReceived([Failure(Exception("reset"))])):
             w = self.world()
             w.add("a"), w.add("b", addresses=("10.0.0.2",))
@@ -547,8 +582,10 @@ class RobustnessTests(WorldTestCase):
         w.agent.request = request
         client = w.chat()
         w.agent.last.respond(503, length=0, finish=True)
-        self.assertEqual(w.workload_events()[-2:], [("workload:submitted", "queued", "b"),
-                                                    ("workload:submitted", "queued", None)])
+        self.assertEqual(
+            w.workload_events()[-2:],
+            [("workload:submitted", "queued", "b"), ("workload:submitted", "queued", None)],
+        )
         w.clock.advance(2)
         w.agent.last.respond(200, body=b"fine", finish=True)
         self.assertEqual(client.response().body, b"fine")
@@ -557,6 +594,7 @@ class RobustnessTests(WorldTestCase):
 
     def test_a_bug_inside_the_loop_ends_that_request_with_500_and_one_terminal(self):
         from nvpair_proxy.request.exchange import Exchange
+
         calls = []
         original = Exchange.dispatched
 
@@ -574,7 +612,9 @@ class RobustnessTests(WorldTestCase):
         self.assertEqual(client.response().status, 500)
         self.assertEqual(len(self.flushLoggedErrors(RuntimeError)), 1)
         terminal = [i for m, i in w.emitter.workload() if m == "workload:errored"]
-        self.assertEqual([i["error"] for i in terminal], ["request handler exited before completion"])
+        self.assertEqual(
+            [i["error"] for i in terminal], ["request handler exited before completion"]
+        )
         self.assertEqual(dict(w.reservations.reservations), {})
 
     def test_a_candidate_that_left_during_the_round_is_not_dialled(self):
@@ -627,8 +667,10 @@ class TargetWatchTests(WorldTestCase):
         w.remove("a")
         w.clock.advance(0.5)
         # The attempts on a were abandoned and went to b; those already on b were left alone.
-        self.assertEqual([r.cancelled for r in w.agent.requests[:6]],
-                         [r.uri.startswith(b"http://10.0.0.1") for r in w.agent.requests[:6]])
+        self.assertEqual(
+            [r.cancelled for r in w.agent.requests[:6]],
+            [r.uri.startswith(b"http://10.0.0.1") for r in w.agent.requests[:6]],
+        )
         self.assertEqual(w.agent.hosts()[6:], ["10.0.0.2:11434"] * 3)
         for record in w.agent.requests[6:] + [r for r in w.agent.requests[:6] if r.pending]:
             record.respond(200, length=0, finish=True)

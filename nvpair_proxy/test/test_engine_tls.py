@@ -72,8 +72,12 @@ class HTTPSEngineTests(TestCase):
         cert_pem, key_pem = client_ca.issue(client=True)
         cert_file = write(fleet.folder, "client.pem", cert_pem)
         key_file = write(fleet.folder, "client.key", key_pem)
-        engine = fleet.engine("a", tls=fleet.ca.issue(ips=("127.0.0.1",)), client_ca=client_ca,
-                              extra=f'cert_file = "{cert_file}"\nkey_file = "{key_file}"\n')
+        engine = fleet.engine(
+            "a",
+            tls=fleet.ca.issue(ips=("127.0.0.1",)),
+            client_ca=client_ca,
+            extra=f'cert_file = "{cert_file}"\nkey_file = "{key_file}"\n',
+        )
         fleet.start()
         status, _ = yield fleet.chat()
         self.assertEqual((status, len(engine.seen)), (200, 1))
@@ -91,11 +95,13 @@ class KeyedEngineTests(TestCase):
     @inlineCallbacks
     def test_a_keyed_engine_gets_its_key_and_never_the_callers(self):
         fleet = TLSFleet(self)
-        keyed = fleet.engine("a", tls=fleet.ca.issue(ips=("127.0.0.1",)),
-                             extra=f'api_key = "{ENGINE_KEY}"\n')
+        keyed = fleet.engine(
+            "a", tls=fleet.ca.issue(ips=("127.0.0.1",)), extra=f'api_key = "{ENGINE_KEY}"\n'
+        )
         fleet.start()
-        status, _ = yield fleet.chat({"Authorization": f"Bearer {CALLER_KEY}",
-                                      "X-Api-Key": CALLER_KEY})
+        status, _ = yield fleet.chat(
+            {"Authorization": f"Bearer {CALLER_KEY}", "X-Api-Key": CALLER_KEY}
+        )
         self.assertEqual(status, 200)
         [(_, _, headers)] = keyed.seen
         self.assertEqual(headers.getRawHeaders(b"authorization"), [f"Bearer {ENGINE_KEY}".encode()])
@@ -118,18 +124,30 @@ class KeyedEngineTests(TestCase):
     @inlineCallbacks
     def test_inventory_probes_use_the_tls_and_key_settings(self):
         fleet = TLSFleet(self)
-        engine = fleet.engine("a", tls=fleet.ca.issue(ips=("127.0.0.1",)), models=False,
-                              extra=f'api_key = "{ENGINE_KEY}"\n')
+        engine = fleet.engine(
+            "a",
+            tls=fleet.ca.issue(ips=("127.0.0.1",)),
+            models=False,
+            extra=f'api_key = "{ENGINE_KEY}"\n',
+        )
         fleet.start()
         facade = fleet.facade
-        prober = Prober(facade.engine, facade.router, fleet.agents.agent, reactor,
-                        lambda node: True, agent_for=facade.upstreams.agent_for)
+        prober = Prober(
+            facade.engine,
+            facade.router,
+            fleet.agents.agent,
+            reactor,
+            lambda node: True,
+            agent_for=facade.upstreams.agent_for,
+        )
         [node] = facade.router.nodes.routable()
         yield prober.probe(node)
         self.assertEqual(facade.router.nodes.routable()[0].models, frozenset({"llama3:latest"}))
         [(_, path, headers)] = engine.seen
-        self.assertEqual((path, headers.getRawHeaders(b"authorization")),
-                         (b"/api/tags", [f"Bearer {ENGINE_KEY}".encode()]))
+        self.assertEqual(
+            (path, headers.getRawHeaders(b"authorization")),
+            (b"/api/tags", [f"Bearer {ENGINE_KEY}".encode()]),
+        )
 
 
 class NodesFileAccessTests(SynchronousTestCase):
@@ -139,9 +157,14 @@ class NodesFileAccessTests(SynchronousTestCase):
         self.ca = TestCA()
 
     def load(self, extra: str):
-        path = write(self.folder, "nodes.toml", (
-            '[[node]]\nid = "a"\naddress = "engine.lan"\n[node.engines.ollama]\nport = 443\n'
-            + extra).encode())
+        path = write(
+            self.folder,
+            "nodes.toml",
+            (
+                '[[node]]\nid = "a"\naddress = "engine.lan"\n[node.engines.ollama]\nport = 443\n'
+                + extra
+            ).encode(),
+        )
         return load_nodes_file(path, ENGINES)
 
     def error(self, extra: str) -> str:
@@ -157,8 +180,10 @@ class NodesFileAccessTests(SynchronousTestCase):
 
     def test_a_ca_file_that_is_not_pem_names_the_file(self):
         bad = write(self.folder, "ca.pem", b"not a certificate")
-        self.assertIn(f"ca_file {bad}: no PEM certificate", self.error(
-            'scheme = "https"\nca_file = "ca.pem"\n'))
+        self.assertIn(
+            f"ca_file {bad}: no PEM certificate",
+            self.error('scheme = "https"\nca_file = "ca.pem"\n'),
+        )
 
     def test_a_missing_ca_file_names_the_file(self):
         self.assertIn("ca_file", self.error('scheme = "https"\nca_file = "nowhere.pem"\n'))
@@ -168,8 +193,10 @@ class NodesFileAccessTests(SynchronousTestCase):
         _, other_key = self.ca.issue(client=True)
         write(self.folder, "c.pem", cert_pem)
         key = write(self.folder, "c.key", other_key)
-        self.assertIn(f"key_file {key}: does not match", self.error(
-            'scheme = "https"\ncert_file = "c.pem"\nkey_file = "c.key"\n'))
+        self.assertIn(
+            f"key_file {key}: does not match",
+            self.error('scheme = "https"\ncert_file = "c.pem"\nkey_file = "c.key"\n'),
+        )
 
     def test_tls_files_need_https(self):
         self.assertIn("needs scheme", self.error('ca_file = "ca.pem"\n'))
@@ -178,6 +205,7 @@ class NodesFileAccessTests(SynchronousTestCase):
         # The nodes file refuses the pair half-given; so does loading it, rather than trying
         # to open no key file.
         from nvpair_proxy.standalone.engineaccess import AccessError, load_tls
+
         with self.assertRaises(AccessError) as caught:
             load_tls(None, os.path.join(self.folder, "nowhere.pem"), None)
         self.assertEqual(str(caught.exception), "fields 'cert_file' and 'key_file' go together")
@@ -201,12 +229,24 @@ class RetainTests(SynchronousTestCase):
         from twisted.internet.testing import MemoryReactorClock
         from nvpair_proxy.nodes.discovery import Node
         from nvpair_proxy.standalone.engineaccess import EngineAccess, load_tls
+
         folder = tempfile.mkdtemp()
         self.addCleanup(shutil.rmtree, folder, True)
-        configs = [load_tls(write(folder, f"ca{i}.pem", TestCA(f"ca{i}").pem), None, None)
-                   for i in range(2)]
-        nodes = [Node(id=f"n{i}", name=f"n{i}", port=443, addresses=("10.0.0.1",),
-                      scheme="https", access=EngineAccess(tls)) for i, tls in enumerate(configs)]
+        configs = [
+            load_tls(write(folder, f"ca{i}.pem", TestCA(f"ca{i}").pem), None, None)
+            for i in range(2)
+        ]
+        nodes = [
+            Node(
+                id=f"n{i}",
+                name=f"n{i}",
+                port=443,
+                addresses=("10.0.0.1",),
+                scheme="https",
+                access=EngineAccess(tls),
+            )
+            for i, tls in enumerate(configs)
+        ]
         agents = EngineAgents(MemoryReactorClock(), Client(MemoryReactorClock()), 5.0, 90.0)
         kept, dropped = (agents.for_node(node).agent for node in nodes)
         closed = []

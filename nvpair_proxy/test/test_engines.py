@@ -11,7 +11,14 @@ from twisted.trial.unittest import SynchronousTestCase
 
 from nvpair_proxy.test.support import VLLM
 from nvpair_proxy.nodes.engines import (
-    Engine, EngineFileError, ModelList, Ports, Route, load_engine_file, load_engines)
+    Engine,
+    EngineFileError,
+    ModelList,
+    Ports,
+    Route,
+    load_engine_file,
+    load_engines,
+)
 
 ENGINES = load_engines()
 
@@ -53,18 +60,39 @@ ROUTES = {
 # Requests that must stay unclassified (forwarded verbatim): the method is part of the class,
 # paths match exactly, and routes of one engine do not leak into another.
 UNCLASSIFIED = {
-    "ollama": [("GET", "/api/chat"), ("GET", "/api/generate"), ("POST", "/api/tags"),
-               ("GET", "/v1/chat/completions"), ("PUT", "/api/chat"), ("POST", "/api/pull"),
-               ("GET", "/api/ps"), ("POST", "/api/chat/"), ("POST", "/API/CHAT"),
-               ("GET", "/models"), ("POST", "/v1/models")],
-    "lmstudio": [("GET", "/v1/chat/completions"), ("POST", "/api/chat"), ("GET", "/api/tags"),
-                 ("GET", "/models"), ("GET", "/v1/messages"), ("POST", "/v1/models"),
-                 ("GET", "/api/v0/models")],
-    "llamacpp": [("GET", "/v1/messages"), ("GET", "/v1/responses"), ("POST", "/api/chat"),
-                 ("GET", "/api/tags"), ("POST", "/models"), ("GET", "/health"),
-                 ("POST", "/completion"), ("GET", "/v1/completions")],
+    "ollama": [
+        ("GET", "/api/chat"),
+        ("GET", "/api/generate"),
+        ("POST", "/api/tags"),
+        ("GET", "/v1/chat/completions"),
+        ("PUT", "/api/chat"),
+        ("POST", "/api/pull"),
+        ("GET", "/api/ps"),
+        ("POST", "/api/chat/"),
+        ("POST", "/API/CHAT"),
+        ("GET", "/models"),
+        ("POST", "/v1/models"),
+    ],
+    "lmstudio": [
+        ("GET", "/v1/chat/completions"),
+        ("POST", "/api/chat"),
+        ("GET", "/api/tags"),
+        ("GET", "/models"),
+        ("GET", "/v1/messages"),
+        ("POST", "/v1/models"),
+        ("GET", "/api/v0/models"),
+    ],
+    "llamacpp": [
+        ("GET", "/v1/messages"),
+        ("GET", "/v1/responses"),
+        ("POST", "/api/chat"),
+        ("GET", "/api/tags"),
+        ("POST", "/models"),
+        ("GET", "/health"),
+        ("POST", "/completion"),
+        ("GET", "/v1/completions"),
+    ],
 }
-
 
 
 class RouteClassificationTests(SynchronousTestCase):
@@ -76,9 +104,16 @@ class RouteClassificationTests(SynchronousTestCase):
             for (method, path), (kind, terminal, upstream, envelope) in table.items():
                 self.assertEqual(
                     engine.classify(method, path),
-                    Route(method=method, path=path, kind=kind, upstream_path=upstream,
-                          envelope=envelope, terminal=terminal),
-                    f"{engine_id} {method} {path}")
+                    Route(
+                        method=method,
+                        path=path,
+                        kind=kind,
+                        upstream_path=upstream,
+                        envelope=envelope,
+                        terminal=terminal,
+                    ),
+                    f"{engine_id} {method} {path}",
+                )
 
     def test_each_engine_declares_exactly_its_route_table(self) -> None:
         for engine_id, table in ROUTES.items():
@@ -88,8 +123,9 @@ class RouteClassificationTests(SynchronousTestCase):
     def test_undeclared_method_and_path_pairs_are_unclassified(self) -> None:
         for engine_id, requests in UNCLASSIFIED.items():
             for method, path in requests:
-                self.assertIsNone(ENGINES[engine_id].classify(method, path),
-                                  f"{engine_id} {method} {path}")
+                self.assertIsNone(
+                    ENGINES[engine_id].classify(method, path), f"{engine_id} {method} {path}"
+                )
 
     def test_get_api_chat_is_forwarded_verbatim_not_inference(self) -> None:
         ollama = ENGINES["ollama"]
@@ -98,16 +134,17 @@ class RouteClassificationTests(SynchronousTestCase):
 
     def test_query_string_is_ignored(self) -> None:
         ollama = ENGINES["ollama"]
-        self.assertEqual(ollama.classify("POST", "/api/chat?stream=false"),
-                         ollama.classify("POST", "/api/chat"))
-        self.assertEqual(ollama.classify("GET", "/api/tags?"),
-                         ollama.classify("GET", "/api/tags"))
+        self.assertEqual(
+            ollama.classify("POST", "/api/chat?stream=false"), ollama.classify("POST", "/api/chat")
+        )
+        self.assertEqual(ollama.classify("GET", "/api/tags?"), ollama.classify("GET", "/api/tags"))
         self.assertIsNone(ollama.classify("GET", "/api/chat?x=/api/tags"))
 
     def test_bytes_method_and_path_classify_like_text(self) -> None:
         llamacpp = ENGINES["llamacpp"]
-        self.assertEqual(llamacpp.classify(b"GET", b"/models?limit=5"),
-                         llamacpp.classify("GET", "/models"))
+        self.assertEqual(
+            llamacpp.classify(b"GET", b"/models?limit=5"), llamacpp.classify("GET", "/models")
+        )
         self.assertIsNone(llamacpp.classify(b"POST", b"/models"))
 
     def test_llamacpp_both_model_list_routes_go_to_upstream_models(self) -> None:
@@ -122,8 +159,16 @@ class RouteClassificationTests(SynchronousTestCase):
         text = VLLM + '\n[[routes]]\nmethod = "POST"\npath = "/v1/models"\nclass = "inference"\n'
         engine = load_engine_file(_write(self.mktemp(), "vllm.toml", text))
         get, post = engine.classify("GET", "/v1/models"), engine.classify("POST", "/v1/models")
-        self.assertEqual(get, Route(method="GET", path="/v1/models", kind="models",
-                                    upstream_path="/v1/models", envelope="openai"))
+        self.assertEqual(
+            get,
+            Route(
+                method="GET",
+                path="/v1/models",
+                kind="models",
+                upstream_path="/v1/models",
+                envelope="openai",
+            ),
+        )
         self.assertEqual(post, Route(method="POST", path="/v1/models", kind="inference"))
         self.assertIsNone(engine.classify("PUT", "/v1/models"))
 
@@ -139,31 +184,71 @@ class EngineListTests(SynchronousTestCase):
     def test_ollama_identity(self) -> None:
         ollama = ENGINES["ollama"]
         self.assertEqual(
-            (ollama.service_key, ollama.ports, ollama.persisted_port_file, ollama.host_variable,
-             ollama.model_rule, ollama.inventory_source, ollama.model_list),
-            ("ol", Ports(own=11434, relocated=11435, standalone=11435, reserved=()),
-             "proxy-port.json", "OLLAMA_HOST", "implied-latest", "models",
-             ModelList(upstream_path="/api/tags", envelope="ollama")))
+            (
+                ollama.service_key,
+                ollama.ports,
+                ollama.persisted_port_file,
+                ollama.host_variable,
+                ollama.model_rule,
+                ollama.inventory_source,
+                ollama.model_list,
+            ),
+            (
+                "ol",
+                Ports(own=11434, relocated=11435, standalone=11435, reserved=()),
+                "proxy-port.json",
+                "OLLAMA_HOST",
+                "implied-latest",
+                "models",
+                ModelList(upstream_path="/api/tags", envelope="ollama"),
+            ),
+        )
 
     def test_lmstudio_identity(self) -> None:
         lmstudio = ENGINES["lmstudio"]
         self.assertEqual(
-            (lmstudio.service_key, lmstudio.ports, lmstudio.persisted_port_file,
-             lmstudio.host_variable, lmstudio.model_rule, lmstudio.inventory_source,
-             lmstudio.model_list),
-            ("lm", Ports(own=1234, relocated=1235, standalone=1234, reserved=(1235,)),
-             "lmstudio-proxy-port.json", None, "exact", "models",
-             ModelList(upstream_path="/v1/models", envelope="openai")))
+            (
+                lmstudio.service_key,
+                lmstudio.ports,
+                lmstudio.persisted_port_file,
+                lmstudio.host_variable,
+                lmstudio.model_rule,
+                lmstudio.inventory_source,
+                lmstudio.model_list,
+            ),
+            (
+                "lm",
+                Ports(own=1234, relocated=1235, standalone=1234, reserved=(1235,)),
+                "lmstudio-proxy-port.json",
+                None,
+                "exact",
+                "models",
+                ModelList(upstream_path="/v1/models", envelope="openai"),
+            ),
+        )
 
     def test_llamacpp_identity_uses_loaded_models(self) -> None:
         llamacpp = ENGINES["llamacpp"]
         self.assertEqual(
-            (llamacpp.service_key, llamacpp.ports, llamacpp.persisted_port_file,
-             llamacpp.host_variable, llamacpp.model_rule, llamacpp.inventory_source,
-             llamacpp.model_list),
-            ("lc", Ports(own=8080, relocated=8081, standalone=8080, reserved=(8081,)),
-             "llamacpp-proxy-port.json", None, "exact", "loaded",
-             ModelList(upstream_path="/models", envelope="openai")))
+            (
+                llamacpp.service_key,
+                llamacpp.ports,
+                llamacpp.persisted_port_file,
+                llamacpp.host_variable,
+                llamacpp.model_rule,
+                llamacpp.inventory_source,
+                llamacpp.model_list,
+            ),
+            (
+                "lc",
+                Ports(own=8080, relocated=8081, standalone=8080, reserved=(8081,)),
+                "llamacpp-proxy-port.json",
+                None,
+                "exact",
+                "loaded",
+                ModelList(upstream_path="/models", envelope="openai"),
+            ),
+        )
 
 
 class ModelNamingTests(SynchronousTestCase):
@@ -191,8 +276,10 @@ class ModelNamingTests(SynchronousTestCase):
 
     def test_implied_latest_table(self) -> None:
         ollama = ENGINES["ollama"]
-        self.assertEqual([(name, ollama.normalize_model(name)) for name, _ in self.IMPLIED_LATEST],
-                         self.IMPLIED_LATEST)
+        self.assertEqual(
+            [(name, ollama.normalize_model(name)) for name, _ in self.IMPLIED_LATEST],
+            self.IMPLIED_LATEST,
+        )
 
     def test_llama3_and_llama3_latest_are_the_same_model_on_ollama(self) -> None:
         ollama = ENGINES["ollama"]
@@ -201,18 +288,23 @@ class ModelNamingTests(SynchronousTestCase):
     def test_exact_rule_table_for_lmstudio_and_llamacpp(self) -> None:
         for engine_id in ("lmstudio", "llamacpp"):
             engine = ENGINES[engine_id]
-            self.assertEqual([(name, engine.normalize_model(name)) for name, _ in self.EXACT],
-                             self.EXACT, engine_id)
+            self.assertEqual(
+                [(name, engine.normalize_model(name)) for name, _ in self.EXACT],
+                self.EXACT,
+                engine_id,
+            )
 
     def test_exact_rule_compares_byte_for_byte_after_trim(self) -> None:
         for engine_id in ("lmstudio", "llamacpp"):
             engine = ENGINES[engine_id]
             self.assertNotEqual(engine.normalize_model("Qwen"), engine.normalize_model("qwen"))
-            self.assertNotEqual(engine.normalize_model("llama3"),
-                                engine.normalize_model("llama3:latest"))
+            self.assertNotEqual(
+                engine.normalize_model("llama3"), engine.normalize_model("llama3:latest")
+            )
             # The same visible name, composed and decomposed, is two ids.
-            self.assertNotEqual(engine.normalize_model("caf\u00e9"),
-                                engine.normalize_model("cafe\u0301"))
+            self.assertNotEqual(
+                engine.normalize_model("caf\u00e9"), engine.normalize_model("cafe\u0301")
+            )
             self.assertEqual(engine.normalize_model(" Qwen\t"), engine.normalize_model("Qwen"))
 
 
@@ -235,96 +327,126 @@ class LoaderErrorTests(SynchronousTestCase):
         message = str(caught.exception)
         self.assertTrue(message.startswith(path + ": "), message)
         self.assertNotIn("\n", message)
-        return "FILE" + message[len(path):]
+        return "FILE" + message[len(path) :]
 
     def test_the_template_is_valid(self) -> None:
         engine = load_engine_file(_write(self.mktemp(), "vllm.toml", VLLM))
         self.assertEqual(engine.id, "vllm")
 
     def test_missing_field(self) -> None:
-        self.assertEqual(self.load(VLLM.replace('service_key = "vl"\n', "")),
-                         "FILE: missing field 'service_key'")
+        self.assertEqual(
+            self.load(VLLM.replace('service_key = "vl"\n', "")), "FILE: missing field 'service_key'"
+        )
 
     def test_missing_field_in_ports(self) -> None:
-        self.assertEqual(self.load(VLLM.replace("relocated = 8001\n", "")),
-                         "FILE: ports: missing field 'relocated'")
+        self.assertEqual(
+            self.load(VLLM.replace("relocated = 8001\n", "")),
+            "FILE: ports: missing field 'relocated'",
+        )
 
     def test_missing_model_list(self) -> None:
         text = VLLM.replace('[model_list]\nupstream_path = "/v1/models"\nenvelope = "openai"\n', "")
         self.assertEqual(self.load(text), "FILE: missing field 'model_list'")
 
     def test_wrong_type(self) -> None:
-        self.assertEqual(self.load(VLLM.replace('service_key = "vl"', "service_key = 5")),
-                         "FILE: field 'service_key' has the wrong type (int)")
+        self.assertEqual(
+            self.load(VLLM.replace('service_key = "vl"', "service_key = 5")),
+            "FILE: field 'service_key' has the wrong type (int)",
+        )
 
     def test_wrong_type_of_port(self) -> None:
-        self.assertEqual(self.load(VLLM.replace("own = 8000", 'own = "8000"')),
-                         "FILE: ports: field 'own' has the wrong type (str)")
+        self.assertEqual(
+            self.load(VLLM.replace("own = 8000", 'own = "8000"')),
+            "FILE: ports: field 'own' has the wrong type (str)",
+        )
 
     def test_boolean_is_not_a_port(self) -> None:
-        self.assertEqual(self.load(VLLM.replace("own = 8000", "own = true")),
-                         "FILE: ports: field 'own' has the wrong type (bool)")
+        self.assertEqual(
+            self.load(VLLM.replace("own = 8000", "own = true")),
+            "FILE: ports: field 'own' has the wrong type (bool)",
+        )
 
     def test_port_out_of_range(self) -> None:
-        self.assertEqual(self.load(VLLM.replace("standalone = 8000", "standalone = 70000")),
-                         "FILE: ports: field 'standalone' must be a port 1-65535 (got 70000)")
+        self.assertEqual(
+            self.load(VLLM.replace("standalone = 8000", "standalone = 70000")),
+            "FILE: ports: field 'standalone' must be a port 1-65535 (got 70000)",
+        )
 
     def test_reserved_port_out_of_range(self) -> None:
-        self.assertEqual(self.load(VLLM.replace("reserved = [8001]", "reserved = [0]")),
-                         "FILE: ports: field 'reserved' must list ports 1-65535 (got 0)")
+        self.assertEqual(
+            self.load(VLLM.replace("reserved = [8001]", "reserved = [0]")),
+            "FILE: ports: field 'reserved' must list ports 1-65535 (got 0)",
+        )
 
     def test_bad_class(self) -> None:
-        self.assertEqual(self.load(VLLM.replace('class = "inference"', 'class = "chat"')),
-                         "FILE: routes[0]: field 'class' must be one of inference, models "
-                         "(got 'chat')")
+        self.assertEqual(
+            self.load(VLLM.replace('class = "inference"', 'class = "chat"')),
+            "FILE: routes[0]: field 'class' must be one of inference, models (got 'chat')",
+        )
 
     def test_bad_method(self) -> None:
-        self.assertEqual(self.load(VLLM.replace('method = "POST"', 'method = "post"')),
-                         "FILE: routes[0]: field 'method' must be one of GET, POST, PUT, DELETE, "
-                         "PATCH, HEAD, OPTIONS (got 'post')")
+        self.assertEqual(
+            self.load(VLLM.replace('method = "POST"', 'method = "post"')),
+            "FILE: routes[0]: field 'method' must be one of GET, POST, PUT, DELETE, "
+            "PATCH, HEAD, OPTIONS (got 'post')",
+        )
 
     def test_bad_terminal(self) -> None:
-        self.assertEqual(self.load(VLLM.replace('terminal = "sse-done"', 'terminal = "eof"')),
-                         "FILE: routes[0]: field 'terminal' must be one of sse-done, "
-                         "sse-message-stop, sse-response-completed, ndjson-done (got 'eof')")
+        self.assertEqual(
+            self.load(VLLM.replace('terminal = "sse-done"', 'terminal = "eof"')),
+            "FILE: routes[0]: field 'terminal' must be one of sse-done, "
+            "sse-message-stop, sse-response-completed, ndjson-done (got 'eof')",
+        )
 
     def test_terminal_on_a_models_route(self) -> None:
         text = VLLM + 'terminal = "sse-done"\n'
-        self.assertEqual(self.load(text),
-                         "FILE: routes[1]: field 'terminal' applies to inference routes only")
+        self.assertEqual(
+            self.load(text), "FILE: routes[1]: field 'terminal' applies to inference routes only"
+        )
 
     def test_bad_model_rule(self) -> None:
-        self.assertEqual(self.load(VLLM.replace('model_rule = "exact"', 'model_rule = "lower"')),
-                         "FILE: field 'model_rule' must be one of implied-latest, exact "
-                         "(got 'lower')")
+        self.assertEqual(
+            self.load(VLLM.replace('model_rule = "exact"', 'model_rule = "lower"')),
+            "FILE: field 'model_rule' must be one of implied-latest, exact (got 'lower')",
+        )
 
     def test_bad_inventory_source(self) -> None:
         text = VLLM.replace('inventory_source = "models"', 'inventory_source = "ps"')
-        self.assertEqual(self.load(text),
-                         "FILE: field 'inventory_source' must be one of models, loaded (got 'ps')")
+        self.assertEqual(
+            self.load(text),
+            "FILE: field 'inventory_source' must be one of models, loaded (got 'ps')",
+        )
 
     def test_bad_envelope(self) -> None:
-        text = VLLM.replace('[model_list]\nupstream_path = "/v1/models"\nenvelope = "openai"',
-                            '[model_list]\nupstream_path = "/v1/models"\nenvelope = "xml"')
-        self.assertEqual(self.load(text),
-                         "FILE: model_list: field 'envelope' must be one of openai, ollama "
-                         "(got 'xml')")
+        text = VLLM.replace(
+            '[model_list]\nupstream_path = "/v1/models"\nenvelope = "openai"',
+            '[model_list]\nupstream_path = "/v1/models"\nenvelope = "xml"',
+        )
+        self.assertEqual(
+            self.load(text),
+            "FILE: model_list: field 'envelope' must be one of openai, ollama (got 'xml')",
+        )
 
     def test_path_must_start_with_a_slash(self) -> None:
         text = VLLM.replace('path = "/v1/chat/completions"', 'path = "v1/chat/completions"')
-        self.assertEqual(self.load(text),
-                         "FILE: routes[0]: field 'path' must start with '/' "
-                         "(got 'v1/chat/completions')")
+        self.assertEqual(
+            self.load(text),
+            "FILE: routes[0]: field 'path' must start with '/' (got 'v1/chat/completions')",
+        )
 
     def test_id_must_be_a_lower_case_identifier(self) -> None:
-        self.assertEqual(self.load(VLLM.replace('id = "vllm"', 'id = "vLLM"')),
-                         "FILE: field 'id' must be a lower-case identifier (got 'vLLM')")
+        self.assertEqual(
+            self.load(VLLM.replace('id = "vllm"', 'id = "vLLM"')),
+            "FILE: field 'id' must be a lower-case identifier (got 'vLLM')",
+        )
 
     def test_duplicate_route(self) -> None:
-        text = VLLM + ('\n[[routes]]\nmethod = "POST"\npath = "/v1/chat/completions"\n'
-                       'class = "inference"\n')
-        self.assertEqual(self.load(text),
-                         "FILE: routes[2]: route POST /v1/chat/completions is declared twice")
+        text = VLLM + (
+            '\n[[routes]]\nmethod = "POST"\npath = "/v1/chat/completions"\nclass = "inference"\n'
+        )
+        self.assertEqual(
+            self.load(text), "FILE: routes[2]: route POST /v1/chat/completions is declared twice"
+        )
 
     def test_unknown_top_level_field(self) -> None:
         self.assertEqual(self.load('colour = "blue"\n' + VLLM), "FILE: unknown field 'colour'")
@@ -335,23 +457,30 @@ class LoaderErrorTests(SynchronousTestCase):
 
     def test_route_that_is_not_a_table(self) -> None:
         text = VLLM.split("[[routes]]")[0].replace(
-            'inventory_source = "models"\n', 'inventory_source = "models"\nroutes = ["/x"]\n')
+            'inventory_source = "models"\n', 'inventory_source = "models"\nroutes = ["/x"]\n'
+        )
         self.assertEqual(self.load(text), "FILE: routes[0]: must be a table")
 
     def test_models_route_without_upstream_path(self) -> None:
-        text = VLLM.replace('class = "models"\nupstream_path = "/v1/models"\n',
-                            'class = "models"\n')
-        self.assertEqual(self.load(text),
-                         "FILE: routes[1]: a 'models' route needs 'upstream_path' and 'envelope'")
+        text = VLLM.replace(
+            'class = "models"\nupstream_path = "/v1/models"\n', 'class = "models"\n'
+        )
+        self.assertEqual(
+            self.load(text),
+            "FILE: routes[1]: a 'models' route needs 'upstream_path' and 'envelope'",
+        )
 
     def test_models_route_without_envelope(self) -> None:
-        text = VLLM[:VLLM.rindex('envelope = "openai"')]
-        self.assertEqual(self.load(text),
-                         "FILE: routes[1]: a 'models' route needs 'upstream_path' and 'envelope'")
+        text = VLLM[: VLLM.rindex('envelope = "openai"')]
+        self.assertEqual(
+            self.load(text),
+            "FILE: routes[1]: a 'models' route needs 'upstream_path' and 'envelope'",
+        )
 
     def test_bad_toml(self) -> None:
-        self.assertTrue(self.load(VLLM.replace('id = "vllm"', "id = ")).startswith(
-            "FILE: not valid TOML: "))
+        self.assertTrue(
+            self.load(VLLM.replace('id = "vllm"', "id = ")).startswith("FILE: not valid TOML: ")
+        )
 
     def test_unreadable_file(self) -> None:
         path = os.path.join(self.mktemp(), "absent.toml")
@@ -371,12 +500,20 @@ class ExtraEngineTests(SynchronousTestCase):
         self.assertEqual(sorted(engines), ["llamacpp", "lmstudio", "ollama", "vllm"])
         vllm = engines["vllm"]
         self.assertIsInstance(vllm, Engine)
-        self.assertEqual((vllm.service_key, vllm.ports, vllm.persisted_port_file),
-                         ("vl", Ports(own=8000, relocated=8001, standalone=8000, reserved=(8001,)),
-                          "vllm-proxy-port.json"))
-        self.assertEqual(vllm.classify("POST", "/v1/chat/completions?x=1"),
-                         Route(method="POST", path="/v1/chat/completions", kind="inference",
-                               terminal="sse-done"))
+        self.assertEqual(
+            (vllm.service_key, vllm.ports, vllm.persisted_port_file),
+            (
+                "vl",
+                Ports(own=8000, relocated=8001, standalone=8000, reserved=(8001,)),
+                "vllm-proxy-port.json",
+            ),
+        )
+        self.assertEqual(
+            vllm.classify("POST", "/v1/chat/completions?x=1"),
+            Route(
+                method="POST", path="/v1/chat/completions", kind="inference", terminal="sse-done"
+            ),
+        )
         self.assertTrue(vllm.classify("GET", "/v1/models").is_models)
         self.assertIsNone(vllm.classify("POST", "/api/chat"))
         self.assertEqual(vllm.normalize_model(" Qwen "), "Qwen")
@@ -408,6 +545,7 @@ class ExtraEngineTests(SynchronousTestCase):
         path = _write(directory, "broken.toml", VLLM.replace('class = "models"', 'class = "x"'))
         with self.assertRaises(EngineFileError) as caught:
             load_engines([directory])
-        self.assertEqual(str(caught.exception),
-                         f"{path}: routes[1]: field 'class' must be one of inference, models "
-                         "(got 'x')")
+        self.assertEqual(
+            str(caught.exception),
+            f"{path}: routes[1]: field 'class' must be one of inference, models (got 'x')",
+        )

@@ -10,8 +10,14 @@ from twisted.trial.unittest import SynchronousTestCase
 
 from nvpair_proxy.nodes.discovery import make_node
 from nvpair_proxy.nodes.engines import EngineFileError, TruthRoutes, parse_engine
-from nvpair_proxy.routing.enginetruth import (EngineTruth, Slots, TruthError, read_loaded, read_models,
-                                      read_slots)
+from nvpair_proxy.routing.enginetruth import (
+    EngineTruth,
+    Slots,
+    TruthError,
+    read_loaded,
+    read_models,
+    read_slots,
+)
 from nvpair_proxy.standalone.nodesfile import NodesFileError, parse_nodes
 from nvpair_proxy.routing.router import Router
 from nvpair_proxy.testing import FakeAgent
@@ -30,10 +36,16 @@ class EngineFileTests(SynchronousTestCase):
         self.assertEqual(ENGINES["lmstudio"].truth, TruthRoutes(models="/api/v0/models"))
 
     def test_an_unknown_truth_route_or_a_relative_path_names_the_file_and_field(self):
-        base = {"id": "x", "service_key": "x", "persisted_port_file": "x.json",
-                "model_rule": "exact", "inventory_source": "models",
-                "ports": {"own": 1, "relocated": 2, "standalone": 3},
-                "model_list": {"upstream_path": "/m", "envelope": "openai"}, "routes": []}
+        base = {
+            "id": "x",
+            "service_key": "x",
+            "persisted_port_file": "x.json",
+            "model_rule": "exact",
+            "inventory_source": "models",
+            "ports": {"own": 1, "relocated": 2, "standalone": 3},
+            "model_list": {"upstream_path": "/m", "envelope": "openai"},
+            "routes": [],
+        }
         self.assertEqual(parse_engine(base, "x.toml").truth, TruthRoutes())
         with self.assertRaisesRegex(EngineFileError, r"x.toml: truth: unknown field 'load'"):
             parse_engine({**base, "truth": {"load": "/x"}}, "x.toml")
@@ -53,16 +65,20 @@ class ReaderTests(SynchronousTestCase):
                 read_slots(body)
 
     def test_ollama_ps_lists_the_warm_models_normalized(self):
-        body = json.dumps({"models": [{"name": "llama3", "model": "llama3"},
-                                      {"name": "qwen:7b"}]}).encode()
-        self.assertEqual(read_loaded(body, self.normalize),
-                         frozenset({"llama3:latest", "qwen:7b"}))
+        body = json.dumps(
+            {"models": [{"name": "llama3", "model": "llama3"}, {"name": "qwen:7b"}]}
+        ).encode()
+        self.assertEqual(read_loaded(body, self.normalize), frozenset({"llama3:latest", "qwen:7b"}))
 
     def test_lmstudio_and_llamacpp_router_states_only_loaded_is_warm(self):
         lmstudio = {"data": [{"id": "a", "state": "loaded"}, {"id": "b", "state": "not-loaded"}]}
-        router = {"data": [{"id": "a", "status": {"value": "loaded"}},
-                           {"id": "b", "status": {"value": "loading"}},
-                           {"id": "c", "status": {"value": "unloaded"}}]}
+        router = {
+            "data": [
+                {"id": "a", "status": {"value": "loaded"}},
+                {"id": "b", "status": {"value": "loading"}},
+                {"id": "c", "status": {"value": "unloaded"}},
+            ]
+        }
         for data in (lmstudio, router):
             states = read_models(json.dumps(data).encode(), str, listed_are_loaded=False)
             self.assertEqual((states.warm, states.per_model), (frozenset({"a"}), True))
@@ -75,8 +91,12 @@ class ReaderTests(SynchronousTestCase):
 
 class NodesFileSlotsTests(SynchronousTestCase):
     def nodes(self, slots: str):
-        return parse_nodes(f'[[node]]\nid = "a"\naddress = "127.0.0.1"\n'
-                           f'[node.engines.ollama]\nport = 1\n{slots}\n', ENGINES, "n.toml")
+        return parse_nodes(
+            f'[[node]]\nid = "a"\naddress = "127.0.0.1"\n'
+            f"[node.engines.ollama]\nport = 1\n{slots}\n",
+            ENGINES,
+            "n.toml",
+        )
 
     def test_slots_reach_the_node(self):
         self.assertEqual(self.nodes("slots = 4").nodes["ollama"][0].slots, 4)
@@ -98,16 +118,19 @@ class PollerTests(SynchronousTestCase):
         engine = ENGINES[engine_id]
         router = Router(engine=engine, clock=self.clock)
         for node_id, port in nodes:
-            router.put_manual(make_node(engine, id=node_id, port=port,
-                                        addresses=["127.0.0.1"], models=["m"]))
-        poller = TruthPoller(engine, router, lambda node: self.agent, self.clock,
-                             random=lambda: 0.5)
+            router.put_manual(
+                make_node(engine, id=node_id, port=port, addresses=["127.0.0.1"], models=["m"])
+            )
+        poller = TruthPoller(
+            engine, router, lambda node: self.agent, self.clock, random=lambda: 0.5
+        )
         poller.startService()
         self.addCleanup(poller.stopService)
         return poller, router
 
     def warnings(self) -> list[str]:
         from twisted.logger import formatEvent
+
         return [formatEvent(e) for e in self.logs.at("warn")]
 
     def answer(self, status: int, body) -> None:
@@ -120,9 +143,10 @@ class PollerTests(SynchronousTestCase):
         self.clock.advance(0.99)
         self.assertEqual(self.agent.requests, [])
         self.clock.advance(0.01)
-        self.assertEqual([(r.method, r.uri) for r in self.agent.requests],
-                         [(b"GET", b"http://127.0.0.1:1/api/ps"),
-                          (b"GET", b"http://127.0.0.1:2/api/ps")])
+        self.assertEqual(
+            [(r.method, r.uri) for r in self.agent.requests],
+            [(b"GET", b"http://127.0.0.1:1/api/ps"), (b"GET", b"http://127.0.0.1:2/api/ps")],
+        )
         self.assertIn(b"nvpair-", self.agent.requests[0].headers.getRawHeaders(b"via")[0])
 
     def test_idle_facades_are_read_every_8_seconds_and_busy_ones_every_second(self):
@@ -152,8 +176,9 @@ class PollerTests(SynchronousTestCase):
 
         def answer_all():
             for request in [r for r in self.agent.requests if r.pending]:
-                request.respond(200, {"Content-Type": "application/json"}, b'{"models":[]}',
-                                finish=True)
+                request.respond(
+                    200, {"Content-Type": "application/json"}, b'{"models":[]}', finish=True
+                )
 
         self.clock.advance(1)
         answer_all()
@@ -167,8 +192,10 @@ class PollerTests(SynchronousTestCase):
             self.clock.advance(1)
             answer_all()
         self.assertEqual(len(self.agent.requests), 2 + 2 + 2 * 5)
-        self.assertEqual(sorted({r.uri for r in self.agent.requests}),
-                         [b"http://127.0.0.1:1/api/ps", b"http://127.0.0.1:2/api/ps"])
+        self.assertEqual(
+            sorted({r.uri for r in self.agent.requests}),
+            [b"http://127.0.0.1:1/api/ps", b"http://127.0.0.1:2/api/ps"],
+        )
 
     def test_a_node_still_answering_is_not_asked_again_and_a_read_gives_up_after_2s(self):
         poller, router = self.poller("ollama", ("a", 1))
@@ -189,7 +216,9 @@ class PollerTests(SynchronousTestCase):
         self.clock.advance(1)
         self.answer(200, {"models": [{"name": "m:latest"}]})
         truth = router.truth_of("a")
-        self.assertEqual((truth.warm, truth.slots, truth.read_at), (frozenset({"m:latest"}), None, 1.0))
+        self.assertEqual(
+            (truth.warm, truth.slots, truth.read_at), (frozenset({"m:latest"}), None, 1.0)
+        )
 
     def test_llamacpp_reads_its_models_then_its_slots(self):
         poller, router = self.poller("llamacpp", ("a", 1))
@@ -204,17 +233,28 @@ class PollerTests(SynchronousTestCase):
     def test_a_llamacpp_router_is_asked_the_slots_of_its_loaded_models_only(self):
         poller, router = self.poller("llamacpp", ("a", 1))
         self.clock.advance(1)
-        self.answer(200, {"data": [{"id": "b/x", "status": {"value": "loaded"}},
-                                   {"id": "m", "status": {"value": "unloaded"}},
-                                   {"id": "n", "status": {"value": "loading"}}]})
+        self.answer(
+            200,
+            {
+                "data": [
+                    {"id": "b/x", "status": {"value": "loaded"}},
+                    {"id": "m", "status": {"value": "unloaded"}},
+                    {"id": "n", "status": {"value": "loading"}},
+                ]
+            },
+        )
         self.assertEqual(self.agent.requests[-1].uri, b"http://127.0.0.1:1/slots?model=b%2Fx")
         self.answer(200, SLOTS)
-        self.assertEqual([r.uri for r in self.agent.requests],
-                         [b"http://127.0.0.1:1/models", b"http://127.0.0.1:1/slots?model=b%2Fx"],
-                         "nothing asked of an unloaded model (asking could load it)")
+        self.assertEqual(
+            [r.uri for r in self.agent.requests],
+            [b"http://127.0.0.1:1/models", b"http://127.0.0.1:1/slots?model=b%2Fx"],
+            "nothing asked of an unloaded model (asking could load it)",
+        )
         truth = router.truth_of("a")
-        self.assertEqual((truth.slots, dict(truth.model_slots), truth.warm),
-                         (None, {"b/x": Slots(2, 1)}, frozenset({"b/x"})))
+        self.assertEqual(
+            (truth.slots, dict(truth.model_slots), truth.warm),
+            (None, {"b/x": Slots(2, 1)}, frozenset({"b/x"})),
+        )
 
     def test_no_slots_501_leaves_the_count_unknown(self):
         poller, router = self.poller("llamacpp", ("a", 1))

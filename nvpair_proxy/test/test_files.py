@@ -61,6 +61,7 @@ class FileWatchTests(SynchronousTestCase):
     def test_an_edit_saved_during_the_read_is_seen_by_the_next_check(self):
         def read_then_edit() -> None:
             rewrite(self.main, "edited while read")
+
         self.watch.read(None, read_then_edit)
         self.assertIsNotNone(self.watch.changed())
 
@@ -69,6 +70,7 @@ class FileWatchTests(SynchronousTestCase):
 
         def read_naming_other() -> None:
             self.named = [other]
+
         self.watch.read(None, read_naming_other)
         self.assertIsNone(self.watch.changed())  # stamped after the read that named it
         rewrite(other, "y")
@@ -77,6 +79,7 @@ class FileWatchTests(SynchronousTestCase):
     def test_a_read_that_raises_is_remembered_and_not_retried_until_a_change(self):
         def fails() -> None:
             raise ValueError("bad file")
+
         self.assertRaises(ValueError, self.watch.read, None, fails)
         self.assertIsNone(self.watch.changed())
         rewrite(self.main, "fixed")

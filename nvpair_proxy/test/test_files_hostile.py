@@ -44,9 +44,11 @@ def replace(path: str, how: str, good: bytes) -> str:
     if how == "fifo":
         os.mkfifo(path)
         return "not a regular file"
-    content = {"corrupt": b"\x00\x01 }{ [[[ garbage \x7f",
-               "truncated": good[:len(good) // 2],
-               "not UTF-8": good[:10] + b"\xff\xfe\xc3\x28" + good[10:]}[how]
+    content = {
+        "corrupt": b"\x00\x01 }{ [[[ garbage \x7f",
+        "truncated": good[: len(good) // 2],
+        "not UTF-8": good[:10] + b"\xff\xfe\xc3\x28" + good[10:],
+    }[how]
     with open(path, "wb") as handle:
         handle.write(content)
     return ""
@@ -62,12 +64,14 @@ class Warnings:
         self.capture = LogCapture(test, level="info")
 
     def take(self) -> list[str]:
-        return [formatEvent(e) for e in self.capture.take()
-                if e.get("log_namespace") == logs.COMPONENT and e.get("log_level") == LogLevel.warn]
+        return [
+            formatEvent(e)
+            for e in self.capture.take()
+            if e.get("log_namespace") == logs.COMPONENT and e.get("log_level") == LogLevel.warn
+        ]
 
 
 class NodesFileTests(SynchronousTestCase):
-
     def setUp(self) -> None:
         self.path = os.path.abspath(self.mktemp())
         with open(self.path, "w") as handle:
@@ -98,8 +102,12 @@ class NodesFileTests(SynchronousTestCase):
                 self.clock.advance(2)
             self.assertEqual(len(self.applied), 1, how)
             (line,) = self.warnings.take()
-            self.assertTrue(line.startswith("nodes file not reloaded, keeping the last good one: "
-                                            f"{self.path}: "), line)
+            self.assertTrue(
+                line.startswith(
+                    f"nodes file not reloaded, keeping the last good one: {self.path}: "
+                ),
+                line,
+            )
             self.assertIn(reason, line, how)
             self.assertNotIn("\n", line)
         self.assertEqual([n.id for n in self.applied[-1].nodes["ollama"]], good)
@@ -113,12 +121,17 @@ class NodesFileTests(SynchronousTestCase):
 
 
 class EngineFileTests(SynchronousTestCase):
-
     def setUp(self) -> None:
         self.folder = os.path.abspath(self.mktemp())
         os.makedirs(self.folder)
-        with open(os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
-                os.path.abspath(__file__)))), "engines", "ollama.toml"), "rb") as handle:
+        with open(
+            os.path.join(
+                os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                "engines",
+                "ollama.toml",
+            ),
+            "rb",
+        ) as handle:
             self.good = handle.read().replace(b'id = "ollama"', b'id = "extra"')
 
     def test_each_stops_start_up_with_one_line_naming_the_file(self) -> None:
@@ -142,7 +155,6 @@ class EngineFileTests(SynchronousTestCase):
 
 
 class ClusterDirectoryTests(SynchronousTestCase):
-
     def setUp(self) -> None:
         self.folder = os.path.abspath(self.mktemp())
         os.makedirs(self.folder)
@@ -203,8 +215,7 @@ class ClusterDirectoryTests(SynchronousTestCase):
 
     def test_pin_file(self) -> None:
         # A directory named like a pin is ignored (protocol 6), so that case is not here.
-        self.hostile_each("trusted/node-b.json",
-                          [h for h in HOSTILE if h != "directory"])
+        self.hostile_each("trusted/node-b.json", [h for h in HOSTILE if h != "directory"])
 
     def test_a_pin_file_turned_into_a_directory_is_ignored(self) -> None:
         replace(self.pin_path, "directory", b"")
@@ -228,8 +239,11 @@ class ClusterDirectoryTests(SynchronousTestCase):
         watch.clock = clock
         watch.startService()
         self.addCleanup(watch.stopService)
-        replace(os.path.join(self.folder, "admission.json"), "truncated",
-                self.original("admission.json"))
+        replace(
+            os.path.join(self.folder, "admission.json"),
+            "truncated",
+            self.original("admission.json"),
+        )
         for _ in range(10):
             clock.advance(2)
         self.assertEqual(len(self.warnings.take()), 1)

@@ -54,22 +54,25 @@ REFUSED = {
     "negative Content-Length": post(b"Content-Length: -2\r\n", b"{}"),
     "signed Content-Length": post(b"Content-Length: +2\r\n", b"{}"),
     "Transfer-Encoding with Content-Length": post(
-        b"Content-Length: 3\r\nTransfer-Encoding: chunked\r\n", b"2\r\n{}\r\n0\r\n\r\n"),
+        b"Content-Length: 3\r\nTransfer-Encoding: chunked\r\n", b"2\r\n{}\r\n0\r\n\r\n"
+    ),
     "Content-Length with Transfer-Encoding": post(
-        b"Transfer-Encoding: chunked\r\nContent-Length: 3\r\n", b"2\r\n{}\r\n0\r\n\r\n"),
+        b"Transfer-Encoding: chunked\r\nContent-Length: 3\r\n", b"2\r\n{}\r\n0\r\n\r\n"
+    ),
     "chunked not last": post(b"Transfer-Encoding: chunked, gzip\r\n", b"2\r\n{}\r\n0\r\n\r\n"),
     "unknown coding": post(b"Transfer-Encoding: gzip, chunked\r\n", b"2\r\n{}\r\n0\r\n\r\n"),
-    "chunk-size line over 1 KiB": post(b"Transfer-Encoding: chunked\r\n",
-                                       b"f" * 2000 + b"\r\n{}\r\n0\r\n\r\n"),
+    "chunk-size line over 1 KiB": post(
+        b"Transfer-Encoding: chunked\r\n", b"f" * 2000 + b"\r\n{}\r\n0\r\n\r\n"
+    ),
     "negative chunk size": post(b"Transfer-Encoding: chunked\r\n", b"-2\r\n{}\r\n0\r\n\r\n"),
     "0x chunk size": post(b"Transfer-Encoding: chunked\r\n", b"0x2\r\n{}\r\n0\r\n\r\n"),
-    "100 KiB header": b"GET /api/tags HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 102400
-                      + b"\r\n\r\n",
+    "100 KiB header": b"GET /api/tags HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 102400 + b"\r\n\r\n",
     "100 KiB of headers": b"GET /api/tags HTTP/1.1\r\nHost: x\r\n"
-                          + b"".join(b"X-H%d: %s\r\n" % (i, b"v" * 1000) for i in range(100))
-                          + b"\r\n",
+    + b"".join(b"X-H%d: %s\r\n" % (i, b"v" * 1000) for i in range(100))
+    + b"\r\n",
     "5000 headers": b"GET /api/tags HTTP/1.1\r\nHost: x\r\n"
-                    + b"".join(b"X-H%d: v\r\n" % i for i in range(5000)) + b"\r\n",
+    + b"".join(b"X-H%d: v\r\n" % i for i in range(5000))
+    + b"\r\n",
     "header without a colon": b"GET /api/tags HTTP/1.1\r\nHost: x\r\nNoColon\r\n\r\n",
     "space before the colon": post(b"Content-Length : 2\r\n", b"{}"),
     "NUL in a header value": b"GET /api/tags HTTP/1.1\r\nHost: x\r\nX-A: a\x00b\r\n\r\n",
@@ -124,8 +127,7 @@ class InMemoryTests(WorldTestCase):
         w = self.world()
         w.add("a")
         client = w.connect()
-        client.protocol.dataReceived(post(b"Transfer-Encoding: chunked\r\n",
-                                          b"f" * 40 + b"\r\n"))
+        client.protocol.dataReceived(post(b"Transfer-Encoding: chunked\r\n", b"f" * 40 + b"\r\n"))
         piece = b"x" * (1 << 20)
         for _ in range(MAX_REQUEST_BODY // len(piece)):
             client.protocol.dataReceived(piece)
@@ -141,9 +143,10 @@ class InMemoryTests(WorldTestCase):
         w = self.world()
         w.add("a")
         client = w.connect()
-        client.protocol.dataReceived(b"POST /api/chat HTTP/1.1\r\nHost: x\r\nX-A: one\r\n"
-                                     b"\t two\r\nContent-Length: %d\r\n\r\n%s"
-                                     % (len(CHAT), CHAT))
+        client.protocol.dataReceived(
+            b"POST /api/chat HTTP/1.1\r\nHost: x\r\nX-A: one\r\n"
+            b"\t two\r\nContent-Length: %d\r\n\r\n%s" % (len(CHAT), CHAT)
+        )
         self.assertEqual(w.agent.last.headers.getRawHeaders(b"x-a"), [b"one two"])
         w.agent.last.respond(200, body=b'{"done":true}\n', finish=True)
         self.assertEqual(client.response().status, 200)
@@ -195,17 +198,25 @@ class AgainstTheProcessTests(SynchronousTestCase):
     """One fleet and one proxy per test; every wait is bounded."""
 
     def setUp(self) -> None:
-        fleet = start_fleet(self, '[[node]]\nid = "small"\ndialect = "ollama"\n'
-                                  'models = ["llama3:latest"]\ntokens = 3\n\n'
-                                  '[[node]]\nid = "big"\ndialect = "ollama"\n'
-                                  'models = ["big:latest"]\ntokens = 4000\nchunk_size = 4096\n')
+        fleet = start_fleet(
+            self,
+            '[[node]]\nid = "small"\ndialect = "ollama"\n'
+            'models = ["llama3:latest"]\ntokens = 3\n\n'
+            '[[node]]\nid = "big"\ndialect = "ollama"\n'
+            'models = ["big:latest"]\ntokens = 4000\nchunk_size = 4096\n',
+        )
         nodes = os.path.abspath(self.mktemp())
         with open(nodes, "w") as handle:
-            handle.write(nodes_toml([("gpu-a", "ollama", fleet["small"], ["llama3:latest"]),
-                                     ("gpu-big", "ollama", fleet["big"], ["big:latest"])]))
+            handle.write(
+                nodes_toml(
+                    [
+                        ("gpu-a", "ollama", fleet["small"], ["llama3:latest"]),
+                        ("gpu-big", "ollama", fleet["big"], ["big:latest"]),
+                    ]
+                )
+            )
         self.port = free_port()
-        self.proc = start_standalone(self, ["--engine", f"ollama:{self.port}",
-                                            "--nodes", nodes])
+        self.proc = start_standalone(self, ["--engine", f"ollama:{self.port}", "--nodes", nodes])
         self.fleet = fleet
 
     def served(self) -> dict[str, int]:
@@ -225,8 +236,9 @@ class AgainstTheProcessTests(SynchronousTestCase):
         self.assertIsNone(self.proc.poll())
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=20)
         try:
-            conn.request("POST", "/api/chat", body=CHAT,
-                         headers={"Content-Type": "application/json"})
+            conn.request(
+                "POST", "/api/chat", body=CHAT, headers={"Content-Type": "application/json"}
+            )
             response = conn.getresponse()
             body = response.read()
         finally:
@@ -266,9 +278,12 @@ class AgainstTheProcessTests(SynchronousTestCase):
         self.assert_serving()
 
     def test_folded_header_is_served_as_one_header(self) -> None:
-        received, _ = exchange(self.port, b"POST /api/chat HTTP/1.1\r\nHost: x\r\nX-A: one\r\n"
-                                          b" two\r\nConnection: close\r\nContent-Length: %d"
-                                          b"\r\n\r\n%s" % (len(CHAT), CHAT))
+        received, _ = exchange(
+            self.port,
+            b"POST /api/chat HTTP/1.1\r\nHost: x\r\nX-A: one\r\n"
+            b" two\r\nConnection: close\r\nContent-Length: %d"
+            b"\r\n\r\n%s" % (len(CHAT), CHAT),
+        )
         self.assertEqual(status_of(received), 200, received[:300])
         self.assert_serving()
 
@@ -312,8 +327,10 @@ class AgainstTheProcessTests(SynchronousTestCase):
             sock.settimeout(5)
             sock.connect(("127.0.0.1", self.port))
             self.addCleanup(sock.close)
-            sock.sendall(b"POST /api/chat HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s"
-                         % (len(body), body.encode()))
+            sock.sendall(
+                b"POST /api/chat HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s"
+                % (len(body), body.encode())
+            )
             stuck.append(sock)
         # Each stream is 16 MiB; with backpressure only a few MiB per client are in flight.
         self.assert_serving()
@@ -336,8 +353,10 @@ class AgainstTheClusterProcessTests(SynchronousTestCase):
     TLS side of the first-byte demux, against the real listener."""
 
     def setUp(self) -> None:
-        fleet = start_fleet(self, '[[node]]\nid = "local"\ndialect = "ollama"\n'
-                                  'models = ["llama3:latest"]\ntokens = 3\n')
+        fleet = start_fleet(
+            self,
+            '[[node]]\nid = "local"\ndialect = "ollama"\nmodels = ["llama3:latest"]\ntokens = 3\n',
+        )
         cluster = os.path.abspath(self.mktemp())
         os.makedirs(cluster)
         write_identity(cluster, *make_certificate("node-self"))
@@ -345,21 +364,32 @@ class AgainstTheClusterProcessTests(SynchronousTestCase):
         self.link = broker_channel(self, ["--cluster-dir", cluster])
         for _ in range(5):
             self.port = free_port()
-            answer = self.link.call("facade/enable", {"engine": "ollama", "port": self.port,
-                                                      "ignorePersistedPort": True})
+            answer = self.link.call(
+                "facade/enable",
+                {"engine": "ollama", "port": self.port, "ignorePersistedPort": True},
+            )
             if "result" in answer:
                 break
         self.assertEqual(answer["result"]["port"], self.port)
-        added = self.link.call("ollama:node/add-manual", {
-            "id": "m-local", "host": "local", "port": fleet["local"],
-            "addresses": ["127.0.0.1"], "models": ["llama3:latest"]})
+        added = self.link.call(
+            "ollama:node/add-manual",
+            {
+                "id": "m-local",
+                "host": "local",
+                "port": fleet["local"],
+                "addresses": ["127.0.0.1"],
+                "models": ["llama3:latest"],
+            },
+        )
         self.assertEqual(added["result"], {"added": True})
 
     def assert_serving(self) -> None:
         self.assertIsNone(self.link.proc.poll())
-        received, _ = exchange(self.port, b"POST /api/chat HTTP/1.1\r\nHost: x\r\n"
-                                          b"Connection: close\r\nContent-Length: %d\r\n\r\n%s"
-                                          % (len(CHAT), CHAT))
+        received, _ = exchange(
+            self.port,
+            b"POST /api/chat HTTP/1.1\r\nHost: x\r\n"
+            b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(CHAT), CHAT),
+        )
         self.assertEqual(status_of(received), 200, received[:300])
         self.assertIn(b'"done":true', received)
 

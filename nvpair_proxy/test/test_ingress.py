@@ -10,8 +10,11 @@ from nvpair_proxy.core.constants import MAX_REQUEST_BODY
 from nvpair_proxy.test.world import Response, WorldTestCase
 from nvpair_proxy.testing import lan, mapped_loopback
 
-LOOPBACK_ONLY = {"error": "plaintext requests are accepted only from loopback; cluster peers "
-                          "must use the mTLS ingress", "code": "loopback-only"}
+LOOPBACK_ONLY = {
+    "error": "plaintext requests are accepted only from loopback; cluster peers "
+    "must use the mTLS ingress",
+    "code": "loopback-only",
+}
 
 
 class LoopbackGateTests(WorldTestCase):
@@ -27,8 +30,12 @@ class LoopbackGateTests(WorldTestCase):
 
     def test_a_lan_preflight_is_refused_too(self):
         w = self.world()
-        client = w.send("OPTIONS", "/v1/chat/completions", peer=lan(), headers={
-            "Origin": "http://evil.example", "Access-Control-Request-Method": "POST"})
+        client = w.send(
+            "OPTIONS",
+            "/v1/chat/completions",
+            peer=lan(),
+            headers={"Origin": "http://evil.example", "Access-Control-Request-Method": "POST"},
+        )
         self.assertEqual(client.response().status, 403)
 
     def test_ipv4_mapped_loopback_is_loopback(self):
@@ -64,11 +71,15 @@ class BodyLimitTests(WorldTestCase):
         w.add("a")
         client = w.connect()
         protocol, transport = client.protocol, client.transport
-        protocol.dataReceived(b"POST /api/chat HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n"
-                              % (MAX_REQUEST_BODY + 1))
+        protocol.dataReceived(
+            b"POST /api/chat HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n"
+            % (MAX_REQUEST_BODY + 1)
+        )
         response = Response(transport.value())
-        self.assertEqual((response.status, response.json()),
-                         (413, {"error": "request body exceeds 32 MiB limit"}))
+        self.assertEqual(
+            (response.status, response.json()),
+            (413, {"error": "request body exceeds 32 MiB limit"}),
+        )
         self.assertTrue(transport.disconnecting)
         self.assertEqual(w.agent.requests, [])
 
@@ -77,7 +88,9 @@ class BodyLimitTests(WorldTestCase):
         w.add("a")
         client = w.connect()
         protocol, transport = client.protocol, client.transport
-        protocol.dataReceived(b"POST /api/chat HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n")
+        protocol.dataReceived(
+            b"POST /api/chat HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+        )
         chunk = b"x" * (1024 * 1024)
         for _ in range(33):
             protocol.dataReceived(b"%x\r\n%s\r\n" % (len(chunk), chunk))
@@ -99,22 +112,50 @@ class HeaderTests(WorldTestCase):
     def test_hop_by_hop_headers_are_removed_both_ways_and_host_is_the_target(self):
         w = self.world()
         w.add("a")
-        client = w.send("POST", "/api/chat", {"model": "llama3"}, headers={
-            "Connection": "keep-alive, X-Secret-Hop", "X-Secret-Hop": "1", "Keep-Alive": "300",
-            "TE": "trailers", "Proxy-Authorization": "Basic x", "Authorization": "Bearer t",
-            "X-Custom": "kept"})
+        client = w.send(
+            "POST",
+            "/api/chat",
+            {"model": "llama3"},
+            headers={
+                "Connection": "keep-alive, X-Secret-Hop",
+                "X-Secret-Hop": "1",
+                "Keep-Alive": "300",
+                "TE": "trailers",
+                "Proxy-Authorization": "Basic x",
+                "Authorization": "Bearer t",
+                "X-Custom": "kept",
+            },
+        )
         sent = w.agent.last.headers
-        for name in (b"connection", b"x-secret-hop", b"keep-alive", b"te",
-                     b"proxy-authorization", b"host", b"content-length"):
+        for name in (
+            b"connection",
+            b"x-secret-hop",
+            b"keep-alive",
+            b"te",
+            b"proxy-authorization",
+            b"host",
+            b"content-length",
+        ):
             self.assertFalse(sent.hasHeader(name), name)
         self.assertEqual(sent.getRawHeaders(b"authorization"), [b"Bearer t"])
         self.assertEqual(sent.getRawHeaders(b"x-custom"), [b"kept"])
-        self.assertFalse(any(n.lower().startswith(b"x-forwarded") for n, _ in sent.getAllRawHeaders()))
+        self.assertFalse(
+            any(n.lower().startswith(b"x-forwarded") for n, _ in sent.getAllRawHeaders())
+        )
         # Design 16: our hop, and nothing else, is added.
         token = w.facade.upstreams.loop_guard.token
         self.assertEqual(sent.getRawHeaders(b"via"), [b"1.1 nvpair-" + token.encode()])
-        w.agent.last.respond(200, {"Connection": "close, X-Up-Hop", "X-Up-Hop": "1",
-                                   "Keep-Alive": "5", "X-Engine": "kept"}, body=b"ok", finish=True)
+        w.agent.last.respond(
+            200,
+            {
+                "Connection": "close, X-Up-Hop",
+                "X-Up-Hop": "1",
+                "Keep-Alive": "5",
+                "X-Engine": "kept",
+            },
+            body=b"ok",
+            finish=True,
+        )
         response = client.response()
         self.assertIsNone(response.header("x-up-hop"))
         self.assertIsNone(response.header("keep-alive"))
@@ -123,11 +164,16 @@ class HeaderTests(WorldTestCase):
     def test_a_long_connection_value_is_honoured_but_not_cached(self):
         from nvpair_proxy.http import hopbyhop
         from nvpair_proxy.core.memo import Memo
+
         self.patch(hopbyhop, "_SKIP", Memo(hopbyhop.MAX_CACHED))
 
         def cached(value: str) -> bool:
-            return any(value.encode() in part for key in hopbyhop._SKIP for part in key
-                       if isinstance(part, tuple))
+            return any(
+                value.encode() in part
+                for key in hopbyhop._SKIP
+                for part in key
+                if isinstance(part, tuple)
+            )
 
         w = self.world()
         w.add("a")
@@ -135,8 +181,12 @@ class HeaderTests(WorldTestCase):
         long = "keep-alive, " + ", ".join(f"X-Hop-{i:03}" for i in range(30))
         self.assertGreater(len(long), hopbyhop.MAX_CACHED_VALUE)
         for value, hop in ((short, "X-Short-Hop"), (long, "X-Hop-029"), (long, "X-Hop-000")):
-            w.send("POST", "/api/chat", {"model": "llama3"}, headers={
-                "Connection": value, hop: "1", "X-Custom": "kept"})
+            w.send(
+                "POST",
+                "/api/chat",
+                {"model": "llama3"},
+                headers={"Connection": value, hop: "1", "X-Custom": "kept"},
+            )
             sent = w.agent.last.headers
             self.assertFalse(sent.hasHeader(hop.encode()), hop)
             self.assertFalse(sent.hasHeader(b"connection"))
@@ -148,12 +198,14 @@ class HeaderTests(WorldTestCase):
         from twisted.web.http_headers import Headers
         from nvpair_proxy.http import hopbyhop
         from nvpair_proxy.core.memo import Memo
+
         self.patch(hopbyhop, "_SKIP", Memo(8))
         sizes = []
         for index in range(20):
             hop = b"X-Hop-%d" % index
-            headers = Headers({b"Connection": [b"keep-alive, " + hop], hop: [b"1"],
-                               b"X-Custom": [b"kept"]})
+            headers = Headers(
+                {b"Connection": [b"keep-alive, " + hop], hop: [b"1"], b"X-Custom": [b"kept"]}
+            )
             sent = hopbyhop.end_to_end(headers)
             self.assertFalse(sent.hasHeader(hop), index)  # honoured whether cached or not
             self.assertEqual(sent.getRawHeaders(b"x-custom"), [b"kept"])
@@ -165,6 +217,7 @@ class HeaderTests(WorldTestCase):
         w.add("a")
         client = w.send("GET", "/api/ps")
         from twisted.web.http_headers import Headers
+
         w.agent.last.respond(200, Headers({b"set-cookie": [b"a=1", b"b=2"]}), length=0, finish=True)
         self.assertEqual(client.response().headers["set-cookie"], ["a=1", "b=2"])
 
@@ -221,8 +274,10 @@ class RejectionReportTests(WorldTestCase):
         w.send("GET", "/", headers={"X-NVPAIR-Engine-Identity-Probe": "1"})
         w.send("GET", "/api/tags", peer=lan())
         client = w.connect()
-        client.protocol.dataReceived(b"POST /api/chat HTTP/1.1\r\nHost: x\r\nExpect: 100-continue"
-                                     b"\r\nContent-Length: %d\r\n\r\n" % (MAX_REQUEST_BODY + 1))
+        client.protocol.dataReceived(
+            b"POST /api/chat HTTP/1.1\r\nHost: x\r\nExpect: 100-continue"
+            b"\r\nContent-Length: %d\r\n\r\n" % (MAX_REQUEST_BODY + 1)
+        )
         self.assertEqual([s for s, _ in self._reports(w)], [409, 403, 413])
         self.assertEqual(self._reports(w)[2][1], "request body exceeds 32 MiB limit")
         self.assertNotIn(b"100 Continue", client.raw())
@@ -230,8 +285,9 @@ class RejectionReportTests(WorldTestCase):
     def test_the_gate_has_the_body_limit_and_header_timeout_too(self):
         w = self.world()
         client = w.connect(lan())
-        client.protocol.dataReceived(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n"
-                                     % (MAX_REQUEST_BODY + 1))
+        client.protocol.dataReceived(
+            b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % (MAX_REQUEST_BODY + 1)
+        )
         self.assertEqual(client.response().status, 413)
         slow = w.connect(lan())
         slow.protocol.dataReceived(b"GET / HTTP/1.1\r\n")
@@ -251,20 +307,35 @@ class ModelListTests(WorldTestCase):
     def test_fan_out_strips_credentials_and_content_coding_and_merges_first_wins(self):
         w = self.world()
         w.add("a"), w.add("b", addresses=("10.0.0.2",))
-        client = w.send("GET", "/api/tags", headers={"Authorization": "Bearer t", "Cookie": "c=1",
-                                                    "Accept-Encoding": "gzip", "X-Kept": "1"})
+        client = w.send(
+            "GET",
+            "/api/tags",
+            headers={
+                "Authorization": "Bearer t",
+                "Cookie": "c=1",
+                "Accept-Encoding": "gzip",
+                "X-Kept": "1",
+            },
+        )
         for record in w.agent.requests:
             for name in (b"authorization", b"cookie", b"accept-encoding"):
                 self.assertFalse(record.headers.hasHeader(name))
             self.assertEqual(record.headers.getRawHeaders(b"x-kept"), [b"1"])
-        w.agent.requests[0].respond(200, body=b'{"models":[{"name":"llama3:latest","size":1}]}',
-                                    finish=True)
-        w.agent.requests[1].respond(200, body=b'{"models":[{"name":"llama3:latest","size":2},'
-                                              b'{"model":"mistral:latest"}]}', finish=True)
-        self.assertEqual(client.response().json(), {"models": [
-            {"name": "llama3:latest", "size": 1}, {"model": "mistral:latest"}]})
-        self.assertEqual([m for m, _ in w.emitter.sent],
-                         ["ollama:proxy/request-started", "ollama:proxy/request"])
+        w.agent.requests[0].respond(
+            200, body=b'{"models":[{"name":"llama3:latest","size":1}]}', finish=True
+        )
+        w.agent.requests[1].respond(
+            200,
+            body=b'{"models":[{"name":"llama3:latest","size":2},{"model":"mistral:latest"}]}',
+            finish=True,
+        )
+        self.assertEqual(
+            client.response().json(),
+            {"models": [{"name": "llama3:latest", "size": 1}, {"model": "mistral:latest"}]},
+        )
+        self.assertEqual(
+            [m for m, _ in w.emitter.sent], ["ollama:proxy/request-started", "ollama:proxy/request"]
+        )
         self.assertEqual(w.emitter.sent[0][1]["target"], "cluster")
 
     def test_nothing_valid_is_503_and_502_with_an_origin(self):
@@ -272,10 +343,13 @@ class ModelListTests(WorldTestCase):
             w = self.world()
             w.add("a")
             client = w.send("GET", "/api/tags", headers=headers)
-            w.agent.last.respond(200, {"Access-Control-Allow-Origin": "*"}, body=b"not json",
-                                 finish=True)
-            self.assertEqual((client.response().status, client.response().json()),
-                             (status, {"error": "model inventory unavailable"}))
+            w.agent.last.respond(
+                200, {"Access-Control-Allow-Origin": "*"}, body=b"not json", finish=True
+            )
+            self.assertEqual(
+                (client.response().status, client.response().json()),
+                (status, {"error": "model inventory unavailable"}),
+            )
 
     def test_half_a_request_line_is_closed_after_ten_seconds(self):
         w = self.world()

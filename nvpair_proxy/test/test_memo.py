@@ -28,4 +28,3 @@ class MemoTests(SynchronousTestCase):
             sizes.append(len(memo))
         self.assertEqual(sizes, [1, 2, 3, 1, 2, 3, 1])
         self.assertEqual(dict(memo), {6: 6})
-

@@ -58,15 +58,16 @@ class MultiHostTests(SynchronousTestCase):
             raise SkipTest(f"multi-host tests need network namespaces: {reason}")
         self.started = time.monotonic()
         self.addCleanup(self._timed)
-        self.addCleanup(signal.signal, signal.SIGTERM,
-                        signal.signal(signal.SIGTERM, _interrupted))
+        self.addCleanup(signal.signal, signal.SIGTERM, signal.signal(signal.SIGTERM, _interrupted))
 
     def _timed(self):
         took = time.monotonic() - self.started
         _CLOCK["total"] += took
         _CLOCK["tests"] += 1
-        _report(f"multihost: {self._testMethodName} {took:.1f}s "
-                f"(multi-host total so far: {_CLOCK['tests']} tests, {_CLOCK['total']:.1f}s)")
+        _report(
+            f"multihost: {self._testMethodName} {took:.1f}s "
+            f"(multi-host total so far: {_CLOCK['tests']} tests, {_CLOCK['total']:.1f}s)"
+        )
 
     def topology(self, **options) -> netns.Topology:
         topology = netns.Topology(**options)
@@ -84,22 +85,26 @@ class MultiHostTests(SynchronousTestCase):
 
     # -- assertions ------------------------------------------------------------------------
 
-    def assertStream(self, result: dict, node: str, tokens: int | None = None,
-                     complete: bool = True) -> list[dict]:
+    def assertStream(
+        self, result: dict, node: str, tokens: int | None = None, complete: bool = True
+    ) -> list[dict]:
         """The client got ``node``'s Ollama chat stream: every token in order and, when
         complete, the final ``done`` line and the chunked terminator."""
         self.assertEqual(result["status"], 200, result)
         self.assertEqual(result["headers"].get("x-sim-node"), node, result)
         self.assertEqual(result["complete"], complete, result)
-        lines = [json.loads(line) for line in result["body"].splitlines()
-                 if line.strip() and (complete or line.endswith("}"))]
+        lines = [
+            json.loads(line)
+            for line in result["body"].splitlines()
+            if line.strip() and (complete or line.endswith("}"))
+        ]
         contents = [line["message"]["content"] for line in lines if not line["done"]]
         expected = token_lines(node, tokens if tokens is not None else self.tokens)
         if complete:
             self.assertEqual(contents, expected)
             self.assertTrue(lines[-1]["done"])
         else:
-            self.assertEqual(contents, expected[:len(contents)])
+            self.assertEqual(contents, expected[: len(contents)])
             self.assertFalse(any(line["done"] for line in lines))
         return lines
 
@@ -111,9 +116,10 @@ class MultiHostTests(SynchronousTestCase):
         uuids = [t.hosts[key].uuid for key in placements]
         expected = [("workload:submitted", "queued", None)]
         expected += [("workload:submitted", "queued", node) for node in uuids]
-        expected += [("workload:started", "running", uuids[-1]),
-                     (f"workload:{'completed' if final == 'completed' else 'errored'}", final,
-                      uuids[-1])]
+        expected += [
+            ("workload:started", "running", uuids[-1]),
+            (f"workload:{'completed' if final == 'completed' else 'errored'}", final, uuids[-1]),
+        ]
         got = [(e["event"], e["state"], e.get("scheduledOn")) for e in events]
         self.assertEqual(got, expected)
         self.assertEqual([e["seq"] for e in events], list(range(1, len(events) + 1)))
@@ -131,8 +137,11 @@ class MultiHostTests(SynchronousTestCase):
     def targets(self, key: str = "a") -> list[str]:
         broker = self.topo.hosts[key].broker
         broker.pump(0.1)
-        return [m["params"].get("target") for m in broker.messages
-                if m.get("method") == "ollama:proxy/request"]
+        return [
+            m["params"].get("target")
+            for m in broker.messages
+            if m.get("method") == "ollama:proxy/request"
+        ]
 
     # -- scenarios -------------------------------------------------------------------------
 
@@ -166,8 +175,10 @@ class MultiHostTests(SynchronousTestCase):
         # The header cap (2 s here) is the budget that ends B's attempt; then C at once.
         self.assertLess(result["elapsed"], 2 + 2.5, result)
         self.assertGreaterEqual(result["elapsed"], 2, result)
-        _report(f"multihost: link cut before headers: answered by gpu-c after "
-                f"{result['elapsed']:.2f}s (header cap 2s)")
+        _report(
+            f"multihost: link cut before headers: answered by gpu-c after "
+            f"{result['elapsed']:.2f}s (header cap 2s)"
+        )
         (events,) = t.hosts["a"].broker.terminal(1).values()
         self.assertWorkload(events, ["b", "c"])
         self.assertEqual(self.targets("a"), ["10.213.1.3:11435"])
@@ -187,15 +198,19 @@ class MultiHostTests(SynchronousTestCase):
         t.cut("b")
         # The client prints its result when the stream ends: a second of silence from it is
         # the stall (a wait on its output, not a sleep).
-        self.assertEqual(client.reader.read_line(1.0), "", "the stream ended while the link was down")
+        self.assertEqual(
+            client.reader.read_line(1.0), "", "the stream ended while the link was down"
+        )
         killed = t.kill_connections("a", t.hosts["b"].ip)
         self.assertIn(t.hosts["b"].ip, killed)
         result = client.result()[0]
         lines = self.assertStream(result, "gpu-b", tokens=60, complete=False)
         self.assertGreater(len(lines), 0)
         self.assertLess(len(lines), 60)
-        _report(f"multihost: link cut after commit: client got {len(lines)} of 60 lines, "
-                f"truncated, after {result['elapsed']:.2f}s")
+        _report(
+            f"multihost: link cut after commit: client got {len(lines)} of 60 lines, "
+            f"truncated, after {result['elapsed']:.2f}s"
+        )
         (events,) = t.hosts["a"].broker.terminal(1).values()
         self.assertWorkload(events, ["b"], final="completed")
         self.assertNoWorkloads("b", "c")
@@ -217,8 +232,10 @@ class MultiHostTests(SynchronousTestCase):
         self.assertGreater(len(lines), 0)
         self.assertLess(len(lines), 60)
         self.assertLess(noticed, 15, "noticed by the keepalive (1 s + 4 probes), not later")
-        _report(f"multihost: link cut after commit, keepalive 1s: client got {len(lines)} of "
-                f"60 lines, truncated {noticed:.1f}s after the cut")
+        _report(
+            f"multihost: link cut after commit, keepalive 1s: client got {len(lines)} of "
+            f"60 lines, truncated {noticed:.1f}s after the cut"
+        )
         (events,) = t.hosts["a"].broker.terminal(1).values()
         self.assertWorkload(events, ["b"], final="completed")
         self.assertNoWorkloads("b", "c")
@@ -247,17 +264,27 @@ class MultiHostTests(SynchronousTestCase):
         a, b = t.hosts["a"], t.hosts["b"]
         cert, key = make_certificate(b.principal)  # B's name, not B's certificate
         # Inbound: the impostor (in B's namespace, at B's address) calls A's ingress.
-        refused = t.chat("b", host=a.ip, tls=t.tls_as("b", peer="a", cert_pem=cert,
-                                                       key_pem=key)).result()[0]
+        refused = t.chat(
+            "b", host=a.ip, tls=t.tls_as("b", peer="a", cert_pem=cert, key_pem=key)
+        ).result()[0]
         self.assertEqual(refused["status"], 403, refused)
         self.assertEqual(json.loads(refused["body"]).get("code"), "cluster-auth")
         self.assertEqual(t.served("a"), 0)
         # Outbound: B is published at the impostor's port; A must refuse its certificate,
         # never send it a request (nor fall back to plaintext) and fail over.
         tls = t.tls_as("b", cert_pem=cert, key_pem=key)
-        impostor = t.spawn("b", [sys.executable, netns.TOOLS, "impostor", json.dumps(
-            {"host": "0.0.0.0", "port": 11499, "cert": tls["cert"], "key": tls["key"]})],
-            log_name="impostor.log")
+        impostor = t.spawn(
+            "b",
+            [
+                sys.executable,
+                netns.TOOLS,
+                "impostor",
+                json.dumps(
+                    {"host": "0.0.0.0", "port": 11499, "cert": tls["cert"], "key": tls["key"]}
+                ),
+            ],
+            log_name="impostor.log",
+        )
         reader = LineReader(impostor.stdout)
         self.assertEqual(json.loads(reader.read_line(10)), {"event": "ready"})
         b.port = 11499
@@ -291,8 +318,10 @@ class MultiHostTests(SynchronousTestCase):
         again = t.chat("a").result()[0]
         self.assertStream(again, "gpu-c")
         self.assertEqual(t.neighbour("a", first), "", "the dead first address was tried again")
-        _report(f"multihost: multi-homed peer: {result['elapsed']:.2f}s with the dead first "
-                f"address, {again['elapsed']:.2f}s next time (second address first)")
+        _report(
+            f"multihost: multi-homed peer: {result['elapsed']:.2f}s with the dead first "
+            f"address, {again['elapsed']:.2f}s next time (second address first)"
+        )
         self.assertEqual(self.targets("a"), [f"{second}:11435"] * 2)
         workloads = t.hosts["a"].broker.terminal(2)
         for events in workloads.values():
@@ -307,8 +336,10 @@ class MultiHostTests(SynchronousTestCase):
             self.assertStream(result, node)
             by_node.setdefault(node, []).append(result)
         spread = {node: len(items) for node, items in sorted(by_node.items())}
-        _report(f"multihost: burst of 30 with gpu-c {t.delay * 1000:.0f} ms away "
-                f"({t.delay_mode}): {spread}")
+        _report(
+            f"multihost: burst of 30 with gpu-c {t.delay * 1000:.0f} ms away "
+            f"({t.delay_mode}): {spread}"
+        )
         self.assertEqual(set(spread), {"gpu-a", "gpu-b", "gpu-c"}, spread)
         self.assertTrue(all(n >= 5 for n in spread.values()), spread)
         # The delay is real: C's answers took at least a round trip more.

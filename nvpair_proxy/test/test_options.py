@@ -50,28 +50,39 @@ class OptionsCase(SynchronousTestCase):
 
 
 class DefaultsTests(OptionsCase):
-
     def test_defaults(self) -> None:
         options = self.parse()
         self.assertEqual(
-            (options.response_timeout, options.log_level, options.state_dir,
-             options.facades, options.ipc, options.nodes, options.standalone),
-            (1800.0, "info", DEFAULT_STATE, (), None, None, False))
+            (
+                options.response_timeout,
+                options.log_level,
+                options.state_dir,
+                options.facades,
+                options.ipc,
+                options.nodes,
+                options.standalone,
+            ),
+            (1800.0, "info", DEFAULT_STATE, (), None, None, False),
+        )
 
     def test_the_options_keep_only_their_flags_and_the_config_is_frozen(self) -> None:
         options = Options()
-        options.parseOptions(["--engine", "ollama", "--response-header-timeout", "90s",
-                              "--log-level", "warn"])
+        options.parseOptions(
+            ["--engine", "ollama", "--response-header-timeout", "90s", "--log-level", "warn"]
+        )
         flags = {name for name, *_ in options.optParameters + options.optFlags} | {"engine"}
         self.assertEqual(set(options) - flags, set())
-        self.assertEqual((options["response-header-timeout"], options["log-level"]),
-                         ("90s", "warn"))
+        self.assertEqual(
+            (options["response-header-timeout"], options["log-level"]), ("90s", "warn")
+        )
         with self.assertRaises(attrs.exceptions.FrozenInstanceError):
             options.config.response_timeout = 1.0  # type: ignore[misc]
 
     def test_default_state_dir_is_the_existing_implementations(self) -> None:
-        self.assertEqual(DEFAULT_STATE_DIR,
-                         os.path.join("~", ".config", "Nvidia Corporation", "Personal AI Router"))
+        self.assertEqual(
+            DEFAULT_STATE_DIR,
+            os.path.join("~", ".config", "Nvidia Corporation", "Personal AI Router"),
+        )
 
     def test_state_dir_from_systemd(self) -> None:
         self.environ["STATE_DIRECTORY"] = "/var/lib/nvpair-proxy"
@@ -93,9 +104,13 @@ class DefaultsTests(OptionsCase):
         self.assertEqual(self.parse("--log-level", "warn").log_level, "warn")
 
     def test_every_log_level_is_accepted(self) -> None:
-        self.assertEqual([self.parse("--log-level", level).log_level
-                          for level in ("debug", "info", "warn", "error")],
-                         ["debug", "info", "warn", "error"])
+        self.assertEqual(
+            [
+                self.parse("--log-level", level).log_level
+                for level in ("debug", "info", "warn", "error")
+            ],
+            ["debug", "info", "warn", "error"],
+        )
 
     def test_response_timeout_from_environment(self) -> None:
         self.environ["NVPAIR_PROXY_RESPONSE_HEADER_TIMEOUT"] = "90s"
@@ -103,8 +118,7 @@ class DefaultsTests(OptionsCase):
 
     def test_response_timeout_flag_wins_over_environment(self) -> None:
         self.environ["NVPAIR_PROXY_RESPONSE_HEADER_TIMEOUT"] = "90s"
-        self.assertEqual(self.parse("--response-header-timeout", "1h30m").response_timeout,
-                         5400.0)
+        self.assertEqual(self.parse("--response-header-timeout", "1h30m").response_timeout, 5400.0)
 
     def test_zero_response_timeout_disables(self) -> None:
         self.assertEqual(self.parse("--response-header-timeout", "0").response_timeout, 0.0)
@@ -118,9 +132,11 @@ class DefaultsTests(OptionsCase):
         self.assertEqual(self.parse("--stream-idle-timeout", "90s").stream_idle, 90.0)
 
     def test_bad_stream_idle_timeout(self) -> None:
-        self.assertEqual(self.refused("--stream-idle-timeout", "later"),
-                         "nvpair-proxy: --stream-idle-timeout: not a duration: 'later' "
-                         "(use seconds or e.g. 90s, 30m, 1h30m)")
+        self.assertEqual(
+            self.refused("--stream-idle-timeout", "later"),
+            "nvpair-proxy: --stream-idle-timeout: not a duration: 'later' "
+            "(use seconds or e.g. 90s, 30m, 1h30m)",
+        )
 
     def test_upstream_keepalive_defaults_to_15s_and_0_turns_it_off(self) -> None:
         self.assertEqual(self.parse().upstream_keepalive, 15.0)
@@ -130,27 +146,43 @@ class DefaultsTests(OptionsCase):
         self.assertEqual(self.parse("--upstream-keepalive", "5").upstream_keepalive, 5.0)
 
     def test_bad_upstream_keepalive(self) -> None:
-        self.assertEqual(self.refused("--upstream-keepalive", "2h"),
-                         "nvpair-proxy: --upstream-keepalive: at most 1h (got '2h')")
+        self.assertEqual(
+            self.refused("--upstream-keepalive", "2h"),
+            "nvpair-proxy: --upstream-keepalive: at most 1h (got '2h')",
+        )
         self.environ["NVPAIR_PROXY_UPSTREAM_KEEPALIVE"] = "often"
-        self.assertEqual(self.refused(),
-                         "nvpair-proxy: NVPAIR_PROXY_UPSTREAM_KEEPALIVE: not a duration: 'often' "
-                         "(use seconds or e.g. 90s, 30m, 1h30m)")
+        self.assertEqual(
+            self.refused(),
+            "nvpair-proxy: NVPAIR_PROXY_UPSTREAM_KEEPALIVE: not a duration: 'often' "
+            "(use seconds or e.g. 90s, 30m, 1h30m)",
+        )
 
     def test_ipc_and_cluster_dir(self) -> None:
         cluster = self.mktemp()
         os.mkdir(cluster)
         options = self.parse("--ipc", "/run/broker.sock", "--cluster-dir", cluster)
-        self.assertEqual((options.ipc, options.cluster_dir, options.standalone),
-                         ("/run/broker.sock", cluster, False))
+        self.assertEqual(
+            (options.ipc, options.cluster_dir, options.standalone),
+            ("/run/broker.sock", cluster, False),
+        )
 
 
 class DurationTests(SynchronousTestCase):
     """Seconds or a Go-style duration (design 3)."""
 
-    GOOD = [("90", 90.0), ("1.5", 1.5), ("90s", 90.0), ("30m", 1800.0), ("1h30m", 5400.0),
-            ("500ms", 0.5), ("1h", 3600.0), ("2m30s", 150.0), ("0", 0.0), ("0s", 0.0),
-            (" 45s ", 45.0)]
+    GOOD = [
+        ("90", 90.0),
+        ("1.5", 1.5),
+        ("90s", 90.0),
+        ("30m", 1800.0),
+        ("1h30m", 5400.0),
+        ("500ms", 0.5),
+        ("1h", 3600.0),
+        ("2m30s", 150.0),
+        ("0", 0.0),
+        ("0s", 0.0),
+        (" 45s ", 45.0),
+    ]
 
     BAD = ["abc", "-1", "1x", "", "-5s", "30M", "1h-30m", "s", "1.5.5s", "nan", "inf"]
 
@@ -161,9 +193,10 @@ class DurationTests(SynchronousTestCase):
         for text in self.BAD:
             with self.assertRaises(ValueError, msg=repr(text)) as caught:
                 parse_duration(text)
-            self.assertEqual(str(caught.exception),
-                             f"not a duration: {text.strip()!r} (use seconds or e.g. 90s, 30m, "
-                             "1h30m)")
+            self.assertEqual(
+                str(caught.exception),
+                f"not a duration: {text.strip()!r} (use seconds or e.g. 90s, 30m, 1h30m)",
+            )
 
 
 class EngineFlagTests(OptionsCase):
@@ -181,10 +214,10 @@ class EngineFlagTests(OptionsCase):
         self.assertEqual(self.parse("--engine", "lmstudio:1300").facades, (("lmstudio", 1300),))
 
     def test_every_engine_at_once(self) -> None:
-        options = self.parse("--engine", "llamacpp", "--engine", "ollama",
-                             "--engine", "lmstudio")
-        self.assertEqual(options.facades,
-                         (("llamacpp", 8080), ("ollama", 11435), ("lmstudio", 1234)))
+        options = self.parse("--engine", "llamacpp", "--engine", "ollama", "--engine", "lmstudio")
+        self.assertEqual(
+            options.facades, (("llamacpp", 8080), ("ollama", 11435), ("lmstudio", 1234))
+        )
 
     def test_nodes_file_with_an_engine(self) -> None:
         path = self.existing_file()
@@ -204,62 +237,82 @@ class RefusalTests(OptionsCase):
     """Bad values stop start-up with one line naming what to fix."""
 
     def test_unknown_engine(self) -> None:
-        self.assertEqual(self.refused("--engine", "vllm"),
-                         "nvpair-proxy: --engine: unknown engine 'vllm'; want one of "
-                         "llamacpp, lmstudio, ollama")
+        self.assertEqual(
+            self.refused("--engine", "vllm"),
+            "nvpair-proxy: --engine: unknown engine 'vllm'; want one of llamacpp, lmstudio, ollama",
+        )
 
     def test_port_out_of_range(self) -> None:
-        self.assertEqual(self.refused("--engine", "ollama:70000"),
-                         "nvpair-proxy: --engine ollama:70000: port must be between 1 and 65535")
+        self.assertEqual(
+            self.refused("--engine", "ollama:70000"),
+            "nvpair-proxy: --engine ollama:70000: port must be between 1 and 65535",
+        )
 
     def test_port_that_is_not_a_number(self) -> None:
         for spec in ("ollama:-1", "ollama:", "ollama:\u0661", "ollama:" + "9" * 5000):
-            self.assertEqual(self.refused("--engine", spec),
-                             f"nvpair-proxy: --engine {spec}: port must be between 1 and 65535")
+            self.assertEqual(
+                self.refused("--engine", spec),
+                f"nvpair-proxy: --engine {spec}: port must be between 1 and 65535",
+            )
 
     def test_engine_given_twice(self) -> None:
-        self.assertEqual(self.refused("--engine", "ollama", "--engine", "ollama:11500"),
-                         "nvpair-proxy: --engine: ollama is given twice")
+        self.assertEqual(
+            self.refused("--engine", "ollama", "--engine", "ollama:11500"),
+            "nvpair-proxy: --engine: ollama is given twice",
+        )
 
     def test_bad_duration_flag(self) -> None:
-        self.assertEqual(self.refused("--response-header-timeout", "soon"),
-                         "nvpair-proxy: --response-header-timeout: not a duration: 'soon' "
-                         "(use seconds or e.g. 90s, 30m, 1h30m)")
+        self.assertEqual(
+            self.refused("--response-header-timeout", "soon"),
+            "nvpair-proxy: --response-header-timeout: not a duration: 'soon' "
+            "(use seconds or e.g. 90s, 30m, 1h30m)",
+        )
 
     def test_bad_duration_from_environment_names_the_variable(self) -> None:
         self.environ["NVPAIR_PROXY_RESPONSE_HEADER_TIMEOUT"] = "-1"
-        self.assertEqual(self.refused(),
-                         "nvpair-proxy: NVPAIR_PROXY_RESPONSE_HEADER_TIMEOUT: not a duration: "
-                         "'-1' (use seconds or e.g. 90s, 30m, 1h30m)")
+        self.assertEqual(
+            self.refused(),
+            "nvpair-proxy: NVPAIR_PROXY_RESPONSE_HEADER_TIMEOUT: not a duration: "
+            "'-1' (use seconds or e.g. 90s, 30m, 1h30m)",
+        )
 
     def test_bad_log_level(self) -> None:
-        self.assertEqual(self.refused("--log-level", "loud"),
-                         "nvpair-proxy: --log-level must be one of debug, info, warn, error "
-                         "(got 'loud')")
+        self.assertEqual(
+            self.refused("--log-level", "loud"),
+            "nvpair-proxy: --log-level must be one of debug, info, warn, error (got 'loud')",
+        )
 
     def test_bad_log_level_from_environment(self) -> None:
         self.environ["NVPAIR_LOG_LEVEL"] = "trace"
-        self.assertTrue(self.refused().endswith(
-            "must be one of debug, info, warn, error (got 'trace')"))
+        self.assertTrue(
+            self.refused().endswith("must be one of debug, info, warn, error (got 'trace')")
+        )
 
     def test_nodes_file_missing(self) -> None:
         path = os.path.join(self.mktemp(), "nodes.toml")
-        self.assertEqual(self.refused("--engine", "ollama", "--nodes", path),
-                         f"nvpair-proxy: --nodes: no such file: {path}")
+        self.assertEqual(
+            self.refused("--engine", "ollama", "--nodes", path),
+            f"nvpair-proxy: --nodes: no such file: {path}",
+        )
 
     def test_nodes_without_engine(self) -> None:
-        self.assertEqual(self.refused("--nodes", self.existing_file()),
-                         "nvpair-proxy: --nodes needs at least one --engine (standalone mode)")
+        self.assertEqual(
+            self.refused("--nodes", self.existing_file()),
+            "nvpair-proxy: --nodes needs at least one --engine (standalone mode)",
+        )
 
     def test_ipc_with_engine(self) -> None:
-        self.assertEqual(self.refused("--ipc", "/run/broker.sock", "--engine", "ollama"),
-                         "nvpair-proxy: --ipc is for broker mode; it cannot be combined with "
-                         "--engine")
+        self.assertEqual(
+            self.refused("--ipc", "/run/broker.sock", "--engine", "ollama"),
+            "nvpair-proxy: --ipc is for broker mode; it cannot be combined with --engine",
+        )
 
     def test_cluster_dir_missing(self) -> None:
         path = self.mktemp()
-        self.assertEqual(self.refused("--cluster-dir", path),
-                         f"nvpair-proxy: --cluster-dir: no such directory: {path}")
+        self.assertEqual(
+            self.refused("--cluster-dir", path),
+            f"nvpair-proxy: --cluster-dir: no such directory: {path}",
+        )
 
     def test_engines_dir_missing(self) -> None:
         path = self.mktemp()
@@ -273,13 +326,14 @@ class RefusalTests(OptionsCase):
         path = os.path.join(directory, "vllm.toml")
         with open(path, "w") as handle:
             handle.write(VLLM.replace('class = "inference"', 'class = "chat"'))
-        self.assertEqual(self.refused("--engines-dir", directory),
-                         f"nvpair-proxy: --engines-dir: {path}: routes[0]: field 'class' must be "
-                         "one of inference, models (got 'chat')")
+        self.assertEqual(
+            self.refused("--engines-dir", directory),
+            f"nvpair-proxy: --engines-dir: {path}: routes[0]: field 'class' must be "
+            "one of inference, models (got 'chat')",
+        )
 
 
 class VersionTests(OptionsCase):
-
     def test_version_prints_and_exits_zero(self) -> None:
         out = io.StringIO()
         self.patch(sys, "stdout", out)
@@ -304,6 +358,7 @@ class PluginTests(SynchronousTestCase):
 
     def test_dropin_makes_services_with_the_tap_module(self) -> None:
         from nvpair_proxy.process import tap
+
         (maker,) = [m for m in getPlugins(IServiceMaker) if m.tapname == "nvpair-proxy"]
         self.assertIs(maker.options, tap.Options)
         self.assertEqual(maker.module, "nvpair_proxy.process.tap")
@@ -319,21 +374,24 @@ class LanKeyOptionsTests(OptionsCase):
         self.assertEqual(options.allowed_cidrs, ())
 
     def test_env_then_flag(self):
-        self.environ.update(NVPAIR_PROXY_API_KEYS_FILE="/etc/env-keys",
-                            NVPAIR_PROXY_API_KEYS="k" * 32,
-                            NVPAIR_PROXY_ALLOWED_CIDRS="10.0.0.0/8, 192.168.1.7")
+        self.environ.update(
+            NVPAIR_PROXY_API_KEYS_FILE="/etc/env-keys",
+            NVPAIR_PROXY_API_KEYS="k" * 32,
+            NVPAIR_PROXY_ALLOWED_CIDRS="10.0.0.0/8, 192.168.1.7",
+        )
         options = self.parse()
         self.assertEqual(options.api_keys_file, "/etc/env-keys")
         self.assertEqual(options.api_keys, "k" * 32)
-        self.assertEqual([str(n) for n in options.allowed_cidrs],
-                         ["10.0.0.0/8", "192.168.1.7/32"])
+        self.assertEqual([str(n) for n in options.allowed_cidrs], ["10.0.0.0/8", "192.168.1.7/32"])
         options = self.parse("--api-keys-file", "/etc/flag-keys", "--allowed-cidrs", "fd00::/8")
         self.assertEqual(options.api_keys_file, "/etc/flag-keys")
         self.assertEqual([str(n) for n in options.allowed_cidrs], ["fd00::/8"])
 
     def test_a_bad_cidr_stops_start_up_naming_the_flag(self):
-        self.assertIn("--allowed-cidrs: not an address or CIDR: '10.0.0.0/33'",
-                      self.refused("--allowed-cidrs", "10.0.0.0/33"))
+        self.assertIn(
+            "--allowed-cidrs: not an address or CIDR: '10.0.0.0/33'",
+            self.refused("--allowed-cidrs", "10.0.0.0/33"),
+        )
         self.environ["NVPAIR_PROXY_ALLOWED_CIDRS"] = "lan"
         self.assertIn("NVPAIR_PROXY_ALLOWED_CIDRS", self.refused())
 
@@ -355,8 +413,10 @@ class SchedulerFlagTests(SynchronousTestCase):
         for bad in ("0", "-1", "x", "2.5"):
             with self.assertRaises(SystemExit) as raised:
                 self.config("--queue-depth", bad)
-            self.assertEqual(str(raised.exception), "nvpair-proxy: --queue-depth must be a "
-                             f"whole number of at least 1 (got {bad!r})")
+            self.assertEqual(
+                str(raised.exception),
+                f"nvpair-proxy: --queue-depth must be a whole number of at least 1 (got {bad!r})",
+            )
 
 
 class AffinityFlagTests(SynchronousTestCase):
@@ -375,10 +435,17 @@ class AffinityFlagTests(SynchronousTestCase):
 
     def test_a_flag_of_the_other_mode_stops_start_up_with_one_line(self) -> None:
         for args, line in (
-                (("--engine", "ollama", "--affinity"), "nvpair-proxy: --affinity is for broker "
-                 "mode (standalone mode has it on; --no-affinity turns it off)"),
-                (("--no-affinity",), "nvpair-proxy: --no-affinity is for standalone mode "
-                 "(broker mode has it off; --affinity turns it on)")):
+            (
+                ("--engine", "ollama", "--affinity"),
+                "nvpair-proxy: --affinity is for broker "
+                "mode (standalone mode has it on; --no-affinity turns it off)",
+            ),
+            (
+                ("--no-affinity",),
+                "nvpair-proxy: --no-affinity is for standalone mode "
+                "(broker mode has it off; --affinity turns it on)",
+            ),
+        ):
             with self.assertRaises(SystemExit) as raised:
                 self.config(*args)
             self.assertEqual(str(raised.exception), line)

@@ -31,9 +31,23 @@ class BusyHoldTests(WorldTestCase):
         self.assertEqual(response.header("content-type"), "application/json")
         self.assertEqual(response.header("x-content-type-options"), "nosniff")
         self.assertEqual(len(w.agent.requests), 2)
-        self.assertEqual(w.emitter.sent[sent:], [("ollama:proxy/request", {
-            "id": "2", "method": "POST", "path": "/api/chat", "target": "", "status": 503,
-            "duration_ms": 0, "error": BUSY_TEXT})])
+        self.assertEqual(
+            w.emitter.sent[sent:],
+            [
+                (
+                    "ollama:proxy/request",
+                    {
+                        "id": "2",
+                        "method": "POST",
+                        "path": "/api/chat",
+                        "target": "",
+                        "status": 503,
+                        "duration_ms": 0,
+                        "error": BUSY_TEXT,
+                    },
+                )
+            ],
+        )
         serve_all(self, w, first)  # nothing left open
 
     def test_503_holds_like_429(self):
@@ -115,9 +129,11 @@ class BusyHoldTests(WorldTestCase):
 
     def test_any_commit_clears_the_hold_not_only_a_2xx(self):
         # A committed 400 is the engine answering, not the engine being full.
-        status = self.assertCommitClearsTheHold(lambda request: request.respond(
-            400, {"Content-Type": "application/json"}, b'{"error":"x"}', length=13,
-            finish=True))
+        status = self.assertCommitClearsTheHold(
+            lambda request: request.respond(
+                400, {"Content-Type": "application/json"}, b'{"error":"x"}', length=13, finish=True
+            )
+        )
         self.assertEqual(status, 400)
 
     def test_a_held_pin_goes_after_a_free_node(self):
@@ -147,16 +163,19 @@ class BusyHoldTests(WorldTestCase):
     def test_the_no_owner_502_comes_before_the_busy_503(self):
         w, first = self.held_world("a")
         response = w.chat(model="mistral").response()
-        self.assertEqual((response.status, response.json()),
-                         (502, {"error": "no available node advertises the requested model"}))
+        self.assertEqual(
+            (response.status, response.json()),
+            (502, {"error": "no available node advertises the requested model"}),
+        )
         serve_all(self, w, first)  # nothing left open
 
     def test_non_inference_and_model_less_requests_are_never_gated(self):
         w, first = self.held_world("a")
         ps = w.send("GET", "/api/ps")
         self.assertEqual(w.agent.last.uri, b"http://10.0.0.1:11434/api/ps")
-        w.agent.last.respond(200, {"Content-Type": "application/json"}, b"{}", length=2,
-                             finish=True)
+        w.agent.last.respond(
+            200, {"Content-Type": "application/json"}, b"{}", length=2, finish=True
+        )
         self.assertEqual(ps.response().status, 200)
         unnamed = w.send("POST", "/api/chat", {"messages": []})
         self.assertEqual(w.agent.last.uri, b"http://10.0.0.1:11434/api/chat")
@@ -238,8 +257,9 @@ class StallCooldownTests(WorldTestCase):
         self.stall_then_serve(w)  # a cooling
         client = w.chat()  # b first, refuses; a answers 400, committed
         w.agent.last.respond(500, body=b"oops", length=4, finish=True)
-        w.agent.last.respond(400, {"Content-Type": "application/json"}, b'{"error":"x"}',
-                             length=13, finish=True)
+        w.agent.last.respond(
+            400, {"Content-Type": "application/json"}, b'{"error":"x"}', length=13, finish=True
+        )
         self.assertEqual(client.response().status, 400)
         self.assertEqual(w.facade.router.cooling(), {})
 
@@ -317,8 +337,9 @@ class StoppingTests(WorldTestCase):
         w.facade.shutdown()
         sent = len(w.emitter.sent)
         response = w.chat().response()
-        self.assertEqual((response.status, response.json()),
-                         (503, {"error": "the proxy is shutting down"}))
+        self.assertEqual(
+            (response.status, response.json()), (503, {"error": "the proxy is shutting down"})
+        )
         self.assertEqual(response.header("connection"), "close")
         self.assertEqual(response.header("retry-after"), "1")
         self.assertEqual(w.agent.requests, [])

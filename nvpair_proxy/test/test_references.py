@@ -31,11 +31,14 @@ BARE = re.compile(
     r"\s+(?:§\s*)?\d+(?:\.\d+)?"
     r"|\(\s*[SPD]\d+(?:\.\d+)?\s*[,)]"
     r"|\bsteps?\s+\d",
-    re.IGNORECASE)
+    re.IGNORECASE,
+)
 
 # A cited anchor: docs/references.md#first-byte-commit, or a chain of them after one file name,
 # "docs/references.md#request-path, #retry-bounds and #final-attempt-answers".
-CITED = re.compile(r"\bdocs/(?P<file>[\w-]+)\.md(?P<anchors>#[\w-]+(?:(?:,\s+|\s+and\s+|,\s+and\s+)#[\w-]+)*)")
+CITED = re.compile(
+    r"\bdocs/(?P<file>[\w-]+)\.md(?P<anchors>#[\w-]+(?:(?:,\s+|\s+and\s+|,\s+and\s+)#[\w-]+)*)"
+)
 # A link between the docs, or from the README into them: (references.md#x), (docs/decisions.md#y).
 LINKED = re.compile(r"\]\((?:docs/)?(?P<file>[\w-]+)\.md#(?P<anchor>[\w-]+)\)")
 
@@ -116,9 +119,15 @@ class ReferencesTests(SynchronousTestCase):
     def test_the_scan_sees_the_tree(self):
         """The file list covers the product, the scripts and the docs (a wrong root scans nothing)."""
         files = cited_files()
-        for expected in ("nvpair_proxy/request/attempt.py", "nvpair_proxy/testing/simfleet.py",
-                         "bench/burst", "bin/test", "docs/decisions.md", "README.md",
-                         "twisted/plugins/nvpair_proxy_plugin.py"):
+        for expected in (
+            "nvpair_proxy/request/attempt.py",
+            "nvpair_proxy/testing/simfleet.py",
+            "bench/burst",
+            "bin/test",
+            "docs/decisions.md",
+            "README.md",
+            "twisted/plugins/nvpair_proxy_plugin.py",
+        ):
             self.assertIn(expected, files)
         self.assertFalse([f for f in files if f.startswith("nvpair_proxy/test/")])
 
@@ -128,17 +137,33 @@ class ReferencesTests(SynchronousTestCase):
         for relative in cited_files():
             if relative != MAPPING:
                 found.extend(bare_citations(relative, read(relative)))
-        self.assertEqual(found, [], "cite an anchor of docs/references.md instead:\n"
-                         + "\n".join(found))
+        self.assertEqual(
+            found, [], "cite an anchor of docs/references.md instead:\n" + "\n".join(found)
+        )
 
     def test_the_scan_refuses_numbered_rules(self):
         """The pattern catches each form a numbered citation has taken here."""
-        for sample in ("(spec 5.2)", "Protocol 5's texts", "design decision 11", "(design 8.15)",
-                       "issue 10's profile", "issues 8-14", "decision 12", "spec 5 steps 1-2",
-                       "(P3)", "(S5.1, P4)", "the bounds of spec\n    5.1"):
+        for sample in (
+            "(spec 5.2)",
+            "Protocol 5's texts",
+            "design decision 11",
+            "(design 8.15)",
+            "issue 10's profile",
+            "issues 8-14",
+            "decision 12",
+            "spec 5 steps 1-2",
+            "(P3)",
+            "(S5.1, P4)",
+            "the bounds of spec\n    5.1",
+        ):
             self.assertTrue(bare_citations("x.py", sample), sample)
-        for sample in ("RFC 9110 7.6.3", "protocol = 1", "docs/references.md#retry-bounds",
-                       "HTTP/1.1 section", "a spec of 5 lines"):
+        for sample in (
+            "RFC 9110 7.6.3",
+            "protocol = 1",
+            "docs/references.md#retry-bounds",
+            "HTTP/1.1 section",
+            "a spec of 5 lines",
+        ):
             self.assertFalse(bare_citations("x.py", sample), sample)
 
     def test_wire_texts_are_still_there(self):
@@ -153,8 +178,11 @@ class ReferencesTests(SynchronousTestCase):
         cited = 0
         for relative in cited_files():
             text = read(relative)
-            pairs = [(m.group("file"), a) for m in CITED.finditer(text)
-                     for a in re.findall(r"#([\w-]+)", m.group("anchors"))]
+            pairs = [
+                (m.group("file"), a)
+                for m in CITED.finditer(text)
+                for a in re.findall(r"#([\w-]+)", m.group("anchors"))
+            ]
             pairs += [(m.group("file"), m.group("anchor")) for m in LINKED.finditer(text)]
             for doc, anchor in pairs:
                 cited += 1
@@ -169,5 +197,7 @@ class ReferencesTests(SynchronousTestCase):
     def test_each_anchor_is_defined_once(self):
         """An anchor names one rule: references.md and decisions.md define each id once."""
         for doc in ("references", "decisions"):
-            ids = re.findall(r"""<a\s+id=["']([\w-]+)["']""", read(os.path.join("docs", doc + ".md")))
+            ids = re.findall(
+                r"""<a\s+id=["']([\w-]+)["']""", read(os.path.join("docs", doc + ".md"))
+            )
             self.assertEqual(sorted(i for i in set(ids) if ids.count(i) > 1), [], doc)

@@ -432,9 +432,7 @@ class InterleavingTests(SynchronousTestCase):
         for node_id in NODES:
             self.assertGreaterEqual(reservations.load(node_id), 0)
         live = Counter(
-            r.node_id
-            for r in taken
-            if not r.released and r.generation == reservations.generation
+            r.node_id for r in taken if not r.released and r.generation == reservations.generation
         )
         self.assertEqual(reservations.reservations, dict(live))
 

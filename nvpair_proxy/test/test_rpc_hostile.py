@@ -65,41 +65,101 @@ def written(out: bytes) -> list[dict]:
 
 # Strategies.
 
-scalars = (st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False)
-           | st.text(max_size=20)
-           | st.sampled_from([2 ** 63, -2 ** 63 - 1, 10 ** 308, 10 ** 309, -10 ** 400, 1e308,
-                              -0.0, 0, "", "ollama", "127.0.0.1", "::1", "10.0.0.1"]))
-json_values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=4)
-                           | st.dictionaries(st.text(max_size=8), inner, max_size=4),
-                           max_leaves=12)
+scalars = (
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.floats(allow_nan=False)
+    | st.text(max_size=20)
+    | st.sampled_from(
+        [
+            2**63,
+            -(2**63) - 1,
+            10**308,
+            10**309,
+            -(10**400),
+            1e308,
+            -0.0,
+            0,
+            "",
+            "ollama",
+            "127.0.0.1",
+            "::1",
+            "10.0.0.1",
+        ]
+    )
+)
+json_values = st.recursive(
+    scalars,
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4)
+    ),
+    max_leaves=12,
+)
 
 ENGINES = ("ollama", "lmstudio", "llamacpp")
 # The valid shape of every inbound method's params (protocol 3), to be broken field by field.
 VALID = {
-    "facade/enable": {"engine": "ollama", "port": 11434, "aliasAddresses": ["127.0.0.1:11500"],
-                      "ignorePersistedPort": True},
-    "node/set-priority": {"generation": 3, "nodes": ["a", "b"],
-                          "ranks": [{"id": "a", "pending": 1, "gpuPressure": 0.5, "rank": 1}]},
+    "facade/enable": {
+        "engine": "ollama",
+        "port": 11434,
+        "aliasAddresses": ["127.0.0.1:11500"],
+        "ignorePersistedPort": True,
+    },
+    "node/set-priority": {
+        "generation": 3,
+        "nodes": ["a", "b"],
+        "ranks": [{"id": "a", "pending": 1, "gpuPressure": 0.5, "rank": 1}],
+    },
     "log/set-level": {"level": "info"},
     "shutdown": {},
     "set-port": {"port": 12001},
-    "discovery:nodes": {"nodes": [{"hostUuid": "d", "name": "d", "ip": "192.168.1.10",
-                                   "ips": ["192.168.1.10"], "clusterUuid": "d",
-                                   "services": {"ol": {"port": 11434}},
-                                   "modelsByEngine": {"ollama": ["llama3:latest"]}}]},
+    "discovery:nodes": {
+        "nodes": [
+            {
+                "hostUuid": "d",
+                "name": "d",
+                "ip": "192.168.1.10",
+                "ips": ["192.168.1.10"],
+                "clusterUuid": "d",
+                "services": {"ol": {"port": 11434}},
+                "modelsByEngine": {"ollama": ["llama3:latest"]},
+            }
+        ]
+    },
     "node/select": {"id": "m"},
     "node/selected": {},
     "nodes/list": {},
-    "node/add-manual": {"id": "m", "host": "m", "port": 11434, "addresses": ["10.0.0.1"],
-                        "txt": ["a=b"], "models": ["llama3:latest"]},
+    "node/add-manual": {
+        "id": "m",
+        "host": "m",
+        "port": 11434,
+        "addresses": ["10.0.0.1"],
+        "txt": ["a=b"],
+        "models": ["llama3:latest"],
+    },
     "node/remove-manual": {"id": "m"},
-    "node/set-local-backend": {"engine": "ollama", "host": "127.0.0.1", "port": 11434,
-                               "healthy": True, "slots": {"default": 2, "models": {"x": 1}}},
+    "node/set-local-backend": {
+        "engine": "ollama",
+        "host": "127.0.0.1",
+        "port": 11434,
+        "healthy": True,
+        "slots": {"default": 2, "models": {"x": 1}},
+    },
     "node/model-owners": {"model": "llama3"},
 }
-FACADE_SCOPED = {"set-port", "discovery:nodes", "node/select", "node/selected", "nodes/list",
-                 "node/add-manual", "node/remove-manual", "node/set-local-backend",
-                 "node/model-owners", "node/set-priority"}
+FACADE_SCOPED = {
+    "set-port",
+    "discovery:nodes",
+    "node/select",
+    "node/selected",
+    "nodes/list",
+    "node/add-manual",
+    "node/remove-manual",
+    "node/set-local-backend",
+    "node/model-owners",
+    "node/set-priority",
+}
 
 
 @st.composite
@@ -179,8 +239,9 @@ class LinkUnderHostileInput(SynchronousTestCase):
         self.assertEqual(len(warnings), count, [e.get("log_format") for e in events])
         for event in warnings:
             self.assertIn(event["log_format"], LINK_WARNINGS)
-            fields = {k: v for k, v in event.items()
-                      if not k.startswith("log_") and k not in LEGACY_KEYS}
+            fields = {
+                k: v for k, v in event.items() if not k.startswith("log_") and k not in LEGACY_KEYS
+            }
             self.assertLessEqual(set(fields), {"limit", "size", "code"}, sorted(fields))
             self.assertTrue(all(type(value) is int for value in fields.values()), fields)
 
@@ -208,14 +269,16 @@ class LinkUnderHostileInput(SynchronousTestCase):
         out = b""
         with self.logged() as events:
             for start in range(0, len(stream), chunk):
-                out += proxy.raw(stream[start:start + chunk])
+                out += proxy.raw(stream[start : start + chunk])
         written(out)
         if not out:  # every line that is not blank was skipped
             self.assertSkipped(events, sum(1 for line in stream.split(b"\n") if line.strip()))
         self.survives(proxy, proxy.reservations.count)
 
-    @given(st.binary(min_size=1, max_size=8).filter(lambda b: not _utf8(b) and b"\n" not in b),
-           st.integers(0, 40))
+    @given(
+        st.binary(min_size=1, max_size=8).filter(lambda b: not _utf8(b) and b"\n" not in b),
+        st.integers(0, 40),
+    )
     def test_invalid_utf8_anywhere_is_skipped(self, junk: bytes, where: int) -> None:
         proxy = self.fresh()
         line = b'{"jsonrpc":"2.0","id":1,"method":"log/set-level","params":{"level":"info"}}'
@@ -235,10 +298,14 @@ class LinkUnderHostileInput(SynchronousTestCase):
         self.assertSkipped(events)
         self.survives(proxy)
 
-    @given(st.dictionaries(st.text(max_size=8), json_values, max_size=4), st.booleans(),
-           json_values.filter(lambda value: not isinstance(value, str)))
-    def test_a_2_0_object_without_a_method_name_is_skipped(self, extra: dict, named: bool,
-                                                           method) -> None:
+    @given(
+        st.dictionaries(st.text(max_size=8), json_values, max_size=4),
+        st.booleans(),
+        json_values.filter(lambda value: not isinstance(value, str)),
+    )
+    def test_a_2_0_object_without_a_method_name_is_skipped(
+        self, extra: dict, named: bool, method
+    ) -> None:
         message = {k: v for k, v in extra.items() if k not in ("method", "result", "error")}
         message["jsonrpc"] = "2.0"
         if named:
@@ -260,17 +327,25 @@ class LinkUnderHostileInput(SynchronousTestCase):
 
     def test_unknown_notifications_and_responses_are_skipped_at_debug(self) -> None:
         proxy = self.fresh()
-        lines = (b'{"jsonrpc":"2.0","method":"ollama:something/new","params":{"x":1}}\n',
-                 b'{"jsonrpc":"2.0","id":3,"result":{"ok":true}}\n',
-                 b'{"jsonrpc":"2.0","id":4,"error":{"code":-1,"message":"no"}}\n')
+        lines = (
+            b'{"jsonrpc":"2.0","method":"ollama:something/new","params":{"x":1}}\n',
+            b'{"jsonrpc":"2.0","id":3,"result":{"ok":true}}\n',
+            b'{"jsonrpc":"2.0","id":4,"error":{"code":-1,"message":"no"}}\n',
+        )
         with self.logged("debug") as events:
             for line in lines:
                 self.assertEqual(proxy.raw(line), b"")
-        self.assertEqual([(e["log_level"], e["log_format"]) for e in events], [
-            (LogLevel.debug, "skipped a JSON-RPC notification of a method this version does "
-                             "not know"),
-            (LogLevel.debug, "skipped a JSON-RPC response: this link sends no requests"),
-            (LogLevel.debug, "skipped a JSON-RPC response: this link sends no requests")])
+        self.assertEqual(
+            [(e["log_level"], e["log_format"]) for e in events],
+            [
+                (
+                    LogLevel.debug,
+                    "skipped a JSON-RPC notification of a method this version does not know",
+                ),
+                (LogLevel.debug, "skipped a JSON-RPC response: this link sends no requests"),
+                (LogLevel.debug, "skipped a JSON-RPC response: this link sends no requests"),
+            ],
+        )
         self.survives(proxy)
 
     @given(calls())
@@ -282,7 +357,9 @@ class LinkUnderHostileInput(SynchronousTestCase):
         # Only addressed to a known engine (or bare) is it discovery:nodes (protocol 2);
         # "nobody:discovery:nodes" is just an unknown method.
         never_answered = message["method"] in (
-            "discovery:nodes", *(f"{engine}:discovery:nodes" for engine in ENGINES))
+            "discovery:nodes",
+            *(f"{engine}:discovery:nodes" for engine in ENGINES),
+        )
         if _has_non_finite(message):
             # Infinity or NaN written out is not JSON: the whole line is skipped.
             self.assertEqual(out, [])
@@ -301,47 +378,82 @@ class LinkUnderHostileInput(SynchronousTestCase):
                 self.assertIn("result", answer)
         self.survives(proxy, proxy.reservations.count)
 
-    @given(st.sampled_from(["id", "params", "top"]), st.sampled_from(["list", "object"]),
-           st.integers(1, 3000) | st.integers(900, 1100) | st.just(200000))
+    @given(
+        st.sampled_from(["id", "params", "top"]),
+        st.sampled_from(["list", "object"]),
+        st.integers(1, 3000) | st.integers(900, 1100) | st.just(200000),
+    )
     def test_deep_nesting(self, where: str, kind: str, depth: int) -> None:
         proxy = self.fresh()
         value = nested(depth, kind)
-        line = {"id": b'{"jsonrpc":"2.0","id":%s,"method":"log/set-level",'
-                      b'"params":{"level":"info"}}' % value,
-                "params": b'{"jsonrpc":"2.0","id":7,"method":"log/set-level",'
-                          b'"params":{"level":%s}}' % value,
-                "top": value}[where]
+        line = {
+            "id": b'{"jsonrpc":"2.0","id":%s,"method":"log/set-level",'
+            b'"params":{"level":"info"}}' % value,
+            "params": b'{"jsonrpc":"2.0","id":7,"method":"log/set-level",'
+            b'"params":{"level":%s}}' % value,
+            "top": value,
+        }[where]
         with self.logged() as events:
             out = written(proxy.raw(line + b"\n"))
         if not out:
             self.assertSkipped(events)
         if where == "params":
             # Parsed: a level that is not a string; too deep to parse: skipped.
-            self.assertIn(out, ([], [{"jsonrpc": "2.0", "id": 7, "error": {
-                "code": -32602, "message": "level must be one of debug, info, warn, error"}}]))
+            self.assertIn(
+                out,
+                (
+                    [],
+                    [
+                        {
+                            "jsonrpc": "2.0",
+                            "id": 7,
+                            "error": {
+                                "code": -32602,
+                                "message": "level must be one of debug, info, warn, error",
+                            },
+                        }
+                    ],
+                ),
+            )
         elif where == "id":
             # Echoed exactly, or (too deep to parse or to echo) skipped before it ran.
             if out:
-                self.assertEqual(out, [{"jsonrpc": "2.0", "id": json.loads(value),
-                                        "result": {"level": "info"}}])
+                self.assertEqual(
+                    out, [{"jsonrpc": "2.0", "id": json.loads(value), "result": {"level": "info"}}]
+                )
         else:
             self.assertEqual(out, [])
         self.survives(proxy)
 
-    @given(st.sampled_from(["id", "generation", "pending", "port", "rank"]),
-           st.sampled_from([b"NaN", b"-Infinity", b"Infinity", b"1e400", b"-1e400",
-                            b"1" + b"0" * 400, b"-1" + b"0" * 400, b"1" + b"0" * 5000,
-                            b"1e-400", b"123456789012345678901234567890", b"1.5", b"-0"]))
+    @given(
+        st.sampled_from(["id", "generation", "pending", "port", "rank"]),
+        st.sampled_from(
+            [
+                b"NaN",
+                b"-Infinity",
+                b"Infinity",
+                b"1e400",
+                b"-1e400",
+                b"1" + b"0" * 400,
+                b"-1" + b"0" * 400,
+                b"1" + b"0" * 5000,
+                b"1e-400",
+                b"123456789012345678901234567890",
+                b"1.5",
+                b"-0",
+            ]
+        ),
+    )
     def test_huge_numbers_and_non_numbers(self, where: str, number: bytes) -> None:
         proxy = self.fresh()
         line = {
             "id": b'{"jsonrpc":"2.0","id":%s,"method":"nodes/list"}',
             "generation": b'{"jsonrpc":"2.0","id":1,"method":"node/set-priority",'
-                          b'"params":{"generation":%s}}',
+            b'"params":{"generation":%s}}',
             "pending": b'{"jsonrpc":"2.0","id":1,"method":"node/set-priority","params":'
-                       b'{"generation":5,"ranks":[{"id":"a","pending":%s}]}}',
+            b'{"generation":5,"ranks":[{"id":"a","pending":%s}]}}',
             "rank": b'{"jsonrpc":"2.0","id":1,"method":"node/set-priority","params":'
-                    b'{"generation":5,"ranks":[{"id":"a","rank":%s}]}}',
+            b'{"generation":5,"ranks":[{"id":"a","rank":%s}]}}',
             "port": b'{"jsonrpc":"2.0","id":1,"method":"ollama:set-port","params":{"port":%s}}',
         }[where] % number
         with self.logged() as events:
@@ -366,20 +478,33 @@ class LinkUnderHostileInput(SynchronousTestCase):
         # Found by test_every_method_with_broken_params: a null port crashed facade/enable
         # (-32603, a traceback) instead of meaning "the standalone default".
         proxy = Proxy(self)
-        self.assertEqual(written(proxy.raw(
-            b'{"jsonrpc":"2.0","id":1,"method":"facade/enable",'
-            b'"params":{"engine":"lmstudio","port":null,"ignorePersistedPort":true}}\n'))[-1],
-            {"jsonrpc": "2.0", "id": 1, "result": {"engine": "lmstudio", "port": 1234}})
+        self.assertEqual(
+            written(
+                proxy.raw(
+                    b'{"jsonrpc":"2.0","id":1,"method":"facade/enable",'
+                    b'"params":{"engine":"lmstudio","port":null,"ignorePersistedPort":true}}\n'
+                )
+            )[-1],
+            {"jsonrpc": "2.0", "id": 1, "result": {"engine": "lmstudio", "port": 1234}},
+        )
         self.survives(proxy)
 
-    @settings(max_examples=max(10, FUZZ // 10),
-              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-    @given(st.integers(-40, 40), st.booleans(),
-           st.lists(st.integers(0, constants.MAX_RPC_LINE + 200)
-                    | st.integers(constants.MAX_RPC_LINE - 3, constants.MAX_RPC_LINE + 3),
-                    max_size=4))
-    def test_lines_just_under_and_over_one_mib(self, offset: int, crlf: bool,
-                                               splits: list[int]) -> None:
+    @settings(
+        max_examples=max(10, FUZZ // 10),
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    )
+    @given(
+        st.integers(-40, 40),
+        st.booleans(),
+        st.lists(
+            st.integers(0, constants.MAX_RPC_LINE + 200)
+            | st.integers(constants.MAX_RPC_LINE - 3, constants.MAX_RPC_LINE + 3),
+            max_size=4,
+        ),
+    )
+    def test_lines_just_under_and_over_one_mib(
+        self, offset: int, crlf: bool, splits: list[int]
+    ) -> None:
         proxy = self.fresh()
         size = constants.MAX_RPC_LINE + offset
         head = b'{"jsonrpc":"2.0","id":3,"method":"log/set-level","params":{"level":"info"}'
@@ -410,6 +535,7 @@ def _utf8(data: bytes) -> bool:
 def _echoable(value) -> bool:
     """Can the proxy echo this id? Not when it holds a number beyond float range (read as
     infinite) or nests too deep to encode."""
+
     def fits(item) -> bool:
         if isinstance(item, float) or (isinstance(item, int) and not isinstance(item, bool)):
             return abs(item) <= 1.7976931348623157e308
@@ -418,6 +544,7 @@ def _echoable(value) -> bool:
         if isinstance(item, dict):
             return all(fits(i) for i in item.values())
         return True
+
     try:
         json.dumps(value, allow_nan=False)
     except (ValueError, RecursionError):
@@ -438,6 +565,7 @@ class RealLinkTests(SynchronousTestCase):
 
     def test_hostile_lines_leave_the_process_answering(self) -> None:
         from nvpair_proxy.test.support import broker_channel
+
         link = broker_channel(self)
         hostile = [
             b"\xff\xfe\xc3\x28 not UTF-8",
@@ -451,7 +579,6 @@ class RealLinkTests(SynchronousTestCase):
         link.proc.stdin.write(b"\n".join(hostile) + b"\n")
         link.proc.stdin.flush()
         self.assertEqual(link.wait(lambda m: m.get("id") == 4)["error"]["code"], -32602)
-        self.assertEqual(link.call("log/set-level", {"level": "info"})["result"],
-                         {"level": "info"})
+        self.assertEqual(link.call("log/set-level", {"level": "info"})["result"], {"level": "info"})
         self.assertIsNone(link.proc.poll())
         self.assertEqual([m.get("id") for m in link.lines], [4, link.next_id - 1])

@@ -48,7 +48,9 @@ class LoopGuardTests(WorldTestCase):
         w.add("a")
         w.send("POST", "/api/chat", {"model": "llama3"}, headers={"Via": "1.0 front, 1.1 edge"})
         hop = w.facade.upstreams.loop_guard.hop
-        self.assertEqual(w.agent.last.headers.getRawHeaders(b"via"), [b"1.0 front, 1.1 edge, " + hop])
+        self.assertEqual(
+            w.agent.last.headers.getRawHeaders(b"via"), [b"1.0 front, 1.1 edge, " + hop]
+        )
         w.agent.last.respond(200, body=b'{"done":true}\n', finish=True)
 
     def test_a_request_carrying_our_own_token_is_508_at_once(self):
@@ -57,11 +59,14 @@ class LoopGuardTests(WorldTestCase):
         hop = w.facade.upstreams.loop_guard.hop.decode()
         for path, body in (("/api/chat", {"model": "llama3"}), ("/api/tags", None)):
             w.emitter.sent.clear()
-            client = w.send("POST" if body else "GET", path, body,
-                            headers={"Via": f"1.1 someone, {hop}"})
+            client = w.send(
+                "POST" if body else "GET", path, body, headers={"Via": f"1.1 someone, {hop}"}
+            )
             response = client.response()
-            self.assertEqual((response.status, response.json()), (508, {
-                "error": "forwarding loop: this request already passed through this proxy"}))
+            self.assertEqual(
+                (response.status, response.json()),
+                (508, {"error": "forwarding loop: this request already passed through this proxy"}),
+            )
             self.assertEqual(response.header("content-type"), "application/json")
             self.assertEqual(w.agent.requests, [], path)
             self.assertEqual([m for m, _ in w.emitter.sent], ["ollama:proxy/request"], path)
@@ -70,8 +75,9 @@ class LoopGuardTests(WorldTestCase):
     def test_another_proxys_token_is_forwarded_not_refused(self):
         w = self.world()
         w.add("a")
-        client = w.send("POST", "/api/chat", {"model": "llama3"},
-                        headers={"Via": "1.1 nvpair-0000000000000000"})
+        client = w.send(
+            "POST", "/api/chat", {"model": "llama3"}, headers={"Via": "1.1 nvpair-0000000000000000"}
+        )
         w.agent.last.respond(200, body=b'{"done":true}\n', finish=True)
         self.assertEqual(client.response().status, 200)
 
@@ -97,8 +103,10 @@ class SelfNodeTests(WorldTestCase):
         w.add("me", addresses=("127.0.0.1",), port=OWN_PORT)
         w.add("me-by-lan", addresses=("192.168.1.50",), port=OWN_PORT)
         client = w.chat()
-        self.assertEqual((client.response().status, client.response().json()),
-                         (502, {"error": "no available node advertises the requested model"}))
+        self.assertEqual(
+            (client.response().status, client.response().json()),
+            (502, {"error": "no available node advertises the requested model"}),
+        )
         self.assertEqual(w.agent.requests, [])
 
     def test_the_engine_beside_the_facade_is_served(self):
@@ -131,8 +139,10 @@ class LocalAddressTests(SynchronousTestCase):
 
 
 def node_toml(node_id: str, address: str, port: int) -> str:
-    return (f'[[node]]\nid = "{node_id}"\naddress = "{address}"\n'
-            f'[node.engines.ollama]\nport = {port}\nmodels = ["llama3:latest"]\n')
+    return (
+        f'[[node]]\nid = "{node_id}"\naddress = "{address}"\n'
+        f'[node.engines.ollama]\nport = {port}\nmodels = ["llama3:latest"]\n'
+    )
 
 
 class StandaloneSelfTests(SynchronousTestCase):
@@ -156,8 +166,9 @@ class StandaloneSelfTests(SynchronousTestCase):
 
     def start(self):
         options = Options()
-        options.parseOptions(["--engine", f"ollama:{OWN_PORT}", "--nodes", self.nodes,
-                              "--state-dir", self.folder])
+        options.parseOptions(
+            ["--engine", f"ollama:{OWN_PORT}", "--nodes", self.nodes, "--state-dir", self.folder]
+        )
         self.reactor = MemoryReactorClock()
         root = standalone_tree(options.config, self.reactor)
         root.privilegedStartService()
@@ -168,8 +179,9 @@ class StandaloneSelfTests(SynchronousTestCase):
         self.write(node_toml("me-by-lan", address, OWN_PORT), node_toml("engine", address, 11434))
         router = self.start().facades["ollama"].facade.router
         self.assertEqual([n.id for n in router.routable()], ["engine"])
-        self.assertEqual([(n.id, n.local) for n in router.nodes.all()],
-                         [("engine", False), ("me-by-lan", True)])
+        self.assertEqual(
+            [(n.id, n.local) for n in router.nodes.all()], [("engine", False), ("me-by-lan", True)]
+        )
 
     def test_the_self_node_is_warned_about_once_per_change(self):
         me, other = node_toml("me", "127.0.0.1", OWN_PORT), node_toml("other", "10.0.0.9", 11434)
@@ -186,8 +198,10 @@ class StandaloneSelfTests(SynchronousTestCase):
         def reloads() -> int:
             return sum("nodes file reloaded" in formatEvent(e) for e in log.at("info"))
 
-        once = [f"node me is left out of the ollama fleet: it is this proxy's own ollama facade "
-                f"(port {OWN_PORT}); a request sent there would come back here"]
+        once = [
+            f"node me is left out of the ollama fleet: it is this proxy's own ollama facade "
+            f"(port {OWN_PORT}); a request sent there would come back here"
+        ]
         self.assertEqual(warnings(), once)
         self.write(me, other)  # another node: the self node did not change
         self.reactor.advance(2)
@@ -207,23 +221,39 @@ class ModelListDedupeTests(WorldTestCase):
         w = self.world()
         w.add("a"), w.add("b", addresses=("10.0.0.2",))
         client = w.send("GET", "/api/tags")
-        w.agent.requests[0].respond(200, body=b'{"models":[{"name":"shared","size":1}]}',
-                                    finish=True)
-        w.agent.requests[1].respond(200, body=b'{"models":[{"name":"shared:latest","size":2},'
-                                              b'{"model":"own:latest","name":"x"}]}', finish=True)
-        self.assertEqual(client.response().json(), {"models": [
-            {"name": "shared", "size": 1}, {"model": "own:latest", "name": "x"}]})
+        w.agent.requests[0].respond(
+            200, body=b'{"models":[{"name":"shared","size":1}]}', finish=True
+        )
+        w.agent.requests[1].respond(
+            200,
+            body=b'{"models":[{"name":"shared:latest","size":2},'
+            b'{"model":"own:latest","name":"x"}]}',
+            finish=True,
+        )
+        self.assertEqual(
+            client.response().json(),
+            {"models": [{"name": "shared", "size": 1}, {"model": "own:latest", "name": "x"}]},
+        )
 
     def test_openai_lists_dedupe_by_id_exactly(self):
         w = self.world()
         w.add("a"), w.add("b", addresses=("10.0.0.2",))
         client = w.send("GET", "/v1/models")
-        w.agent.requests[0].respond(200, body=b'{"object":"list","data":[{"id":"shared"},'
-                                              b'{"id":"x","n":1}]}', finish=True)
-        w.agent.requests[1].respond(200, body=b'{"object":"list","data":[{"id":"shared:latest"},'
-                                              b'{"id":"x","n":2}]}', finish=True)
-        self.assertEqual(client.response().json(), {"object": "list", "data": [
-            {"id": "shared"}, {"id": "x", "n": 1}, {"id": "shared:latest"}]})
+        w.agent.requests[0].respond(
+            200, body=b'{"object":"list","data":[{"id":"shared"},{"id":"x","n":1}]}', finish=True
+        )
+        w.agent.requests[1].respond(
+            200,
+            body=b'{"object":"list","data":[{"id":"shared:latest"},{"id":"x","n":2}]}',
+            finish=True,
+        )
+        self.assertEqual(
+            client.response().json(),
+            {
+                "object": "list",
+                "data": [{"id": "shared"}, {"id": "x", "n": 1}, {"id": "shared:latest"}],
+            },
+        )
 
 
 class TargetAndFramingTests(WorldTestCase):
@@ -241,8 +271,15 @@ class TargetAndFramingTests(WorldTestCase):
     def test_a_target_that_is_not_a_path_is_refused(self):
         w = self.world()
         w.add("a", port=2000)
-        for target in (b"7/api/version", b"1/api/chat", b"*", b"ftp://x/api/tags",
-                       b"/api/chat#x", b"/api/chat\x80", b"/api/\xffchat"):
+        for target in (
+            b"7/api/version",
+            b"1/api/chat",
+            b"*",
+            b"ftp://x/api/tags",
+            b"/api/chat#x",
+            b"/api/chat\x80",
+            b"/api/\xffchat",
+        ):
             body = self.refused(w, b"GET " + target + b" HTTP/1.1\r\nHost: x\r\n\r\n")
             self.assertTrue(body["error"].startswith("invalid request target: "), body)
         body = self.refused(w, b"CONNECT 127.0.0.1:2000 HTTP/1.1\r\nHost: x\r\n\r\n")
@@ -253,11 +290,18 @@ class TargetAndFramingTests(WorldTestCase):
         # /api/chat while we classified it as no route (no model filter, workload or gate).
         w = self.world()
         w.add("a")
-        for target in (b"/api%2Fchat", b"/api%2fchat", b"/api%5Cchat", b"/api%5cchat",
-                       b"http://x/v1%2Fchat/completions", b"/x/..%2Fapi/chat?q=1"):
+        for target in (
+            b"/api%2Fchat",
+            b"/api%2fchat",
+            b"/api%5Cchat",
+            b"/api%5cchat",
+            b"http://x/v1%2Fchat/completions",
+            b"/x/..%2Fapi/chat?q=1",
+        ):
             body = self.refused(w, request_bytes("POST", target.decode(), {"model": "llama3"}))
-            self.assertEqual(body, {"error": "invalid request target: an escaped / or \\ in "
-                                             "the path"}, target)
+            self.assertEqual(
+                body, {"error": "invalid request target: an escaped / or \\ in the path"}, target
+            )
         # In the query it is data, not a separator: sent as it came.
         client = w.connect()
         client.protocol.dataReceived(request_bytes("GET", "/api/tags?next=%2Fa%5Cb"))
@@ -269,8 +313,9 @@ class TargetAndFramingTests(WorldTestCase):
         w = self.world()
         w.add("a", port=2000)
         client = w.connect()
-        client.protocol.dataReceived(request_bytes("POST", "http://10.9.9.9:7/api/chat?x=1",
-                                                   {"model": "llama3"}))
+        client.protocol.dataReceived(
+            request_bytes("POST", "http://10.9.9.9:7/api/chat?x=1", {"model": "llama3"})
+        )
         self.assertEqual(w.agent.last.uri, b"http://10.0.0.1:2000/api/chat?x=1")
         self.assertEqual(w.workload_events()[0][1], "queued")  # routed as inference
         w.agent.last.respond(200, body=b'{"done":true}\n', finish=True)
@@ -279,13 +324,17 @@ class TargetAndFramingTests(WorldTestCase):
     def test_the_path_classified_is_the_path_sent(self):
         w = self.world()
         w.add("a")
-        for target, sent in ((b"/api/%63hat", b"/api/chat"), (b"/x/../api/./chat", b"/api/chat"),
-                             (b"/x/%2e%2E/api/%2e/chat", b"/api/chat"),
-                             (b"/x/.%2e/api/chat", b"/api/chat")):
+        for target, sent in (
+            (b"/api/%63hat", b"/api/chat"),
+            (b"/x/../api/./chat", b"/api/chat"),
+            (b"/x/%2e%2E/api/%2e/chat", b"/api/chat"),
+            (b"/x/.%2e/api/chat", b"/api/chat"),
+        ):
             w.emitter.sent.clear()
             client = w.connect()
-            client.protocol.dataReceived(request_bytes("POST", target.decode(),
-                                                       {"model": "llama3"}))
+            client.protocol.dataReceived(
+                request_bytes("POST", target.decode(), {"model": "llama3"})
+            )
             self.assertEqual(w.agent.last.uri, b"http://10.0.0.1:11434" + sent)
             self.assertEqual(w.workload_events()[0][1], "queued", target)
             w.agent.last.respond(200, body=b'{"done":true}\n', finish=True)
@@ -296,12 +345,23 @@ class TargetAndFramingTests(WorldTestCase):
         w.add("a")
         smuggled = b"GET /api/version HTTP/1.1\r\nHost: x\r\n\r\n"
         for coding in (b"identity", b"chunked, identity", b"gzip", b"chunked\x0b"):
-            body = self.refused(w, b"POST /api/chat HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: "
-                                + coding + b"\r\n\r\n" + smuggled)
-            self.assertEqual(body, {"error": "invalid request framing: a transfer coding "
-                                             "other than a single chunked"}, coding)
-        self.refused(w, b"POST /api/chat HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: identity\r\n"
-                        b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n")
+            body = self.refused(
+                w,
+                b"POST /api/chat HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: "
+                + coding
+                + b"\r\n\r\n"
+                + smuggled,
+            )
+            self.assertEqual(
+                body,
+                {"error": "invalid request framing: a transfer coding other than a single chunked"},
+                coding,
+            )
+        self.refused(
+            w,
+            b"POST /api/chat HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: identity\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+        )
 
     def test_connection_close_among_other_tokens_closes_after_the_answer(self):
         w = self.world()
@@ -309,7 +369,8 @@ class TargetAndFramingTests(WorldTestCase):
         client = w.connect()
         client.protocol.dataReceived(
             b"GET /api/version HTTP/1.1\r\nHost: x\r\nConnection: keep-alive,close, te\r\n\r\n"
-            b"GET /api/ps HTTP/1.1\r\nHost: x\r\n\r\n")
+            b"GET /api/ps HTTP/1.1\r\nHost: x\r\n\r\n"
+        )
         w.agent.last.respond(200, body=b"{}", finish=True)
         self.assertEqual(client.response().header("connection"), "close")
         self.assertTrue(client.transport.disconnecting)

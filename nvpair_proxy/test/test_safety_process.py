@@ -60,12 +60,16 @@ class SelfAndLoopTests(ProcessCase):
         port, admin = free_port(), free_port()
         log = os.path.abspath(self.mktemp())
         nodes = self.write(nodes_toml([("me", "ollama", port, ["llama3:latest"])]))
-        proc = start_standalone(self, ["--engine", f"ollama:{port}", "--nodes", nodes,
-                                       "--admin", f"127.0.0.1:{admin}"], logfile=log)
+        proc = start_standalone(
+            self,
+            ["--engine", f"ollama:{port}", "--nodes", nodes, "--admin", f"127.0.0.1:{admin}"],
+            logfile=log,
+        )
         resting = descriptors(proc.pid)
         answer, took = timed_chat(port)
-        self.assertEqual(answer, (502, {
-            "error": "no available node advertises the requested model"}))
+        self.assertEqual(
+            answer, (502, {"error": "no available node advertises the requested model"})
+        )
         self.assertLess(took, IMMEDIATE)
         self.assertLessEqual(descriptors(proc.pid), resting + 2)
         conn = http.client.HTTPConnection("127.0.0.1", admin, timeout=10)
@@ -75,8 +79,14 @@ class SelfAndLoopTests(ProcessCase):
         [engine] = node["engines"]
         self.assertEqual((node["id"], engine["state"]), ("me", "excluded"))
         self.assertIn(f"own ollama facade (port {port})", engine["excluded"])
-        warned = wait_until(log, lambda: [line for line in open(log, encoding="utf-8")
-                                          if "node me is left out of the ollama fleet" in line])
+        warned = wait_until(
+            log,
+            lambda: [
+                line
+                for line in open(log, encoding="utf-8")
+                if "node me is left out of the ollama fleet" in line
+            ],
+        )
         self.assertEqual(len(warned), 1)
         self.assertIn(f"port {port}", warned[0])
 
@@ -100,19 +110,30 @@ class SelfAndLoopTests(ProcessCase):
     def test_a_broker_manual_node_at_our_own_port_is_no_candidate(self):
         broker = broker_channel(self)
         port = free_port()
-        self.assertEqual(broker.call("facade/enable", {"engine": "ollama", "port": port})
-                         ["result"]["port"], port)
-        broker.call("ollama:node/add-manual", {"id": "self", "host": "self", "port": port,
-                                               "addresses": ["127.0.0.1"],
-                                               "models": ["llama3:latest"]})
-        self.assertEqual(broker.call("ollama:node/model-owners", {"model": "llama3"})["result"],
-                         {"nodes": []})
+        self.assertEqual(
+            broker.call("facade/enable", {"engine": "ollama", "port": port})["result"]["port"], port
+        )
+        broker.call(
+            "ollama:node/add-manual",
+            {
+                "id": "self",
+                "host": "self",
+                "port": port,
+                "addresses": ["127.0.0.1"],
+                "models": ["llama3:latest"],
+            },
+        )
+        self.assertEqual(
+            broker.call("ollama:node/model-owners", {"model": "llama3"})["result"], {"nodes": []}
+        )
         resting = descriptors(broker.proc.pid)
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=20)
         conn.request("GET", "/api/version")
         response = conn.getresponse()
-        self.assertEqual((response.status, json.loads(response.read())),
-                         (502, {"error": "no active node selected or available"}))
+        self.assertEqual(
+            (response.status, json.loads(response.read())),
+            (502, {"error": "no active node selected or available"}),
+        )
         conn.close()
         self.assertLessEqual(descriptors(broker.proc.pid), resting + 2)
 
@@ -146,8 +167,10 @@ class RawEngine:
                     length = int(value)
             while len(body) < length:
                 body += conn.recv(65536)
-            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
-                         b"Content-Length: 14\r\nConnection: close\r\n\r\n{\"done\":true}\n")
+            conn.sendall(
+                b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                b'Content-Length: 14\r\nConnection: close\r\n\r\n{"done":true}\n'
+            )
             return head + b"\r\n\r\n" + body
 
 
@@ -194,28 +217,35 @@ class TargetAndFramingTests(ProcessCase):
             self.assertEqual((status_of(answer), closed), (400, True), data)
             self.assertIn(b'{"error": "invalid request', answer, data)
         # Nothing of those reached the engine: the next request it sees is this one.
-        received, answer = self.through(b"GET http://127.0.0.1:1/api/version?x=1 HTTP/1.1\r\n"
-                                        b"Host: evil\r\nVia: 1.0 front\r\n\r\n")
+        received, answer = self.through(
+            b"GET http://127.0.0.1:1/api/version?x=1 HTTP/1.1\r\n"
+            b"Host: evil\r\nVia: 1.0 front\r\n\r\n"
+        )
         lines = received.split(b"\r\n")
         self.assertEqual(lines[0], b"GET /api/version?x=1 HTTP/1.1")
         self.assertIn(b"Host: 127.0.0.1:%d" % self.engine.port, lines)
         [via] = [line for line in lines if line.lower().startswith(b"via:")]
         self.assertRegex(via, rb"^Via: 1\.0 front, 1\.1 nvpair-[0-9a-f]{16}$")
         self.assertEqual(status_of(answer), 200)
-        received, answer = self.through(b"POST /api/%%63hat HTTP/1.1\r\nHost: x\r\n"
-                                        b"Content-Length: %d\r\n\r\n%s" % (len(CHAT), CHAT))
+        received, answer = self.through(
+            b"POST /api/%%63hat HTTP/1.1\r\nHost: x\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (len(CHAT), CHAT)
+        )
         self.assertEqual(received.split(b"\r\n")[0], b"POST /api/chat HTTP/1.1")
         self.assertTrue(received.endswith(b"\r\n\r\n" + CHAT))
         # Dot segments, escaped or not, are resolved before we classify: none reaches the engine.
-        received, answer = self.through(b"POST /x/%%2e%%2E/api/./chat HTTP/1.1\r\nHost: x\r\n"
-                                        b"Content-Length: %d\r\n\r\n%s" % (len(CHAT), CHAT))
+        received, answer = self.through(
+            b"POST /x/%%2e%%2E/api/./chat HTTP/1.1\r\nHost: x\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (len(CHAT), CHAT)
+        )
         self.assertEqual(received.split(b"\r\n")[0], b"POST /api/chat HTTP/1.1")
         self.assertEqual(status_of(answer), 200)
 
     def test_connection_close_with_other_tokens_closes_and_serves_no_pipelined_request(self):
         received, answer = self.through(
             b"GET /api/version HTTP/1.1\r\nHost: x\r\nConnection: close, te\r\nTE: trailers\r\n"
-            b"\r\nGET /api/pipelined HTTP/1.1\r\nHost: x\r\n\r\n")
+            b"\r\nGET /api/pipelined HTTP/1.1\r\nHost: x\r\n\r\n"
+        )
         self.assertEqual(received.split(b"\r\n")[0], b"GET /api/version HTTP/1.1")
         self.assertIn(b"\r\nConnection: close\r\n", answer.split(b"\r\n\r\n")[0] + b"\r\n")
         received, _ = self.through(b"GET /api/ps HTTP/1.1\r\nHost: x\r\n\r\n")

@@ -24,8 +24,7 @@ def node_of(request) -> str:
 class StandingTests(SynchronousTestCase):
     """One owner's figures, as placement weighs them."""
 
-    node = make_node(ENGINES["ollama"], id="a", port=1, addresses=["10.0.0.1"],
-                     models=["m"])
+    node = make_node(ENGINES["ollama"], id="a", port=1, addresses=["10.0.0.1"], models=["m"])
 
     def test_busy_is_the_larger_of_ours_and_what_the_engine_reported(self):
         truth = EngineTruth(read_at=0, slots=Slots(total=4, busy=3))
@@ -42,8 +41,9 @@ class StandingTests(SynchronousTestCase):
         self.assertEqual((item.total, item.full, item.free_slots), (None, False, None))
 
     def test_the_nodes_file_slots_supply_or_cap_the_count(self):
-        capped = make_node(ENGINES["ollama"], id="a", port=1, addresses=["x"], models=["m"],
-                           slots=2)
+        capped = make_node(
+            ENGINES["ollama"], id="a", port=1, addresses=["x"], models=["m"], slots=2
+        )
         self.assertEqual(standing(capped, "m:latest", None, ours=2).total, 2)
         self.assertTrue(standing(capped, "m:latest", None, ours=2).full)
         reported = EngineTruth(read_at=0, slots=Slots(total=8, busy=1))
@@ -58,8 +58,7 @@ class StandingTests(SynchronousTestCase):
         self.assertIsNone(standing(self.node, "m:latest", EngineTruth(read_at=0), 0).warm)
 
     def test_a_router_mode_model_competes_for_its_own_slots(self):
-        truth = EngineTruth(read_at=0, slots=None,
-                            model_slots={"m:latest": Slots(total=2, busy=2)})
+        truth = EngineTruth(read_at=0, slots=None, model_slots={"m:latest": Slots(total=2, busy=2)})
         self.assertTrue(standing(self.node, "m:latest", truth, 0).full)
         self.assertIsNone(standing(self.node, "n:latest", truth, 0).total)
 
@@ -75,9 +74,14 @@ class RankingTests(WorldTestCase):
 
     def tell(self, w, node: str, total: int | None = None, busy: int = 0, warm=None) -> None:
         slots = None if total is None else Slots(total=total, busy=busy)
-        w.facade.router.set_truth(node, EngineTruth(
-            read_at=w.clock.seconds(), slots=slots,
-            warm=None if warm is None else frozenset(warm)))
+        w.facade.router.set_truth(
+            node,
+            EngineTruth(
+                read_at=w.clock.seconds(),
+                slots=slots,
+                warm=None if warm is None else frozenset(warm),
+            ),
+        )
 
     def served_by(self, w) -> str:
         """One chat, answered at once: the node it was sent to."""
@@ -223,8 +227,9 @@ class LateBindingTests(RankingTests):
         self.assertEqual((response.status, response.header("retry-after")), (503, "1"))
         self.assertEqual(response.json(), {"error": Reason.NO_FREE_SLOT.text})
         self.assertEqual(w.agent.requests, [])
-        self.assertEqual([e[0] for e in w.workload_events()],
-                         ["workload:submitted", "workload:errored"])
+        self.assertEqual(
+            [e[0] for e in w.workload_events()], ["workload:submitted", "workload:errored"]
+        )
 
     def test_a_client_that_leaves_while_waiting_is_cancelled_and_nothing_is_dispatched(self):
         w = self.scheduled("a", queue_depth=10)
@@ -245,8 +250,11 @@ class LateBindingTests(RankingTests):
         response = refused.response()
         self.assertEqual((response.status, response.header("retry-after")), (503, "1"))
         self.assertEqual(response.json(), {"error": Reason.ALL_OWNERS_BUSY.text})
-        self.assertEqual(len({info["id"] for _, info in w.emitter.workload()}), 3,
-                         "the refused request made no workload")
+        self.assertEqual(
+            len({info["id"] for _, info in w.emitter.workload()}),
+            3,
+            "the refused request made no workload",
+        )
         self.end(w, streams["a"])
         w.clock.advance(0)
         w.agent.last.respond(200, NDJSON, b'{"done":true}\n', finish=True)
@@ -318,8 +326,16 @@ class LateBindingTests(RankingTests):
         view = w.facade.router.view()
         self.assertEqual((view.queued, view.oldest_wait), (1, 3.0))
         engines = {e.node: e for e in view.engines}
-        self.assertEqual((engines["a"].slots_total, engines["a"].busy, engines["a"].ours,
-                          engines["a"].reported_busy, engines["a"].read_age), (1, 1, 1, 0, 3.0))
+        self.assertEqual(
+            (
+                engines["a"].slots_total,
+                engines["a"].busy,
+                engines["a"].ours,
+                engines["a"].reported_busy,
+                engines["a"].read_age,
+            ),
+            (1, 1, 1, 0, 3.0),
+        )
         self.end(w, streams["a"])
         w.clock.advance(0)
         w.agent.last.respond(200, NDJSON, b'{"done":true}\n', finish=True)

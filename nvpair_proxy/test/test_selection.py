@@ -9,7 +9,15 @@ import attrs
 from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 
-from nvpair_proxy.nodes.discovery import Diff, Node, NodeSet, diff, host_port, is_loopback, make_node
+from nvpair_proxy.nodes.discovery import (
+    Diff,
+    Node,
+    NodeSet,
+    diff,
+    host_port,
+    is_loopback,
+    make_node,
+)
 from nvpair_proxy.nodes.engines import load_engines
 from nvpair_proxy.request.exchange import requested_model
 from nvpair_proxy.routing.router import Router
@@ -21,8 +29,9 @@ OLLAMA = ENGINES["ollama"]
 LMSTUDIO = ENGINES["lmstudio"]
 
 
-def node(node_id: str, *models: str, engine=OLLAMA, addresses=("10.0.0.1",), port=11434,
-         **extra) -> Node:
+def node(
+    node_id: str, *models: str, engine=OLLAMA, addresses=("10.0.0.1",), port=11434, **extra
+) -> Node:
     return make_node(engine, id=node_id, port=port, addresses=addresses, models=models, **extra)
 
 
@@ -73,12 +82,14 @@ class OrderTests(SynchronousTestCase):
         self.assertEqual(ids(order(self.NODES, priority=["c", "a"])), ["c", "a", "b", "d"])
 
     def test_unknown_priority_ids_are_ignored(self) -> None:
-        self.assertEqual(ids(order(self.NODES, priority=["x", "d", "y", "b"])),
-                         ["d", "b", "a", "c"])
+        self.assertEqual(
+            ids(order(self.NODES, priority=["x", "d", "y", "b"])), ["d", "b", "a", "c"]
+        )
 
     def test_pin_comes_first_then_priority(self) -> None:
-        self.assertEqual(ids(order(self.NODES, pin="b", priority=["c", "b", "a"])),
-                         ["b", "c", "a", "d"])
+        self.assertEqual(
+            ids(order(self.NODES, pin="b", priority=["c", "b", "a"])), ["b", "c", "a", "d"]
+        )
 
     def test_pin_without_priority_then_id_order(self) -> None:
         self.assertEqual(ids(order(self.NODES, pin="c")), ["c", "a", "b", "d"])
@@ -92,8 +103,9 @@ class OrderTests(SynchronousTestCase):
 
     def test_model_filter_runs_before_pin_and_priority(self) -> None:
         nodes = [node("a", "m"), node("b", "other"), node("c", "m")]
-        self.assertEqual(ids(order(owners(nodes, "m:latest"), pin="b", priority=["b", "c"])),
-                         ["c", "a"])
+        self.assertEqual(
+            ids(order(owners(nodes, "m:latest"), pin="b", priority=["b", "c"])), ["c", "a"]
+        )
 
     def test_order_returns_nodes_not_ids(self) -> None:
         a = node("a", "m")
@@ -104,10 +116,19 @@ class AddressTests(SynchronousTestCase):
     """Dial order, URL authority and the loopback table (design 4, behaviours)."""
 
     def test_dial_order_is_loopback_first_then_published_order_deduplicated(self) -> None:
-        n = node("a", addresses=("192.168.1.5", "10.0.0.2", "127.0.0.1", "192.168.1.5",
-                                 "fd00::5", "::1", "10.0.0.2"))
-        self.assertEqual(n.dial_order(),
-                         ["127.0.0.1", "::1", "192.168.1.5", "10.0.0.2", "fd00::5"])
+        n = node(
+            "a",
+            addresses=(
+                "192.168.1.5",
+                "10.0.0.2",
+                "127.0.0.1",
+                "192.168.1.5",
+                "fd00::5",
+                "::1",
+                "10.0.0.2",
+            ),
+        )
+        self.assertEqual(n.dial_order(), ["127.0.0.1", "::1", "192.168.1.5", "10.0.0.2", "fd00::5"])
 
     def test_dial_order_keeps_published_order_without_loopback(self) -> None:
         n = node("a", addresses=("10.0.0.9", "10.0.0.1", "fd00::1"))
@@ -149,17 +170,31 @@ class DiffTests(SynchronousTestCase):
     """A discovery diff: discovered, updated (models or address changed), removed, in id order."""
 
     def test_discovered_updated_removed_each_in_id_order(self) -> None:
-        old = {n.id: n for n in [node("a", "m"), node("b", "m"), node("c", "m"), node("e", "m"),
-                                 node("g", "m")]}
-        new = {n.id: n for n in [
-            node("g", "m", "n"),                       # models changed
-            node("c", "m", addresses=("10.0.0.2",)),   # address changed
-            node("a", "m"),                            # unchanged
-            node("f", "m"), node("d", "m"),            # discovered
-        ]}
+        old = {
+            n.id: n
+            for n in [
+                node("a", "m"),
+                node("b", "m"),
+                node("c", "m"),
+                node("e", "m"),
+                node("g", "m"),
+            ]
+        }
+        new = {
+            n.id: n
+            for n in [
+                node("g", "m", "n"),  # models changed
+                node("c", "m", addresses=("10.0.0.2",)),  # address changed
+                node("a", "m"),  # unchanged
+                node("f", "m"),
+                node("d", "m"),  # discovered
+            ]
+        }
         change = diff(old, new)
-        self.assertEqual((ids(change.discovered), ids(change.updated), ids(change.removed)),
-                         (["d", "f"], ["c", "g"], ["b", "e"]))
+        self.assertEqual(
+            (ids(change.discovered), ids(change.updated), ids(change.removed)),
+            (["d", "f"], ["c", "g"], ["b", "e"]),
+        )
         self.assertEqual(change.updated, (new["c"], new["g"]))
         self.assertEqual(change.removed, (old["b"], old["e"]))
 
@@ -172,8 +207,9 @@ class DiffTests(SynchronousTestCase):
         self.assertEqual(diff({"a": node("a", "x", "y")}, {"a": node("a", "y", "x")}), Diff())
 
     def test_added_address_is_an_update(self) -> None:
-        change = diff({"a": node("a", "m")},
-                      {"a": node("a", "m", addresses=("10.0.0.1", "10.0.0.2"))})
+        change = diff(
+            {"a": node("a", "m")}, {"a": node("a", "m", addresses=("10.0.0.1", "10.0.0.2"))}
+        )
         self.assertEqual(ids(change.updated), ["a"])
 
     def test_no_change_is_an_empty_falsy_diff(self) -> None:
@@ -192,8 +228,10 @@ class NodeSetTests(SynchronousTestCase):
         nodes.put_manual(node("m1", "x"))
         nodes.replace_discovered([node("a", "x"), node("b", "x")])
         change = nodes.replace_discovered([node("c", "x"), node("b", "y")])
-        self.assertEqual((ids(change.discovered), ids(change.updated), ids(change.removed)),
-                         (["c"], ["b"], ["a"]))
+        self.assertEqual(
+            (ids(change.discovered), ids(change.updated), ids(change.removed)),
+            (["c"], ["b"], ["a"]),
+        )
         self.assertEqual(ids(nodes.routable()), ["b", "c", "m1"])
         nodes.replace_discovered([])
         self.assertEqual(ids(nodes.routable()), ["m1"])
@@ -223,12 +261,14 @@ class NodeSetTests(SynchronousTestCase):
         self.assertEqual(ids(nodes.routable()), ["a", "b", "m1"])
 
     def test_admit_decides_how_a_node_is_reached(self) -> None:
-        nodes = NodeSet(admit=lambda n: attrs.evolve(n, scheme="https")
-                        if n.source == "discovered" else n)
+        nodes = NodeSet(
+            admit=lambda n: attrs.evolve(n, scheme="https") if n.source == "discovered" else n
+        )
         nodes.replace_discovered([node("a", source="discovered")])
         nodes.put_manual(node("m1"))
-        self.assertEqual([(n.id, n.scheme) for n in nodes.routable()],
-                         [("a", "https"), ("m1", "http")])
+        self.assertEqual(
+            [(n.id, n.scheme) for n in nodes.routable()], [("a", "https"), ("m1", "http")]
+        )
 
     def test_a_node_that_is_this_facade_is_left_out_until_the_facade_moves(self) -> None:
         """Self by address (protocol 3): loopback, or an address of this host, on one of
@@ -241,16 +281,21 @@ class NodeSetTests(SynchronousTestCase):
             return address == "192.168.1.50"
 
         nodes = NodeSet(is_self=SelfCheck(lambda: ports, is_local))
-        nodes.replace_discovered([
-            make_node(OLLAMA, id="loop", port=11435, addresses=["127.0.0.1"]),
-            make_node(OLLAMA, id="lan-self", port=11435, addresses=["10.9.9.9", "192.168.1.50"]),
-            make_node(OLLAMA, id="engine", port=11434, addresses=["127.0.0.1"]),
-            make_node(OLLAMA, id="peer", port=11435, addresses=["10.9.9.9"])])
-        nodes.put_manual(make_node(OLLAMA, id="manual-self", port=11435,
-                                   addresses=["localhost"]))
+        nodes.replace_discovered(
+            [
+                make_node(OLLAMA, id="loop", port=11435, addresses=["127.0.0.1"]),
+                make_node(
+                    OLLAMA, id="lan-self", port=11435, addresses=["10.9.9.9", "192.168.1.50"]
+                ),
+                make_node(OLLAMA, id="engine", port=11434, addresses=["127.0.0.1"]),
+                make_node(OLLAMA, id="peer", port=11435, addresses=["10.9.9.9"]),
+            ]
+        )
+        nodes.put_manual(make_node(OLLAMA, id="manual-self", port=11435, addresses=["localhost"]))
         self.assertEqual(ids(nodes.routable()), ["engine", "peer"])
-        self.assertEqual(sorted(n.id for n in nodes.all() if n.local),
-                         ["lan-self", "loop", "manual-self"])
+        self.assertEqual(
+            sorted(n.id for n in nodes.all() if n.local), ["lan-self", "loop", "manual-self"]
+        )
         self.assertEqual(sorted(asked), ["10.9.9.9", "10.9.9.9"] + ["192.168.1.50"])
         nodes.routable()
         self.assertEqual(len(asked), 3)  # reads ask nothing
@@ -270,8 +315,10 @@ class NodeSetTests(SynchronousTestCase):
         nodes.put_manual(make_node(OLLAMA, id="m1", port=11434, addresses=["10.0.0.1"]))
         nodes.set_models("m1", OLLAMA, ["llama3", "phi3:mini"])
         probed = nodes.get("m1")
-        self.assertEqual((probed.models, probed.advertised),
-                         (frozenset({"llama3:latest", "phi3:mini"}), ("llama3", "phi3:mini")))
+        self.assertEqual(
+            (probed.models, probed.advertised),
+            (frozenset({"llama3:latest", "phi3:mini"}), ("llama3", "phi3:mini")),
+        )
 
     def test_observers_hear_every_change(self) -> None:
         nodes = NodeSet()
@@ -322,18 +369,45 @@ class RequestedModelTests(SynchronousTestCase):
     def test_any_json_encoding_json_reads_names_the_model(self) -> None:
         """The UTF-8 fast path (issue 10) answers as ``json.loads(bytes)`` does: a BOM,
         UTF-16 and UTF-32 (with or without a BOM) and lone surrogates in UTF-8 included."""
-        document = '{"model":"llama3","note":"\u00e9\U0001F600"}'
-        bodies = [document.encode(), b"\xef\xbb\xbf" + document.encode(),
-                  *(document.encode(codec) for codec in ("utf-16", "utf-16-le", "utf-16-be",
-                                                         "utf-32", "utf-32-le", "utf-32-be"))]
+        document = '{"model":"llama3","note":"\u00e9\U0001f600"}'
+        bodies = [
+            document.encode(),
+            b"\xef\xbb\xbf" + document.encode(),
+            *(
+                document.encode(codec)
+                for codec in (
+                    "utf-16",
+                    "utf-16-le",
+                    "utf-16-be",
+                    "utf-32",
+                    "utf-32-le",
+                    "utf-32-be",
+                )
+            ),
+        ]
         for body in bodies:
             self.assertEqual(requested_model(body), "llama3", body[:8])
         self.assertEqual(requested_model(b'{"model":"m\xed\xa0\x80"}'), "m\ud800")
 
     def test_bodies_that_name_no_model(self) -> None:
-        for body in [b"", b"not json", b"\xff\xfe", b'{"model":', b"[1, 2]",
-                     b'["model", "llama3"]', b'"llama3"', b"null", b"42",
-                     b"{}", b'{"messages":[]}', b'{"model":null}', b'{"model":3}',
-                     b'{"model":["llama3"]}', b'{"model":{"name":"llama3"}}', b'{"model":""}',
-                     b'{"model":"   "}', b'{"model":"\\t\\n"}']:
+        for body in [
+            b"",
+            b"not json",
+            b"\xff\xfe",
+            b'{"model":',
+            b"[1, 2]",
+            b'["model", "llama3"]',
+            b'"llama3"',
+            b"null",
+            b"42",
+            b"{}",
+            b'{"messages":[]}',
+            b'{"model":null}',
+            b'{"model":3}',
+            b'{"model":["llama3"]}',
+            b'{"model":{"name":"llama3"}}',
+            b'{"model":""}',
+            b'{"model":"   "}',
+            b'{"model":"\\t\\n"}',
+        ]:
             self.assertIsNone(requested_model(body), body)

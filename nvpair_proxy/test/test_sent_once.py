@@ -23,14 +23,19 @@ from nvpair_proxy.testing.processes import DEADLINE, free_port, nodes_toml
 from nvpair_proxy.test.world import WorldTestCase
 
 PULL = {"model": "llama3", "stream": False}
-PULLED = (b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 20\r\n\r\n"
-          b'{"status":"success"}')
+PULLED = (
+    b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 20\r\n\r\n"
+    b'{"status":"success"}'
+)
 BUSY = b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\n\r\n"
 # llama-server's streamed answer: keep-alive by its headers, yet it closes right after.
 EVENTS = (b'data: {"choices":[{"delta":{"content":"hi"},"index":0}]}\n\n', b"data: [DONE]\n\n")
-SSE = (b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
-       b"Keep-Alive: timeout=5, max=100\r\nTransfer-Encoding: chunked\r\n\r\n"
-       + b"".join(b"%x\r\n%b\r\n" % (len(event), event) for event in EVENTS) + b"0\r\n\r\n")
+SSE = (
+    b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+    b"Keep-Alive: timeout=5, max=100\r\nTransfer-Encoding: chunked\r\n\r\n"
+    + b"".join(b"%x\r\n%b\r\n" % (len(event), event) for event in EVENTS)
+    + b"0\r\n\r\n"
+)
 
 
 class Engine:
@@ -93,8 +98,11 @@ class SentOnceTests(WorldTestCase):
         response = second.response()
         self.assertEqual(response.status, 502)
         self.assertTrue(response.json()["error"].startswith("upstream error: "), response.body)
-        self.assertEqual((engine.requests(), len(engine.wires)), (2, 1),
-                         "the engine got the second pull once; nothing was dialled again")
+        self.assertEqual(
+            (engine.requests(), len(engine.wires)),
+            (2, 1),
+            "the engine got the second pull once; nothing was dialled again",
+        )
 
     def test_a_fifth_attempt_read_and_dropped_ends_502_after_exactly_5_dispatches(self):
         w, engine = self.world_with_client()
@@ -121,8 +129,11 @@ class SentOnceTests(WorldTestCase):
         engine.wires[0].close()  # llama-server closes right after the stream
         w.clock.advance(0)
         self.assertEqual(first.response().status, 200)
-        self.assertEqual((engine.requests(0), len(engine.wires)), (1, 2),
-                         "the woken request was never written on the stream's connection")
+        self.assertEqual(
+            (engine.requests(0), len(engine.wires)),
+            (1, 2),
+            "the woken request was never written on the stream's connection",
+        )
         engine.read(1)
         engine.wires[1].reply(SSE)
         self.assertEqual(woken.response().status, 200)
@@ -134,9 +145,11 @@ def _post(port: int, path: str, body: dict) -> socket.socket:
     """A request on its own connection, sent whole; the answer is read later."""
     payload = json.dumps(body).encode()
     sock = socket.create_connection(("127.0.0.1", port), timeout=DEADLINE)
-    sock.sendall(b"POST %b HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                 b"Connection: close\r\nContent-Length: %d\r\n\r\n%b"
-                 % (path.encode(), len(payload), payload))
+    sock.sendall(
+        b"POST %b HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        b"Connection: close\r\nContent-Length: %d\r\n\r\n%b"
+        % (path.encode(), len(payload), payload)
+    )
     return sock
 
 
@@ -165,12 +178,17 @@ class SentOnceProcessTests(SynchronousTestCase):
         return path
 
     def test_requests_woken_by_llama_server_stream_ends_all_go_on_their_first_dispatch(self):
-        fleet = start_fleet(self, '[[node]]\nid = "gpu-c"\ndialect = "llamacpp"\nmodels = ["m"]\n'
-                                  'slots = 1\ntokens = 3\ntoken_delay = 0.02\n')
+        fleet = start_fleet(
+            self,
+            '[[node]]\nid = "gpu-c"\ndialect = "llamacpp"\nmodels = ["m"]\n'
+            "slots = 1\ntokens = 3\ntoken_delay = 0.02\n",
+        )
         port, admin = free_port(), free_port()
         nodes = self.nodes("gpu-c", "llamacpp", fleet["gpu-c"], ["m"], {("gpu-c", "llamacpp"): 1})
-        start_standalone(self, ["--engine", f"llamacpp:{port}", "--nodes", nodes,
-                                "--admin", f"127.0.0.1:{admin}"])
+        start_standalone(
+            self,
+            ["--engine", f"llamacpp:{port}", "--nodes", nodes, "--admin", f"127.0.0.1:{admin}"],
+        )
         chat = {"model": "m", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
         sockets = [_post(port, "/v1/chat/completions", chat) for _ in range(5)]
         answers = [_answer(sock) for sock in sockets]
@@ -179,13 +197,15 @@ class SentOnceProcessTests(SynchronousTestCase):
         state = json.loads(_get(fleet["gpu-c"], "/_sim/state"))
         self.assertEqual(state["served_count"], 5, "each request reached the engine once")
         metrics = _get(admin, "/metrics").decode()
-        dispatched = re.findall(r'^nvpair_proxy_dispatches_total\{[^}]*result="([a-z_-]+)"\} (\d+)',
-                                metrics, re.M)
+        dispatched = re.findall(
+            r'^nvpair_proxy_dispatches_total\{[^}]*result="([a-z_-]+)"\} (\d+)', metrics, re.M
+        )
         self.assertEqual(dispatched, [("committed", "5")], "no dispatch failed")
 
     def test_a_pull_the_engine_read_and_dropped_on_a_reused_connection_is_not_sent_again(self):
-        fleet = start_fleet(self, '[[node]]\nid = "gpu-a"\ndialect = "ollama"\n'
-                                  'models = ["llama3:latest"]\n')
+        fleet = start_fleet(
+            self, '[[node]]\nid = "gpu-a"\ndialect = "ollama"\nmodels = ["llama3:latest"]\n'
+        )
         port = free_port()
         nodes = self.nodes("gpu-a", "ollama", fleet["gpu-a"], ["llama3:latest"])
         start_standalone(self, ["--engine", f"ollama:{port}", "--nodes", nodes])
@@ -194,8 +214,11 @@ class SentOnceProcessTests(SynchronousTestCase):
         # it came on stays in the proxy's pool.
         first = _answer(_post(port, "/api/pull", pull))
         self.assertTrue(first.startswith(b"HTTP/1.1 404 "), first)
-        fault = urllib.request.Request(f"http://127.0.0.1:{fleet['gpu-a']}/_sim/fault",
-                                       data=b'{"drop_after_read": true}', method="POST")
+        fault = urllib.request.Request(
+            f"http://127.0.0.1:{fleet['gpu-a']}/_sim/fault",
+            data=b'{"drop_after_read": true}',
+            method="POST",
+        )
         urllib.request.urlopen(fault, timeout=DEADLINE).close()
         answer = _answer(_post(port, "/api/pull", pull))
         head, _, body = answer.partition(b"\r\n\r\n")

@@ -20,9 +20,10 @@ from nvpair_proxy.testing import lan, loopback
 
 def _server_tls(site, clock) -> TLSMemoryBIOFactory:
     cert_pem, key_pem = make_certificate("node-a")
-    options = CertificateOptions(privateKey=crypto.load_privatekey(crypto.FILETYPE_PEM, key_pem),
-                                 certificate=crypto.load_certificate(crypto.FILETYPE_PEM,
-                                                                     cert_pem))
+    options = CertificateOptions(
+        privateKey=crypto.load_privatekey(crypto.FILETYPE_PEM, key_pem),
+        certificate=crypto.load_certificate(crypto.FILETYPE_PEM, cert_pem),
+    )
     return TLSMemoryBIOFactory(options, False, site, clock=clock)
 
 
@@ -96,9 +97,9 @@ class AcceptDeadlineTests(WorldTestCase):
         server_transport = FakeTransport(server, isServer=True, peerAddress=loopback())
         sender = _Sender(b"GET /api/ps HTTP/1.1\r\n")
         client_clock = Clock()  # TLS buffers writes until its clock turns
-        client = TLSMemoryBIOFactory(CertificateOptions(), True,
-                                     Factory.forProtocol(lambda: sender),
-                                     clock=client_clock).buildProtocol(None)
+        client = TLSMemoryBIOFactory(
+            CertificateOptions(), True, Factory.forProtocol(lambda: sender), clock=client_clock
+        ).buildProtocol(None)
         client_transport = FakeTransport(client, isServer=False)
         pump = connect(server, server_transport, client, client_transport)
         client_clock.advance(0)
@@ -152,22 +153,29 @@ class RejectionTests(WorldTestCase):
     def test_a_413_is_reported_with_the_method_and_path_of_its_request_line(self):
         w = self.world()
         client = w.connect()
-        client.protocol.dataReceived(b"PUT /api/chat?x=1 HTTP/1.1\r\nHost: x\r\n"
-                                     b"Content-Length: %d\r\n\r\n" % (MAX_REQUEST_BODY + 1))
+        client.protocol.dataReceived(
+            b"PUT /api/chat?x=1 HTTP/1.1\r\nHost: x\r\n"
+            b"Content-Length: %d\r\n\r\n" % (MAX_REQUEST_BODY + 1)
+        )
         self.assertEqual(client.response().status, 413)
         reports = [p for m, p in w.emitter.sent if m == "ollama:proxy/request"]
-        self.assertEqual([(p["method"], p["path"], p["status"]) for p in reports],
-                         [("PUT", "/api/chat", 413)])
+        self.assertEqual(
+            [(p["method"], p["path"], p["status"]) for p in reports], [("PUT", "/api/chat", 413)]
+        )
 
     def test_a_lan_413_is_reported_where_the_facade_reports(self):
         w = self.world()
         client = w.connect(lan())
-        client.protocol.dataReceived(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
-                                     b"Content-Length: %d\r\n\r\n" % (MAX_REQUEST_BODY + 1))
+        client.protocol.dataReceived(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+            b"Content-Length: %d\r\n\r\n" % (MAX_REQUEST_BODY + 1)
+        )
         self.assertEqual(client.response().status, 413)
         reports = [p for m, p in w.emitter.sent if m == "ollama:proxy/request"]
-        self.assertEqual([(p["method"], p["path"], p["status"]) for p in reports],
-                         [("POST", "/v1/chat/completions", 413)])
+        self.assertEqual(
+            [(p["method"], p["path"], p["status"]) for p in reports],
+            [("POST", "/v1/chat/completions", 413)],
+        )
 
 
 class ClientGoneTests(WorldTestCase):
@@ -178,5 +186,6 @@ class ClientGoneTests(WorldTestCase):
         client.protocol.dataReceived(request_bytes("GET", "/api/tags"))
         client.disconnect()
         self.assertEqual(client.raw(), b"")
-        self.assertEqual([p["status"] for m, p in w.emitter.sent
-                          if m == "ollama:proxy/request"], [499])
+        self.assertEqual(
+            [p["status"] for m, p in w.emitter.sent if m == "ollama:proxy/request"], [499]
+        )

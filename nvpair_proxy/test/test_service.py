@@ -19,8 +19,15 @@ from nvpair_proxy.facade.facadeservice import Facades, FacadeService
 from nvpair_proxy.fleet.inventory import Prober
 from nvpair_proxy.process.options import Config, Options
 from nvpair_proxy.routing.router import Router
-from nvpair_proxy.process.service import (ProcessService, Runtime, RuntimeService, broker_tree,
-                                  local_fleet, make_pool, standalone_tree)
+from nvpair_proxy.process.service import (
+    ProcessService,
+    Runtime,
+    RuntimeService,
+    broker_tree,
+    local_fleet,
+    make_pool,
+    standalone_tree,
+)
 from nvpair_proxy.test.support import Wire
 from nvpair_proxy.test.world import Client, connect, request_bytes
 from nvpair_proxy.testing import lan, loopback
@@ -38,16 +45,21 @@ class LocalFleetTests(SynchronousTestCase):
     def test_without_nodes_the_engine_on_its_own_port_is_the_fleet(self):
         fleet = local_fleet(parsed("--engine", "ollama", "--engine", "lmstudio:1300"))
         (ollama,), (lmstudio,) = fleet.nodes["ollama"], fleet.nodes["lmstudio"]
-        self.assertEqual((ollama.id, ollama.addresses, ollama.port), ("local", ("127.0.0.1",), 11434))
+        self.assertEqual(
+            (ollama.id, ollama.addresses, ollama.port), ("local", ("127.0.0.1",), 11434)
+        )
         self.assertEqual(lmstudio.port, 1234)
         self.assertEqual(fleet.probed, {("ollama", "local"), ("lmstudio", "local")})
         self.assertIsNone(ollama.models)
 
     def test_a_facade_on_the_engines_own_port_looks_for_it_on_the_relocated_port(self):
-        fleet = local_fleet(parsed("--engine", "lmstudio", "--engine", "llamacpp",
-                                   "--engine", "ollama:11434"))
-        self.assertEqual([fleet.nodes[e][0].port for e in ("lmstudio", "llamacpp", "ollama")],
-                         [1235, 8081, 11435])
+        fleet = local_fleet(
+            parsed("--engine", "lmstudio", "--engine", "llamacpp", "--engine", "ollama:11434")
+        )
+        self.assertEqual(
+            [fleet.nodes[e][0].port for e in ("lmstudio", "llamacpp", "ollama")],
+            [1235, 8081, 11435],
+        )
 
 
 class PoolTests(SynchronousTestCase):
@@ -118,15 +130,19 @@ class OwnPortsTests(SynchronousTestCase):
         numbers = iter([41000, 42000])
         clock = MemoryReactorClock()
         prober = TimerService(5, lambda: None)
-        service = FacadeService(Steps().facade(), None,
-                                lambda port, factory, interface: Port(next(numbers)),
-                                prober, clock, 0)
+        service = FacadeService(
+            Steps().facade(),
+            None,
+            lambda port, factory, interface: Port(next(numbers)),
+            prober,
+            clock,
+            0,
+        )
         self.assertEqual([service.own_ports() for _ in range(3)], [frozenset({41000})] * 3)
         self.assertEqual(asked, [41000])
         service.move(0, lambda: None)
         service.alias_port = 11434
-        self.assertEqual([service.own_ports() for _ in range(2)],
-                         [frozenset({42000, 11434})] * 2)
+        self.assertEqual([service.own_ports() for _ in range(2)], [frozenset({42000, 11434})] * 2)
         self.assertEqual(asked, [41000, 42000])
 
 
@@ -142,9 +158,16 @@ class StopOrderTests(SynchronousTestCase):
         facades.setServiceParent(root)
         prober = TimerService(5, lambda: None)
         prober.clock = self.clock
-        facades.add(FacadeService(self.steps.facade(), None,
-                                  lambda port, factory, interface: self.steps.port(closes),
-                                  prober, self.clock, 11435))
+        facades.add(
+            FacadeService(
+                self.steps.facade(),
+                None,
+                lambda port, factory, interface: self.steps.port(closes),
+                prober,
+                self.clock,
+                11435,
+            )
+        )
         root.startService()
         return root
 
@@ -175,9 +198,16 @@ class StopOrderTests(SynchronousTestCase):
         for engine_id in ("ollama", "lmstudio"):
             prober = TimerService(5, lambda: None)
             prober.clock = self.clock
-            facades.add(FacadeService(self.steps.facade(engine_id), None,
-                                      lambda port, factory, interface: self.steps.port(Deferred()),
-                                      prober, self.clock, 1))
+            facades.add(
+                FacadeService(
+                    self.steps.facade(engine_id),
+                    None,
+                    lambda port, factory, interface: self.steps.port(Deferred()),
+                    prober,
+                    self.clock,
+                    1,
+                )
+            )
         root.startService()
         stopped = root.stopService()
         self.assertEqual(self.steps.done, ["stop listening", "cancel in flight"] * 2)
@@ -217,6 +247,7 @@ class PeriodicTaskTests(SynchronousTestCase):
 
     def test_watchdog_every_half_watchdog_usec(self):
         from nvpair_proxy.core import sdnotify
+
         calls = []
         self.patch(sdnotify, "notify", lambda state, environ: calls.append(state))
         service = sdnotify.watchdog(Clock(), {"WATCHDOG_USEC": "3000000"})
@@ -225,12 +256,14 @@ class PeriodicTaskTests(SynchronousTestCase):
 
     def test_trust_watch_every_two_seconds(self):
         from nvpair_proxy.cluster.trust import ClusterDirectory, trust_watch
+
         calls = []
         self.patch(ClusterDirectory, "refresh", lambda self: calls.append(self.path))
         self.assertRunsEvery(trust_watch(ClusterDirectory("/nonexistent"), Clock()), 2.0, calls)
 
     def test_nodes_file_watch_every_two_seconds(self):
         from nvpair_proxy.standalone.nodesfile import NodesFileWatcher
+
         calls = []
         self.patch(NodesFileWatcher, "check", lambda self: calls.append(self.path))
         service = NodesFileWatcher("nodes.toml", ENGINES, Clock(), lambda fleet: None)
@@ -239,6 +272,7 @@ class PeriodicTaskTests(SynchronousTestCase):
 
     def test_inventory_probing_every_five_seconds(self):
         from nvpair_proxy.nodes.discovery import NodeSet
+
         calls = []
         self.patch(Prober, "probe_all", lambda self: calls.append(self.engine.id))
         service = Prober(ENGINES["ollama"], NodeSet(), None, Clock(), lambda node: True)
@@ -248,9 +282,11 @@ class PeriodicTaskTests(SynchronousTestCase):
     def test_a_probe_in_flight_is_cancelled_when_probing_stops(self):
         from nvpair_proxy.nodes.discovery import NodeSet, make_node
         from nvpair_proxy.testing import FakeAgent
+
         nodes, agent, clock = NodeSet(), FakeAgent(), Clock()
-        nodes.put_manual(make_node(ENGINES["ollama"], id="silent", port=11434,
-                                   addresses=["10.0.0.1"]))
+        nodes.put_manual(
+            make_node(ENGINES["ollama"], id="silent", port=11434, addresses=["10.0.0.1"])
+        )
         prober = Prober(ENGINES["ollama"], nodes, agent, clock, lambda node: True)
         prober.startService()
         self.assertEqual(len(agent.requests), 1)
@@ -265,6 +301,7 @@ class TreeTests(SynchronousTestCase):
     def setUp(self):
         from nvpair_proxy.core import sdnotify
         from nvpair_proxy.process import service
+
         self.notified: list[str] = []
         self.signals: list[object] = []
         self.patch(sdnotify, "notify", lambda state, environ=None: self.notified.append(state))
@@ -274,18 +311,22 @@ class TreeTests(SynchronousTestCase):
 
     def test_standalone_tree(self):
         reactor = MemoryReactorClock()
-        root = standalone_tree(parsed("--engine", "ollama:1300", "--engine", "lmstudio:1301"),
-                               reactor)
+        root = standalone_tree(
+            parsed("--engine", "ollama:1300", "--engine", "lmstudio:1301"), reactor
+        )
         self.assertEqual([s.name for s in root], ["runtime", "standalone", "facades"])
         root.privilegedStartService()
         facades = root.getServiceNamed("facades")
-        self.assertEqual([(s.name, s.port) for s in facades],
-                         [("ollama", 1300), ("lmstudio", 1301)])
+        self.assertEqual(
+            [(s.name, s.port) for s in facades], [("ollama", 1300), ("lmstudio", 1301)]
+        )
         self.assertEqual([(t[0], t[3]) for t in reactor.tcpServers], [(1300, "::"), (1301, "::")])
         self.assertEqual([list(s) for s in facades], [[s.prober, s.poller] for s in facades])
         self.assertEqual([type(s.poller).__name__ for s in facades], ["TruthPoller"] * 2)
-        self.assertEqual([(s.facade.router.scheduling, s.facade.router.queue.depth)
-                          for s in facades], [(True, 1000), (True, 1000)])
+        self.assertEqual(
+            [(s.facade.router.scheduling, s.facade.router.queue.depth) for s in facades],
+            [(True, 1000), (True, 1000)],
+        )
 
     def test_no_late_binding_leaves_the_queue_out_and_queue_depth_sets_it(self):
         reactor = MemoryReactorClock()
@@ -302,10 +343,12 @@ class TreeTests(SynchronousTestCase):
 
     def test_the_keepalive_flag_reaches_every_upstream_client(self):
         reactor = MemoryReactorClock()
-        root = standalone_tree(parsed("--engine", "ollama:1300", "--upstream-keepalive", "7"),
-                               reactor)
-        self.assertEqual((root.runtime.agent.keepalive, root.runtime.engine_agents.keepalive),
-                         (7.0, 7.0))
+        root = standalone_tree(
+            parsed("--engine", "ollama:1300", "--upstream-keepalive", "7"), reactor
+        )
+        self.assertEqual(
+            (root.runtime.agent.keepalive, root.runtime.engine_agents.keepalive), (7.0, 7.0)
+        )
 
     def test_a_fleet_applied_tells_the_engine_clients_which_tls_configurations_remain(self):
         reactor = MemoryReactorClock()
@@ -318,8 +361,13 @@ class TreeTests(SynchronousTestCase):
     def test_ready_once_the_reactor_runs_then_the_watchdog(self):
         previous = os.environ.get("WATCHDOG_USEC")
         os.environ["WATCHDOG_USEC"] = "4000000"
-        self.addCleanup(lambda: os.environ.pop("WATCHDOG_USEC") if previous is None
-                        else os.environ.update(WATCHDOG_USEC=previous))
+        self.addCleanup(
+            lambda: (
+                os.environ.pop("WATCHDOG_USEC")
+                if previous is None
+                else os.environ.update(WATCHDOG_USEC=previous)
+            )
+        )
         reactor = MemoryReactorClock()
         root = standalone_tree(parsed("--engine", "ollama:1300"), reactor)
         root.privilegedStartService()
@@ -335,6 +383,7 @@ class TreeTests(SynchronousTestCase):
 
     def test_broker_tree(self):
         from nvpair_proxy.process import service
+
         self.patch(service, "claim_stdout", lambda: 99)
         cluster = self.mktemp()
         os.makedirs(cluster)
@@ -344,13 +393,20 @@ class TreeTests(SynchronousTestCase):
 
     def test_a_broker_facade_dials_pinned_peers_on_their_pool_and_the_rest_on_the_shared(self):
         from nvpair_proxy.process import service
+
         self.patch(service, "claim_stdout", lambda: 99)
         cluster = self.mktemp()
         os.makedirs(cluster)
         root = broker_tree(parsed("--cluster-dir", cluster), MemoryReactorClock())
         facade = root.runtime.facade(ENGINES["ollama"])
-        peer = make_node(ENGINES["ollama"], id="node-b", port=11434, addresses=["10.0.0.2"],
-                         scheme="https", cluster_uuid="node-b")
+        peer = make_node(
+            ENGINES["ollama"],
+            id="node-b",
+            port=11434,
+            addresses=["10.0.0.2"],
+            scheme="https",
+            cluster_uuid="node-b",
+        )
         plain = make_node(ENGINES["ollama"], id="m1", port=11434, addresses=["10.0.0.3"])
         self.assertIs(facade.upstreams.agent_for(plain), root.runtime.agent)
         self.assertIs(facade.upstreams.agent_for(peer), root.runtime.peer_agents.for_node(peer))
@@ -381,13 +437,26 @@ class WiredTreeTests(SynchronousTestCase):
     def standalone(self, *args: str):
         nodes = os.path.join(self.folder, "nodes.toml")
         with open(nodes, "w") as handle:
-            handle.write('[[node]]\nid = "a"\naddress = "127.0.0.1"\n'
-                         '[node.engines.ollama]\nport = 11434\nmodels = ["llama3:latest"]\n'
-                         f'api_key = "{ENGINE_KEY}"\n')
+            handle.write(
+                '[[node]]\nid = "a"\naddress = "127.0.0.1"\n'
+                '[node.engines.ollama]\nport = 11434\nmodels = ["llama3:latest"]\n'
+                f'api_key = "{ENGINE_KEY}"\n'
+            )
         self.reactor = MemoryReactorClock()
-        root = standalone_tree(parsed("--engine", "ollama:1300", "--engine", "lmstudio:1301",
-                                      "--nodes", nodes, "--state-dir", self.folder, *args),
-                               self.reactor)
+        root = standalone_tree(
+            parsed(
+                "--engine",
+                "ollama:1300",
+                "--engine",
+                "lmstudio:1301",
+                "--nodes",
+                nodes,
+                "--state-dir",
+                self.folder,
+                *args,
+            ),
+            self.reactor,
+        )
         root.privilegedStartService()
         return root
 
@@ -398,12 +467,17 @@ class WiredTreeTests(SynchronousTestCase):
 
     def assertAsksTheEnvironmentsKeys(self, service: FacadeService) -> None:
         refused = self.send(service, lan(), request_bytes("GET", "/api/tags")).response()
-        self.assertEqual((refused.status, refused.json()["code"]), (401, "unauthorized"),
-                         service.name)
-        served = self.send(service, lan(), request_bytes(
-            "GET", "/", headers={"X-Api-Key": ENV_KEY, **IDENTITY_PROBE})).response()
-        self.assertEqual((served.status, served.json()["code"]), (409, "proxy-facade"),
-                         service.name)
+        self.assertEqual(
+            (refused.status, refused.json()["code"]), (401, "unauthorized"), service.name
+        )
+        served = self.send(
+            service,
+            lan(),
+            request_bytes("GET", "/", headers={"X-Api-Key": ENV_KEY, **IDENTITY_PROBE}),
+        ).response()
+        self.assertEqual(
+            (served.status, served.json()["code"]), (409, "proxy-facade"), service.name
+        )
 
     def test_standalone_facades_ask_the_lan_keys_of_the_environment(self):
         facades = self.standalone().facades
@@ -413,6 +487,7 @@ class WiredTreeTests(SynchronousTestCase):
 
     def test_broker_facades_ask_the_lan_keys_of_the_environment(self):
         from nvpair_proxy.process import service
+
         self.patch(service, "claim_stdout", lambda: 99)
         root = broker_tree(parsed("--state-dir", self.folder), MemoryReactorClock())
         for engine_id, port in (("ollama", 1300), ("llamacpp", 1301)):
@@ -421,27 +496,41 @@ class WiredTreeTests(SynchronousTestCase):
 
     def test_standalone_requests_and_probes_carry_a_keyed_engines_key(self):
         ollama = self.standalone().facades["ollama"]
-        self.send(ollama, loopback(), request_bytes(
-            "POST", "/api/chat", {"model": "llama3"}, {"Authorization": "Bearer caller-key"}))
+        self.send(
+            ollama,
+            loopback(),
+            request_bytes(
+                "POST", "/api/chat", {"model": "llama3"}, {"Authorization": "Bearer caller-key"}
+            ),
+        )
         head = Wire(self.reactor).sent().split(b"\r\n\r\n")[0].split(b"\r\n")
         self.assertEqual(head[0], b"POST /api/chat HTTP/1.1")
-        self.assertEqual([line for line in head if line.lower().startswith(b"authorization")],
-                         [b"Authorization: Bearer " + ENGINE_KEY.encode()])
+        self.assertEqual(
+            [line for line in head if line.lower().startswith(b"authorization")],
+            [b"Authorization: Bearer " + ENGINE_KEY.encode()],
+        )
         [node] = ollama.facade.router.routable()
         ollama.prober.probe(node)
         via = ollama.facade.upstreams.loop_guard.hop
-        self.assertEqual(Wire(self.reactor).sent(), b"GET /api/tags HTTP/1.1\r\nHost: 127.0.0.1:11434\r\n"
-                                            b"Via: " + via + b"\r\n"
-                                            b"Authorization: Bearer " + ENGINE_KEY.encode()
-                                            + b"\r\n\r\n")
+        self.assertEqual(
+            Wire(self.reactor).sent(),
+            b"GET /api/tags HTTP/1.1\r\nHost: 127.0.0.1:11434\r\n"
+            b"Via: " + via + b"\r\n"
+            b"Authorization: Bearer " + ENGINE_KEY.encode() + b"\r\n\r\n",
+        )
 
     def test_the_stream_idle_timeout_reaches_the_request_path(self):
         ollama = self.standalone("--stream-idle-timeout", "7").facades["ollama"]
-        client = self.send(ollama, loopback(), request_bytes(
-            "POST", "/api/chat", {"model": "llama3", "stream": True}))
+        client = self.send(
+            ollama,
+            loopback(),
+            request_bytes("POST", "/api/chat", {"model": "llama3", "stream": True}),
+        )
         engine = Wire(self.reactor)
-        engine.protocol.dataReceived(b"HTTP/1.1 200 OK\r\nContent-Type: application/x-ndjson\r\n"
-                              b"Transfer-Encoding: chunked\r\n\r\nf\r\n{\"done\":false}\n\r\n")
+        engine.protocol.dataReceived(
+            b"HTTP/1.1 200 OK\r\nContent-Type: application/x-ndjson\r\n"
+            b'Transfer-Encoding: chunked\r\n\r\nf\r\n{"done":false}\n\r\n'
+        )
         self.assertEqual(client.response().body, b'{"done":false}\n')
         self.reactor.advance(6.9)
         self.assertFalse(engine.transport.disconnecting)

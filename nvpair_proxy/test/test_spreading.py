@@ -36,8 +36,9 @@ class SpreadTests(WorldTestCase):
         clock, agent = Clock(), FakeAgent()
         one = ReservationMap()
         ollama = self.world("ollama", reservations=one, clock=clock, agent=agent)
-        lmstudio = self.world("lmstudio", reservations=one if shared else ReservationMap(),
-                         clock=clock, agent=agent)
+        lmstudio = self.world(
+            "lmstudio", reservations=one if shared else ReservationMap(), clock=clock, agent=agent
+        )
         three_nodes(ollama)
         three_nodes(lmstudio, port=1234, models=("qwen",))
         ollama.chat()
@@ -49,8 +50,9 @@ class SpreadTests(WorldTestCase):
         return spread
 
     def test_a_mixed_burst_through_two_facades_spreads_over_the_shared_nodes(self):
-        self.assertEqual(self._mixed_burst(shared=True),
-                         Counter({"10.0.0.1": 1, "10.0.0.2": 1, "10.0.0.3": 1}))
+        self.assertEqual(
+            self._mixed_burst(shared=True), Counter({"10.0.0.1": 1, "10.0.0.2": 1, "10.0.0.3": 1})
+        )
 
     def test_without_one_shared_map_the_same_burst_piles_onto_one_node(self):
         self.assertEqual(self._mixed_burst(shared=False), Counter({"10.0.0.1": 2, "10.0.0.2": 1}))
@@ -58,7 +60,9 @@ class SpreadTests(WorldTestCase):
     def test_scheduler_pending_steers_the_choice(self):
         w = self.world()
         three_nodes(w)
-        w.reservations.set_priority(1, ["a", "b", "c"], [Rank("a", pending=2), Rank("b", pending=1)])
+        w.reservations.set_priority(
+            1, ["a", "b", "c"], [Rank("a", pending=2), Rank("b", pending=1)]
+        )
         w.chat()
         self.assertEqual(w.agent.hosts(), ["10.0.0.3:11434"])
         w.agent.last.respond(200, length=0, finish=True)

@@ -9,9 +9,20 @@ from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 from twisted.web.http_headers import Headers
 
-from nvpair_proxy.request.attempt import (CANCELLED, COMMITTED, DIALING, FAILED, PEEKING, TRANSITIONS,
-                                  AddressMemory, Attempt, Committed, InvalidTransition, State,
-                                  UpstreamRequest)
+from nvpair_proxy.request.attempt import (
+    CANCELLED,
+    COMMITTED,
+    DIALING,
+    FAILED,
+    PEEKING,
+    TRANSITIONS,
+    AddressMemory,
+    Attempt,
+    Committed,
+    InvalidTransition,
+    State,
+    UpstreamRequest,
+)
 from nvpair_proxy.nodes.discovery import Node
 from nvpair_proxy.request.exchange import PHASES, InvalidPhase, Phase
 from nvpair_proxy.test.world import WorldTestCase
@@ -22,11 +33,23 @@ NDJSON = {"Content-Type": "application/x-ndjson"}
 
 def attempt(agent: FakeAgent, clock: Clock) -> Attempt:
     node = Node(id="a", name="a", port=11434, addresses=("10.0.0.1",))
-    request = UpstreamRequest(method=b"POST", target=b"/api/chat", headers=Headers(),
-                              body=b"{}", inference=True, retryable=lambda status: status >= 500,
-                              response_timeout=60)
-    return Attempt(agent=agent, clock=clock, addresses=AddressMemory(), node=node,
-                   request=request, final=lambda: False)
+    request = UpstreamRequest(
+        method=b"POST",
+        target=b"/api/chat",
+        headers=Headers(),
+        body=b"{}",
+        inference=True,
+        retryable=lambda status: status >= 500,
+        response_timeout=60,
+    )
+    return Attempt(
+        agent=agent,
+        clock=clock,
+        addresses=AddressMemory(),
+        node=node,
+        request=request,
+        final=lambda: False,
+    )
 
 
 def peeking():
@@ -41,10 +64,16 @@ def peeking():
 
 class AttemptStateTests(SynchronousTestCase):
     def test_the_table_allows_exactly_these_moves(self):
-        self.assertEqual({s: set(t) for s, t in TRANSITIONS.items()}, {
-            DIALING: {PEEKING, COMMITTED, FAILED, CANCELLED},
-            PEEKING: {COMMITTED, FAILED, CANCELLED},
-            COMMITTED: set(), FAILED: set(), CANCELLED: set()})
+        self.assertEqual(
+            {s: set(t) for s, t in TRANSITIONS.items()},
+            {
+                DIALING: {PEEKING, COMMITTED, FAILED, CANCELLED},
+                PEEKING: {COMMITTED, FAILED, CANCELLED},
+                COMMITTED: set(),
+                FAILED: set(),
+                CANCELLED: set(),
+            },
+        )
 
     def test_every_move_outside_the_table_raises_and_changes_nothing(self):
         for start, target in itertools.product(State, State):
@@ -86,11 +115,15 @@ class AttemptStateTests(SynchronousTestCase):
 
 class ExchangePhaseTests(WorldTestCase):
     def test_the_table_allows_exactly_these_moves(self):
-        self.assertEqual({p: set(t) for p, t in PHASES.items()}, {
-            Phase.ADMITTING: {Phase.DISPATCHING, Phase.ENDED},
-            Phase.DISPATCHING: {Phase.STREAMING, Phase.ENDED},
-            Phase.STREAMING: {Phase.ENDED},
-            Phase.ENDED: set()})
+        self.assertEqual(
+            {p: set(t) for p, t in PHASES.items()},
+            {
+                Phase.ADMITTING: {Phase.DISPATCHING, Phase.ENDED},
+                Phase.DISPATCHING: {Phase.STREAMING, Phase.ENDED},
+                Phase.STREAMING: {Phase.ENDED},
+                Phase.ENDED: set(),
+            },
+        )
 
     def test_a_request_goes_admitting_dispatching_streaming_ended(self):
         w, client, upstream = self.streaming()

@@ -29,15 +29,20 @@ class StreamIdleTests(WorldTestCase):
         self.assertTrue(upstream.transport.stopped)
         self.assertTrue(client.transport.disconnecting)
         response = client.response()
-        self.assertEqual(response.body, b'{"message":{"content":"a"},"done":false}\n'
-                                        b'{"message":{"content":"b"},"done":false}\n')
+        self.assertEqual(
+            response.body,
+            b'{"message":{"content":"a"},"done":false}\n{"message":{"content":"b"},"done":false}\n',
+        )
         self.assertFalse(response.complete)  # no last chunk: the client sees the truncation
         self.assertEqual(w.workload_events()[-1], ("workload:completed", "completed", "a"))
         self.assertIsNone(w.emitter.workload()[-1][1]["error"])
-        (_, finished), = [(m, p) for m, p in w.emitter.sent if m == "ollama:proxy/request"]
+        ((_, finished),) = [(m, p) for m, p in w.emitter.sent if m == "ollama:proxy/request"]
         self.assertEqual((finished["status"], finished["error"]), (200, IDLE_NOTE))
-        warns = [e for e in logged if e.get("log_level").name == "warn"
-                 and "sent nothing" in e.get("log_format", "")]
+        warns = [
+            e
+            for e in logged
+            if e.get("log_level").name == "warn" and "sent nothing" in e.get("log_format", "")
+        ]
         self.assertEqual(len(warns), 1)
         self.assertEqual(warns[0]["node"], "a")
 
@@ -47,8 +52,11 @@ class StreamIdleTests(WorldTestCase):
         w, client, upstream = self.committed()
         scheduled = []
         call_later = w.clock.callLater
-        self.patch(w.clock, "callLater",
-                   lambda *args, **kwargs: scheduled.append(args) or call_later(*args, **kwargs))
+        self.patch(
+            w.clock,
+            "callLater",
+            lambda *args, **kwargs: scheduled.append(args) or call_later(*args, **kwargs),
+        )
         before = [(call, call.getTime()) for call in w.clock.getDelayedCalls()]
         self.assertIn(5.0, [due for _, due in before], "the idle timer, due 5 s after commit")
         for index in range(100):
@@ -81,5 +89,6 @@ class StreamIdleTests(WorldTestCase):
         w.clock.advance(29)
         self.assertFalse(upstream.transport.stopped)
         w.clock.advance(1)
-        self.assertEqual(w.emitter.workload()[-1][1]["error"],
-                         "client disconnected before completion")
+        self.assertEqual(
+            w.emitter.workload()[-1][1]["error"], "client disconnected before completion"
+        )

@@ -50,13 +50,29 @@ class EndToEndTests(TestCase):
     def _proxy(self, engine_id: str, nodes):
         engine = ENGINES[engine_id]
         self.emitter = RecordingEmitter()
-        facade = make_facade(engine, clock=reactor, agent=Agent(reactor, pool=self._pool()),
-                        emitter=self.emitter, run_id="0" * 16, random=random.random,
-                        bounds=Bounds(), reservations=ReservationMap())
+        facade = make_facade(
+            engine,
+            clock=reactor,
+            agent=Agent(reactor, pool=self._pool()),
+            emitter=self.emitter,
+            run_id="0" * 16,
+            random=random.random,
+            bounds=Bounds(),
+            reservations=ReservationMap(),
+        )
         for sim in nodes:
-            facade.router.put_manual(make_node(engine, id=sim.node_id, port=sim.port,
-                                               addresses=["127.0.0.1"], models=sim.models))
-        port = reactor.listenTCP(0, DemuxFactory(facade_site(facade, reactor)), interface="127.0.0.1")
+            facade.router.put_manual(
+                make_node(
+                    engine,
+                    id=sim.node_id,
+                    port=sim.port,
+                    addresses=["127.0.0.1"],
+                    models=sim.models,
+                )
+            )
+        port = reactor.listenTCP(
+            0, DemuxFactory(facade_site(facade, reactor)), interface="127.0.0.1"
+        )
         self.addCleanup(port.stopListening)
         self.facade = facade
         return port.getHost().port
@@ -65,16 +81,20 @@ class EndToEndTests(TestCase):
     def _post(self, port: int, path: str, body: dict):
         agent = Agent(reactor, pool=self._pool())
         data = json.dumps(body).encode()
-        response = yield agent.request(b"POST", f"http://127.0.0.1:{port}{path}".encode(),
-                                       Headers({b"content-type": [b"application/json"]}),
-                                       BytesProducer(data))
+        response = yield agent.request(
+            b"POST",
+            f"http://127.0.0.1:{port}{path}".encode(),
+            Headers({b"content-type": [b"application/json"]}),
+            BytesProducer(data),
+        )
         content = yield readBody(response)
         return response, content
 
     @inlineCallbacks
     def test_multi_megabyte_sse_stream_is_byte_exact(self):
-        node = self._node(SimNode("gpu-a", "lmstudio", models=["qwen"], tokens=96,
-                                  chunk_size=48 * 1024))
+        node = self._node(
+            SimNode("gpu-a", "lmstudio", models=["qwen"], tokens=96, chunk_size=48 * 1024)
+        )
         proxy = self._proxy("lmstudio", [node])
         body = {"model": "qwen", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
         direct, direct_body = yield self._post(node.port, "/v1/chat/completions", body)
@@ -103,30 +123,48 @@ class EndToEndTests(TestCase):
         self.assertEqual(busy.served, [("POST", "/api/chat")])
         lines = [json.loads(line) for line in via_body.splitlines()]
         self.assertTrue(lines[-1]["done"])
-        events = [(m, p["workloadInfo"].get("scheduledOn")) for m, p in self.emitter.sent
-                  if m.startswith("workload:")]
-        self.assertEqual(events, [("workload:submitted", None), ("workload:submitted", "gpu-a"),
-                                  ("workload:submitted", "gpu-b"), ("workload:started", "gpu-b"),
-                                  ("workload:completed", "gpu-b")])
+        events = [
+            (m, p["workloadInfo"].get("scheduledOn"))
+            for m, p in self.emitter.sent
+            if m.startswith("workload:")
+        ]
+        self.assertEqual(
+            events,
+            [
+                ("workload:submitted", None),
+                ("workload:submitted", "gpu-a"),
+                ("workload:submitted", "gpu-b"),
+                ("workload:started", "gpu-b"),
+                ("workload:completed", "gpu-b"),
+            ],
+        )
 
     @inlineCallbacks
     def test_truncated_upstream_reaches_the_client_as_a_truncation(self):
-        node = self._node(SimNode("gpu-a", "ollama", models=["llama3:latest"], tokens=10,
-                                  die_after_tokens=3))
+        node = self._node(
+            SimNode("gpu-a", "ollama", models=["llama3:latest"], tokens=10, die_after_tokens=3)
+        )
         proxy = self._proxy("ollama", [node])
         agent = Agent(reactor, pool=self._pool())
         response = yield agent.request(
-            b"POST", f"http://127.0.0.1:{proxy}/api/chat".encode(), Headers(),
-            BytesProducer(json.dumps({"model": "llama3"}).encode()))
+            b"POST",
+            f"http://127.0.0.1:{proxy}/api/chat".encode(),
+            Headers(),
+            BytesProducer(json.dumps({"model": "llama3"}).encode()),
+        )
         from twisted.web.client import PartialDownloadError, ResponseFailed
+
         try:
             yield readBody(response)
         except (PartialDownloadError, ResponseFailed):
             pass
         else:
             self.fail("a truncated stream was delivered as complete")
-        terminal = [p["workloadInfo"]["state"] for m, p in self.emitter.sent
-                    if m in ("workload:completed", "workload:errored")]
+        terminal = [
+            p["workloadInfo"]["state"]
+            for m, p in self.emitter.sent
+            if m in ("workload:completed", "workload:errored")
+        ]
         self.assertEqual(terminal, ["completed"])
 
     @inlineCallbacks
@@ -146,6 +184,7 @@ class EndToEndTests(TestCase):
     def test_the_facade_listens_on_ipv4_and_ipv6_loopback(self):
         import socket as socketlib
         from nvpair_proxy.facade.listener import listen_everywhere
+
         if not socketlib.has_ipv6:
             raise SkipTest("no IPv6")
         node = self._node(SimNode("gpu-a", "ollama", models=["llama3:latest"], tokens=1))

@@ -14,13 +14,33 @@ from twisted.trial.unittest import SynchronousTestCase
 from nvpair_proxy.body import frames, tokens
 from nvpair_proxy.body.frames import LINE_LIMIT, TAIL_LIMIT
 from nvpair_proxy.body.tokens import BodyObserver
-from nvpair_proxy.test.recorded import (ANTHROPIC_SSE, JSON, LLAMACPP_ANTHROPIC_SSE,
-                                        LLAMACPP_NATIVE_SSE, LLAMACPP_NATIVE_STATS, LLAMACPP_SSE,
-                                        NDJSON, OLLAMA_JSON, OLLAMA_JSON_STATS, OLLAMA_STREAM,
-                                        OLLAMA_STREAM_STATS, OPENAI_JSON, OPENAI_SSE,
-                                        OPENAI_SSE_STATS, RECORDED, RESPONSES_SSE,
-                                        RESPONSES_SSE_STATS, RESPONSES_USAGE, SSE, SSE_NO_USAGE,
-                                        ndjson, ollama_token, openai_chunk, responses_sse, sse)
+from nvpair_proxy.test.recorded import (
+    ANTHROPIC_SSE,
+    JSON,
+    LLAMACPP_ANTHROPIC_SSE,
+    LLAMACPP_NATIVE_SSE,
+    LLAMACPP_NATIVE_STATS,
+    LLAMACPP_SSE,
+    NDJSON,
+    OLLAMA_JSON,
+    OLLAMA_JSON_STATS,
+    OLLAMA_STREAM,
+    OLLAMA_STREAM_STATS,
+    OPENAI_JSON,
+    OPENAI_SSE,
+    OPENAI_SSE_STATS,
+    RECORDED,
+    RESPONSES_SSE,
+    RESPONSES_SSE_STATS,
+    RESPONSES_USAGE,
+    SSE,
+    SSE_NO_USAGE,
+    ndjson,
+    ollama_token,
+    openai_chunk,
+    responses_sse,
+    sse,
+)
 from nvpair_proxy.test.strategies import splits
 
 # One clock for every measurement: admission, first body byte 250 ms later, end 2 s after that.
@@ -41,7 +61,7 @@ def measure(observer: BodyObserver, first_byte_at=FIRST_BYTE, ended_at=ENDED):
 
 
 def chunked(body: bytes, size: int):
-    return [body[i:i + size] for i in range(0, len(body), size)]
+    return [body[i : i + size] for i in range(0, len(body), size)]
 
 
 class RecordedBodyTests(SynchronousTestCase):
@@ -97,8 +117,9 @@ class RecordedBodyTests(SynchronousTestCase):
         self.assertEqual(measure(observer), OPENAI_SSE_STATS)
         anthropic = observe("sse-message-stop", SSE, [ANTHROPIC_SSE.replace(b"\n", b"\r\n")])
         self.assertTrue(anthropic.terminal_seen)
-        responses = observe("sse-response-completed", SSE,
-                            chunked(RESPONSES_SSE.replace(b"\n", b"\r\n"), 5))
+        responses = observe(
+            "sse-response-completed", SSE, chunked(RESPONSES_SSE.replace(b"\n", b"\r\n"), 5)
+        )
         self.assertTrue(responses.terminal_seen)
         self.assertEqual(measure(responses), RESPONSES_SSE_STATS)
 
@@ -135,9 +156,13 @@ class TerminalFrameTests(SynchronousTestCase):
         """Read in one pass at the end, a stream holds the marker's text in content first;
         every occurrence is looked at, not only the first."""
         for rule, quoted, marker in (
-                ("sse-done", b'data: {"t":"[DONE]"}\n\n', b"data: [DONE]\n\n"),
-                ("sse-message-stop", b'data: {"t":"message_stop"}\n\n',
-                 b"event: message_stop\ndata: {}\n\n")):
+            ("sse-done", b'data: {"t":"[DONE]"}\n\n', b"data: [DONE]\n\n"),
+            (
+                "sse-message-stop",
+                b'data: {"t":"message_stop"}\n\n',
+                b"event: message_stop\ndata: {}\n\n",
+            ),
+        ):
             body = quoted + b'data: {"x":1}\n\n' + marker
             for chunks in ([body], chunked(body, 7)):
                 observer = observe(rule, SSE, chunks)
@@ -157,23 +182,35 @@ class TerminalFrameTests(SynchronousTestCase):
         self.assertFalse(observer.terminal_seen)  # ...and it was not a marker after all
 
     def test_quoted_message_stop_in_content(self):
-        body = sse(("content_block_delta", {
-            "type": "content_block_delta", "index": 0,
-            "delta": {"type": "text_delta", "text": "\nevent: message_stop\n"}}))
+        body = sse(
+            (
+                "content_block_delta",
+                {
+                    "type": "content_block_delta",
+                    "index": 0,
+                    "delta": {"type": "text_delta", "text": "\nevent: message_stop\n"},
+                },
+            )
+        )
         self.assertFalse(observe("sse-message-stop", SSE, [body]).terminal_seen)
         self.assertFalse(observe("sse-message-stop", SSE, chunked(body, 1)).terminal_seen)
 
     def test_quoted_response_completed_in_content(self):
         body = responses_sse(["\nevent: response.completed\n", "x"], RESPONSES_USAGE)
-        body = body[:body.index(b"\nevent: response.completed\n") + 1]  # the real marker
+        body = body[: body.index(b"\nevent: response.completed\n") + 1]  # the real marker
         self.assertIn(b"\\nevent: response.completed\\n", body)
         self.assertFalse(observe("sse-response-completed", SSE, [body]).terminal_seen)
         self.assertFalse(observe("sse-response-completed", SSE, chunked(body, 1)).terminal_seen)
 
     def test_other_responses_events_are_not_terminal(self):
-        for line in (b"event: response.completed.extra\n", b"event: response.completedx\n",
-                     b"event: response.output_text.done\n", b"data: response.completed\n",
-                     b" event: response.completed\n", b"event: response_completed\n"):
+        for line in (
+            b"event: response.completed.extra\n",
+            b"event: response.completedx\n",
+            b"event: response.output_text.done\n",
+            b"data: response.completed\n",
+            b" event: response.completed\n",
+            b"event: response_completed\n",
+        ):
             self.assertFalse(observe("sse-response-completed", SSE, [line]).terminal_seen, line)
 
     def test_route_rule_picks_the_marker(self):
@@ -194,8 +231,9 @@ class TerminalFrameTests(SynchronousTestCase):
             self.assertFalse(observe("ndjson-done", NDJSON, chunked(body, 1)).terminal_seen, text)
 
     def test_nested_done_is_not_terminal(self):
-        body = (b'{"model":"m","message":{"role":"assistant","content":"x","done":true},'
-                b'"done":false}\n')
+        body = (
+            b'{"model":"m","message":{"role":"assistant","content":"x","done":true},"done":false}\n'
+        )
         self.assertFalse(observe("ndjson-done", NDJSON, [body]).terminal_seen)
 
     def test_spaced_ndjson_done(self):
@@ -209,45 +247,66 @@ class TerminalFrameTests(SynchronousTestCase):
             ("sse-message-stop", SSE, ANTHROPIC_SSE, b"event: message_stop"),
             ("sse-message-stop", SSE, LLAMACPP_ANTHROPIC_SSE, b"event: message_stop"),
             ("sse-response-completed", SSE, RESPONSES_SSE, b"event: response.completed"),
-            ("ndjson-done", NDJSON, OLLAMA_STREAM, b'{"model":"llama3:latest","created_at'
-                                                   b'":"2024-05-29T16:00:03.5Z"'),
+            (
+                "ndjson-done",
+                NDJSON,
+                OLLAMA_STREAM,
+                b'{"model":"llama3:latest","created_at":"2024-05-29T16:00:03.5Z"',
+            ),
         ]:
-            truncated = body[:body.index(marker)]
+            truncated = body[: body.index(marker)]
             for chunks in ([truncated], chunked(truncated, 1)):
                 self.assertFalse(observe(terminal, content_type, chunks).terminal_seen, terminal)
             # and cut inside the terminal frame itself
-            self.assertFalse(observe(terminal, content_type,
-                                     [body[:body.index(marker) + 5]]).terminal_seen)
+            self.assertFalse(
+                observe(terminal, content_type, [body[: body.index(marker) + 5]]).terminal_seen
+            )
 
     def test_truncated_stream_still_measured(self):
-        truncated = OPENAI_SSE[:OPENAI_SSE.index(b'data: {"id":"chatcmpl-417","object":"chat.'
-                                                   b'completion.chunk","created":1716998400,"'
-                                                   b'model":"llama3:latest","system_fingerprint'
-                                                   b'":"fp_ollama","choices":[]')]
+        truncated = OPENAI_SSE[
+            : OPENAI_SSE.index(
+                b'data: {"id":"chatcmpl-417","object":"chat.'
+                b'completion.chunk","created":1716998400,"'
+                b'model":"llama3:latest","system_fingerprint'
+                b'":"fp_ollama","choices":[]'
+            )
+        ]
         observer = observe("sse-done", SSE, [truncated])
-        self.assertEqual(measure(observer), {"completionTokens": 4, "tokensPerSecond": 2.0,
-                                             "ttftMs": 250, "estimated": True})
-        ollama = observe("ndjson-done", NDJSON,
-                         [OLLAMA_STREAM[:OLLAMA_STREAM.rindex(b"{")]])
-        self.assertEqual(measure(ollama), {"completionTokens": 4, "tokensPerSecond": 2.0,
-                                           "ttftMs": 250, "estimated": True})
+        self.assertEqual(
+            measure(observer),
+            {"completionTokens": 4, "tokensPerSecond": 2.0, "ttftMs": 250, "estimated": True},
+        )
+        ollama = observe("ndjson-done", NDJSON, [OLLAMA_STREAM[: OLLAMA_STREAM.rindex(b"{")]])
+        self.assertEqual(
+            measure(ollama),
+            {"completionTokens": 4, "tokensPerSecond": 2.0, "ttftMs": 250, "estimated": True},
+        )
 
     def test_truncated_anthropic_stream(self):
         """message_start's placeholder output_tokens is not a completion count."""
-        truncated = ANTHROPIC_SSE[:ANTHROPIC_SSE.index(b"event: message_delta")]
+        truncated = ANTHROPIC_SSE[: ANTHROPIC_SSE.index(b"event: message_delta")]
         observer = observe("sse-message-stop", SSE, [truncated])
         self.assertFalse(observer.terminal_seen)
-        self.assertEqual(measure(observer), {"promptTokens": 25, "completionTokens": 6,
-                                             "tokensPerSecond": 3.0, "ttftMs": 250,
-                                             "estimated": True})
+        self.assertEqual(
+            measure(observer),
+            {
+                "promptTokens": 25,
+                "completionTokens": 6,
+                "tokensPerSecond": 3.0,
+                "ttftMs": 250,
+                "estimated": True,
+            },
+        )
 
     def test_truncated_responses_stream_is_estimated(self):
         """Without response.completed there is no usage: every data line so far is counted."""
-        truncated = RESPONSES_SSE[:RESPONSES_SSE.index(b"event: response.completed")]
+        truncated = RESPONSES_SSE[: RESPONSES_SSE.index(b"event: response.completed")]
         observer = observe("sse-response-completed", SSE, [truncated])
         self.assertFalse(observer.terminal_seen)
-        self.assertEqual(measure(observer), {"completionTokens": 9, "tokensPerSecond": 4.5,
-                                             "ttftMs": 250, "estimated": True})
+        self.assertEqual(
+            measure(observer),
+            {"completionTokens": 9, "tokensPerSecond": 4.5, "ttftMs": 250, "estimated": True},
+        )
 
     def test_terminal_is_sticky(self):
         observer = observe("sse-done", SSE, [OPENAI_SSE])
@@ -258,11 +317,21 @@ class TerminalFrameTests(SynchronousTestCase):
 
     def test_json_document_completeness(self):
         for body, complete in [
-            (b'{"a":1}', True), (b'  [1, 2]\n', True), (b'{"a":1', False), (b'', False),
-            (b'{"a":"}"', False), (b'{"a":{"b":1}', False), (b'not json}', False),
-            (b'{"a":"\\"}"}', True), (b'{"a":"\\\\"}', True), (b'{"a":"\\\\"', False),
-            (b'{"a":"\\\\\\"}', False), (b'"a string"', False), (b'42', False),
-            (b'{"a":[{"b":"]}"},{}]}', True), (b'{"a":[{"b":"]}"},{}]', False),
+            (b'{"a":1}', True),
+            (b"  [1, 2]\n", True),
+            (b'{"a":1', False),
+            (b"", False),
+            (b'{"a":"}"', False),
+            (b'{"a":{"b":1}', False),
+            (b"not json}", False),
+            (b'{"a":"\\"}"}', True),
+            (b'{"a":"\\\\"}', True),
+            (b'{"a":"\\\\"', False),
+            (b'{"a":"\\\\\\"}', False),
+            (b'"a string"', False),
+            (b"42", False),
+            (b'{"a":[{"b":"]}"},{}]}', True),
+            (b'{"a":[{"b":"]}"},{}]', False),
         ]:
             for chunks in ([body], chunked(body, 1)):
                 self.assertEqual(observe(None, JSON, chunks).terminal_seen, complete, body)
@@ -289,15 +358,22 @@ class BoundedMemoryTests(SynchronousTestCase):
         count = self.SIZE // len(token) + 1
         body = token * count + sse(
             {"id": "x", "choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": count}},
-            "[DONE]")
+            "[DONE]",
+        )
         self.assertGreater(len(body), self.SIZE)
         for size in (65536 + 17, 4093, len(body)):
             observer = self._assert_bounded("sse-done", SSE, body, size)
             self.assertTrue(observer.terminal_seen)
             self.assertEqual(observer.events_seen, count + 1)
-            self.assertEqual(measure(observer), {
-                "promptTokens": 7, "completionTokens": count,
-                "tokensPerSecond": round(count / 2.0, 1), "ttftMs": 250})
+            self.assertEqual(
+                measure(observer),
+                {
+                    "promptTokens": 7,
+                    "completionTokens": count,
+                    "tokensPerSecond": round(count / 2.0, 1),
+                    "ttftMs": 250,
+                },
+            )
 
     def test_ollama_stream(self):
         token = ndjson(ollama_token("tök"))
@@ -309,45 +385,78 @@ class BoundedMemoryTests(SynchronousTestCase):
         self.assertEqual(measure(observer), OLLAMA_STREAM_STATS)
 
     def test_anthropic_stream_prompt_scrolled_out(self):
-        delta = sse(("content_block_delta", {"type": "content_block_delta", "index": 0,
-                                              "delta": {"type": "text_delta", "text": "tök"}}))
-        body = (ANTHROPIC_SSE[:ANTHROPIC_SSE.index(b"event: content_block_delta")]
-                + delta * (self.SIZE // len(delta) + 1)
-                + ANTHROPIC_SSE[ANTHROPIC_SSE.index(b"event: content_block_stop"):])
+        delta = sse(
+            (
+                "content_block_delta",
+                {
+                    "type": "content_block_delta",
+                    "index": 0,
+                    "delta": {"type": "text_delta", "text": "tök"},
+                },
+            )
+        )
+        body = (
+            ANTHROPIC_SSE[: ANTHROPIC_SSE.index(b"event: content_block_delta")]
+            + delta * (self.SIZE // len(delta) + 1)
+            + ANTHROPIC_SSE[ANTHROPIC_SSE.index(b"event: content_block_stop") :]
+        )
         observer = self._assert_bounded("sse-message-stop", SSE, body, 65536)
         self.assertTrue(observer.terminal_seen)
-        self.assertEqual(measure(observer), {"completionTokens": 15, "tokensPerSecond": 7.5,
-                                             "ttftMs": 250})
+        self.assertEqual(
+            measure(observer), {"completionTokens": 15, "tokensPerSecond": 7.5, "ttftMs": 250}
+        )
 
     def test_responses_stream_whose_completed_event_outgrows_the_tail(self):
         """response.completed repeats the whole output; its usage comes after it, in the tail."""
         deltas = ["tök"] * (self.SIZE // 4 // 3)
         body = responses_sse(deltas, {**RESPONSES_USAGE, "output_tokens": len(deltas)})
-        completed = body[body.index(b"event: response.completed"):]
+        completed = body[body.index(b"event: response.completed") :]
         self.assertGreater(len(completed), TAIL_LIMIT)
         observer = self._assert_bounded("sse-response-completed", SSE, body, 65536 + 5)
         self.assertTrue(observer.terminal_seen)
-        self.assertEqual(measure(observer), {
-            "promptTokens": 11, "completionTokens": len(deltas),
-            "tokensPerSecond": round(len(deltas) / 2.0, 1), "ttftMs": 250})
+        self.assertEqual(
+            measure(observer),
+            {
+                "promptTokens": 11,
+                "completionTokens": len(deltas),
+                "tokensPerSecond": round(len(deltas) / 2.0, 1),
+                "ttftMs": 250,
+            },
+        )
 
     def test_openai_json_larger_than_tail(self):
         # The content quotes a usage object of its own: escaped, so never read.
-        content = ('words "usage": {"prompt_tokens": 999, "completion_tokens": 999} ' * 8
-                   + "é" * (self.SIZE // 2))
-        document = {"id": "chatcmpl-big", "object": "chat.completion", "created": 1,
-                    "model": "m", "choices": [{"index": 0, "finish_reason": "length",
-                                               "message": {"role": "assistant",
-                                                           "content": content}}],
-                    "usage": {"prompt_tokens": 31, "completion_tokens": 4096,
-                              "total_tokens": 4127}}
+        content = 'words "usage": {"prompt_tokens": 999, "completion_tokens": 999} ' * 8 + "é" * (
+            self.SIZE // 2
+        )
+        document = {
+            "id": "chatcmpl-big",
+            "object": "chat.completion",
+            "created": 1,
+            "model": "m",
+            "choices": [
+                {
+                    "index": 0,
+                    "finish_reason": "length",
+                    "message": {"role": "assistant", "content": content},
+                }
+            ],
+            "usage": {"prompt_tokens": 31, "completion_tokens": 4096, "total_tokens": 4127},
+        }
         body = json.dumps(document, ensure_ascii=False).encode()
         self.assertGreater(len(body), self.SIZE)
         for content_type in (JSON, None):
             observer = self._assert_bounded("sse-done", content_type, body, 65536 + 1)
             self.assertTrue(observer.terminal_seen)
-            self.assertEqual(measure(observer), {"promptTokens": 31, "completionTokens": 4096,
-                                                 "tokensPerSecond": 2048.0, "ttftMs": 250})
+            self.assertEqual(
+                measure(observer),
+                {
+                    "promptTokens": 31,
+                    "completionTokens": 4096,
+                    "tokensPerSecond": 2048.0,
+                    "ttftMs": 250,
+                },
+            )
             cut = self._assert_bounded("sse-done", content_type, body[:-1], 65536 + 1)
             self.assertFalse(cut.terminal_seen)
 
@@ -355,8 +464,11 @@ class BoundedMemoryTests(SynchronousTestCase):
         document = json.loads(OLLAMA_JSON)
         document["message"]["content"] = "x" * (LINE_LIMIT * 3)
         body = json.dumps(document, separators=(",", ":")).encode()
-        for terminal, content_type in (("ndjson-done", None), ("ndjson-done", JSON),
-                                       ("ndjson-done", NDJSON)):
+        for terminal, content_type in (
+            ("ndjson-done", None),
+            ("ndjson-done", JSON),
+            ("ndjson-done", NDJSON),
+        ):
             observer = self._assert_bounded(terminal, content_type, body, 1000)
             self.assertTrue(observer.terminal_seen, content_type)
             self.assertEqual(measure(observer), OLLAMA_JSON_STATS)
@@ -377,9 +489,13 @@ class MeasureTests(SynchronousTestCase):
     """What measure() reports when figures or times are missing."""
 
     def test_empty_body(self):
-        for terminal, content_type in [("sse-done", SSE), ("sse-message-stop", None),
-                                       ("sse-response-completed", SSE),
-                                       ("ndjson-done", NDJSON), (None, None)]:
+        for terminal, content_type in [
+            ("sse-done", SSE),
+            ("sse-message-stop", None),
+            ("sse-response-completed", SSE),
+            ("ndjson-done", NDJSON),
+            (None, None),
+        ]:
             observer = BodyObserver(terminal, content_type)
             observer.feed(b"")
             self.assertIsNone(measure(observer))
@@ -388,12 +504,19 @@ class MeasureTests(SynchronousTestCase):
 
     def test_error_bodies(self):
         for terminal, content_type, body in [
-            ("sse-done", JSON, b'{"error":{"message":"model \\"nope\\" not found",'
-                               b'"type":"invalid_request_error","param":null,"code":null}}'),
+            (
+                "sse-done",
+                JSON,
+                b'{"error":{"message":"model \\"nope\\" not found",'
+                b'"type":"invalid_request_error","param":null,"code":null}}',
+            ),
             ("sse-done", None, b'{"error":"Unexpected endpoint or method."}'),
             ("ndjson-done", JSON, b'{"error":"model \\"nope\\" not found, try pulling it first"}'),
-            ("ndjson-done", NDJSON, b'{"error":"an error was encountered while running the '
-                                    b'model: unexpected EOF"}\n'),
+            (
+                "ndjson-done",
+                NDJSON,
+                b'{"error":"an error was encountered while running the model: unexpected EOF"}\n',
+            ),
             ("sse-message-stop", SSE, b": keep-alive\n\nevent: ping\n\n"),
             (None, "text/plain", b"Internal Server Error\n"),
             (None, None, b"<html><body>502 Bad Gateway</body></html>"),
@@ -403,16 +526,21 @@ class MeasureTests(SynchronousTestCase):
 
     def test_no_first_byte(self):
         observer = observe("sse-done", SSE, [OPENAI_SSE])
-        self.assertEqual(measure(observer, first_byte_at=None),
-                         {"promptTokens": 12, "completionTokens": 3})
+        self.assertEqual(
+            measure(observer, first_byte_at=None), {"promptTokens": 12, "completionTokens": 3}
+        )
         ollama = observe("ndjson-done", NDJSON, [OLLAMA_STREAM])
-        self.assertEqual(measure(ollama, first_byte_at=None),
-                         {"promptTokens": 26, "completionTokens": 298, "tokensPerSecond": 62.1})
+        self.assertEqual(
+            measure(ollama, first_byte_at=None),
+            {"promptTokens": 26, "completionTokens": 298, "tokensPerSecond": 62.1},
+        )
 
     def test_zero_interval_has_no_rate(self):
         observer = observe("sse-done", SSE, [SSE_NO_USAGE])
-        self.assertEqual(measure(observer, ended_at=FIRST_BYTE),
-                         {"completionTokens": 4, "ttftMs": 250, "estimated": True})
+        self.assertEqual(
+            measure(observer, ended_at=FIRST_BYTE),
+            {"completionTokens": 4, "ttftMs": 250, "estimated": True},
+        )
 
     def test_engine_rate_wins_over_wall_clock(self):
         ollama = observe("ndjson-done", NDJSON, [OLLAMA_STREAM])
@@ -421,18 +549,22 @@ class MeasureTests(SynchronousTestCase):
         self.assertEqual(measure(llama, ended_at=FIRST_BYTE + 100)["tokensPerSecond"], 83.0)
 
     def test_prompt_only(self):
-        body = json.dumps({"object": "list", "data": [{"object": "embedding", "index": 0,
-                                                       "embedding": [0.1, 0.2]}],
-                           "model": "nomic-embed-text",
-                           "usage": {"prompt_tokens": 8, "total_tokens": 8}}).encode()
-        self.assertEqual(measure(observe(None, JSON, [body])), {"promptTokens": 8,
-                                                                 "ttftMs": 250})
+        body = json.dumps(
+            {
+                "object": "list",
+                "data": [{"object": "embedding", "index": 0, "embedding": [0.1, 0.2]}],
+                "model": "nomic-embed-text",
+                "usage": {"prompt_tokens": 8, "total_tokens": 8},
+            }
+        ).encode()
+        self.assertEqual(measure(observe(None, JSON, [body])), {"promptTokens": 8, "ttftMs": 250})
 
     def test_usage_null_chunks_are_skipped(self):
         body = sse(openai_chunk({"content": "a"}, usage=None)) + b"data: [DONE]\n\n"
-        self.assertEqual(measure(observe("sse-done", SSE, [body])),
-                         {"completionTokens": 1, "tokensPerSecond": 0.5, "ttftMs": 250,
-                          "estimated": True})
+        self.assertEqual(
+            measure(observe("sse-done", SSE, [body])),
+            {"completionTokens": 1, "tokensPerSecond": 0.5, "ttftMs": 250, "estimated": True},
+        )
 
     def test_measure_does_not_consume(self):
         observer = observe("sse-done", SSE, [OPENAI_SSE])
@@ -444,26 +576,52 @@ class PromptFiguresTests(SynchronousTestCase):
     request and the whole prompt's tokens, cached ones included."""
 
     def test_llamacpp_timings_count_the_cached_prefix_in_the_whole_prompt(self):
-        figures = tokens.read_figures(json.dumps({"timings": {
-            "cache_n": 900, "prompt_n": 100, "prompt_per_second": 250.0,
-            "predicted_n": 5}}).encode())
-        self.assertEqual((figures.prompt, figures.prompt_read, figures.prompt_seen,
-                          figures.prompt_rate), (100, 100, 1000, 250.0),
-                         "promptTokens keeps the wire's reading; placement sees 1000")
+        figures = tokens.read_figures(
+            json.dumps(
+                {
+                    "timings": {
+                        "cache_n": 900,
+                        "prompt_n": 100,
+                        "prompt_per_second": 250.0,
+                        "predicted_n": 5,
+                    }
+                }
+            ).encode()
+        )
+        self.assertEqual(
+            (figures.prompt, figures.prompt_read, figures.prompt_seen, figures.prompt_rate),
+            (100, 100, 1000, 250.0),
+            "promptTokens keeps the wire's reading; placement sees 1000",
+        )
 
     def test_usage_is_the_whole_prompt_and_timings_what_was_read(self):
-        figures = tokens.read_figures(json.dumps({
-            "usage": {"prompt_tokens": 1000, "completion_tokens": 5},
-            "timings": {"cache_n": 990, "prompt_n": 10}}).encode())
-        self.assertEqual((figures.prompt, figures.prompt_read, figures.prompt_seen),
-                         (1000, 10, 1000))
+        figures = tokens.read_figures(
+            json.dumps(
+                {
+                    "usage": {"prompt_tokens": 1000, "completion_tokens": 5},
+                    "timings": {"cache_n": 990, "prompt_n": 10},
+                }
+            ).encode()
+        )
+        self.assertEqual(
+            (figures.prompt, figures.prompt_read, figures.prompt_seen), (1000, 10, 1000)
+        )
 
     def test_ollama_counts_what_it_evaluated(self):
-        figures = tokens.read_figures(json.dumps({
-            "done": True, "prompt_eval_count": 300, "prompt_eval_duration": 1_500_000_000,
-            "eval_count": 4, "eval_duration": 100_000_000}).encode())
-        self.assertEqual((figures.prompt_read, figures.prompt_seen, figures.prompt_rate),
-                         (300, 300, 200.0))
+        figures = tokens.read_figures(
+            json.dumps(
+                {
+                    "done": True,
+                    "prompt_eval_count": 300,
+                    "prompt_eval_duration": 1_500_000_000,
+                    "eval_count": 4,
+                    "eval_duration": 100_000_000,
+                }
+            ).encode()
+        )
+        self.assertEqual(
+            (figures.prompt_read, figures.prompt_seen, figures.prompt_rate), (300, 300, 200.0)
+        )
 
     def test_nothing_reported_is_none(self):
         figures = tokens.read_figures(b'{"done":true}')
@@ -474,8 +632,9 @@ class HygieneTests(SynchronousTestCase):
     """The module stays pure and never shows body bytes."""
 
     def test_repr_shows_no_body(self):
-        observer = observe("ndjson-done", NDJSON,
-                           [ndjson(ollama_token("SECRET-PROMPT-TEXT")), b'{"partial SECRET'])
+        observer = observe(
+            "ndjson-done", NDJSON, [ndjson(ollama_token("SECRET-PROMPT-TEXT")), b'{"partial SECRET']
+        )
         self.assertNotIn("SECRET", repr(observer))
         self.assertNotIn("SECRET", str(observer))
 
@@ -496,6 +655,7 @@ class HygieneTests(SynchronousTestCase):
 
     def test_every_rule_an_engine_file_may_name_is_understood(self):
         from nvpair_proxy.nodes.engines import TERMINAL_FRAMES
+
         for terminal in TERMINAL_FRAMES:
             self.assertEqual(BodyObserver(terminal).terminal, terminal)
 
@@ -505,8 +665,9 @@ class HygieneTests(SynchronousTestCase):
         self.assertEqual(measure(observer), OPENAI_SSE_STATS)
 
     def test_memoryview_and_bytearray_chunks(self):
-        observer = observe("sse-done", SSE, [bytearray(OPENAI_SSE[:50]),
-                                             memoryview(OPENAI_SSE[50:])])
+        observer = observe(
+            "sse-done", SSE, [bytearray(OPENAI_SSE[:50]), memoryview(OPENAI_SSE[50:])]
+        )
         self.assertTrue(observer.terminal_seen)
         self.assertEqual(measure(observer), OPENAI_SSE_STATS)
 
@@ -524,21 +685,41 @@ class HostileNumbersTests(SynchronousTestCase):
 
 FUZZ = settings.default.max_examples
 
-_LINES = [b'data: {"x":1}\n', b"data: [DONE]\n", b"\n", b"\r\n", b"event: message_stop\n",
-          b"event: response.completed\r\n", b"data: " + b"y" * 150 + b"\n", b"data:[DONE]",
-          b'{"done":false}\n', b'{"done": true}\n', b'{"a":{"done":true}}\n', b"da", b"ta: ",
-          b"z" * 300 + b"\n", b"[DONE]\n", b'{"done":true}', b'data: {"t":"[DONE]"}\n',
-          b"event: x message_stop\n", b"data: [DONE] \t\r\n"]
+_LINES = [
+    b'data: {"x":1}\n',
+    b"data: [DONE]\n",
+    b"\n",
+    b"\r\n",
+    b"event: message_stop\n",
+    b"event: response.completed\r\n",
+    b"data: " + b"y" * 150 + b"\n",
+    b"data:[DONE]",
+    b'{"done":false}\n',
+    b'{"done": true}\n',
+    b'{"a":{"done":true}}\n',
+    b"da",
+    b"ta: ",
+    b"z" * 300 + b"\n",
+    b"[DONE]\n",
+    b'{"done":true}',
+    b'data: {"t":"[DONE]"}\n',
+    b"event: x message_stop\n",
+    b"data: [DONE] \t\r\n",
+]
 
 
 class LazyReadingProperties(SynchronousTestCase):
     @settings(max_examples=FUZZ, deadline=None)
-    @given(lines=st.lists(st.sampled_from(_LINES), max_size=40),
-           content_type=st.sampled_from(["text/event-stream", "application/x-ndjson"]),
-           cuts=st.lists(st.integers(0, 20_000), max_size=25),
-           asks=st.lists(st.booleans(), max_size=25), small=st.booleans())
+    @given(
+        lines=st.lists(st.sampled_from(_LINES), max_size=40),
+        content_type=st.sampled_from(["text/event-stream", "application/x-ndjson"]),
+        cuts=st.lists(st.integers(0, 20_000), max_size=25),
+        asks=st.lists(st.booleans(), max_size=25),
+        small=st.booleans(),
+    )
     def test_asked_anywhere_a_reader_answers_as_one_fed_the_prefix_whole(
-            self, lines, content_type, cuts, asks, small):
+        self, lines, content_type, cuts, asks, small
+    ):
         """Feeding in pieces and asking between them (the stream asks when a client leaves)
         answers what a reader given each prefix in one piece answers; a small tail runs the
         paths where unread bytes would leave it. (A line longer than the tail is long here
@@ -556,11 +737,15 @@ class LazyReadingProperties(SynchronousTestCase):
             if index < len(asks) and asks[index]:
                 whole = frames.FrameReader(None, content_type)
                 whole.feed(body[:fed])
-                self.assertEqual((reader.terminal_seen, reader.events_seen),
-                                 (whole.terminal_seen, whole.events_seen), fed)
+                self.assertEqual(
+                    (reader.terminal_seen, reader.events_seen),
+                    (whole.terminal_seen, whole.events_seen),
+                    fed,
+                )
         whole = frames.FrameReader(None, content_type)
         if body:
             whole.feed(body)
-        self.assertEqual((reader.events_seen, bytes(reader.tail)),
-                         (whole.events_seen, bytes(whole.tail)))
+        self.assertEqual(
+            (reader.events_seen, bytes(reader.tail)), (whole.events_seen, bytes(whole.tail))
+        )
         self.assertEqual(reader.terminal_seen, whole.terminal_seen)

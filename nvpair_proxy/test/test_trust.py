@@ -32,8 +32,14 @@ from nvpair_proxy.admin.recorder import Recorder
 from nvpair_proxy.routing.reservations import ReservationMap
 from nvpair_proxy.testing.simfleet import SimNode, SimNodeResource
 from nvpair_proxy.testing.certs import make_certificate, write_admission, write_identity, write_pin
-from nvpair_proxy.cluster.trust import (ClusterDirectory, PeerAgents, PinnedPolicy, der_of, tls_ingress,
-                                 trust_watch)
+from nvpair_proxy.cluster.trust import (
+    ClusterDirectory,
+    PeerAgents,
+    PinnedPolicy,
+    der_of,
+    tls_ingress,
+    trust_watch,
+)
 
 from OpenSSL import SSL, crypto
 from twisted.internet.error import ConnectError
@@ -43,8 +49,13 @@ from twisted.web._newclient import RequestTransmissionFailed, ResponseNeverRecei
 OLLAMA = load_engines()["ollama"]
 
 # How a refused handshake or a missing pin reaches an Agent's caller.
-TLS_REFUSED = (ResponseNeverReceived, ResponseFailed, RequestTransmissionFailed, SSL.Error,
-               ConnectError)
+TLS_REFUSED = (
+    ResponseNeverReceived,
+    ResponseFailed,
+    RequestTransmissionFailed,
+    SSL.Error,
+    ConnectError,
+)
 
 
 def der(cert_pem: bytes) -> bytes:
@@ -81,8 +92,9 @@ class DirectoryTests(SynchronousTestCase):
         write_pin(self.folder, "node-d", make_certificate("node-d")[0], file_uuid="node-x")
         write_pin(self.folder, "node-e", make_certificate("node-e", san=False)[0])
         with open(os.path.join(self.folder, "trusted", "node-f.json.tmp"), "w") as handle:
-            json.dump({"nodeUuid": "node-f", "certPem": make_certificate("node-f")[0].decode()},
-                      handle)
+            json.dump(
+                {"nodeUuid": "node-f", "certPem": make_certificate("node-f")[0].decode()}, handle
+            )
         os.makedirs(os.path.join(self.folder, "trusted", "node-g.json"))
         self.assertEqual(sorted(self.directory().pins), ["node-b", "node-e"])
 
@@ -145,28 +157,42 @@ class PinnedTLSTests(TestCase):
         write_pin(self.b_dir, "node-a", self.a_cert[0])
         self.engine = SimNode("gpu-b", "ollama", models=["llama3:latest"], tokens=2)
         self.engine_via: list = []  # the Via lines each request reached the engine with
-        engine_port = reactor.listenTCP(0, Site(ViaRecorder(SimNodeResource(self.engine, Clock()),
-                                                            self.engine_via)),
-                                        interface="127.0.0.1")
+        engine_port = reactor.listenTCP(
+            0,
+            Site(ViaRecorder(SimNodeResource(self.engine, Clock()), self.engine_via)),
+            interface="127.0.0.1",
+        )
         self.addCleanup(engine_port.stopListening)
         self.backend = ("127.0.0.1", engine_port.getHost().port)
         self.emitter = RecordingEmitter()
         self.recorder = Recorder()  # the admin listener's: refusals counted by reason
         self.b = self.directory(self.b_dir)
-        facade = make_facade(OLLAMA, clock=reactor, agent=Agent(reactor, pool=self.pool()),
-                        emitter=self.emitter, run_id="0" * 16, random=random.random,
-                        bounds=Bounds(), reservations=ReservationMap(),
-                        recorder=self.recorder)
+        facade = make_facade(
+            OLLAMA,
+            clock=reactor,
+            agent=Agent(reactor, pool=self.pool()),
+            emitter=self.emitter,
+            run_id="0" * 16,
+            random=random.random,
+            bounds=Bounds(),
+            reservations=ReservationMap(),
+            recorder=self.recorder,
+        )
         self.facade = facade
         self.serve()
 
     def serve(self, lan=None) -> None:
         """B's facade port: the loopback site, the mTLS ingress, and ``lan`` keys if given."""
         site = facade_site(self.facade, reactor)
-        ingress = BoundedSite(IngressResource(self.facade, self.b, lambda: self.backend),
-                              reactor=reactor, timeout=site.timeOut, on_rejected=site.on_rejected)
-        factory = self.factory = DemuxFactory(site, tls=tls_ingress(self.b, ingress, reactor),
-                                              lan=lan)
+        ingress = BoundedSite(
+            IngressResource(self.facade, self.b, lambda: self.backend),
+            reactor=reactor,
+            timeout=site.timeOut,
+            on_rejected=site.on_rejected,
+        )
+        factory = self.factory = DemuxFactory(
+            site, tls=tls_ingress(self.b, ingress, reactor), lan=lan
+        )
         port = reactor.listenTCP(0, factory, interface="127.0.0.1")
         self.addCleanup(port.stopListening)
         self.url = b"https://127.0.0.1:%d/api/chat" % port.getHost().port
@@ -182,12 +208,14 @@ class PinnedTLSTests(TestCase):
         return pool
 
     def agent(self, folder: str, peer: str = "node-b") -> Agent:
-        return Agent(reactor, contextFactory=PinnedPolicy(self.directory(folder), peer),
-                     pool=self.pool())
+        return Agent(
+            reactor, contextFactory=PinnedPolicy(self.directory(folder), peer), pool=self.pool()
+        )
 
     def post(self, agent):
-        return agent.request(b"POST", self.url, None,
-                             BytesProducer(json.dumps({"model": "llama3"}).encode()))
+        return agent.request(
+            b"POST", self.url, None, BytesProducer(json.dumps({"model": "llama3"}).encode())
+        )
 
     @inlineCallbacks
     def test_a_pinned_peer_reaches_the_local_engine_with_no_workload_events(self):
@@ -204,8 +232,12 @@ class PinnedTLSTests(TestCase):
         """Design 16: the peer's request carries the peer's token, not ours, so it is served;
         the ingress adds its own hop, so the engine sees both."""
         agent = self.agent(self.a_dir)
-        response = yield agent.request(b"POST", self.url, Headers({b"Via": [b"1.1 nvpair-peer0"]}),
-                                       BytesProducer(json.dumps({"model": "llama3"}).encode()))
+        response = yield agent.request(
+            b"POST",
+            self.url,
+            Headers({b"Via": [b"1.1 nvpair-peer0"]}),
+            BytesProducer(json.dumps({"model": "llama3"}).encode()),
+        )
         yield readBody(response)
         self.assertEqual(response.code, 200)
         hop = self.facade.upstreams.loop_guard.hop
@@ -215,6 +247,7 @@ class PinnedTLSTests(TestCase):
     def test_lan_keys_leave_mtls_peers_alone(self):
         from nvpair_proxy.lan.apikeys import KeyStore, LanGate
         from nvpair_proxy.test.support import failures
+
         gate = LanGate(KeyStore(Clock(), env="lan-key-" + "K" * 32))
         self.serve(lan=gate)
         response = yield self.post(self.agent(self.a_dir))  # no key: a pinned peer needs none
@@ -247,8 +280,9 @@ class PinnedTLSTests(TestCase):
     def test_an_unpinned_client_certificate_gets_403_cluster_auth(self):
         response, body = yield self.post_as_stranger()
         self.assertEqual((response.code, body["code"]), (403, "cluster-auth"))
-        self.assertEqual(body["error"], "client certificate is not a pinned member of this "
-                                        "node's cluster")
+        self.assertEqual(
+            body["error"], "client certificate is not a pinned member of this node's cluster"
+        )
         self.assertEqual(self.engine.served, [])
         self.assertEqual(dict(self.recorder.reasons), {("ollama", "cluster_auth"): 1})
 
@@ -283,6 +317,7 @@ class PinnedTLSTests(TestCase):
     @inlineCallbacks
     def test_one_connections_certificate_is_converted_once_and_its_pin_checked_each_time(self):
         from nvpair_proxy.facade import ingress
+
         converted = []
 
         def counting(certificate):
@@ -292,8 +327,9 @@ class PinnedTLSTests(TestCase):
         self.patch(ingress, "der_of", counting)
         pool = HTTPConnectionPool(reactor, persistent=True)
         self.addCleanup(pool.closeCachedConnections)
-        agent = Agent(reactor, contextFactory=PinnedPolicy(self.directory(self.a_dir), "node-b"),
-                      pool=pool)
+        agent = Agent(
+            reactor, contextFactory=PinnedPolicy(self.directory(self.a_dir), "node-b"), pool=pool
+        )
         for _ in range(3):
             response = yield self.post(agent)
             yield readBody(response)
@@ -308,7 +344,8 @@ class PinnedTLSTests(TestCase):
     @inlineCallbacks
     def test_the_identity_probe_is_answered_on_the_ingress_too(self):
         response = yield self.agent(self.a_dir).request(
-            b"GET", self.url, Headers({b"X-NVPAIR-Engine-Identity-Probe": [b"1"]}))
+            b"GET", self.url, Headers({b"X-NVPAIR-Engine-Identity-Probe": [b"1"]})
+        )
         body = json.loads((yield readBody(response)))
         self.assertEqual((response.code, body["code"]), (409, "proxy-facade"))
         self.assertEqual(self.engine.served, [])
@@ -333,10 +370,24 @@ class PinnedTLSTests(TestCase):
     def test_one_pooled_transport_per_peer(self):
         agents = PeerAgents(reactor, self.directory(self.a_dir), 10, 90)
         self.addCleanup(agents.close)
-        node = make_node(OLLAMA, id="node-b", port=1, addresses=["127.0.0.1"], models=[],
-                         cluster_uuid="node-b", scheme="https")
-        other = make_node(OLLAMA, id="node-c", port=1, addresses=["127.0.0.1"], models=[],
-                          cluster_uuid="node-c", scheme="https")
+        node = make_node(
+            OLLAMA,
+            id="node-b",
+            port=1,
+            addresses=["127.0.0.1"],
+            models=[],
+            cluster_uuid="node-b",
+            scheme="https",
+        )
+        other = make_node(
+            OLLAMA,
+            id="node-c",
+            port=1,
+            addresses=["127.0.0.1"],
+            models=[],
+            cluster_uuid="node-c",
+            scheme="https",
+        )
         self.assertIs(agents.for_node(node), agents.for_node(node))
         self.assertIsNot(agents.for_node(node), agents.for_node(other))
         # A burst of 64 streams to a peer finds its connections again, not new handshakes.
@@ -348,24 +399,46 @@ class PinnedTLSTests(TestCase):
     @inlineCallbacks
     def test_a_facade_routes_to_a_pinned_peer_over_mtls(self):
         import attrs as _attrs
+
         peers = PeerAgents(reactor, self.directory(self.a_dir), 10, 90)
         self.addCleanup(peers.close)
         emitter = RecordingEmitter()
         agent = Agent(reactor, pool=self.pool())
-        a = make_facade(OLLAMA, clock=reactor, agent=agent, emitter=emitter, run_id="1" * 16,
-                        random=random.random, bounds=Bounds(), reservations=ReservationMap(),
-                        agent_for_node=peer_dialler(peers, agent))
+        a = make_facade(
+            OLLAMA,
+            clock=reactor,
+            agent=agent,
+            emitter=emitter,
+            run_id="1" * 16,
+            random=random.random,
+            bounds=Bounds(),
+            reservations=ReservationMap(),
+            agent_for_node=peer_dialler(peers, agent),
+        )
         b_port = int(self.url.split(b":")[2].split(b"/")[0])
         a.router.set_admission(lambda node: _attrs.evolve(node, scheme="https"))
-        a.router.replace_discovered([make_node(OLLAMA, id="node-b", port=b_port,
-                                              addresses=["127.0.0.1"], models=["llama3"],
-                                              source="discovered", cluster_uuid="node-b")])
+        a.router.replace_discovered(
+            [
+                make_node(
+                    OLLAMA,
+                    id="node-b",
+                    port=b_port,
+                    addresses=["127.0.0.1"],
+                    models=["llama3"],
+                    source="discovered",
+                    cluster_uuid="node-b",
+                )
+            ]
+        )
         port = reactor.listenTCP(0, DemuxFactory(facade_site(a, reactor)), interface="127.0.0.1")
         self.addCleanup(port.stopListening)
         client = Agent(reactor, pool=self.pool())
         response = yield client.request(
-            b"POST", b"http://127.0.0.1:%d/api/chat" % port.getHost().port, None,
-            BytesProducer(json.dumps({"model": "llama3"}).encode()))
+            b"POST",
+            b"http://127.0.0.1:%d/api/chat" % port.getHost().port,
+            None,
+            BytesProducer(json.dumps({"model": "llama3"}).encode()),
+        )
         yield readBody(response)
         self.assertEqual(response.code, 200)
         self.assertEqual(response.headers.getRawHeaders(b"x-sim-node"), [b"gpu-b"])
@@ -378,6 +451,7 @@ class PeerRoutingTests(SynchronousTestCase):
 
     def setUp(self):
         from nvpair_proxy.test.brokerlink import Proxy
+
         self.folder = self.mktemp()
         write_identity(self.folder, *make_certificate("node-a"))
         write_admission(self.folder)
@@ -385,9 +459,21 @@ class PeerRoutingTests(SynchronousTestCase):
         self.directory.refresh()
         self.proxy = Proxy(self, directory=self.directory)
         self.proxy.call("facade/enable", {"engine": "ollama", "ignorePersistedPort": True})
-        self.proxy.tell("ollama:discovery:nodes", {"nodes": [{
-            "hostUuid": "node-b", "name": "gpu-b", "ip": "192.0.2.2", "clusterUuid": "node-b",
-            "services": {"ol": {"port": 11434}}, "modelsByEngine": {"ollama": ["llama3"]}}]})
+        self.proxy.tell(
+            "ollama:discovery:nodes",
+            {
+                "nodes": [
+                    {
+                        "hostUuid": "node-b",
+                        "name": "gpu-b",
+                        "ip": "192.0.2.2",
+                        "clusterUuid": "node-b",
+                        "services": {"ol": {"port": 11434}},
+                        "modelsByEngine": {"ollama": ["llama3"]},
+                    }
+                ]
+            },
+        )
 
     def owners(self):
         return self.proxy.result("ollama:node/model-owners", {"model": "llama3"})["nodes"]
@@ -407,8 +493,10 @@ class PeerRoutingTests(SynchronousTestCase):
         write_pin(self.folder, "node-b", make_certificate("node-b")[0])
         os.unlink(os.path.join(self.folder, "node.crt"))
         self.directory.refresh()
-        self.proxy.call("ollama:node/add-manual", {"id": "m", "port": 1,
-                                                   "addresses": ["10.0.0.9"], "models": ["llama3"]})
+        self.proxy.call(
+            "ollama:node/add-manual",
+            {"id": "m", "port": 1, "addresses": ["10.0.0.9"], "models": ["llama3"]},
+        )
         self.assertEqual(self.owners(), ["m"])
 
 
@@ -471,6 +559,7 @@ class RobustDirectoryTests(SynchronousTestCase):
 
     def test_a_check_on_a_clock_stats_at_most_once_per_interval(self):
         from nvpair_proxy.cluster.admission import TRUST_RECHECK
+
         clock = Clock()
         self.directory.check(clock.seconds(), TRUST_RECHECK)
         write_pin(self.folder, "node-b", make_certificate("node-b")[0])
@@ -484,8 +573,15 @@ class RobustDirectoryTests(SynchronousTestCase):
         write_pin(self.folder, "node-b", make_certificate("node-b")[0])
         self.directory.refresh()
         agents = PeerAgents(Clock(), self.directory, 10, 90)
-        node = make_node(OLLAMA, id="node-b", port=1, addresses=["127.0.0.1"], models=[],
-                         cluster_uuid="node-b", scheme="https")
+        node = make_node(
+            OLLAMA,
+            id="node-b",
+            port=1,
+            addresses=["127.0.0.1"],
+            models=[],
+            cluster_uuid="node-b",
+            scheme="https",
+        )
         first = agents.for_node(node)
         self.assertIs(agents.for_node(node), first)
         write_pin(self.folder, "node-b", make_certificate("node-b")[0])
@@ -513,10 +609,18 @@ class AdmissionCopiesTests(SynchronousTestCase):
         backend = [("127.0.0.1", 11434)]
         admission = Admission(Directory(), Clock(), lambda: backend[0])
         me = Node(id="me", name="me", port=11435, addresses=("10.0.0.1",), local=True)
-        peer = Node(id="peer", name="peer", port=11435, addresses=("10.0.0.2",),
-                    cluster_uuid="peer-cluster", source="discovered")
+        peer = Node(
+            id="peer",
+            name="peer",
+            port=11435,
+            addresses=("10.0.0.2",),
+            cluster_uuid="peer-cluster",
+            source="discovered",
+        )
         first = admission(me)
-        self.assertEqual((first.addresses, first.port, first.scheme), (("127.0.0.1",), 11434, "http"))
+        self.assertEqual(
+            (first.addresses, first.port, first.scheme), (("127.0.0.1",), 11434, "http")
+        )
         self.assertIs(admission(me), first)
         backend[0] = ("127.0.0.1", 11500)
         self.assertEqual(admission(me).port, 11500)
@@ -557,12 +661,22 @@ class AdmittedOncePerChangeTests(SynchronousTestCase):
             self.asked.append(node.id)
             return admission(node)
 
-        self.nodes = NodeSet(admit=admit, admit_state=admission.state,
-                             is_self=lambda node: node.id == "me")
-        self.nodes.replace_discovered([
-            Node(id="me", name="me", port=11435, addresses=("10.0.0.1",), local=True),
-            Node(id="peer", name="peer", port=11435, addresses=("10.0.0.2",),
-                 cluster_uuid="peer-cluster", source="discovered")])
+        self.nodes = NodeSet(
+            admit=admit, admit_state=admission.state, is_self=lambda node: node.id == "me"
+        )
+        self.nodes.replace_discovered(
+            [
+                Node(id="me", name="me", port=11435, addresses=("10.0.0.1",), local=True),
+                Node(
+                    id="peer",
+                    name="peer",
+                    port=11435,
+                    addresses=("10.0.0.2",),
+                    cluster_uuid="peer-cluster",
+                    source="discovered",
+                ),
+            ]
+        )
 
     def routable(self):
         return {node.id: (node.port, node.scheme) for node in self.nodes.routable()}

@@ -28,7 +28,6 @@ class Facade:
 
 
 class VitalsTests(SynchronousTestCase):
-
     def test_snapshot_counts(self) -> None:
         reactor = MemoryReactorClock()
         reactor.callLater(5, lambda: None)
@@ -41,10 +40,11 @@ class VitalsTests(SynchronousTestCase):
         for key in (("http", b"h", 1), ("http", b"h", 1), ("http", b"h", 2)):
             pool.give(Idle(key))
         got = vitals.snapshot(reactor, pool, reservations, [Facade(2), Facade(0), Facade(1)])
-        self.assertEqual({k: got[k] for k in ("pending_calls", "pooled", "reservations",
-                                              "in_flight")},
-                         {"pending_calls": 3, "pooled": 3, "reservations": 3, "in_flight": 3},
-                         "two timers plus the pool's one idle sweep")
+        self.assertEqual(
+            {k: got[k] for k in ("pending_calls", "pooled", "reservations", "in_flight")},
+            {"pending_calls": 3, "pooled": 3, "reservations": 3, "in_flight": 3},
+            "two timers plus the pool's one idle sweep",
+        )
         self.assertEqual(got["fds"], len(os.listdir("/proc/self/fd")))
         self.assertGreater(got["rss_kib"], 1000)
 
@@ -73,6 +73,7 @@ class WiringTests(SynchronousTestCase):
         class Runtime:
             pool = ConnectionPool(MemoryReactorClock())
             reservations = ReservationMap()
+
         Runtime.pool.give(Idle(("http", b"h", 1)))
         return Runtime()
 
@@ -81,6 +82,7 @@ class WiringTests(SynchronousTestCase):
 
         from nvpair_proxy.process import tap
         from nvpair_proxy.process.service import ProcessService
+
         root = ProcessService(MemoryReactorClock())
         root.runtime, root.facades = self.runtime(), MultiService()
         for count in (2, 1):
@@ -93,5 +95,5 @@ class WiringTests(SynchronousTestCase):
     def test_before_start_up_there_is_nothing_to_report(self) -> None:
         from nvpair_proxy.process import tap
         from nvpair_proxy.process.service import ProcessService
-        self.assertIsNone(tap._vitals(ProcessService(MemoryReactorClock()),
-                                      MemoryReactorClock()))
+
+        self.assertIsNone(tap._vitals(ProcessService(MemoryReactorClock()), MemoryReactorClock()))

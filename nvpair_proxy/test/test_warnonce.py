@@ -35,5 +35,7 @@ class WarnOnceTests(SynchronousTestCase):
         for subject in ("trusted/a", "trusted/b", "identity"):
             warned.new(subject, "unreadable")
         warned.retain(lambda subject: subject != "trusted/a")
-        self.assertEqual([warned.new(s, "unreadable") for s in ("trusted/a", "trusted/b", "identity")],
-                         [True, False, False])
+        self.assertEqual(
+            [warned.new(s, "unreadable") for s in ("trusted/a", "trusted/b", "identity")],
+            [True, False, False],
+        )

@@ -41,9 +41,11 @@ def count_work(test, w, *clocks) -> dict[str, int]:
 
     test.patch(defer.Deferred, "__init__", counting_init)
     for clock in (w.clock, w.site_clock, *clocks):
+
         def counting_call_later(*args, _original=clock.callLater, **kwargs):
             counts["timers"] += 1
             return _original(*args, **kwargs)
+
         test.patch(clock, "callLater", counting_call_later)
 
     def observe(event) -> None:
@@ -54,11 +56,13 @@ def count_work(test, w, *clocks) -> dict[str, int]:
     return counts
 
 
-NDJSON_STREAM = (b"HTTP/1.1 200 OK\r\nContent-Type: application/x-ndjson\r\n"
-                 b"Transfer-Encoding: chunked\r\n\r\n"
-                 b"2a\r\n{\"message\":{\"content\":\"hi\"},\"done\":false}\n\r\n"
-                 b"33\r\n{\"done\":true,\"eval_count\":1,\"prompt_eval_count\":2}\n\r\n"
-                 b"0\r\n\r\n")
+NDJSON_STREAM = (
+    b"HTTP/1.1 200 OK\r\nContent-Type: application/x-ndjson\r\n"
+    b"Transfer-Encoding: chunked\r\n\r\n"
+    b'2a\r\n{"message":{"content":"hi"},"done":false}\n\r\n'
+    b'33\r\n{"done":true,"eval_count":1,"prompt_eval_count":2}\n\r\n'
+    b"0\r\n\r\n"
+)
 
 
 def through_the_client(test):
@@ -106,8 +110,11 @@ class WorkBudgetTests(WorldTestCase):
             client = self.proxied(w)
             self.assertEqual(client.response().status, 200)
         per_request = {name: count / 3 for name, count in counts.items()}
-        self.assertEqual({name: per_request[name] <= BUDGET[name] for name in BUDGET},
-                         dict.fromkeys(BUDGET, True), per_request)
+        self.assertEqual(
+            {name: per_request[name] <= BUDGET[name] for name in BUDGET},
+            dict.fromkeys(BUDGET, True),
+            per_request,
+        )
 
     def test_through_the_proxys_own_client_on_a_pooled_connection(self):
         """The same request with the real upstream client (client.py) in place of the fake
@@ -122,8 +129,11 @@ class WorkBudgetTests(WorldTestCase):
             self.assertIn(b'"eval_count":1', client.response().body)
         self.assertEqual(len(wires), 1, "one connection, reused")
         per_request = {name: count / 3 for name, count in counts.items()}
-        self.assertEqual({name: per_request[name] <= CLIENT_BUDGET[name] for name in BUDGET},
-                         dict.fromkeys(BUDGET, True), per_request)
+        self.assertEqual(
+            {name: per_request[name] <= CLIENT_BUDGET[name] for name in BUDGET},
+            dict.fromkeys(BUDGET, True),
+            per_request,
+        )
 
     def test_the_guard_sees_work_added_to_the_request_path(self):
         """The counter is live: one extra timer per request is seen (a guard that cannot fail
@@ -147,6 +157,7 @@ class SchedulerBudgetTests(WorldTestCase):
     def test_the_scheduler_adds_no_work_to_a_request_that_does_not_wait(self):
         from nvpair_proxy.routing import affinity
         from nvpair_proxy.routing.enginetruth import EngineTruth, Slots
+
         self.addCleanup(logs.set_level, logs.level_name())
         logs.set_level("info")
         hashed: list[int] = []
@@ -167,14 +178,24 @@ class SchedulerBudgetTests(WorldTestCase):
         w = self.world(emitter=LogEmitter(), scheduling=True, queue_depth=100, affinity=True)
         for node, address in (("a", "10.0.0.1"), ("b", "10.0.0.2")):
             w.add(node, addresses=(address,))
-            w.facade.router.set_truth(node, EngineTruth(read_at=0, slots=Slots(4, 0),
-                                                        warm=frozenset({"llama3:latest"})))
+            w.facade.router.set_truth(
+                node, EngineTruth(read_at=0, slots=Slots(4, 0), warm=frozenset({"llama3:latest"}))
+            )
         context = "x" * 200 * 1024
 
         def proxied():
             hashed.append(0)
-            client = w.send("POST", "/api/chat", {"model": "llama3", "messages": [
-                {"role": "system", "content": context}, {"role": "user", "content": context}]})
+            client = w.send(
+                "POST",
+                "/api/chat",
+                {
+                    "model": "llama3",
+                    "messages": [
+                        {"role": "system", "content": context},
+                        {"role": "user", "content": context},
+                    ],
+                },
+            )
             upstream = w.agent.last.respond(200, NDJSON)
             upstream.write(b'{"done":true,"eval_count":1,"prompt_eval_count":2}\n')
             upstream.finish()
@@ -185,8 +206,11 @@ class SchedulerBudgetTests(WorldTestCase):
         for _ in range(3):
             self.assertEqual(proxied().response().status, 200)
         per_request = {name: count / 3 for name, count in counts.items()}
-        self.assertEqual({name: per_request[name] <= BUDGET[name] for name in BUDGET},
-                         dict.fromkeys(BUDGET, True), per_request)
+        self.assertEqual(
+            {name: per_request[name] <= BUDGET[name] for name in BUDGET},
+            dict.fromkeys(BUDGET, True),
+            per_request,
+        )
         self.assertEqual(len(hashed), 4)
         self.assertTrue(all(16 * 1024 <= count <= 16 * 1024 + 64 for count in hashed), hashed)
 
@@ -198,6 +222,7 @@ class QueueBudgetTests(WorldTestCase):
 
     def timers_for(self, slots: int) -> int:
         from nvpair_proxy.routing.enginetruth import EngineTruth, Slots
+
         self.addCleanup(logs.set_level, logs.level_name())
         logs.set_level("info")
         w = self.world(emitter=LogEmitter(), scheduling=True, queue_depth=100)
@@ -220,8 +245,8 @@ class QueueBudgetTests(WorldTestCase):
         return counts["timers"]
 
     def test_waiting_in_the_queue_adds_no_timer_per_request(self):
-        waiting = self.timers_for(slots=1)   # 2 dispatched at once, 6 wait their turn
-        free = self.timers_for(slots=8)      # all 8 dispatched at once
+        waiting = self.timers_for(slots=1)  # 2 dispatched at once, 6 wait their turn
+        free = self.timers_for(slots=8)  # all 8 dispatched at once
         self.assertLessEqual(waiting, free + 1, (waiting, free))  # + the queue's one timer
 
 
@@ -236,14 +261,21 @@ class NoCycleTests(WorldTestCase):
         import weakref
 
         from nvpair_proxy.request import exchange as exchange_module
+
         w, through, _, _ = through_the_client(self)
         ended: list = []
         original = exchange_module.Exchange._ended
 
         def recording(exchange, *args):
             stream = exchange.stream
-            parts = [exchange, exchange.dispatch, stream, stream.committed.relay,
-                     stream.watch, exchange.workload]
+            parts = [
+                exchange,
+                exchange.dispatch,
+                stream,
+                stream.committed.relay,
+                stream.watch,
+                exchange.workload,
+            ]
             ended.append([weakref.ref(part) for part in parts if part is not None])
             original(exchange, *args)
 

@@ -64,11 +64,16 @@ def write(folder: str, name: str, data: bytes, mode: int = 0o600) -> str:
 def server_options(cert_pem: bytes, key_pem: bytes, client_ca: TestCA | None = None):
     kwargs = {}
     if client_ca is not None:
-        kwargs = dict(verify=True, requireCertificate=True,
-                      caCerts=[Certificate.loadPEM(client_ca.pem).original])
-    return CertificateOptions(privateKey=crypto.load_privatekey(crypto.FILETYPE_PEM, key_pem),
-                              certificate=crypto.load_certificate(crypto.FILETYPE_PEM, cert_pem),
-                              **kwargs)
+        kwargs = dict(
+            verify=True,
+            requireCertificate=True,
+            caCerts=[Certificate.loadPEM(client_ca.pem).original],
+        )
+    return CertificateOptions(
+        privateKey=crypto.load_privatekey(crypto.FILETYPE_PEM, key_pem),
+        certificate=crypto.load_certificate(crypto.FILETYPE_PEM, cert_pem),
+        **kwargs,
+    )
 
 
 class TLSFleet:
@@ -83,28 +88,44 @@ class TLSFleet:
         self.engines: dict[str, EngineResource] = {}
         self.entries: list[str] = []
 
-    def engine(self, node_id: str, *, tls: tuple[bytes, bytes] | None = None,
-               client_ca: TestCA | None = None, address: str = "127.0.0.1",
-               extra: str = "", models: bool = True) -> EngineResource:
+    def engine(
+        self,
+        node_id: str,
+        *,
+        tls: tuple[bytes, bytes] | None = None,
+        client_ca: TestCA | None = None,
+        address: str = "127.0.0.1",
+        extra: str = "",
+        models: bool = True,
+    ) -> EngineResource:
         resource = EngineResource(node_id)
         site = Site(resource)
         if tls is None:
             port = reactor.listenTCP(0, site, interface="127.0.0.1")
             access = ""
         else:
-            port = reactor.listenSSL(0, site, server_options(*tls, client_ca),
-                                     interface="127.0.0.1")
+            port = reactor.listenSSL(
+                0, site, server_options(*tls, client_ca), interface="127.0.0.1"
+            )
             access = f'scheme = "https"\nca_file = "{self.ca_file}"\n'
         self.test.addCleanup(port.stopListening)
         self.engines[node_id] = resource
         listed = 'models = ["llama3:latest"]\n' if models else ""
-        self.entries.append(f'[[node]]\nid = "{node_id}"\naddress = "{address}"\n'
-                            f'[node.engines.ollama]\nport = {port.getHost().port}\n'
-                            f'{listed}{access}{extra}')
+        self.entries.append(
+            f'[[node]]\nid = "{node_id}"\naddress = "{address}"\n'
+            f"[node.engines.ollama]\nport = {port.getHost().port}\n"
+            f"{listed}{access}{extra}"
+        )
         return resource
 
-    def start(self, bounds: Bounds = Bounds(max_attempts=2, backoff=(0.0,), jitter=0.0),
-              emitter=None, lan=None, interface: str = "127.0.0.1", bind: str | None = None):
+    def start(
+        self,
+        bounds: Bounds = Bounds(max_attempts=2, backoff=(0.0,), jitter=0.0),
+        emitter=None,
+        lan=None,
+        interface: str = "127.0.0.1",
+        bind: str | None = None,
+    ):
         """The facade on ``interface`` behind the listener (with ``lan`` keys, if given);
         the test's client connects from ``bind``."""
         path = write(self.folder, "nodes.toml", "\n".join(self.entries).encode())
@@ -113,31 +134,47 @@ class TLSFleet:
         self.agents = EngineAgents(reactor, Client(reactor, pool), 5.0, 5.0)
         self.test.addCleanup(self.agents.close)
         self.test.addCleanup(pool.closeCachedConnections)
-        self.facade = make_facade(ENGINES["ollama"], clock=reactor, agent=self.agents.agent,
-                                  emitter=emitter or RecordingEmitter(),
-                                  run_id="0123456789abcdef",
-                                  random=lambda: 0.5, bounds=bounds,
-                                  agent_for_node=self.agents.for_node)
+        self.facade = make_facade(
+            ENGINES["ollama"],
+            clock=reactor,
+            agent=self.agents.agent,
+            emitter=emitter or RecordingEmitter(),
+            run_id="0123456789abcdef",
+            random=lambda: 0.5,
+            bounds=bounds,
+            agent_for_node=self.agents.for_node,
+        )
         self.facade.router.replace_discovered(list(fleet.nodes["ollama"]))
-        listening = reactor.listenTCP(0, DemuxFactory(facade_site(self.facade, reactor), lan=lan),
-                                      interface=interface)
+        listening = reactor.listenTCP(
+            0, DemuxFactory(facade_site(self.facade, reactor), lan=lan), interface=interface
+        )
         self.test.addCleanup(listening.stopListening)
         self.url = f"http://{interface}:{listening.getHost().port}"
-        self.client = Agent(reactor, pool=HTTPConnectionPool(reactor, persistent=False),
-                            bindAddress=(bind, 0) if bind else None)
+        self.client = Agent(
+            reactor,
+            pool=HTTPConnectionPool(reactor, persistent=False),
+            bindAddress=(bind, 0) if bind else None,
+        )
         return self
 
     @inlineCallbacks
-    def request(self, method: bytes, path: str, headers: dict | None = None,
-                body: bytes | None = None):
+    def request(
+        self, method: bytes, path: str, headers: dict | None = None, body: bytes | None = None
+    ):
         from twisted.web.client import FileBodyProducer
         from io import BytesIO
+
         raw = Headers({k.encode(): [v.encode()] for k, v in (headers or {}).items()})
-        response = yield self.client.request(method, (self.url + path).encode(), raw,
-                                             FileBodyProducer(BytesIO(body)) if body else None)
+        response = yield self.client.request(
+            method,
+            (self.url + path).encode(),
+            raw,
+            FileBodyProducer(BytesIO(body)) if body else None,
+        )
         data = yield readBody(response)
         return response.code, data
 
     def chat(self, headers: dict | None = None):
-        return self.request(b"POST", "/api/chat", headers,
-                            json.dumps({"model": "llama3", "stream": False}).encode())
+        return self.request(
+            b"POST", "/api/chat", headers, json.dumps({"model": "llama3", "stream": False}).encode()
+        )

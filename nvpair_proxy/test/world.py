@@ -65,7 +65,7 @@ def _dechunk(data: bytes) -> tuple[bytes, bool]:
             out.append(data[:size])
             return b"".join(out), False
         out.append(data[:size])
-        data = data[size + 2:]
+        data = data[size + 2 :]
     return b"".join(out), False
 
 
@@ -85,6 +85,7 @@ class Client:
     def disconnect(self) -> None:
         from twisted.internet.error import ConnectionDone
         from twisted.python.failure import Failure
+
         self.protocol.connectionLost(Failure(ConnectionDone()))
 
     def pause(self) -> None:
@@ -95,8 +96,9 @@ class Client:
         self.transport.producer.resumeProducing()
 
 
-def request_bytes(method: str, path: str, body: bytes | dict | None = None,
-                  headers: dict | None = None) -> bytes:
+def request_bytes(
+    method: str, path: str, body: bytes | dict | None = None, headers: dict | None = None
+) -> bytes:
     if isinstance(body, dict):
         body = json.dumps(body).encode()
     lines = [f"{method} {path} HTTP/1.1", "Host: localhost"]
@@ -118,11 +120,21 @@ def connect(factory, peer=None) -> Client:
 
 
 class World:
-    def __init__(self, engine: str = "ollama", *, response_timeout: float = 1800.0,
-                 reservations: ReservationMap | None = None, clock: Clock | None = None,
-                 agent: FakeAgent | None = None, emitter: RecordingEmitter | None = None,
-                 lan=None, recorder=None, scheduling: bool = False,
-                 queue_depth: int | None = None, affinity: bool = False) -> None:
+    def __init__(
+        self,
+        engine: str = "ollama",
+        *,
+        response_timeout: float = 1800.0,
+        reservations: ReservationMap | None = None,
+        clock: Clock | None = None,
+        agent: FakeAgent | None = None,
+        emitter: RecordingEmitter | None = None,
+        lan=None,
+        recorder=None,
+        scheduling: bool = False,
+        queue_depth: int | None = None,
+        affinity: bool = False,
+    ) -> None:
         """``scheduling`` and ``queue_depth`` are standalone placement and late binding."""
         self.engine = ENGINES[engine]
         self.clock = clock or Clock()
@@ -130,24 +142,47 @@ class World:
         self.agent = agent or FakeAgent()
         self.emitter = emitter or RecordingEmitter()
         self.reservations = reservations if reservations is not None else ReservationMap()
-        self.facade = make_facade(self.engine, clock=self.clock, agent=self.agent,
-                             emitter=self.emitter, run_id="0123456789abcdef",
-                             random=lambda: 0.5, bounds=Bounds(response_timeout=response_timeout),
-                             reservations=self.reservations, recorder=recorder,
-                             scheduling=scheduling, queue_depth=queue_depth,
-                             affinity=affinity)
+        self.facade = make_facade(
+            self.engine,
+            clock=self.clock,
+            agent=self.agent,
+            emitter=self.emitter,
+            run_id="0123456789abcdef",
+            random=lambda: 0.5,
+            bounds=Bounds(response_timeout=response_timeout),
+            reservations=self.reservations,
+            recorder=recorder,
+            scheduling=scheduling,
+            queue_depth=queue_depth,
+            affinity=affinity,
+        )
         self.site = facade_site(self.facade, reactor=self.site_clock)
         self.factory = DemuxFactory(self.site, lan=lan)
 
-    def add(self, node_id: str, models=("llama3:latest",), addresses=("10.0.0.1",),
-            port: int = 11434, manual: bool = True, **extra):
-        node = make_node(self.engine, id=node_id, port=port, addresses=list(addresses),
-                         models=models, source="manual" if manual else "discovered", **extra)
+    def add(
+        self,
+        node_id: str,
+        models=("llama3:latest",),
+        addresses=("10.0.0.1",),
+        port: int = 11434,
+        manual: bool = True,
+        **extra,
+    ):
+        node = make_node(
+            self.engine,
+            id=node_id,
+            port=port,
+            addresses=list(addresses),
+            models=models,
+            source="manual" if manual else "discovered",
+            **extra,
+        )
         if manual:
             self.facade.router.put_manual(node)
         else:
             self.facade.router.replace_discovered(
-                list(self.facade.router.nodes.discovered.values()) + [node])
+                list(self.facade.router.nodes.discovered.values()) + [node]
+            )
         return node
 
     def remove(self, node_id: str) -> None:
@@ -163,8 +198,11 @@ class World:
         return client
 
     def chat(self, model: str = "llama3", stream: bool = True, path: str = "/api/chat") -> Client:
-        return self.send("POST", path, {"model": model, "stream": stream,
-                                        "messages": [{"role": "user", "content": "hi"}]})
+        return self.send(
+            "POST",
+            path,
+            {"model": model, "stream": stream, "messages": [{"role": "user", "content": "hi"}]},
+        )
 
     def workload_events(self) -> list[tuple[str, str, str | None]]:
         return [(m, info["state"], info.get("scheduledOn")) for m, info in self.emitter.workload()]
@@ -237,6 +275,9 @@ class WorldStatus:
     def snapshot(self) -> ProcessSnapshot:
         world = self.world
         facade = world.facade
-        return ProcessSnapshot(running=self.running, facades=(facade.view(port=11435),),
-                               reservations=dict(world.reservations.reservations),
-                               streamed=facade.reporter.activity.last_seen())
+        return ProcessSnapshot(
+            running=self.running,
+            facades=(facade.view(port=11435),),
+            reservations=dict(world.reservations.reservations),
+            streamed=facade.reporter.activity.last_seen(),
+        )

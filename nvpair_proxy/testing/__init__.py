@@ -10,8 +10,24 @@ and admissions. ``netns``: three hosts in network namespaces (``netns_tools`` ru
 them). ``tinymodel`` and ``llamaserver``: a real llama-server and the model it serves.
 """
 
-from .fakes import (FakeAgent, FakeBodyTransport, FakeRequest, FakeResponse, RecordingEmitter,
-                    lan, loopback, mapped_loopback)
+from .fakes import (
+    FakeAgent,
+    FakeBodyTransport,
+    FakeRequest,
+    FakeResponse,
+    RecordingEmitter,
+    lan,
+    loopback,
+    mapped_loopback,
+)
 
-__all__ = ["FakeAgent", "FakeBodyTransport", "FakeRequest", "FakeResponse", "RecordingEmitter",
-           "lan", "loopback", "mapped_loopback"]
+__all__ = [
+    "FakeAgent",
+    "FakeBodyTransport",
+    "FakeRequest",
+    "FakeResponse",
+    "RecordingEmitter",
+    "lan",
+    "loopback",
+    "mapped_loopback",
+]

@@ -54,7 +54,9 @@ class FakeResponse:
 
     def __init__(self, owner: "FakeRequest", code: int, headers: Headers, length) -> None:
         self.owner, self.code, self.headers, self.length = owner, code, headers, length
-        self.phrase = {200: b"OK", 404: b"Not Found", 503: b"Service Unavailable"}.get(code, b"Status")
+        self.phrase = {200: b"OK", 404: b"Not Found", 503: b"Service Unavailable"}.get(
+            code, b"Status"
+        )
         self.transport = FakeBodyTransport()
         self.protocol = None
         self._buffer: list[bytes] = []
@@ -106,10 +108,19 @@ class FakeRequest:
     response: FakeResponse | None = None
     cancelled: bool = False
 
-    def respond(self, code: int = 200, headers: dict | Headers | None = None, body: bytes | None = None,
-                length=UNKNOWN_LENGTH, finish: bool = False) -> FakeResponse:
-        raw = headers if isinstance(headers, Headers) else Headers(
-            {k.encode(): [v.encode()] for k, v in (headers or {}).items()})
+    def respond(
+        self,
+        code: int = 200,
+        headers: dict | Headers | None = None,
+        body: bytes | None = None,
+        length=UNKNOWN_LENGTH,
+        finish: bool = False,
+    ) -> FakeResponse:
+        raw = (
+            headers
+            if isinstance(headers, Headers)
+            else Headers({k.encode(): [v.encode()] for k, v in (headers or {}).items()})
+        )
         self.response = FakeResponse(self, code, raw, length)
         if body:
             self.response.write(body)

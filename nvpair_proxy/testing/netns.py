@@ -125,7 +125,7 @@ def _delete_namespace(name: str) -> None:
 
 
 def _owner_alive(name: str) -> bool:
-    owner = name[len(PREFIX):].split("-", 1)[0]
+    owner = name[len(PREFIX) :].split("-", 1)[0]
     return owner.isdigit() and _alive(int(owner))
 
 
@@ -150,6 +150,7 @@ def _die_with_parent() -> None:
     """In the child before exec: SIGKILL when the test process dies (prctl PR_SET_PDEATHSIG)."""
     try:
         import ctypes
+
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
     except (OSError, AttributeError):
         pass
@@ -220,8 +221,9 @@ class ScriptedBroker:
             seen = len(self.messages)
             remaining = end - time.monotonic()
             if remaining <= 0 or self.reader.closed:
-                raise AssertionError(f"no matching message within {timeout}s; "
-                                     f"last: {self.messages[-5:]}")
+                raise AssertionError(
+                    f"no matching message within {timeout}s; last: {self.messages[-5:]}"
+                )
             line = self.reader.read_line(min(remaining, 0.5))
             if line:
                 self.messages.append(json.loads(line))
@@ -239,13 +241,16 @@ class ScriptedBroker:
 
     def terminal(self, count: int = 1, timeout: float = DEADLINE) -> dict[str, list[dict]]:
         """Wait until ``count`` workloads have a terminal event; all workloads' events."""
+
         def done(message) -> bool:
             return message.get("method") in ("workload:completed", "workload:errored")
+
         end = time.monotonic() + timeout
         while sum(1 for m in self.messages if done(m)) < count:
             if time.monotonic() > end:
-                raise AssertionError(f"fewer than {count} terminal workload events; "
-                                     f"got {self.workloads()}")
+                raise AssertionError(
+                    f"fewer than {count} terminal workload events; got {self.workloads()}"
+                )
             self.pump(0.2)
         return self.workloads()
 
@@ -302,9 +307,17 @@ class Host:
 class Topology:
     """Build with ``start()``; always ``close()`` (tests: ``addCleanup(topology.close)``)."""
 
-    def __init__(self, *, delay_host: str | None = None, delay: float = 0.1,
-                 header_timeout: str = "2", tokens: int = 6, token_delay: float = 0.02,
-                 keepalive: str | None = None, log=None) -> None:
+    def __init__(
+        self,
+        *,
+        delay_host: str | None = None,
+        delay: float = 0.1,
+        header_timeout: str = "2",
+        tokens: int = 6,
+        token_delay: float = 0.02,
+        keepalive: str | None = None,
+        log=None,
+    ) -> None:
         self.run_id = f"{PREFIX}{os.getpid()}-{secrets.token_hex(2)}"
         self.workdir = tempfile.mkdtemp(prefix=f"{self.run_id}-")
         self.switch = f"{self.run_id}-sw"
@@ -390,8 +403,19 @@ class Topology:
             self._add_namespace(host.namespace)
             for index, (bridge, address) in enumerate(host.legs):
                 outer, inner = self.veth(host, bridge), f"eth{index}"
-                self.ip(self.switch, "link", "add", outer, "type", "veth", "peer", "name",
-                        inner, "netns", host.namespace)
+                self.ip(
+                    self.switch,
+                    "link",
+                    "add",
+                    outer,
+                    "type",
+                    "veth",
+                    "peer",
+                    "name",
+                    inner,
+                    "netns",
+                    host.namespace,
+                )
                 self.ip(self.switch, "link", "set", outer, "master", f"br{bridge}", "up")
                 self.ip(host.namespace, "addr", "add", f"{address}/24", "dev", inner)
                 self.ip(host.namespace, "link", "set", inner, "up")
@@ -403,8 +427,16 @@ class Topology:
             self._delay(self.hosts[self.delay_host])
 
     def _sysctl(self, host: Host, key: str, value: str) -> None:
-        _run("ip", "netns", "exec", host.namespace, "sh", "-c",
-             f"echo {value} > /proc/sys/{key}", check=False)
+        _run(
+            "ip",
+            "netns",
+            "exec",
+            host.namespace,
+            "sh",
+            "-c",
+            f"echo {value} > /proc/sys/{key}",
+            check=False,
+        )
 
     def veth(self, host: Host, bridge: int = 0) -> str:
         """The switch-side end of a host's leg on ``br<bridge>``."""
@@ -421,15 +453,53 @@ class Topology:
         """netem on both ends of every leg of the host (a multi-homed host is reached on
         either), else a user-space relay."""
         ms = f"{int(self.delay * 1000)}ms"
-        netem = _run("tc", "-n", host.namespace, "qdisc", "add", "dev", "eth0", "root",
-                     "netem", "delay", ms, check=False) if shutil.which("tc") else None
+        netem = (
+            _run(
+                "tc",
+                "-n",
+                host.namespace,
+                "qdisc",
+                "add",
+                "dev",
+                "eth0",
+                "root",
+                "netem",
+                "delay",
+                ms,
+                check=False,
+            )
+            if shutil.which("tc")
+            else None
+        )
         if netem is not None and netem.returncode == 0:
             for index, (bridge, _) in enumerate(host.legs):
                 if index:
-                    _run("tc", "-n", host.namespace, "qdisc", "add", "dev", f"eth{index}",
-                         "root", "netem", "delay", ms)
-                _run("tc", "-n", self.switch, "qdisc", "add", "dev", self.veth(host, bridge),
-                     "root", "netem", "delay", ms)
+                    _run(
+                        "tc",
+                        "-n",
+                        host.namespace,
+                        "qdisc",
+                        "add",
+                        "dev",
+                        f"eth{index}",
+                        "root",
+                        "netem",
+                        "delay",
+                        ms,
+                    )
+                _run(
+                    "tc",
+                    "-n",
+                    self.switch,
+                    "qdisc",
+                    "add",
+                    "dev",
+                    self.veth(host, bridge),
+                    "root",
+                    "netem",
+                    "delay",
+                    ms,
+                )
             self.delay_mode = "netem"
         else:
             self.delay_mode = "relay"  # started with the processes, published on RELAY_PORT
@@ -439,13 +509,24 @@ class Topology:
         self.ip(self.hosts[key].namespace, "neigh", "flush", "all", check=False)
 
     def neighbour(self, key: str, address: str) -> str:
-        return self.ip(self.hosts[key].namespace, "neigh", "show", address,
-                       check=False).stdout.strip()
+        return self.ip(
+            self.hosts[key].namespace, "neigh", "show", address, check=False
+        ).stdout.strip()
 
     def kill_connections(self, key: str, address: str) -> str:
         """``ss -K``: end the host's TCP sockets to ``address`` (what a keepalive would do)."""
-        return _run("ip", "netns", "exec", self.hosts[key].namespace, "ss", "-K", "-t",
-                    "dst", address, check=False).stdout
+        return _run(
+            "ip",
+            "netns",
+            "exec",
+            self.hosts[key].namespace,
+            "ss",
+            "-K",
+            "-t",
+            "dst",
+            address,
+            check=False,
+        ).stdout
 
     # -- cluster directories -----------------------------------------------------------------
 
@@ -462,17 +543,22 @@ class Topology:
 
     # -- processes --------------------------------------------------------------------------
 
-    def spawn(self, key: str, argv: list[str], *, log_name: str | None = None,
-              stdout=subprocess.PIPE) -> subprocess.Popen:
+    def spawn(
+        self, key: str, argv: list[str], *, log_name: str | None = None, stdout=subprocess.PIPE
+    ) -> subprocess.Popen:
         host = self.hosts[key]
         log = open(host.file(log_name), "ab") if log_name else None
         err = subprocess.DEVNULL if log is None else log
         try:
-            proc = subprocess.Popen(["ip", "netns", "exec", host.namespace] + argv,
-                                    stdin=subprocess.DEVNULL,
-                                    stdout=err if stdout is None else stdout, stderr=err,
-                                    start_new_session=True, preexec_fn=_die_with_parent,
-                                    cwd=self.workdir)
+            proc = subprocess.Popen(
+                ["ip", "netns", "exec", host.namespace] + argv,
+                stdin=subprocess.DEVNULL,
+                stdout=err if stdout is None else stdout,
+                stderr=err,
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
+                cwd=self.workdir,
+            )
         finally:
             if log is not None:
                 log.close()
@@ -483,24 +569,60 @@ class Topology:
         for host in self.hosts.values():
             fleet = host.file("fleet.toml")
             with open(fleet, "w") as handle:
-                handle.write(f'[[node]]\nid = "{host.engine_id}"\ndialect = "ollama"\n'
-                             f"port = {ENGINE_PORT}\nmodels = [{json.dumps(MODEL)}]\n"
-                             f"tokens = {self.tokens}\ntoken_delay = {self.token_delay}\n")
-            host.engine = self.spawn(host.key, [sys.executable, "-m", "nvpair_proxy.testing.simfleet",
-                                                fleet], log_name="engine.log")
+                handle.write(
+                    f'[[node]]\nid = "{host.engine_id}"\ndialect = "ollama"\n'
+                    f"port = {ENGINE_PORT}\nmodels = [{json.dumps(MODEL)}]\n"
+                    f"tokens = {self.tokens}\ntoken_delay = {self.token_delay}\n"
+                )
+            host.engine = self.spawn(
+                host.key,
+                [sys.executable, "-m", "nvpair_proxy.testing.simfleet", fleet],
+                log_name="engine.log",
+            )
             host._broker = ScriptedBroker(host.file("broker.sock"))
-            host.proxy = self.spawn(host.key, TWISTD + [
-                "-n", "--pidfile=", "nvpair-proxy", "--ipc", host.broker.path,
-                "--cluster-dir", host.cluster_dir, "--state-dir", host.file("state"),
-                "--response-header-timeout", self.header_timeout, "--log-level", "debug",
-                *(["--upstream-keepalive", self.keepalive] if self.keepalive else [])],
-                log_name="proxy.log", stdout=None)
+            host.proxy = self.spawn(
+                host.key,
+                TWISTD
+                + [
+                    "-n",
+                    "--pidfile=",
+                    "nvpair-proxy",
+                    "--ipc",
+                    host.broker.path,
+                    "--cluster-dir",
+                    host.cluster_dir,
+                    "--state-dir",
+                    host.file("state"),
+                    "--response-header-timeout",
+                    self.header_timeout,
+                    "--log-level",
+                    "debug",
+                    *(["--upstream-keepalive", self.keepalive] if self.keepalive else []),
+                ],
+                log_name="proxy.log",
+                stdout=None,
+            )
         if self.delay_mode == "relay":
             assert self.delay_host is not None
             host = self.hosts[self.delay_host]
-            relay = self.spawn(host.key, [sys.executable, TOOLS, "relay", json.dumps({
-                "host": "0.0.0.0", "port": RELAY_PORT, "target_host": "127.0.0.1",
-                "target_port": FACADE_PORT, "delay": self.delay})], log_name="relay.log")
+            relay = self.spawn(
+                host.key,
+                [
+                    sys.executable,
+                    TOOLS,
+                    "relay",
+                    json.dumps(
+                        {
+                            "host": "0.0.0.0",
+                            "port": RELAY_PORT,
+                            "target_host": "127.0.0.1",
+                            "target_port": FACADE_PORT,
+                            "delay": self.delay,
+                        }
+                    ),
+                ],
+                log_name="relay.log",
+            )
             self._expect_line(relay, '{"event": "ready"}', "relay")
         for host in self.hosts.values():
             assert host.engine is not None
@@ -516,11 +638,18 @@ class Topology:
     def directory_node(self, host: Host, viewer: Host) -> dict:
         port = FACADE_PORT if host is viewer else host.port
         ips = host.published_ips()
-        return {"hostUuid": host.uuid, "name": host.name, "ip": ips[0], "ips": ips,
-                "clusterUuid": host.principal, "trusted": True,
-                "services": {"ol": {"port": port}},
-                "models": [MODEL], "modelsByEngine": {"ollama": [MODEL]},
-                "lastSeen": int(time.time())}
+        return {
+            "hostUuid": host.uuid,
+            "name": host.name,
+            "ip": ips[0],
+            "ips": ips,
+            "clusterUuid": host.principal,
+            "trusted": True,
+            "services": {"ol": {"port": port}},
+            "models": [MODEL],
+            "modelsByEngine": {"ollama": [MODEL]},
+            "lastSeen": int(time.time()),
+        }
 
     def snapshot(self, viewer: str, hosts: list[str] | None = None) -> None:
         """``ollama:discovery:nodes`` to ``viewer``'s proxy naming ``hosts`` (default: all)."""
@@ -533,14 +662,20 @@ class Topology:
             try:
                 host.broker.accept()
             except socket.timeout:
-                raise RuntimeError(f"{host.name} proxy never connected to its broker; "
-                                   f"log: {self.tail(host.key, 'proxy.log')}") from None
+                raise RuntimeError(
+                    f"{host.name} proxy never connected to its broker; "
+                    f"log: {self.tail(host.key, 'proxy.log')}"
+                ) from None
         for host in self.hosts.values():
-            result = host.broker.call("facade/enable", {"engine": "ollama", "port": FACADE_PORT,
-                                                        "ignorePersistedPort": True})
+            result = host.broker.call(
+                "facade/enable",
+                {"engine": "ollama", "port": FACADE_PORT, "ignorePersistedPort": True},
+            )
             assert result["port"] == FACADE_PORT, result
-            host.broker.call("ollama:node/set-local-backend", {
-                "engine": "ollama", "host": "127.0.0.1", "port": ENGINE_PORT, "healthy": True})
+            host.broker.call(
+                "ollama:node/set-local-backend",
+                {"engine": "ollama", "host": "127.0.0.1", "port": ENGINE_PORT, "healthy": True},
+            )
             self.snapshot(host.key)
         for host in self.hosts.values():
             self.wait_owners(host.key, {h.uuid for h in self.hosts.values()})
@@ -566,28 +701,56 @@ class Topology:
             broker.pump(0.05)
 
     def set_priority(self, key: str, order: list[str], generation: int = 1) -> None:
-        self.hosts[key].broker.call("node/set-priority", {
-            "generation": generation, "nodes": [self.hosts[k].uuid for k in order]})
+        self.hosts[key].broker.call(
+            "node/set-priority",
+            {"generation": generation, "nodes": [self.hosts[k].uuid for k in order]},
+        )
 
     def client(self, key: str, requests: list[dict]) -> "Client":
         """Start ``requests`` at once from inside host ``key``'s namespace."""
-        proc = self.spawn(key, [sys.executable, TOOLS, "request",
-                                json.dumps({"requests": requests})], log_name="client.log")
+        proc = self.spawn(
+            key,
+            [sys.executable, TOOLS, "request", json.dumps({"requests": requests})],
+            log_name="client.log",
+        )
         return Client(proc)
 
-    def chat(self, key: str = "a", *, count: int = 1, host: str = "127.0.0.1",
-             port: int = FACADE_PORT, tls: dict | None = None, path: str = "/api/chat",
-             body: dict | None = None, timeout: float = 30) -> "Client":
-        body = body or {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
-                        "stream": True}
-        spec = {"method": "POST", "host": host, "port": port, "path": path,
-                "body": json.dumps(body), "timeout": timeout}
+    def chat(
+        self,
+        key: str = "a",
+        *,
+        count: int = 1,
+        host: str = "127.0.0.1",
+        port: int = FACADE_PORT,
+        tls: dict | None = None,
+        path: str = "/api/chat",
+        body: dict | None = None,
+        timeout: float = 30,
+    ) -> "Client":
+        body = body or {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "hi"}],
+            "stream": True,
+        }
+        spec = {
+            "method": "POST",
+            "host": host,
+            "port": port,
+            "path": path,
+            "body": json.dumps(body),
+            "timeout": timeout,
+        }
         if tls:
             spec["tls"] = tls
         return self.client(key, [dict(spec) for _ in range(count)])
 
-    def tls_as(self, key: str, peer: str | None = None, cert_pem: bytes | None = None,
-               key_pem: bytes | None = None) -> dict:
+    def tls_as(
+        self,
+        key: str,
+        peer: str | None = None,
+        cert_pem: bytes | None = None,
+        key_pem: bytes | None = None,
+    ) -> dict:
         """Client TLS settings: ``key``'s node certificate (or the given one), pinning
         ``peer``'s certificate when named."""
         host = self.hosts[key]
@@ -604,9 +767,14 @@ class Topology:
 
     def engine_admin(self, key: str, path: str, body: dict | None = None) -> dict:
         """``/_sim/fault`` or ``/_sim/state`` of the host's engine, asked inside its namespace."""
-        spec = {"method": "POST" if body is not None else "GET", "host": "127.0.0.1",
-                "port": ENGINE_PORT, "path": path, "body": json.dumps(body) if body else "",
-                "timeout": 10}
+        spec = {
+            "method": "POST" if body is not None else "GET",
+            "host": "127.0.0.1",
+            "port": ENGINE_PORT,
+            "path": path,
+            "body": json.dumps(body) if body else "",
+            "timeout": 10,
+        }
         result = self.client(key, [spec]).result()[0]
         if result["status"] != 200:
             raise AssertionError(f"{path} on {key}: {result}")

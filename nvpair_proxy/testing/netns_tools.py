@@ -34,6 +34,7 @@ def emit(value: dict) -> None:
 
 # -- request ------------------------------------------------------------------------------
 
+
 class _Printed:
     def __init__(self) -> None:
         self.lock = threading.Lock()
@@ -93,14 +94,18 @@ def _parse(raw: bytes) -> dict:
             body += after[:size]
             if len(after) < size + 2:
                 break
-            rest = after[size + 2:]
+            rest = after[size + 2 :]
     elif "content-length" in headers:
         length = int(headers["content-length"])
         body, complete = rest[:length], len(rest) >= length
     else:
         body, complete = rest, True
-    return {"status": status, "headers": headers, "body": body.decode("latin-1"),
-            "complete": complete}
+    return {
+        "status": status,
+        "headers": headers,
+        "body": body.decode("latin-1"),
+        "complete": complete,
+    }
 
 
 def _one(spec: dict, printed: _Printed, results: list, index: int) -> None:
@@ -109,8 +114,12 @@ def _one(spec: dict, printed: _Printed, results: list, index: int) -> None:
     try:
         sock = _connect(spec)
         body = spec.get("body", "").encode()
-        headers = {"Host": f"{spec['host']}:{spec['port']}", "Connection": "close",
-                   "Content-Length": str(len(body)), **spec.get("headers", {})}
+        headers = {
+            "Host": f"{spec['host']}:{spec['port']}",
+            "Connection": "close",
+            "Content-Length": str(len(body)),
+            **spec.get("headers", {}),
+        }
         if body:
             headers.setdefault("Content-Type", "application/json")
         request = f"{spec.get('method', 'POST')} {spec['path']} HTTP/1.1\r\n"
@@ -135,8 +144,10 @@ def request(config: dict) -> int:
     specs = config["requests"]
     printed = _Printed()
     results: list = [None] * len(specs)
-    threads = [threading.Thread(target=_one, args=(spec, printed, results, i), daemon=True)
-               for i, spec in enumerate(specs)]
+    threads = [
+        threading.Thread(target=_one, args=(spec, printed, results, i), daemon=True)
+        for i, spec in enumerate(specs)
+    ]
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -146,6 +157,7 @@ def request(config: dict) -> int:
 
 
 # -- impostor -----------------------------------------------------------------------------
+
 
 def impostor(config: dict) -> int:
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
@@ -162,14 +174,16 @@ def impostor(config: dict) -> int:
                 data = tls.recv(65536)
                 record["received"] = data.decode("latin-1")
                 if data:
-                    tls.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 8\r\n"
-                                b"Connection: close\r\n\r\nimpostor")
+                    tls.sendall(
+                        b"HTTP/1.1 200 OK\r\nContent-Length: 8\r\nConnection: close\r\n\r\nimpostor"
+                    )
         except (OSError, ssl.SSLError) as exc:
             record["error"] = f"{type(exc).__name__}: {exc}"
         emit(record)
 
 
 # -- relay --------------------------------------------------------------------------------
+
 
 async def _pump(reader, writer, delay: float) -> None:
     """Copy one direction, each chunk released ``delay`` after it arrived, order kept: the
@@ -216,13 +230,16 @@ async def _relay(config: dict) -> None:
     async def handle(client_reader, client_writer):
         try:
             upstream_reader, upstream_writer = await asyncio.open_connection(
-                config["target_host"], config["target_port"])
+                config["target_host"], config["target_port"]
+            )
         except OSError:
             client_writer.close()
             return
-        await asyncio.gather(_pump(client_reader, upstream_writer, delay),
-                             _pump(upstream_reader, client_writer, delay),
-                             return_exceptions=True)
+        await asyncio.gather(
+            _pump(client_reader, upstream_writer, delay),
+            _pump(upstream_reader, client_writer, delay),
+            return_exceptions=True,
+        )
         upstream_writer.close()
         client_writer.close()
 

@@ -64,8 +64,9 @@ def stop(*procs: subprocess.Popen | None) -> None:
                 stream.close()
 
 
-def spawn_fleet(fleet_path: str, stderr: int | None = subprocess.PIPE
-                ) -> tuple[subprocess.Popen, dict[str, int]]:
+def spawn_fleet(
+    fleet_path: str, stderr: int | None = subprocess.PIPE
+) -> tuple[subprocess.Popen, dict[str, int]]:
     """The simulated fleet of ``fleet_path`` (simfleet's TOML) once it printed its ready line:
     (the process, each simulated node's port by id). ``stderr=None`` lets it write to ours."""
     proc = subprocess.Popen(SIMFLEET + [fleet_path], stdout=subprocess.PIPE, stderr=stderr)
@@ -80,10 +81,16 @@ def spawn_fleet(fleet_path: str, stderr: int | None = subprocess.PIPE
     return proc, {k: int(v) for k, v in (item.split("=") for item in line.split(":", 1)[1].split())}
 
 
-def spawn_proxy(workdir: str, args: Sequence[str], logfile: str | None = None, *,
-                stdout: int | None = subprocess.DEVNULL, stderr: int | None = subprocess.PIPE,
-                cwd: str | None = None, env: Mapping[str, str] | None = None
-                ) -> subprocess.Popen:
+def spawn_proxy(
+    workdir: str,
+    args: Sequence[str],
+    logfile: str | None = None,
+    *,
+    stdout: int | None = subprocess.DEVNULL,
+    stderr: int | None = subprocess.PIPE,
+    cwd: str | None = None,
+    env: Mapping[str, str] | None = None,
+) -> subprocess.Popen:
     """``twistd nvpair-proxy`` (standalone unless ``args`` say otherwise) with its state under
     ``workdir``, once it sent READY=1. ``workdir`` holds the notification socket, so its path
     must be short (a mkdtemp in /tmp is). With ``logfile`` twistd logs there; ``env`` adds to
@@ -94,12 +101,17 @@ def spawn_proxy(workdir: str, args: Sequence[str], logfile: str | None = None, *
     notify.settimeout(DEADLINE)
     logging = ["--logfile", logfile] if logfile else []
     try:
-        proc = subprocess.Popen(TWISTD + ["-n", "--pidfile="] + logging + [
-                                    "nvpair-proxy", "--state-dir", os.path.join(workdir, "state")]
-                                + list(args),
-                                env=dict(os.environ, **(env or {}), NOTIFY_SOCKET=notify_path),
-                                cwd=cwd,
-                                stdout=stdout, stderr=stderr)
+        proc = subprocess.Popen(
+            TWISTD
+            + ["-n", "--pidfile="]
+            + logging
+            + ["nvpair-proxy", "--state-dir", os.path.join(workdir, "state")]
+            + list(args),
+            env=dict(os.environ, **(env or {}), NOTIFY_SOCKET=notify_path),
+            cwd=cwd,
+            stdout=stdout,
+            stderr=stderr,
+        )
         try:
             message = notify.recv(64)
         except socket.timeout:
@@ -108,8 +120,9 @@ def spawn_proxy(workdir: str, args: Sequence[str], logfile: str | None = None, *
         notify.close()
     if message != b"READY=1":
         stop(proc)
-        raise StartFailed(f"the proxy did not report READY=1 within {DEADLINE:.0f} s "
-                          f"(it sent {message!r})")
+        raise StartFailed(
+            f"the proxy did not report READY=1 within {DEADLINE:.0f} s (it sent {message!r})"
+        )
     return proc
 
 
@@ -194,8 +207,11 @@ def logged_workloads(path: str, count: int, method: str = "workload:completed") 
 
     def enough() -> bool:
         with open(path, encoding="utf-8") as handle:
-            found[:] = [json.loads(line.split(marker, 1)[1])["workloadInfo"]
-                        for line in handle if marker in line and line.endswith("\n")]
+            found[:] = [
+                json.loads(line.split(marker, 1)[1])["workloadInfo"]
+                for line in handle
+                if marker in line and line.endswith("\n")
+            ]
         return len(found) >= count
 
     wait_until(path, enough)
@@ -208,10 +224,14 @@ class BrokerChannel:
 
     def __init__(self, workdir: str, args: Sequence[str] = ()) -> None:
         self.proc = subprocess.Popen(
-            TWISTD + ["-n", "--pidfile=", "nvpair-proxy", "--state-dir",
-                      os.path.join(workdir, "state")] + list(args),
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            env=dict(os.environ, NVPAIR_LOG_LEVEL="debug"))
+            TWISTD
+            + ["-n", "--pidfile=", "nvpair-proxy", "--state-dir", os.path.join(workdir, "state")]
+            + list(args),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=dict(os.environ, NVPAIR_LOG_LEVEL="debug"),
+        )
         assert self.proc.stdout is not None
         self.reader = LineReader(self.proc.stdout)
         self.lines: list[dict] = []
@@ -257,8 +277,10 @@ class BrokerChannel:
         raise AssertionError(f"no matching message; got {self.lines}")
 
 
-def nodes_toml(entries: Iterable[tuple[str, str, int, list[str] | None]],
-               slots: Mapping[tuple[str, str], int] | None = None) -> str:
+def nodes_toml(
+    entries: Iterable[tuple[str, str, int, list[str] | None]],
+    slots: Mapping[tuple[str, str], int] | None = None,
+) -> str:
     """A nodes file on loopback from (node id, engine, port, models): one ``[[node]]`` per id,
     in first-seen order, with a table per engine; models ``None`` leaves them to the probe.
     ``slots`` gives ``slots = N`` to the (node id, engine) entries it names."""
@@ -270,8 +292,10 @@ def nodes_toml(entries: Iterable[tuple[str, str, int, list[str] | None]],
         if slots and (node_id, engine) in slots:
             table += f"slots = {slots[node_id, engine]}\n"
         tables.setdefault(node_id, []).append(table)
-    return "\n".join(f'[[node]]\nid = "{node_id}"\naddress = "127.0.0.1"\n' + "".join(engines)
-                     for node_id, engines in tables.items())
+    return "\n".join(
+        f'[[node]]\nid = "{node_id}"\naddress = "127.0.0.1"\n' + "".join(engines)
+        for node_id, engines in tables.items()
+    )
 
 
 def exchange(port: int, data: bytes, timeout: float = 10.0) -> tuple[bytes, bool]:

@@ -88,10 +88,25 @@ from twisted.web.server import NOT_DONE_YET, Request, Site
 DIALECTS = ("ollama", "lmstudio", "llamacpp")
 
 # The fields POST /_sim/fault may change; identity (id, dialect, port) and records may not.
-FAULT_FIELDS = ("models", "loaded", "tokens", "token_delay", "chunk_size", "status",
-                "hang_before_headers", "headers_delay", "hang_after_headers", "die_after_tokens",
-                "slots", "cold_load_delay", "prompt_delay", "prompt_cache",
-                "cached_prompt_delay", "close_after_stream", "drop_after_read")
+FAULT_FIELDS = (
+    "models",
+    "loaded",
+    "tokens",
+    "token_delay",
+    "chunk_size",
+    "status",
+    "hang_before_headers",
+    "headers_delay",
+    "hang_after_headers",
+    "die_after_tokens",
+    "slots",
+    "cold_load_delay",
+    "prompt_delay",
+    "prompt_cache",
+    "cached_prompt_delay",
+    "close_after_stream",
+    "drop_after_read",
+)
 
 _FILLER = "abcdefghijklmnopqrstuvwxyz0123456789"
 
@@ -118,6 +133,7 @@ def token_text(node_id: str, index: int, chunk_size: int = 0) -> str:
 
 # -- the node ------------------------------------------------------------------------------
 
+
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -127,6 +143,7 @@ def _int_in(low: int, high: int | None = None):
         if not _is_int(value) or value < low or (high is not None and value > high):
             bound = f"{low}-{high}" if high is not None else f">= {low}"
             raise ValueError(f"{attribute.name} must be an integer {bound} (got {value!r})")
+
     return check
 
 
@@ -134,6 +151,7 @@ def _optional(check):
     def optional_check(instance, attribute, value):
         if value is not None:
             check(instance, attribute, value)
+
     return optional_check
 
 
@@ -193,32 +211,37 @@ class SimNode:
     loaded: list[str] | None = attrs.field(default=None, validator=_optional(_names))
     port: int = attrs.field(default=0, validator=_int_in(0, 65535))
     tokens: int = attrs.field(default=6, validator=_int_in(0))
-    token_delay: float = attrs.field(default=0.0, converter=_seconds,
-                                     validator=_non_negative_seconds)
+    token_delay: float = attrs.field(
+        default=0.0, converter=_seconds, validator=_non_negative_seconds
+    )
     chunk_size: int = attrs.field(default=0, validator=_int_in(0))
     status: int | None = attrs.field(default=None, validator=_optional(_int_in(400, 599)))
     hang_before_headers: bool = attrs.field(default=False, validator=_flag)
     # Seconds an inference request waits before it is answered at all (a busy engine's
     # queue): a link cut inside this wait is what stops the answer, not the node.
-    headers_delay: float = attrs.field(default=0.0, converter=_seconds,
-                                       validator=_non_negative_seconds)
+    headers_delay: float = attrs.field(
+        default=0.0, converter=_seconds, validator=_non_negative_seconds
+    )
     hang_after_headers: bool = attrs.field(default=False, validator=_flag)
     die_after_tokens: int | None = attrs.field(default=None, validator=_optional(_int_in(0)))
     # Inference requests run at once (per model for a llama.cpp router); None: unlimited.
     slots: int | None = attrs.field(default=None, validator=_optional(_int_in(1)))
     # Seconds the first request for a cold model waits before its first byte.
-    cold_load_delay: float = attrs.field(default=0.0, converter=_seconds,
-                                         validator=_non_negative_seconds)
+    cold_load_delay: float = attrs.field(
+        default=0.0, converter=_seconds, validator=_non_negative_seconds
+    )
     # llama.cpp only: a router (``--models-dir``) that loads any of models on first use.
     router: bool = attrs.field(default=False, validator=_flag)
     # Seconds a generation reads its prompt before its first byte (a prompt cache miss).
-    prompt_delay: float = attrs.field(default=0.0, converter=_seconds,
-                                      validator=_non_negative_seconds)
+    prompt_delay: float = attrs.field(
+        default=0.0, converter=_seconds, validator=_non_negative_seconds
+    )
     # Conversation heads the prompt cache holds (0: no cache), and the seconds a generation
     # whose head it holds reads its prompt instead of prompt_delay.
     prompt_cache: int = attrs.field(default=0, validator=_int_in(0))
-    cached_prompt_delay: float = attrs.field(default=0.0, converter=_seconds,
-                                             validator=_non_negative_seconds)
+    cached_prompt_delay: float = attrs.field(
+        default=0.0, converter=_seconds, validator=_non_negative_seconds
+    )
     # Close the connection right after a streamed answer, whatever its headers said, as
     # llama-server does (it sends ``Keep-Alive: timeout=5, max=100`` and closes). None: as
     # the dialect's engine does (llama.cpp closes, Ollama and LM Studio keep it open).
@@ -237,8 +260,9 @@ class SimNode:
     cache_hits: int = 0
     cache_misses: int = 0
     # What runs, waits and loads now, shared by every resource serving this node.
-    engine: _EngineState = attrs.field(init=False, factory=lambda: _EngineState(),
-                                       eq=False, repr=False)
+    engine: _EngineState = attrs.field(
+        init=False, factory=lambda: _EngineState(), eq=False, repr=False
+    )
     # Every inference request that reached this node, whatever it was answered.
     served: list[tuple[str, str]] = attrs.field(factory=list)
     # The last non-admin request's headers: lower-case name -> values in arrival order
@@ -290,8 +314,9 @@ class SimNode:
         """Apply a ``/_sim/fault`` body all or nothing; ValueError names the bad field."""
         unknown = sorted(set(changes) - set(FAULT_FIELDS))
         if unknown:
-            raise ValueError(f"unknown field(s): {', '.join(unknown)}; "
-                             f"want any of {', '.join(FAULT_FIELDS)}")
+            raise ValueError(
+                f"unknown field(s): {', '.join(unknown)}; want any of {', '.join(FAULT_FIELDS)}"
+            )
         checked = attrs.evolve(self, **changes)
         for name in changes:
             setattr(self, name, getattr(checked, name))
@@ -320,8 +345,7 @@ class SimNode:
     def state(self) -> dict[str, Any]:
         """The node as ``/_sim/state`` reports it."""
         fields = attrs.asdict(self, filter=lambda attribute, value: attribute.name != "engine")
-        return {**fields, "served_count": len(self.served),
-                "cached_heads": len(self.engine.cache)}
+        return {**fields, "served_count": len(self.served), "cached_heads": len(self.engine.cache)}
 
 
 class _EngineState:
@@ -343,6 +367,7 @@ class _EngineState:
 
 # -- wire helpers --------------------------------------------------------------------------
 
+
 def _dumps(value: Any) -> bytes:
     return json.dumps(value, separators=(",", ":")).encode("utf-8")
 
@@ -361,14 +386,24 @@ def _ndjson(value: Any) -> bytes:
 
 
 def _headers_of(request: Request) -> dict[str, list[str]]:
-    return {name.decode("latin-1").lower(): [v.decode("latin-1") for v in values]
-            for name, values in request.requestHeaders.getAllRawHeaders()}
+    return {
+        name.decode("latin-1").lower(): [v.decode("latin-1") for v in values]
+        for name, values in request.requestHeaders.getAllRawHeaders()
+    }
 
 
-_ANTHROPIC_ERRORS = {400: "invalid_request_error", 404: "not_found_error",
-                     429: "rate_limit_error", 503: "overloaded_error"}
-_LLAMACPP_ERRORS = {400: "invalid_request_error", 404: "not_found_error",
-                    501: "not_supported_error", 503: "unavailable_error"}
+_ANTHROPIC_ERRORS = {
+    400: "invalid_request_error",
+    404: "not_found_error",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+}
+_LLAMACPP_ERRORS = {
+    400: "invalid_request_error",
+    404: "not_found_error",
+    501: "not_supported_error",
+    503: "unavailable_error",
+}
 
 
 def _error_body(style: str, status: int, message: str) -> dict[str, Any]:
@@ -376,14 +411,26 @@ def _error_body(style: str, status: int, message: str) -> dict[str, Any]:
     if style == "ollama":
         return {"error": message}
     if style == "anthropic":
-        return {"type": "error",
-                "error": {"type": _ANTHROPIC_ERRORS.get(status, "api_error"), "message": message}}
+        return {
+            "type": "error",
+            "error": {"type": _ANTHROPIC_ERRORS.get(status, "api_error"), "message": message},
+        }
     if style == "llamacpp":
-        return {"error": {"code": status, "message": message,
-                          "type": _LLAMACPP_ERRORS.get(status, "server_error")}}
-    return {"error": {"message": message,
-                      "type": "invalid_request_error" if status < 500 else "server_error",
-                      "param": None, "code": None}}
+        return {
+            "error": {
+                "code": status,
+                "message": message,
+                "type": _LLAMACPP_ERRORS.get(status, "server_error"),
+            }
+        }
+    return {
+        "error": {
+            "message": message,
+            "type": "invalid_request_error" if status < 500 else "server_error",
+            "param": None,
+            "code": None,
+        }
+    }
 
 
 def _prompt_words(value: Any) -> int:
@@ -398,8 +445,13 @@ def _prompt_words(value: Any) -> int:
 
 def _prompt_tokens(body: Mapping[str, Any]) -> int:
     """Words of the prompt stand in for tokens, so a test can predict the count."""
-    return max(1, sum(_prompt_words(body.get(key))
-                      for key in ("prompt", "system", "instructions", "messages", "input")))
+    return max(
+        1,
+        sum(
+            _prompt_words(body.get(key))
+            for key in ("prompt", "system", "instructions", "messages", "input")
+        ),
+    )
 
 
 def _text_of(value: Any) -> str:
@@ -407,8 +459,12 @@ def _text_of(value: Any) -> str:
     if isinstance(value, str):
         return value
     if isinstance(value, list):
-        return "\n".join(_text_of(part.get("text", part.get("content")))
-                         if isinstance(part, dict) else _text_of(part) for part in value)
+        return "\n".join(
+            _text_of(part.get("text", part.get("content")))
+            if isinstance(part, dict)
+            else _text_of(part)
+            for part in value
+        )
     return ""
 
 
@@ -456,6 +512,7 @@ def _inputs(value: Any) -> list[str]:
 
 # -- one generation ------------------------------------------------------------------------
 
+
 @attrs.frozen
 class _Job:
     """What one generation request asked for, fixed when it arrived."""
@@ -480,8 +537,10 @@ class _Job:
         return "".join(self.text(i) for i in range(self.completion_tokens))
 
     def eval_seconds(self, now: float) -> float:
-        return max(now - self.created - self.prompt_seconds,
-                   self.completion_tokens * _MIN_SECONDS_PER_TOKEN)
+        return max(
+            now - self.created - self.prompt_seconds,
+            self.completion_tokens * _MIN_SECONDS_PER_TOKEN,
+        )
 
     def read_seconds(self) -> float:
         """Seconds spent reading the prompt tokens not reused from the cache."""
@@ -489,26 +548,37 @@ class _Job:
         return max(self.prompt_seconds, read * _SECONDS_PER_PROMPT_TOKEN)
 
     def usage(self) -> dict[str, int]:
-        return {"prompt_tokens": self.prompt_tokens,
-                "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens}
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+        }
 
     def timings(self, now: float) -> dict[str, float]:
         predicted_ms = self.eval_seconds(now) * 1000.0
-        return {"cache_n": self.cached_tokens,
-                "prompt_n": self.prompt_tokens - self.cached_tokens,
-                "prompt_ms": self.read_seconds() * 1000.0,
-                "predicted_n": self.completion_tokens, "predicted_ms": predicted_ms,
-                "predicted_per_second":
-                    self.completion_tokens / predicted_ms * 1000.0 if predicted_ms else 0.0}
+        return {
+            "cache_n": self.cached_tokens,
+            "prompt_n": self.prompt_tokens - self.cached_tokens,
+            "prompt_ms": self.read_seconds() * 1000.0,
+            "predicted_n": self.completion_tokens,
+            "predicted_ms": predicted_ms,
+            "predicted_per_second": self.completion_tokens / predicted_ms * 1000.0
+            if predicted_ms
+            else 0.0,
+        }
 
     def ollama_stats(self, now: float) -> dict[str, int]:
         load = round(_LOAD_SECONDS * 1e9)
         prompt = round(self.read_seconds() * 1e9)
         evaluation = round(self.eval_seconds(now) * 1e9)
-        return {"total_duration": load + prompt + evaluation, "load_duration": load,
-                "prompt_eval_count": self.prompt_tokens, "prompt_eval_duration": prompt,
-                "eval_count": self.completion_tokens, "eval_duration": evaluation}
+        return {
+            "total_duration": load + prompt + evaluation,
+            "load_duration": load,
+            "prompt_eval_count": self.prompt_tokens,
+            "prompt_eval_duration": prompt,
+            "eval_count": self.completion_tokens,
+            "eval_duration": evaluation,
+        }
 
     def openai_extras(self, now: float, streaming: bool) -> dict[str, Any]:
         """Usage (always off-stream; on a stream when asked, or always for LM Studio) and
@@ -567,8 +637,12 @@ class _OllamaNative:
         return self._whole(job, job.full_text(), now)
 
     def _whole(self, job: _Job, content: str, now: float) -> dict[str, Any]:
-        return {**self._frame(job, now, content), "done_reason": "stop", "done": True,
-                **job.ollama_stats(now)}
+        return {
+            **self._frame(job, now, content),
+            "done_reason": "stop",
+            "done": True,
+            **job.ollama_stats(now),
+        }
 
 
 class _OpenAI:
@@ -581,8 +655,7 @@ class _OpenAI:
         self.id_prefix = "chatcmpl-" if chat else "cmpl-"
 
     def _head(self, job: _Job, obj: str) -> dict[str, Any]:
-        return {"id": job.reply_id, "object": obj, "created": int(job.created),
-                "model": job.model}
+        return {"id": job.reply_id, "object": obj, "created": int(job.created), "model": job.model}
 
     def _choice(self, content: str | None, finish: str | None, streaming: bool):
         if not self._chat:
@@ -590,28 +663,41 @@ class _OpenAI:
         if streaming:
             delta = {} if content is None else {"role": "assistant", "content": content}
             return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-        return {"index": 0, "message": {"role": "assistant", "content": content},
-                "logprobs": None, "finish_reason": finish}
+        return {
+            "index": 0,
+            "message": {"role": "assistant", "content": content},
+            "logprobs": None,
+            "finish_reason": finish,
+        }
 
     def prologue(self, job: _Job) -> bytes:
         return b""
 
     def token(self, job: _Job, index: int, now: float) -> bytes:
         obj = "chat.completion.chunk" if self._chat else "text_completion"
-        return _sse({**self._head(job, obj),
-                     "choices": [self._choice(job.text(index), None, streaming=True)]})
+        return _sse(
+            {
+                **self._head(job, obj),
+                "choices": [self._choice(job.text(index), None, streaming=True)],
+            }
+        )
 
     def epilogue(self, job: _Job, now: float) -> bytes:
         obj = "chat.completion.chunk" if self._chat else "text_completion"
-        final = {**self._head(job, obj), "choices": [self._choice(None, "stop", streaming=True)],
-                 **job.openai_extras(now, streaming=True)}
+        final = {
+            **self._head(job, obj),
+            "choices": [self._choice(None, "stop", streaming=True)],
+            **job.openai_extras(now, streaming=True),
+        }
         return _sse(final) + b"data: [DONE]\n\n"
 
     def whole(self, job: _Job, now: float) -> dict[str, Any]:
         obj = "chat.completion" if self._chat else "text_completion"
-        return {**self._head(job, obj),
-                "choices": [self._choice(job.full_text(), "stop", streaming=False)],
-                **job.openai_extras(now, streaming=False)}
+        return {
+            **self._head(job, obj),
+            "choices": [self._choice(job.full_text(), "stop", streaming=False)],
+            **job.openai_extras(now, streaming=False),
+        }
 
 
 class _Anthropic:
@@ -621,31 +707,57 @@ class _Anthropic:
     id_prefix = "msg_"
 
     def _message(self, job: _Job, content: list, stop: str | None, output: int):
-        return {"id": job.reply_id, "type": "message", "role": "assistant", "model": job.model,
-                "content": content, "stop_reason": stop, "stop_sequence": None,
-                "usage": {"input_tokens": job.prompt_tokens, "output_tokens": output}}
+        return {
+            "id": job.reply_id,
+            "type": "message",
+            "role": "assistant",
+            "model": job.model,
+            "content": content,
+            "stop_reason": stop,
+            "stop_sequence": None,
+            "usage": {"input_tokens": job.prompt_tokens, "output_tokens": output},
+        }
 
     def prologue(self, job: _Job) -> bytes:
-        return (_sse({"type": "message_start", "message": self._message(job, [], None, 0)},
-                     "message_start")
-                + _sse({"type": "content_block_start", "index": 0,
-                        "content_block": {"type": "text", "text": ""}}, "content_block_start"))
+        return _sse(
+            {"type": "message_start", "message": self._message(job, [], None, 0)}, "message_start"
+        ) + _sse(
+            {
+                "type": "content_block_start",
+                "index": 0,
+                "content_block": {"type": "text", "text": ""},
+            },
+            "content_block_start",
+        )
 
     def token(self, job: _Job, index: int, now: float) -> bytes:
-        return _sse({"type": "content_block_delta", "index": 0,
-                     "delta": {"type": "text_delta", "text": job.text(index)}},
-                    "content_block_delta")
+        return _sse(
+            {
+                "type": "content_block_delta",
+                "index": 0,
+                "delta": {"type": "text_delta", "text": job.text(index)},
+            },
+            "content_block_delta",
+        )
 
     def epilogue(self, job: _Job, now: float) -> bytes:
-        return (_sse({"type": "content_block_stop", "index": 0}, "content_block_stop")
-                + _sse({"type": "message_delta",
-                        "delta": {"stop_reason": "end_turn", "stop_sequence": None},
-                        "usage": {"output_tokens": job.completion_tokens}}, "message_delta")
-                + _sse({"type": "message_stop"}, "message_stop"))
+        return (
+            _sse({"type": "content_block_stop", "index": 0}, "content_block_stop")
+            + _sse(
+                {
+                    "type": "message_delta",
+                    "delta": {"stop_reason": "end_turn", "stop_sequence": None},
+                    "usage": {"output_tokens": job.completion_tokens},
+                },
+                "message_delta",
+            )
+            + _sse({"type": "message_stop"}, "message_stop")
+        )
 
     def whole(self, job: _Job, now: float) -> dict[str, Any]:
-        return self._message(job, [{"type": "text", "text": job.full_text()}], "end_turn",
-                             job.completion_tokens)
+        return self._message(
+            job, [{"type": "text", "text": job.full_text()}], "end_turn", job.completion_tokens
+        )
 
 
 class _Responses:
@@ -662,32 +774,56 @@ class _Responses:
     _OPENING_EVENTS = 4
 
     def _item_id(self, job: _Job) -> str:
-        return "msg_" + job.reply_id[len(self.id_prefix):]
+        return "msg_" + job.reply_id[len(self.id_prefix) :]
 
     def _response(self, job: _Job, status: str, output: list, usage: dict | None):
-        return {"id": job.reply_id, "object": "response", "created_at": int(job.created),
-                "status": status, "error": None, "incomplete_details": None,
-                "instructions": None, "max_output_tokens": None, "model": job.model,
-                "output": output, "parallel_tool_calls": True, "previous_response_id": None,
-                "reasoning": {"effort": None, "summary": None}, "store": False,
-                "temperature": 1.0, "text": {"format": {"type": "text"}},
-                "tool_choice": "auto", "tools": [], "top_p": 1.0, "truncation": "disabled",
-                "usage": usage, "user": None, "metadata": {}}
+        return {
+            "id": job.reply_id,
+            "object": "response",
+            "created_at": int(job.created),
+            "status": status,
+            "error": None,
+            "incomplete_details": None,
+            "instructions": None,
+            "max_output_tokens": None,
+            "model": job.model,
+            "output": output,
+            "parallel_tool_calls": True,
+            "previous_response_id": None,
+            "reasoning": {"effort": None, "summary": None},
+            "store": False,
+            "temperature": 1.0,
+            "text": {"format": {"type": "text"}},
+            "tool_choice": "auto",
+            "tools": [],
+            "top_p": 1.0,
+            "truncation": "disabled",
+            "usage": usage,
+            "user": None,
+            "metadata": {},
+        }
 
     def _item(self, job: _Job, text: str | None) -> dict[str, Any]:
         content = [] if text is None else [self._part(text)]
-        return {"id": self._item_id(job), "type": "message",
-                "status": "in_progress" if text is None else "completed", "role": "assistant",
-                "content": content}
+        return {
+            "id": self._item_id(job),
+            "type": "message",
+            "status": "in_progress" if text is None else "completed",
+            "role": "assistant",
+            "content": content,
+        }
 
     def _part(self, text: str) -> dict[str, Any]:
         return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
     def _usage(self, job: _Job) -> dict[str, Any]:
-        return {"input_tokens": job.prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
-                "output_tokens": job.completion_tokens,
-                "output_tokens_details": {"reasoning_tokens": 0},
-                "total_tokens": job.prompt_tokens + job.completion_tokens}
+        return {
+            "input_tokens": job.prompt_tokens,
+            "input_tokens_details": {"cached_tokens": 0},
+            "output_tokens": job.completion_tokens,
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": job.prompt_tokens + job.completion_tokens,
+        }
 
     def _event(self, name: str, sequence: int, **fields: Any) -> bytes:
         return _sse({"type": name, "sequence_number": sequence, **fields}, name)
@@ -697,33 +833,53 @@ class _Responses:
 
     def prologue(self, job: _Job) -> bytes:
         opening = self._response(job, "in_progress", [], None)
-        return (self._event("response.created", 0, response=opening)
-                + self._event("response.in_progress", 1, response=opening)
-                + self._event("response.output_item.added", 2, output_index=0,
-                              item=self._item(job, None))
-                + self._event("response.content_part.added", 3, **self._where(job),
-                              part=self._part("")))
+        return (
+            self._event("response.created", 0, response=opening)
+            + self._event("response.in_progress", 1, response=opening)
+            + self._event(
+                "response.output_item.added", 2, output_index=0, item=self._item(job, None)
+            )
+            + self._event("response.content_part.added", 3, **self._where(job), part=self._part(""))
+        )
 
     def token(self, job: _Job, index: int, now: float) -> bytes:
-        return self._event("response.output_text.delta", self._OPENING_EVENTS + index,
-                           **self._where(job), delta=job.text(index), logprobs=[])
+        return self._event(
+            "response.output_text.delta",
+            self._OPENING_EVENTS + index,
+            **self._where(job),
+            delta=job.text(index),
+            logprobs=[],
+        )
 
     def epilogue(self, job: _Job, now: float) -> bytes:
         text = job.full_text()
         sequence = self._OPENING_EVENTS + job.completion_tokens
         extra = {"timings": job.timings(now)} if job.dialect == "llamacpp" else {}
-        return (self._event("response.output_text.done", sequence, **self._where(job),
-                            text=text, logprobs=[])
-                + self._event("response.content_part.done", sequence + 1, **self._where(job),
-                              part=self._part(text))
-                + self._event("response.output_item.done", sequence + 2, output_index=0,
-                              item=self._item(job, text))
-                + self._event("response.completed", sequence + 3,
-                              response=self.whole(job, now), **extra))
+        return (
+            self._event(
+                "response.output_text.done", sequence, **self._where(job), text=text, logprobs=[]
+            )
+            + self._event(
+                "response.content_part.done",
+                sequence + 1,
+                **self._where(job),
+                part=self._part(text),
+            )
+            + self._event(
+                "response.output_item.done",
+                sequence + 2,
+                output_index=0,
+                item=self._item(job, text),
+            )
+            + self._event(
+                "response.completed", sequence + 3, response=self.whole(job, now), **extra
+            )
+        )
 
     def whole(self, job: _Job, now: float) -> dict[str, Any]:
-        return self._response(job, "completed", [self._item(job, job.full_text())],
-                              self._usage(job))
+        return self._response(
+            job, "completed", [self._item(job, job.full_text())], self._usage(job)
+        )
 
 
 class _Generation:
@@ -735,9 +891,18 @@ class _Generation:
     producer, so a slow reader slows it.
     """
 
-    def __init__(self, request: Request, clock: IReactorTime, fmt: _Format, job: _Job, streaming: bool,
-                 delay: float, die_after: int | None,
-                 on_pause: Callable[[], None] = lambda: None, close_after: bool = False):
+    def __init__(
+        self,
+        request: Request,
+        clock: IReactorTime,
+        fmt: _Format,
+        job: _Job,
+        streaming: bool,
+        delay: float,
+        die_after: int | None,
+        on_pause: Callable[[], None] = lambda: None,
+        close_after: bool = False,
+    ):
         self._on_pause = on_pause
         self._close_after = close_after
         self._request = request
@@ -768,8 +933,12 @@ class _Generation:
         self._call = None
         while not self._done and not self._paused:
             self._take_step()
-            wait = (self._job.created + self._job.prompt_seconds + self._step * self._delay
-                    - self._clock.seconds())
+            wait = (
+                self._job.created
+                + self._job.prompt_seconds
+                + self._step * self._delay
+                - self._clock.seconds()
+            )
             if not self._done and wait > 0:
                 self._call = self._clock.callLater(wait, self._run)
                 return
@@ -838,37 +1007,51 @@ class _Generation:
 
 # -- the resource --------------------------------------------------------------------------
 
-_GENERATION: dict[str, _Format] = {"ollama-chat": _OllamaNative(chat=True),
-               "ollama-generate": _OllamaNative(chat=False),
-               "chat": _OpenAI(chat=True), "completion": _OpenAI(chat=False),
-               "messages": _Anthropic(), "responses": _Responses()}
+_GENERATION: dict[str, _Format] = {
+    "ollama-chat": _OllamaNative(chat=True),
+    "ollama-generate": _OllamaNative(chat=False),
+    "chat": _OpenAI(chat=True),
+    "completion": _OpenAI(chat=False),
+    "messages": _Anthropic(),
+    "responses": _Responses(),
+}
 
 # What all three engines serve alike: the OpenAI set, Anthropic Messages, OpenAI Responses.
-_SHARED_ROUTES = {("POST", "/v1/chat/completions"): "chat",
-                  ("POST", "/v1/completions"): "completion",
-                  ("POST", "/v1/embeddings"): "embeddings",
-                  ("POST", "/v1/messages"): "messages",
-                  ("POST", "/v1/responses"): "responses"}
+_SHARED_ROUTES = {
+    ("POST", "/v1/chat/completions"): "chat",
+    ("POST", "/v1/completions"): "completion",
+    ("POST", "/v1/embeddings"): "embeddings",
+    ("POST", "/v1/messages"): "messages",
+    ("POST", "/v1/responses"): "responses",
+}
 
 _INFERENCE = {
-    "ollama": {("POST", "/api/chat"): "ollama-chat", ("POST", "/api/generate"): "ollama-generate",
-               ("POST", "/api/embed"): "ollama-embed",
-               ("POST", "/api/embeddings"): "ollama-embeddings",
-               **_SHARED_ROUTES},
+    "ollama": {
+        ("POST", "/api/chat"): "ollama-chat",
+        ("POST", "/api/generate"): "ollama-generate",
+        ("POST", "/api/embed"): "ollama-embed",
+        ("POST", "/api/embeddings"): "ollama-embeddings",
+        **_SHARED_ROUTES,
+    },
     "lmstudio": dict(_SHARED_ROUTES),
     "llamacpp": dict(_SHARED_ROUTES),
 }
 
-_MODEL_LISTS = {"ollama": {"/api/tags": "ollama", "/v1/models": "openai"},
-                "lmstudio": {"/v1/models": "openai"},
-                "llamacpp": {"/models": "openai", "/v1/models": "openai"}}
+_MODEL_LISTS = {
+    "ollama": {"/api/tags": "ollama", "/v1/models": "openai"},
+    "lmstudio": {"/v1/models": "openai"},
+    "llamacpp": {"/models": "openai", "/v1/models": "openai"},
+}
 
 _OWNED_BY = {"ollama": "library", "lmstudio": "organization_owner", "llamacpp": "llamacpp"}
 
 # The side-effect-free routes each engine file's [truth] names (llama.cpp's /models is also a
 # model list, counted there).
-_TRUTH = {"ollama": {"/api/ps": "ps"}, "lmstudio": {"/api/v0/models": "v0-models"},
-          "llamacpp": {"/slots": "slots"}}
+_TRUTH = {
+    "ollama": {"/api/ps": "ps"},
+    "lmstudio": {"/api/v0/models": "v0-models"},
+    "llamacpp": {"/slots": "slots"},
+}
 
 
 def _error_style(dialect: str, kind: str) -> str:
@@ -967,7 +1150,9 @@ class SimNodeResource(Resource):
             request.setHeader(b"Content-Type", b"text/plain")
             return b"404 page not found"
         if dialect == "lmstudio":
-            return self._json(request, {"error": f"Unexpected endpoint or method. ({method} {path})"}, 404)
+            return self._json(
+                request, {"error": f"Unexpected endpoint or method. ({method} {path})"}, 404
+            )
         return self._error(request, "llamacpp", 404, "File Not Found")
 
     def _admin(self, request: Request, method: str, path: str) -> bytes | int:
@@ -1002,11 +1187,22 @@ class SimNodeResource(Resource):
         else:
             names = node.available()
         if envelope == "ollama":
-            return self._json(request, {"models": [
-                {"name": name, "model": name, "modified_at": _rfc3339(now),
-                 "size": 1_000_000_000 + len(name),
-                 "digest": hashlib.sha256(name.encode("utf-8")).hexdigest(), "details": {}}
-                for name in names]})
+            return self._json(
+                request,
+                {
+                    "models": [
+                        {
+                            "name": name,
+                            "model": name,
+                            "modified_at": _rfc3339(now),
+                            "size": 1_000_000_000 + len(name),
+                            "digest": hashlib.sha256(name.encode("utf-8")).hexdigest(),
+                            "details": {},
+                        }
+                        for name in names
+                    ]
+                },
+            )
         entries = []
         for name in names:
             entry: dict[str, Any] = {"id": name, "object": "model"}
@@ -1028,41 +1224,83 @@ class SimNodeResource(Resource):
         node = self.node
         now = self._clock.seconds()
         if route == "ps":
-            names = [ollama_name(m) for m in dict.fromkeys(node.available())
-                     if node.is_warm(m) and node.model_key(m) not in self._engine.loading]
-            return self._json(request, {"models": [
-                {"name": name, "model": name, "size": 1_000_000_000 + len(name),
-                 "digest": hashlib.sha256(name.encode("utf-8")).hexdigest(),
-                 "details": {"format": "gguf", "family": "llama"},
-                 "expires_at": _rfc3339(now + 300), "size_vram": 1_000_000_000 + len(name)}
-                for name in dict.fromkeys(names)]})
+            names = [
+                ollama_name(m)
+                for m in dict.fromkeys(node.available())
+                if node.is_warm(m) and node.model_key(m) not in self._engine.loading
+            ]
+            return self._json(
+                request,
+                {
+                    "models": [
+                        {
+                            "name": name,
+                            "model": name,
+                            "size": 1_000_000_000 + len(name),
+                            "digest": hashlib.sha256(name.encode("utf-8")).hexdigest(),
+                            "details": {"format": "gguf", "family": "llama"},
+                            "expires_at": _rfc3339(now + 300),
+                            "size_vram": 1_000_000_000 + len(name),
+                        }
+                        for name in dict.fromkeys(names)
+                    ]
+                },
+            )
         if route == "v0-models":
-            return self._json(request, {"object": "list", "data": [
-                {"id": name, "object": "model", "type": "llm", "publisher": "sim",
-                 "arch": "llama", "compatibility_type": "gguf", "quantization": "Q4_K_M",
-                 "state": self._load_state(name, "not-loaded"), "max_context_length": 4096}
-                for name in node.available()]})
+            return self._json(
+                request,
+                {
+                    "object": "list",
+                    "data": [
+                        {
+                            "id": name,
+                            "object": "model",
+                            "type": "llm",
+                            "publisher": "sim",
+                            "arch": "llama",
+                            "compatibility_type": "gguf",
+                            "quantization": "Q4_K_M",
+                            "state": self._load_state(name, "not-loaded"),
+                            "max_context_length": 4096,
+                        }
+                        for name in node.available()
+                    ],
+                },
+            )
         # llama.cpp /slots: one server's slots; a router's for the model named in the query.
         key: str | None = None
         if node.router:
             args: dict[bytes, list[bytes]] = request.args or {}
             wanted = args.get(b"model", [b""])[0].decode("utf-8", "replace")
             if not wanted:
-                return self._error(request, "llamacpp", 400,
-                                   "model name is missing from the request")
+                return self._error(
+                    request, "llamacpp", 400, "model name is missing from the request"
+                )
             if not node.has_model(wanted) or not node.is_warm(wanted):
                 # A real router would load it to answer; the simulation never does.
                 return self._error(request, "llamacpp", 400, f'model "{wanted}" is not loaded')
             key = wanted
         if node.slots is None:
-            return self._error(request, "llamacpp", 501,
-                               "This server does not support slots endpoint. "
-                               "Start it with `--slots`")
+            return self._error(
+                request,
+                "llamacpp",
+                501,
+                "This server does not support slots endpoint. Start it with `--slots`",
+            )
         busy = self._engine.busy.get(key, 0)
-        return self._json(request, [
-            {"id": index, "id_task": index if index < busy else -1, "n_ctx": 4096,
-             "speculative": False, "is_processing": index < busy}
-            for index in range(node.slots)])
+        return self._json(
+            request,
+            [
+                {
+                    "id": index,
+                    "id_task": index if index < busy else -1,
+                    "n_ctx": 4096,
+                    "speculative": False,
+                    "is_processing": index < busy,
+                }
+                for index in range(node.slots)
+            ],
+        )
 
     def _infer(self, request: Request, kind: str):
         node = self.node
@@ -1076,8 +1314,10 @@ class SimNodeResource(Resource):
         if node.hang_before_headers:
             return NOT_DONE_YET
         if node.headers_delay:
-            later = self._clock.callLater(node.headers_delay, self._answer_later, request,
-                                          kind, body)
+            later = self._clock.callLater(
+                node.headers_delay, self._answer_later, request, kind, body
+            )
+
             # A client that leaves while the answer waits takes the answer with it.
             def forget(reason: Failure) -> None:
                 if later.active():
@@ -1101,8 +1341,12 @@ class SimNodeResource(Resource):
         node = self.node
         style = _error_style(node.dialect, kind)
         if node.status is not None:
-            return self._error(request, style, node.status,
-                               f"simulated fault on {node.node_id}: HTTP {node.status}")
+            return self._error(
+                request,
+                style,
+                node.status,
+                f"simulated fault on {node.node_id}: HTTP {node.status}",
+            )
         model = body.get("model")
         if not isinstance(model, str) or not model.strip():
             # Ollama insists on a model; the OpenAI-style servers answer with what they have.
@@ -1110,8 +1354,7 @@ class SimNodeResource(Resource):
                 return self._error(request, style, 400, "model is required")
             model = node.available()[0]
         elif not node.has_model(model):
-            return self._error(request, style, 404,
-                               f'model "{model}" not found on {node.node_id}')
+            return self._error(request, style, 404, f'model "{model}" not found on {node.node_id}')
         return self._admit(request, kind, body, model)
 
     def _admit(self, request: Request, kind: str, body: dict, model: str):
@@ -1162,8 +1405,11 @@ class SimNodeResource(Resource):
             if not node.cold_load_delay:
                 node.mark_loaded(model)
             else:
-                self._load(model, request,
-                           lambda: self._deliver(request, self._generate(request, kind, body, model)))
+                self._load(
+                    model,
+                    request,
+                    lambda: self._deliver(request, self._generate(request, kind, body, model)),
+                )
                 return NOT_DONE_YET
         return self._generate(request, kind, body, model)
 
@@ -1188,8 +1434,10 @@ class SimNodeResource(Resource):
         streaming = _wants_stream(kind, body)
         fmt = _GENERATION.get(kind)
         if node.hang_after_headers:
-            request.setHeader(b"Content-Type", fmt.content_type if streaming and fmt is not None
-                              else b"application/json")
+            request.setHeader(
+                b"Content-Type",
+                fmt.content_type if streaming and fmt is not None else b"application/json",
+            )
             request.write(b"")
             return NOT_DONE_YET
         if fmt is None:
@@ -1197,44 +1445,76 @@ class SimNodeResource(Resource):
         self._serial += 1
         stream_options = body.get("stream_options")
         prompt_tokens = _prompt_tokens(body)
-        cached, reading = node.read_prompt(_conversation_head(node.model_key(model), body),
-                                           prompt_tokens)
-        job = _Job(node_id=node.node_id, dialect=node.dialect, model=model,
-                   reply_id=f"{fmt.id_prefix}{node.node_id}-{self._serial}",
-                   created=self._clock.seconds(), prompt_tokens=prompt_tokens,
-                   completion_tokens=node.tokens, chunk_size=node.chunk_size,
-                   include_usage=(node.dialect == "lmstudio" or
-                                  (isinstance(stream_options, dict)
-                                   and stream_options.get("include_usage") is True)),
-                   cached_tokens=cached, prompt_seconds=reading)
-        _Generation(request, self._clock, fmt, job, streaming, node.token_delay,
-                    node.die_after_tokens, on_pause=self._stalled,
-                    close_after=streaming and node.closes_after_streams).start()
+        cached, reading = node.read_prompt(
+            _conversation_head(node.model_key(model), body), prompt_tokens
+        )
+        job = _Job(
+            node_id=node.node_id,
+            dialect=node.dialect,
+            model=model,
+            reply_id=f"{fmt.id_prefix}{node.node_id}-{self._serial}",
+            created=self._clock.seconds(),
+            prompt_tokens=prompt_tokens,
+            completion_tokens=node.tokens,
+            chunk_size=node.chunk_size,
+            include_usage=(
+                node.dialect == "lmstudio"
+                or (
+                    isinstance(stream_options, dict) and stream_options.get("include_usage") is True
+                )
+            ),
+            cached_tokens=cached,
+            prompt_seconds=reading,
+        )
+        _Generation(
+            request,
+            self._clock,
+            fmt,
+            job,
+            streaming,
+            node.token_delay,
+            node.die_after_tokens,
+            on_pause=self._stalled,
+            close_after=streaming and node.closes_after_streams,
+        ).start()
         return NOT_DONE_YET
 
     def _embeddings(self, kind: str, model: str, body: Mapping[str, Any]) -> dict[str, Any]:
         node_id = self.node.node_id
         if kind == "ollama-embeddings":
             prompt = body.get("prompt")
-            return {"embedding": _embedding(node_id, model, prompt if isinstance(prompt, str) else "")}
+            return {
+                "embedding": _embedding(node_id, model, prompt if isinstance(prompt, str) else "")
+            }
         texts = _inputs(body.get("input"))
         count = sum(len(text.split()) for text in texts)
         vectors = [_embedding(node_id, model, text) for text in texts]
         if kind == "ollama-embed":
             load = round(_LOAD_SECONDS * 1e9)
-            return {"model": model, "embeddings": vectors,
-                    "total_duration": load + round(count * _SECONDS_PER_PROMPT_TOKEN * 1e9),
-                    "load_duration": load, "prompt_eval_count": count}
-        return {"object": "list",
-                "data": [{"object": "embedding", "embedding": vector, "index": index}
-                         for index, vector in enumerate(vectors)],
-                "model": model, "usage": {"prompt_tokens": count, "total_tokens": count}}
+            return {
+                "model": model,
+                "embeddings": vectors,
+                "total_duration": load + round(count * _SECONDS_PER_PROMPT_TOKEN * 1e9),
+                "load_duration": load,
+                "prompt_eval_count": count,
+            }
+        return {
+            "object": "list",
+            "data": [
+                {"object": "embedding", "embedding": vector, "index": index}
+                for index, vector in enumerate(vectors)
+            ],
+            "model": model,
+            "usage": {"prompt_tokens": count, "total_tokens": count},
+        }
 
 
 # -- fleets --------------------------------------------------------------------------------
 
-def start_fleet(reactor: IReactorTCP, nodes: Sequence[SimNode],
-                interface: str = "127.0.0.1") -> list[tuple[SimNode, IListeningPort]]:
+
+def start_fleet(
+    reactor: IReactorTCP, nodes: Sequence[SimNode], interface: str = "127.0.0.1"
+) -> list[tuple[SimNode, IListeningPort]]:
     """Listen every node on its ``port`` (0: ephemeral) and record the bound port on it.
 
     All or nothing: if one node cannot listen, the ones already listening are stopped and
@@ -1262,14 +1542,27 @@ class FleetFileError(ValueError):
     """A fleet file that cannot be used; the message names the file and the node."""
 
 
-_FILE_KEYS = {"id": "node_id", "dialect": "dialect", "port": "port", "models": "models",
-              "loaded": "loaded", "tokens": "tokens", "token_delay": "token_delay",
-              "chunk_size": "chunk_size", "status": "status",
-              "hang_before_headers": "hang_before_headers", "headers_delay": "headers_delay",
-              "hang_after_headers": "hang_after_headers", "die_after_tokens": "die_after_tokens",
-              "slots": "slots", "cold_load_delay": "cold_load_delay", "router": "router",
-              "prompt_delay": "prompt_delay", "prompt_cache": "prompt_cache",
-              "cached_prompt_delay": "cached_prompt_delay"}
+_FILE_KEYS = {
+    "id": "node_id",
+    "dialect": "dialect",
+    "port": "port",
+    "models": "models",
+    "loaded": "loaded",
+    "tokens": "tokens",
+    "token_delay": "token_delay",
+    "chunk_size": "chunk_size",
+    "status": "status",
+    "hang_before_headers": "hang_before_headers",
+    "headers_delay": "headers_delay",
+    "hang_after_headers": "hang_after_headers",
+    "die_after_tokens": "die_after_tokens",
+    "slots": "slots",
+    "cold_load_delay": "cold_load_delay",
+    "router": "router",
+    "prompt_delay": "prompt_delay",
+    "prompt_cache": "prompt_cache",
+    "cached_prompt_delay": "cached_prompt_delay",
+}
 
 
 def parse_fleet(data: Mapping[str, Any], source: str) -> list[SimNode]:
@@ -1318,8 +1611,9 @@ def parse_fleet(data: Mapping[str, Any], source: str) -> list[SimNode]:
             where += f" ({table['id']})"
         bad = sorted(set(table) - set(_FILE_KEYS))
         if bad:
-            raise FleetFileError(f"{where}: unknown key(s): {', '.join(bad)}; "
-                                 f"want any of {', '.join(_FILE_KEYS)}")
+            raise FleetFileError(
+                f"{where}: unknown key(s): {', '.join(bad)}; want any of {', '.join(_FILE_KEYS)}"
+            )
         for key in ("id", "dialect"):
             if key not in table:
                 raise FleetFileError(f"{where}: missing key {key!r}")
@@ -1372,13 +1666,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
 
     from twisted.internet import reactor
-    from twisted.logger import (FilteringLogObserver, LogLevel, LogLevelFilterPredicate,
-                                globalLogBeginner, textFileLogObserver)
+    from twisted.logger import (
+        FilteringLogObserver,
+        LogLevel,
+        LogLevelFilterPredicate,
+        globalLogBeginner,
+        textFileLogObserver,
+    )
 
     globalLogBeginner.beginLoggingTo(
-        [FilteringLogObserver(textFileLogObserver(sys.stderr),
-                              [LogLevelFilterPredicate(defaultLogLevel=LogLevel.warn)])],
-        redirectStandardIO=False)
+        [
+            FilteringLogObserver(
+                textFileLogObserver(sys.stderr),
+                [LogLevelFilterPredicate(defaultLogLevel=LogLevel.warn)],
+            )
+        ],
+        redirectStandardIO=False,
+    )
     try:
         listening = start_fleet(reactor, nodes)
     except CannotListenError as exc:

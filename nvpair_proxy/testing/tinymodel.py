@@ -30,8 +30,10 @@ from typing import Any
 import attrs
 
 # A chat template of its own: the model carries no tokenizer a stock template would expect.
-CHAT_TEMPLATE = ("{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n"
-                 "{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}")
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n"
+    "{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"
+)
 _PRINTABLE = range(0x20, 0x7F)
 _SPECIALS = 3  # <unk>, <s>, </s>
 
@@ -52,7 +54,7 @@ class Shape:
     def parameters(self) -> int:
         """Weights in the file (norms included), for the record."""
         vocab = _SPECIALS + 256
-        layer = 4 * self.embed ** 2 + 3 * self.embed * self.feed_forward + 2 * self.embed
+        layer = 4 * self.embed**2 + 3 * self.embed * self.feed_forward + 2 * self.embed
         return 2 * vocab * self.embed + self.layers * layer + self.embed
 
 
@@ -60,8 +62,9 @@ class Shape:
 TINY = Shape(embed=64, layers=2, feed_forward=128, heads=4, context=16384, name="nvpair-tiny")
 #: bench/fleet's: about 25M parameters, so a 2,000-token prompt costs about a second of one
 #: thread and every generated token milliseconds.
-FLEET = Shape(embed=512, layers=8, feed_forward=1376, heads=8, context=8192,
-              name="nvpair-fleet-25m", std=0.05)
+FLEET = Shape(
+    embed=512, layers=8, feed_forward=1376, heads=8, context=8192, name="nvpair-fleet-25m", std=0.05
+)
 CONTEXT = TINY.context
 
 
@@ -87,8 +90,9 @@ def write_tiny_llama(path: str, seed: int = 7, shape: Shape = TINY) -> None:
     writer.add_file_type(gguf.LlamaFileType.ALL_F32)
 
     tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{byte:02X}>" for byte in range(256)]
-    types = ([gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL]
-             + [gguf.TokenType.BYTE] * 256)
+    types = [gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL] + [
+        gguf.TokenType.BYTE
+    ] * 256
     writer.add_tokenizer_model("llama")
     writer.add_token_list(tokens)
     writer.add_token_scores([0.0] * len(tokens))
