@@ -722,7 +722,8 @@ def main(argv: list[str]) -> int:
             print(
                 f"{engine:9} {method + ' ' + path:28} {model:20} {status:<6} "
                 f"{(node.rsplit('-', 1)[0] if node else 'proxy'):16} "
-                f"{outcome(status, content, stream)}{extra}  [{note}]{'' if ok else '  <- UNEXPECTED'}"
+                f"{outcome(status, content, stream)}{extra}  [{note}]"
+                f"{'' if ok else '  <- UNEXPECTED'}"
             )
         failures += not demo_warm_over_cold(fleet_ports, facades)
         failures += not demo_late_binding(fleet_ports, facades, admin)

@@ -16,7 +16,6 @@ from __future__ import annotations
 import platform
 from typing import Iterator
 
-import twisted
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.core import (
     CounterMetricFamily,
@@ -27,6 +26,8 @@ from prometheus_client.core import (
 )
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector, CollectorRegistry
+
+import twisted
 
 from .. import __version__
 from ..core.views import ProcessSnapshot

@@ -316,7 +316,8 @@ class BodyObserver:
 
     @property
     def events_seen(self) -> int:
-        """Stream events counted so far (see :mod:`nvpair_proxy.body.frames`); 0 for a JSON document."""
+        """Stream events counted so far (see :mod:`nvpair_proxy.body.frames`); 0 for a JSON
+        document."""
         return self._frames.events_seen
 
     @property

@@ -6,7 +6,8 @@ them. A preflight only one engine was asked is that engine's answer, passed thro
 untouched, missing headers and denials included. An answer several engines were asked for (a
 preflight fanned out to the fleet, a merged model list) carries only what every responding
 engine granted: an origin, a method or a header is allowed only if all of them allow it, and a
-denial from any one of them is what the browser sees, never rewritten into a permission. The proxy's own errors grant nothing.
+denial from any one of them is what the browser sees, never rewritten into a permission. The
+proxy's own errors grant nothing.
 Nothing here is cached: every preflight asks the engines again.
 """
 

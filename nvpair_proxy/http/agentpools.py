@@ -2,7 +2,8 @@
 
 A connection verified against one engine CA, or against one peer's pin, must never carry a
 request meant for another: the pool keys connections by origin only, not by how they were
-verified. So each configuration (an engine's :class:`~nvpair_proxy.standalone.engineaccess.EngineTLS`,
+verified. So each configuration (an engine's
+:class:`~nvpair_proxy.standalone.engineaccess.EngineTLS`,
 a pinned peer) gets its own :class:`~nvpair_proxy.http.client.Client` with its own pool, made on
 first use. A configuration that goes (a node removed, a CA rotated, a pin replaced) retires
 its pool: idle connections close now, and those still busy close as they come back.

@@ -50,12 +50,12 @@ from twisted.internet.interfaces import (
 from twisted.internet.protocol import Factory, Protocol, connectionDone
 from twisted.python.failure import Failure
 from twisted.web.client import (
+    URI,
     BrowserLikePolicyForHTTPS,
     RequestTransmissionFailed,
     ResponseDone,
     ResponseFailed,
     ResponseNeverReceived,
-    URI,
 )
 from twisted.web.http import PotentialDataLoss
 from twisted.web.http_headers import Headers
@@ -115,7 +115,8 @@ class State(enum.Enum):
     - ``BODY``: the body is read and handed on. Its framed end moves it to ``IDLE`` and back
       to the pool if the response lets the connection persist and no byte followed (after
       a chunked body only once its end was told, and not at all for an origin that closes
-      after streams), else to ``CLOSED``; so do broken framing (``ResponseFailed``) and the connection's loss (the
+      after streams), else to ``CLOSED``; so do broken framing (``ResponseFailed``) and the
+      connection's loss (the
       end of a body framed by the close: ``PotentialDataLoss``; of any other,
       ``ResponseFailed``). The consumer's ``stopProducing`` moves it to ``STOPPED``.
     - ``STOPPED``: the consumer wanted no more, so the connection was aborted and nothing
@@ -284,7 +285,8 @@ class Client:
                             [
                                 Failure(
                                     ValueError(
-                                        f"the body producer wrote {len(body)} bytes, not {producer.length}"
+                                        f"the body producer wrote {len(body)} bytes, "
+                                        f"not {producer.length}"
                                     )
                                 )
                             ]
@@ -371,7 +373,8 @@ class KeepAliveEndpoint:
     Without it a peer whose host died or whose link was cut after commit holds the request
     until the client gives up: nothing arrives, and a socket without keepalive never asks.
     ``TCP_USER_TIMEOUT`` bounds unacknowledged data the same way (a request sent into a dead
-    link, or a body an engine leaves unread that long). A live engine that is merely silent still answers the probes;
+    link, or a body an engine leaves unread that long). A live engine that is merely silent still
+    answers the probes;
     ``--stream-idle-timeout`` is for that.
     """
 

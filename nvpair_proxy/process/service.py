@@ -24,7 +24,6 @@ import random
 from typing import Callable
 
 import attrs
-
 from twisted.application.service import MultiService, Service
 from twisted.internet.defer import Deferred, DeferredList, maybeDeferred, succeed
 from twisted.internet.error import CannotListenError
@@ -495,6 +494,7 @@ class LinkService(Service):
     def startService(self) -> None:
         super().startService()
         import socket
+
         from twisted.internet.protocol import Factory
         from twisted.internet.stdio import StandardIO
 

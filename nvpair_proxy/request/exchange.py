@@ -26,10 +26,10 @@ from ..http.answers import Reason, answer_internal_error, send_error
 from ..http.hopbyhop import copy_end_to_end, end_to_end
 from ..nodes.discovery import Node, host_port
 from ..nodes.engines import Engine
-from ..routing.router import retry_after
-from .attempt import Committed, UpstreamRequest
 from ..routing.affinity import affinity_key
 from ..routing.rates import PromptReading
+from ..routing.router import retry_after
+from .attempt import Committed, UpstreamRequest
 from .dispatch import Answer, Dispatch, Gone, Job, Upstreams, retryable_status
 from .events import (
     BACKSTOP,

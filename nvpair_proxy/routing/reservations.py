@@ -177,7 +177,8 @@ class ReservationMap:
         ``ordered``; None when it is empty. This is the one rule for placing work: ``choose``
         applies it at the start of a round, and failover applies it to the round's remaining
         candidates before each dispatch, so refusals spread instead of piling onto the head of the
-        priority list. ``prefer`` (broker mode's opt-in affinity) only breaks a tie: it wins when it is listed
+        priority list. ``prefer`` (broker mode's opt-in affinity) only breaks a tie: it wins when
+        it is listed
         and as lightly loaded as the least loaded.
         """
         listed = [node_id for node_id in ordered if self._is_listed(node_id)]

@@ -15,12 +15,12 @@ from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase
 
 from nvpair_proxy.broker.broker import Broker
-from nvpair_proxy.nodes.engines import load_engines
+from nvpair_proxy.broker.rpc import RpcLink
 from nvpair_proxy.facade.facade import make_facade
 from nvpair_proxy.facade.facadeservice import Facades
 from nvpair_proxy.fleet.inventory import Prober
+from nvpair_proxy.nodes.engines import load_engines
 from nvpair_proxy.routing.reservations import ReservationMap
-from nvpair_proxy.broker.rpc import RpcLink
 from nvpair_proxy.test.world import assert_answered, connect, request_bytes
 from nvpair_proxy.testing import FakeAgent
 
@@ -69,7 +69,7 @@ class FakeListen:
 
     def __call__(self, port: int, factory, interface: str) -> Listening:
         self.calls.append((port, interface))
-        taken = self.occupied + [(l.port, l.interface) for l in self.active]
+        taken = self.occupied + [(one.port, one.interface) for one in self.active]
         if any(p == port and _clash(i, interface) for p, i in taken):
             raise CannotListenError(
                 interface, port, OSError(errno.EADDRINUSE, "Address already in use")

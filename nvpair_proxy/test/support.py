@@ -10,10 +10,9 @@ import tempfile
 from twisted.internet import error as ierror
 from twisted.internet.protocol import Protocol
 from twisted.internet.task import Clock
-from twisted.internet.testing import MemoryReactorClock, StringTransport
-from twisted.python.failure import Failure
-from twisted.internet.testing import EventLoggingObserver
+from twisted.internet.testing import EventLoggingObserver, MemoryReactorClock, StringTransport
 from twisted.logger import globalLogPublisher
+from twisted.python.failure import Failure
 
 from nvpair_proxy.core import logs
 from nvpair_proxy.lan.apikeys import KeyStore, LanGate, parse_cidrs

@@ -15,21 +15,20 @@ from twisted.internet.testing import StringTransport
 from twisted.trial.unittest import SynchronousTestCase
 
 from nvpair_proxy import __version__
-from nvpair_proxy.http import answers
-from nvpair_proxy.request import dispatch, events
 from nvpair_proxy.admin.admin import AdminResource, loopback_host, status_page
-from nvpair_proxy.core.constants import MAX_REQUEST_BODY
-from nvpair_proxy.process.options import admin_address
 from nvpair_proxy.admin.metrics import registry, scrape
-from nvpair_proxy.process.options import Options
 from nvpair_proxy.admin.recorder import REASONS, Recorder, reason
-from nvpair_proxy.nodes.selfcheck import self_reason
-from nvpair_proxy.http.server import BoundedSite
 from nvpair_proxy.admin.status import ProcessView, status
-from nvpair_proxy.testing import lan, loopback
+from nvpair_proxy.core.constants import MAX_REQUEST_BODY
 from nvpair_proxy.core.views import InFlightView
+from nvpair_proxy.http import answers
+from nvpair_proxy.http.server import BoundedSite
+from nvpair_proxy.nodes.selfcheck import self_reason
+from nvpair_proxy.process.options import Options, admin_address
+from nvpair_proxy.request import dispatch, events
 from nvpair_proxy.test.support import gate
 from nvpair_proxy.test.world import Response, WorldStatus, WorldTestCase, request_bytes, serve_all
+from nvpair_proxy.testing import lan, loopback
 
 NDJSON = {"Content-Type": "application/x-ndjson"}
 # The gauges /metrics reads from the tree at scrape time (not the recorder's counts).
@@ -972,6 +971,7 @@ class TreeTests(SynchronousTestCase):
 
     def test_standalone_tree_binds_the_admin_listener_on_loopback(self):
         from twisted.internet.testing import MemoryReactorClock
+
         from nvpair_proxy.process.service import standalone_tree
 
         options = Options()
@@ -987,6 +987,7 @@ class TreeTests(SynchronousTestCase):
 
     def test_without_admin_there_is_no_recorder(self):
         from twisted.internet.testing import MemoryReactorClock
+
         from nvpair_proxy.process.service import standalone_tree
 
         options = Options()
@@ -999,6 +1000,7 @@ class TreeTests(SynchronousTestCase):
     def broker_tree(self, *arguments: str):
         """A broker tree with the admin listener bound on a MemoryReactorClock."""
         from twisted.internet.testing import MemoryReactorClock
+
         from nvpair_proxy.process import service
 
         self.patch(service, "claim_stdout", lambda: 99)

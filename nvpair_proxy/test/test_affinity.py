@@ -14,7 +14,7 @@ from nvpair_proxy.routing.affinity import HASHED, AffinityTable, affinity_key
 from nvpair_proxy.routing.enginetruth import EngineTruth, Slots
 
 from .support import LogCapture
-from .world import ENGINES, NDJSON, WorldTestCase
+from .world import NDJSON, WorldTestCase
 
 ADDRESS = {"a": "10.0.0.1", "b": "10.0.0.2", "c": "10.0.0.3"}
 NODE_OF = {address: node for node, address in ADDRESS.items()}

@@ -1,7 +1,8 @@
 """The broker link end to end, in memory (protocol 1-4, design 8, behaviours).
 
 Every test drives the real RpcLink framer over a StringTransport, wired to a real Broker the
-way ``broker_tree`` wires it (the Facades node of the service tree, running): facades on a MemoryReactorClock with a FakeAgent, a listen seam
+way ``broker_tree`` wires it (the Facades node of the service tree, running): facades on a
+MemoryReactorClock with a FakeAgent, a listen seam
 that can be told which ports are taken, and a temporary state directory. Assertions are on the
 lines the broker would read, parsed as JSON and compared whole, in order: the notifications a
 method causes and then its one answer.
@@ -490,7 +491,7 @@ class LinkTests(SynchronousTestCase):
     def test_params_must_be_an_object(self) -> None:
         for params in ([1], "x", 3):
             lines = self.proxy.call("log/set-level", params, 1)
-            self.assertEqual([(l["id"], l["error"]["code"]) for l in lines], [(1, -32602)])
+            self.assertEqual([(line["id"], line["error"]["code"]) for line in lines], [(1, -32602)])
         # Absent or null params read as {}.
         self.assertEqual(
             self.proxy.call("node/set-priority", None, 2), [err(2, -32602, GENERATION_TEXT)]
@@ -995,7 +996,9 @@ class AliasTests(SynchronousTestCase):
             self.proxy.listen.calls, [(11435, "::"), (11434, "127.0.0.1"), (11434, "::1")]
         )
         # The IPv4 half that did bind was let go again.
-        self.assertEqual([(l.port, l.interface) for l in self.proxy.listen.active], [(11435, "::")])
+        self.assertEqual(
+            [(one.port, one.interface) for one in self.proxy.listen.active], [(11435, "::")]
+        )
         self.assertEqual(self.proxy.facades["ollama"].aliases, [])
 
     def test_alias_is_a_self_address_only_when_bound(self) -> None:
@@ -1177,7 +1180,7 @@ class SetPortTests(SynchronousTestCase):
             self.assertFalse(alias.stopped)
             self.assertEqual(identity(alias), "ollama")
         self.assertEqual(
-            sorted((l.port, l.interface) for l in proxy.listen.active),
+            sorted((one.port, one.interface) for one in proxy.listen.active),
             [(11434, "127.0.0.1"), (11434, "::1"), (12000, "::")],
         )
 
@@ -1367,15 +1370,18 @@ class DiscoveryTests(SynchronousTestCase):
                 directory("a", ip="192.168.1.1", modelsByEngine={"ollama": ["mistral"]}),
             ]
         )
-        unreachable = lambda node_id: note(
-            "ollama:errors:report",
-            {
-                "id": f"ollama-proxy:upstream-unreachable:{node_id}",
-                "severity": "warning",
-                "action": "none",
-                "message": UNREACHABLE_TEXT.format(f"host-{node_id}"),
-            },
-        )
+
+        def unreachable(node_id):
+            return note(
+                "ollama:errors:report",
+                {
+                    "id": f"ollama-proxy:upstream-unreachable:{node_id}",
+                    "severity": "warning",
+                    "action": "none",
+                    "message": UNREACHABLE_TEXT.format(f"host-{node_id}"),
+                },
+            )
+
         self.assertEqual(
             lines,
             [

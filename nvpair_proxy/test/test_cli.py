@@ -10,8 +10,8 @@ import tempfile
 from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 
-from nvpair_proxy.process.cli import CliError, translate
 from nvpair_proxy.core.sdnotify import notify, watchdog
+from nvpair_proxy.process.cli import CliError, translate
 
 BASE = ["twistd", "-n", "--pidfile=", "nvpair-proxy"]
 

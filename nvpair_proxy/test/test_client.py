@@ -9,25 +9,24 @@ import socket
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from twisted.internet import error as ierror
-from twisted.internet.defer import CancelledError, Deferred
+from twisted.internet import reactor
+from twisted.internet.defer import CancelledError, Deferred, inlineCallbacks
+from twisted.internet.protocol import Factory, Protocol
 from twisted.internet.testing import MemoryReactorClock
 from twisted.python.failure import Failure
-from twisted.internet import reactor
-from twisted.internet.defer import inlineCallbacks
-from twisted.internet.protocol import Factory, Protocol
 from twisted.trial.unittest import SynchronousTestCase, TestCase
-from twisted.web.client import readBody
-from twisted.web.server import Site
-from twisted.web.resource import Resource
 from twisted.web.client import (
+    RequestTransmissionFailed,
     ResponseDone,
     ResponseFailed,
     ResponseNeverReceived,
-    RequestTransmissionFailed,
+    readBody,
 )
 from twisted.web.http import PotentialDataLoss
 from twisted.web.http_headers import Headers
 from twisted.web.iweb import UNKNOWN_LENGTH, IBodyProducer, IPolicyForHTTPS
+from twisted.web.resource import Resource
+from twisted.web.server import Site
 from zope.interface import implementer
 
 from nvpair_proxy.http.client import Client, State

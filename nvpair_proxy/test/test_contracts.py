@@ -11,31 +11,24 @@ hold for all three.
 
 from __future__ import annotations
 
+from treq.testing import RequestTraversalAgent
 from twisted.internet.defer import CancelledError
 from twisted.internet.error import ConnectError, ConnectionRefusedError
 from twisted.internet.interfaces import IReactorTime
 from twisted.internet.task import Clock
 from twisted.internet.testing import MemoryReactorClock
-from twisted.trial.unittest import SynchronousTestCase
 from twisted.python.failure import Failure
+from twisted.test import iosim
+from twisted.trial.unittest import SynchronousTestCase
 from twisted.web.client import Agent, ResponseNeverReceived
 from twisted.web.http_headers import Headers
 from twisted.web.iweb import IAgent, IResponse
 from twisted.web.resource import Resource
-from twisted.web.test.requesthelper import DummyRequest
-from twisted.test import iosim
 from twisted.web.server import NOT_DONE_YET, Site
-from treq.testing import RequestTraversalAgent
+from twisted.web.test.requesthelper import DummyRequest
 from zope.interface.verify import verifyObject
 
-from nvpair_proxy.http.client import Client
-from nvpair_proxy.test.support import Collect, Wire
-from nvpair_proxy.http.relay import clean_end
-from nvpair_proxy.nodes.discovery import Node
-from nvpair_proxy.request.dispatch import SILENT
-from nvpair_proxy.request.events import LogEmitter
-from nvpair_proxy.testing import RecordingEmitter
-from nvpair_proxy.facade.ingress import LocalBackendRoute
+from nvpair_proxy.admin.recorder import Recorder
 from nvpair_proxy.core.interfaces import (
     IBodySink,
     IDispatchObserver,
@@ -45,12 +38,18 @@ from nvpair_proxy.core.interfaces import (
     IStatusSource,
     ITruthSink,
 )
-from nvpair_proxy.admin.recorder import Recorder
+from nvpair_proxy.facade.ingress import LocalBackendRoute
+from nvpair_proxy.http.client import Client
+from nvpair_proxy.http.relay import clean_end
 from nvpair_proxy.http.requestbody import BytesProducer
-from nvpair_proxy.routing.router import Router
+from nvpair_proxy.nodes.discovery import Node
 from nvpair_proxy.process.service import ProcessService
+from nvpair_proxy.request.dispatch import SILENT
+from nvpair_proxy.request.events import LogEmitter
+from nvpair_proxy.routing.router import Router
+from nvpair_proxy.test.support import Collect, Wire
 from nvpair_proxy.test.world import ENGINES, World, WorldStatus
-from nvpair_proxy.testing import FakeAgent, FakeResponse
+from nvpair_proxy.testing import FakeAgent, FakeResponse, RecordingEmitter
 
 URL = b"http://10.0.0.1:11434/api/chat"
 

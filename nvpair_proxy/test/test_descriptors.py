@@ -22,8 +22,8 @@ from twisted.trial.unittest import SynchronousTestCase
 
 from nvpair_proxy.core.acceptguard import AcceptGuard, Clients, GuardedSocket
 from nvpair_proxy.core.constants import ACCEPT_LOG_INTERVAL, ACCEPT_PAUSE, ACCEPT_RESERVE
-from nvpair_proxy.testing.processes import free_port, nodes_toml, status_of, wait_until
 from nvpair_proxy.test.support import start_standalone
+from nvpair_proxy.testing.processes import free_port, nodes_toml, status_of
 
 LIMIT = 128
 CLIENTS = 300

@@ -18,7 +18,8 @@ For each framing the proxy either
 
 And h11 reading the client's own bytes never disagrees with us: where both accept, both read
 the same requests (the target as the origin-form path we send). Where h11 refuses and we
-accept, the case says why (``LENIENT``). The framings refused and why: docs/decisions.md#request-framing.
+accept, the case says why (``LENIENT``). The framings refused and why:
+docs/decisions.md#request-framing.
 """
 
 from __future__ import annotations

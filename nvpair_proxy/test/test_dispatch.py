@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 from nvpair_proxy.test.world import WorldTestCase
 
 NDJSON = {"Content-Type": "application/x-ndjson"}

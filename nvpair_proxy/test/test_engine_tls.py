@@ -12,14 +12,14 @@ from twisted.internet import reactor
 from twisted.internet.defer import inlineCallbacks
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 
+from nvpair_proxy.fleet.inventory import Prober
 from nvpair_proxy.http.client import Client
 from nvpair_proxy.request.dispatch import Bounds
 from nvpair_proxy.standalone.engineaccess import EngineAgents
-from nvpair_proxy.fleet.inventory import Prober
 from nvpair_proxy.standalone.nodesfile import NodesFileError, load_nodes_file
-from nvpair_proxy.testing.certs import TestCA
 from nvpair_proxy.test.support import LogCapture
 from nvpair_proxy.test.tlsfleet import CALLER_KEY, ENGINE_KEY, ENGINES, TLSFleet, write
+from nvpair_proxy.testing.certs import TestCA
 
 
 class HTTPSEngineTests(TestCase):
@@ -227,6 +227,7 @@ class RetainTests(SynchronousTestCase):
     def test_clients_of_configurations_no_node_uses_are_dropped(self):
         from twisted.internet.defer import succeed
         from twisted.internet.testing import MemoryReactorClock
+
         from nvpair_proxy.nodes.discovery import Node
         from nvpair_proxy.standalone.engineaccess import EngineAccess, load_tls
 

@@ -1,4 +1,5 @@
-"""Tests for nvpair_proxy.nodes.engines: the engine files, route classification, model naming, loader.
+"""Tests for nvpair_proxy.nodes.engines: the engine files, route classification, model naming,
+loader.
 
 Behaviours "Engines and routes"; design 5; protocol 7 (the engine list).
 """
@@ -9,7 +10,6 @@ import os
 
 from twisted.trial.unittest import SynchronousTestCase
 
-from nvpair_proxy.test.support import VLLM
 from nvpair_proxy.nodes.engines import (
     Engine,
     EngineFileError,
@@ -19,6 +19,7 @@ from nvpair_proxy.nodes.engines import (
     load_engine_file,
     load_engines,
 )
+from nvpair_proxy.test.support import VLLM
 
 ENGINES = load_engines()
 

@@ -8,6 +8,7 @@ import json
 from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 
+from nvpair_proxy.fleet.truthpoller import TruthPoller
 from nvpair_proxy.nodes.discovery import make_node
 from nvpair_proxy.nodes.engines import EngineFileError, TruthRoutes, parse_engine
 from nvpair_proxy.routing.enginetruth import (
@@ -18,10 +19,9 @@ from nvpair_proxy.routing.enginetruth import (
     read_models,
     read_slots,
 )
-from nvpair_proxy.standalone.nodesfile import NodesFileError, parse_nodes
 from nvpair_proxy.routing.router import Router
+from nvpair_proxy.standalone.nodesfile import NodesFileError, parse_nodes
 from nvpair_proxy.testing import FakeAgent
-from nvpair_proxy.fleet.truthpoller import TruthPoller
 
 from .support import LogCapture
 from .world import ENGINES

@@ -18,8 +18,8 @@ from nvpair_proxy.test.recorded import (
     RESPONSES_SSE,
     RESPONSES_SSE_STATS,
 )
-from nvpair_proxy.test.world import World, WorldTestCase
 from nvpair_proxy.test.support import LogCapture
+from nvpair_proxy.test.world import World, WorldTestCase
 
 NDJSON = {"Content-Type": "application/x-ndjson"}
 

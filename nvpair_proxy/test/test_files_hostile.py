@@ -16,14 +16,13 @@ from twisted.internet.task import Clock
 from twisted.logger import LogLevel, formatEvent
 from twisted.trial.unittest import SynchronousTestCase
 
-from nvpair_proxy.test.support import LogCapture
+from nvpair_proxy.cluster.trust import ClusterDirectory
 from nvpair_proxy.core import logs
 from nvpair_proxy.nodes.engines import EngineFileError, load_engines
-from nvpair_proxy.standalone.nodesfile import NodesFileError, NodesFileWatcher, load_nodes_file
 from nvpair_proxy.process.options import Options
+from nvpair_proxy.standalone.nodesfile import NodesFileError, NodesFileWatcher, load_nodes_file
+from nvpair_proxy.test.support import ONE_NODE, TWO_NODES, LogCapture
 from nvpair_proxy.testing.certs import make_certificate, write_admission, write_identity, write_pin
-from nvpair_proxy.test.support import ONE_NODE, TWO_NODES
-from nvpair_proxy.cluster.trust import ClusterDirectory
 
 ENGINES = load_engines()
 LOOP = "Too many levels of symbolic links"

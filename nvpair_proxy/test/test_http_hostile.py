@@ -19,14 +19,14 @@ import time
 from twisted.internet.testing import StringTransport
 from twisted.trial.unittest import SynchronousTestCase
 
+from nvpair_proxy.cluster.trust import ClusterDirectory, tls_ingress
 from nvpair_proxy.core.constants import MAX_REQUEST_BODY
 from nvpair_proxy.facade.listener import DemuxFactory
-from nvpair_proxy.testing.certs import make_certificate, write_admission, write_identity
-from nvpair_proxy.testing.processes import exchange, free_port, drain, nodes_toml, status_of
 from nvpair_proxy.test.support import broker_channel, start_fleet, start_standalone
 from nvpair_proxy.test.world import World, WorldTestCase
 from nvpair_proxy.testing import lan
-from nvpair_proxy.cluster.trust import ClusterDirectory, tls_ingress
+from nvpair_proxy.testing.certs import make_certificate, write_admission, write_identity
+from nvpair_proxy.testing.processes import drain, exchange, free_port, nodes_toml, status_of
 
 GOOD = b"POST /api/chat HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}"
 CHAT = json.dumps({"model": "llama3", "messages": [{"role": "user", "content": "hi"}]}).encode()

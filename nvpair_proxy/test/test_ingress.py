@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 
-
 from nvpair_proxy.core.constants import MAX_REQUEST_BODY
 from nvpair_proxy.test.world import Response, WorldTestCase
 from nvpair_proxy.testing import lan, mapped_loopback
@@ -162,8 +161,8 @@ class HeaderTests(WorldTestCase):
         self.assertEqual(response.header("x-engine"), "kept")
 
     def test_a_long_connection_value_is_honoured_but_not_cached(self):
-        from nvpair_proxy.http import hopbyhop
         from nvpair_proxy.core.memo import Memo
+        from nvpair_proxy.http import hopbyhop
 
         self.patch(hopbyhop, "_SKIP", Memo(hopbyhop.MAX_CACHED))
 
@@ -196,8 +195,9 @@ class HeaderTests(WorldTestCase):
 
     def test_the_cache_of_connection_values_stays_within_its_bound(self):
         from twisted.web.http_headers import Headers
-        from nvpair_proxy.http import hopbyhop
+
         from nvpair_proxy.core.memo import Memo
+        from nvpair_proxy.http import hopbyhop
 
         self.patch(hopbyhop, "_SKIP", Memo(8))
         sizes = []

@@ -5,9 +5,9 @@ from __future__ import annotations
 from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 
+from nvpair_proxy.fleet.inventory import Prober
 from nvpair_proxy.nodes.discovery import make_node
 from nvpair_proxy.nodes.engines import load_engines
-from nvpair_proxy.fleet.inventory import Prober
 from nvpair_proxy.routing.router import Router
 from nvpair_proxy.testing import FakeAgent
 

@@ -19,10 +19,10 @@ from twisted.logger import formatEvent
 from twisted.trial.unittest import TestCase
 from twisted.web.http_headers import Headers
 
+from nvpair_proxy.core.logs import level_name, set_level
 from nvpair_proxy.lan.apikeys import KeyStore, LanGate, parse_cidrs
 from nvpair_proxy.request.dispatch import Bounds
 from nvpair_proxy.request.events import LogEmitter
-from nvpair_proxy.core.logs import level_name, set_level
 from nvpair_proxy.test.support import LogCapture, failures, rewrite
 from nvpair_proxy.test.tlsfleet import CALLER_KEY, ENGINE_KEY, TLSFleet, write
 

@@ -17,10 +17,10 @@ from twisted.web.resource import Resource
 from nvpair_proxy.core import logs
 from nvpair_proxy.core.logformat import json_line, observer, offer
 from nvpair_proxy.http.server import BoundedSite
+from nvpair_proxy.test.support import LogCapture, start_standalone
+from nvpair_proxy.test.world import request_bytes
 from nvpair_proxy.testing import loopback
 from nvpair_proxy.testing.processes import free_port, stop
-from nvpair_proxy.test.world import request_bytes
-from nvpair_proxy.test.support import LogCapture, start_standalone
 
 
 class Captured:

@@ -1,4 +1,5 @@
-"""Tests for nvpair_proxy.standalone.nodesfile: the standalone fleet file and its watcher (design 4, 8.15)."""
+"""Tests for nvpair_proxy.standalone.nodesfile: the standalone fleet file and its watcher (design
+4, 8.15)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,6 @@ from twisted.internet.task import Clock
 from twisted.logger import LogLevel, formatEvent
 from twisted.trial.unittest import SynchronousTestCase
 
-from nvpair_proxy.test.support import LogCapture
 from nvpair_proxy.core import logs
 from nvpair_proxy.nodes.discovery import Node
 from nvpair_proxy.nodes.engines import load_engines
@@ -19,7 +19,7 @@ from nvpair_proxy.standalone.nodesfile import (
     load_nodes_file,
     parse_nodes,
 )
-from nvpair_proxy.test.support import ONE_NODE, TWO_NODES
+from nvpair_proxy.test.support import ONE_NODE, TWO_NODES, LogCapture
 
 ENGINES = load_engines()
 SOURCE = "nodes.toml"
@@ -401,7 +401,8 @@ class WatcherTests(SynchronousTestCase):
             self.messages(LogLevel.warn),
             [
                 "nodes file not reloaded, keeping the last good one: "
-                f"{self.path}: node 'gpu-a': engines.ollama: field 'port' must be 1-65535 (got 70000)"
+                f"{self.path}: node 'gpu-a': engines.ollama: "
+                "field 'port' must be 1-65535 (got 70000)"
             ],
         )
         # The bad file is not re-read (nor re-reported) every check while it stays the same.

@@ -12,8 +12,8 @@ from twisted.plugin import getPlugins
 from twisted.trial.unittest import SynchronousTestCase
 
 from nvpair_proxy.process import options as options_module
-from nvpair_proxy.test.support import VLLM
 from nvpair_proxy.process.options import DEFAULT_STATE_DIR, Config, Options, parse_duration
+from nvpair_proxy.test.support import VLLM
 
 HOME = "/home/tester"
 DEFAULT_STATE = "/home/tester/.config/Nvidia Corporation/Personal AI Router"

@@ -15,6 +15,7 @@ import urllib.request
 
 from twisted.trial.unittest import SynchronousTestCase
 
+from nvpair_proxy.test.support import broker_channel, start_fleet, start_standalone
 from nvpair_proxy.testing.processes import (
     TWISTD,
     BrokerChannel,
@@ -22,7 +23,6 @@ from nvpair_proxy.testing.processes import (
     logged_workloads,
     nodes_toml,
 )
-from nvpair_proxy.test.support import broker_channel, start_fleet, start_standalone
 
 
 class RealClientTests(SynchronousTestCase):

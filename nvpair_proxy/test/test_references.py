@@ -117,7 +117,8 @@ class ReferencesTests(SynchronousTestCase):
             raise SkipTest("not a checkout: no docs/references.md beside the package")
 
     def test_the_scan_sees_the_tree(self):
-        """The file list covers the product, the scripts and the docs (a wrong root scans nothing)."""
+        """The file list covers the product, the scripts and the docs (a wrong root scans
+        nothing)."""
         files = cited_files()
         for expected in (
             "nvpair_proxy/request/attempt.py",

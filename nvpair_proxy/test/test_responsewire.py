@@ -6,7 +6,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from twisted.trial.unittest import SynchronousTestCase
 
-from nvpair_proxy.test.strategies import HEADS, splits
 from nvpair_proxy.http.responsewire import (
     CHUNKED,
     LENGTH,
@@ -20,6 +19,7 @@ from nvpair_proxy.http.responsewire import (
     parse_head,
     persistent,
 )
+from nvpair_proxy.test.strategies import HEADS, splits
 
 
 def head(*lines: bytes, status: bytes = b"HTTP/1.1 200 OK"):

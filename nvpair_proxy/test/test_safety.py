@@ -17,8 +17,8 @@ from twisted.logger import formatEvent
 from twisted.trial.unittest import SkipTest, SynchronousTestCase
 
 from nvpair_proxy.core import logs
-from nvpair_proxy.process.options import Options
 from nvpair_proxy.nodes.selfcheck import SelfCheck, is_local_address
+from nvpair_proxy.process.options import Options
 from nvpair_proxy.process.service import standalone_tree
 from nvpair_proxy.test.support import LogCapture
 from nvpair_proxy.test.world import WorldTestCase, request_bytes

@@ -13,8 +13,8 @@ import time
 
 from twisted.trial.unittest import SynchronousTestCase
 
-from nvpair_proxy.testing.processes import exchange, free_port, nodes_toml, status_of, wait_until
 from nvpair_proxy.test.support import broker_channel, start_standalone
+from nvpair_proxy.testing.processes import exchange, free_port, nodes_toml, status_of, wait_until
 
 CHAT = json.dumps({"model": "llama3", "messages": [{"role": "user", "content": "hi"}]}).encode()
 LOOP = {"error": "forwarding loop: this request already passed through this proxy"}

@@ -19,10 +19,10 @@ from nvpair_proxy.nodes.discovery import (
     make_node,
 )
 from nvpair_proxy.nodes.engines import load_engines
-from nvpair_proxy.request.exchange import requested_model
-from nvpair_proxy.routing.router import Router
 from nvpair_proxy.nodes.selection import order, owners
 from nvpair_proxy.nodes.selfcheck import SelfCheck
+from nvpair_proxy.request.exchange import requested_model
+from nvpair_proxy.routing.router import Router
 
 ENGINES = load_engines()
 OLLAMA = ENGINES["ollama"]

@@ -19,8 +19,8 @@ from twisted.trial.unittest import SynchronousTestCase
 
 from nvpair_proxy.http.client import Client
 from nvpair_proxy.test.support import Wire, start_fleet, start_standalone
-from nvpair_proxy.testing.processes import DEADLINE, free_port, nodes_toml
 from nvpair_proxy.test.world import WorldTestCase
+from nvpair_proxy.testing.processes import DEADLINE, free_port, nodes_toml
 
 PULL = {"model": "llama3", "stream": False}
 PULLED = (

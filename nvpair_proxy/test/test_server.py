@@ -6,16 +6,16 @@ from __future__ import annotations
 
 from OpenSSL import crypto
 from twisted.internet.protocol import Factory, Protocol
-from twisted.internet.task import Clock
 from twisted.internet.ssl import CertificateOptions
+from twisted.internet.task import Clock
 from twisted.protocols.tls import TLSMemoryBIOFactory
 from twisted.test.iosim import FakeTransport, connect
 
 from nvpair_proxy.core.constants import MAX_REQUEST_BODY
 from nvpair_proxy.facade.listener import DemuxFactory
-from nvpair_proxy.testing.certs import make_certificate
 from nvpair_proxy.test.world import WorldTestCase, request_bytes
 from nvpair_proxy.testing import lan, loopback
+from nvpair_proxy.testing.certs import make_certificate
 
 
 def _server_tls(site, clock) -> TLSMemoryBIOFactory:

@@ -13,12 +13,11 @@ from twisted.internet.testing import MemoryReactorClock
 from twisted.trial.unittest import SynchronousTestCase
 
 from nvpair_proxy.core import constants, logs
-from nvpair_proxy.nodes.discovery import make_node
-from nvpair_proxy.nodes.engines import load_engines
 from nvpair_proxy.facade.facadeservice import Facades, FacadeService
 from nvpair_proxy.fleet.inventory import Prober
+from nvpair_proxy.nodes.discovery import make_node
+from nvpair_proxy.nodes.engines import load_engines
 from nvpair_proxy.process.options import Config, Options
-from nvpair_proxy.routing.router import Router
 from nvpair_proxy.process.service import (
     ProcessService,
     Runtime,
@@ -28,6 +27,7 @@ from nvpair_proxy.process.service import (
     make_pool,
     standalone_tree,
 )
+from nvpair_proxy.routing.router import Router
 from nvpair_proxy.test.support import Wire
 from nvpair_proxy.test.world import Client, connect, request_bytes
 from nvpair_proxy.testing import lan, loopback

@@ -377,7 +377,8 @@ class EngineTruthTests(SynchronousTestCase):
                     "error": {
                         "code": 501,
                         "type": "not_supported_error",
-                        "message": "This server does not support slots endpoint. Start it with `--slots`",
+                        "message": "This server does not support slots endpoint. "
+                        "Start it with `--slots`",
                     }
                 },
             ),
@@ -865,7 +866,7 @@ class OllamaTests(_LoopbackCase):
         )
         lines = _ndjson(body)
         self.assertEqual(
-            [(l["done"], l["message"]) for l in lines[:3]],
+            [(line["done"], line["message"]) for line in lines[:3]],
             [(False, {"role": "assistant", "content": token_text("gpu-a", i)}) for i in range(3)],
         )
         final = lines[3]
@@ -1506,7 +1507,8 @@ class FleetFileTests(SynchronousTestCase):
             ({"node": [{"id": "a"}]}, "f.toml: node[0] (a): missing key 'dialect'"),
             (
                 {"node": [{"id": "a", "dialect": "vllm"}]},
-                "f.toml: node[0] (a): dialect must be one of ollama, lmstudio, llamacpp (got 'vllm')",
+                "f.toml: node[0] (a): dialect must be one of ollama, lmstudio, llamacpp "
+                "(got 'vllm')",
             ),
             (
                 {"node": [{"id": "a", "dialect": "ollama", "tokens": "6"}]},

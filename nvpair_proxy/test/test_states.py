@@ -9,6 +9,7 @@ from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 from twisted.web.http_headers import Headers
 
+from nvpair_proxy.nodes.discovery import Node
 from nvpair_proxy.request.attempt import (
     CANCELLED,
     COMMITTED,
@@ -23,7 +24,6 @@ from nvpair_proxy.request.attempt import (
     State,
     UpstreamRequest,
 )
-from nvpair_proxy.nodes.discovery import Node
 from nvpair_proxy.request.exchange import PHASES, InvalidPhase, Phase
 from nvpair_proxy.test.world import WorldTestCase
 from nvpair_proxy.testing import FakeAgent

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-
 from nvpair_proxy.request.dispatch import Bounds
-from nvpair_proxy.test.world import WorldTestCase
 from nvpair_proxy.test.support import LogCapture
+from nvpair_proxy.test.world import WorldTestCase
 
 IDLE_NOTE = "upstream sent nothing for 5s after commit"
 

@@ -18,14 +18,14 @@ from twisted.web.client import Agent, HTTPConnectionPool, readBody
 from twisted.web.http_headers import Headers
 from twisted.web.server import Site
 
-from nvpair_proxy.nodes.discovery import make_node
-from nvpair_proxy.request.dispatch import Bounds
-from nvpair_proxy.nodes.engines import load_engines
-from nvpair_proxy.testing import RecordingEmitter
-from nvpair_proxy.facade.facade import make_facade, facade_site
+from nvpair_proxy.facade.facade import facade_site, make_facade
 from nvpair_proxy.facade.listener import DemuxFactory
 from nvpair_proxy.http.requestbody import BytesProducer
+from nvpair_proxy.nodes.discovery import make_node
+from nvpair_proxy.nodes.engines import load_engines
+from nvpair_proxy.request.dispatch import Bounds
 from nvpair_proxy.routing.reservations import ReservationMap
+from nvpair_proxy.testing import RecordingEmitter
 from nvpair_proxy.testing.simfleet import SimNode, SimNodeResource
 
 ENGINES = load_engines()
@@ -183,6 +183,7 @@ class EndToEndTests(TestCase):
     @inlineCallbacks
     def test_the_facade_listens_on_ipv4_and_ipv6_loopback(self):
         import socket as socketlib
+
         from nvpair_proxy.facade.listener import listen_everywhere
 
         if not socketlib.has_ipv6:

@@ -1,4 +1,5 @@
-"""Tests for nvpair_proxy.body.tokens' BodyObserver: terminal frames and the stats block, read from a
+"""Tests for nvpair_proxy.body.tokens' BodyObserver: terminal frames and the stats block, read from
+a
 bounded tail."""
 
 from __future__ import annotations

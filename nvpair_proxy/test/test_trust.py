@@ -7,31 +7,22 @@ import json
 import os
 import random
 
+from OpenSSL import SSL, crypto
 from twisted.internet import reactor
 from twisted.internet.address import IPv4Address
 from twisted.internet.defer import inlineCallbacks
+from twisted.internet.error import ConnectError
 from twisted.internet.task import Clock
 from twisted.protocols.tls import TLSMemoryBIOProtocol
 from twisted.trial.unittest import SynchronousTestCase, TestCase
-from twisted.web.client import Agent, HTTPConnectionPool, readBody
+from twisted.web._newclient import RequestTransmissionFailed, ResponseNeverReceived
+from twisted.web.client import Agent, HTTPConnectionPool, ResponseFailed, readBody
 from twisted.web.http_headers import Headers
 from twisted.web.resource import Resource
 from twisted.web.server import Site
 
-from nvpair_proxy.cluster.admission import peer_dialler
-from nvpair_proxy.nodes.discovery import make_node
-from nvpair_proxy.request.dispatch import Bounds
-from nvpair_proxy.nodes.engines import load_engines
-from nvpair_proxy.testing import RecordingEmitter
-from nvpair_proxy.facade.facade import make_facade, facade_site
-from nvpair_proxy.facade.ingress import IngressResource
-from nvpair_proxy.facade.listener import DemuxFactory
-from nvpair_proxy.http.requestbody import BytesProducer
-from nvpair_proxy.http.server import BoundedSite
 from nvpair_proxy.admin.recorder import Recorder
-from nvpair_proxy.routing.reservations import ReservationMap
-from nvpair_proxy.testing.simfleet import SimNode, SimNodeResource
-from nvpair_proxy.testing.certs import make_certificate, write_admission, write_identity, write_pin
+from nvpair_proxy.cluster.admission import peer_dialler
 from nvpair_proxy.cluster.trust import (
     ClusterDirectory,
     PeerAgents,
@@ -40,11 +31,18 @@ from nvpair_proxy.cluster.trust import (
     tls_ingress,
     trust_watch,
 )
-
-from OpenSSL import SSL, crypto
-from twisted.internet.error import ConnectError
-from twisted.web.client import ResponseFailed
-from twisted.web._newclient import RequestTransmissionFailed, ResponseNeverReceived
+from nvpair_proxy.facade.facade import facade_site, make_facade
+from nvpair_proxy.facade.ingress import IngressResource
+from nvpair_proxy.facade.listener import DemuxFactory
+from nvpair_proxy.http.requestbody import BytesProducer
+from nvpair_proxy.http.server import BoundedSite
+from nvpair_proxy.nodes.discovery import make_node
+from nvpair_proxy.nodes.engines import load_engines
+from nvpair_proxy.request.dispatch import Bounds
+from nvpair_proxy.routing.reservations import ReservationMap
+from nvpair_proxy.testing import RecordingEmitter
+from nvpair_proxy.testing.certs import make_certificate, write_admission, write_identity, write_pin
+from nvpair_proxy.testing.simfleet import SimNode, SimNodeResource
 
 OLLAMA = load_engines()["ollama"]
 
@@ -594,6 +592,7 @@ class AdmissionCopiesTests(SynchronousTestCase):
 
     def test_the_decision_is_per_call_the_copy_is_made_once(self):
         from twisted.internet.task import Clock
+
         from nvpair_proxy.cluster.admission import Admission
         from nvpair_proxy.nodes.discovery import Node
 
@@ -639,6 +638,7 @@ class AdmittedOncePerChangeTests(SynchronousTestCase):
 
     def setUp(self):
         from twisted.internet.task import Clock
+
         from nvpair_proxy.cluster.admission import Admission
         from nvpair_proxy.nodes.discovery import Node, NodeSet
 

@@ -9,8 +9,8 @@ import signal
 from twisted.internet.testing import MemoryReactorClock
 from twisted.trial.unittest import SynchronousTestCase
 
-from nvpair_proxy.process import vitals
 from nvpair_proxy.http.pool import ConnectionPool
+from nvpair_proxy.process import vitals
 from nvpair_proxy.routing.reservations import ReservationMap
 from nvpair_proxy.test.support import LogCapture
 

@@ -10,14 +10,13 @@ count; lower it when a change does less.
 from __future__ import annotations
 
 from twisted.internet import defer
-from twisted.logger import globalLogPublisher
-
 from twisted.internet.testing import MemoryReactorClock
+from twisted.logger import globalLogPublisher
 
 from nvpair_proxy.core import logs
 from nvpair_proxy.http.client import Client
-from nvpair_proxy.test.support import Wire
 from nvpair_proxy.request.events import LogEmitter
+from nvpair_proxy.test.support import Wire
 from nvpair_proxy.test.world import WorldTestCase
 
 NDJSON = {"Content-Type": "application/x-ndjson"}

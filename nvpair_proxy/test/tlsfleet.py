@@ -19,16 +19,16 @@ from twisted.web.http_headers import Headers
 from twisted.web.resource import Resource
 from twisted.web.server import Site
 
+from nvpair_proxy.facade.facade import facade_site, make_facade
+from nvpair_proxy.facade.listener import DemuxFactory
 from nvpair_proxy.http.client import Client
 from nvpair_proxy.http.pool import ConnectionPool
+from nvpair_proxy.nodes.engines import load_engines
 from nvpair_proxy.request.dispatch import Bounds
 from nvpair_proxy.standalone.engineaccess import EngineAgents
-from nvpair_proxy.nodes.engines import load_engines
-from nvpair_proxy.facade.facade import make_facade, facade_site
-from nvpair_proxy.facade.listener import DemuxFactory
 from nvpair_proxy.standalone.nodesfile import load_nodes_file
-from nvpair_proxy.testing.certs import TestCA
 from nvpair_proxy.testing import RecordingEmitter
+from nvpair_proxy.testing.certs import TestCA
 
 ENGINES = load_engines([])
 ENGINE_KEY = "engine-secret-0123456789abcdefXYZ"
@@ -161,8 +161,9 @@ class TLSFleet:
     def request(
         self, method: bytes, path: str, headers: dict | None = None, body: bytes | None = None
     ):
-        from twisted.web.client import FileBodyProducer
         from io import BytesIO
+
+        from twisted.web.client import FileBodyProducer
 
         raw = Headers({k.encode(): [v.encode()] for k, v in (headers or {}).items()})
         response = yield self.client.request(

@@ -13,16 +13,15 @@ from twisted.internet.testing import StringTransport
 from twisted.trial.unittest import SynchronousTestCase
 from zope.interface import implementer
 
-from nvpair_proxy.nodes.discovery import make_node
-from nvpair_proxy.request.dispatch import Bounds
-from nvpair_proxy.nodes.engines import load_engines
-from nvpair_proxy.testing import RecordingEmitter
-from nvpair_proxy.facade.facade import make_facade, facade_site
 from nvpair_proxy.core.interfaces import IStatusSource
-from nvpair_proxy.facade.listener import DemuxFactory
-from nvpair_proxy.routing.reservations import ReservationMap
-from nvpair_proxy.testing import FakeAgent, loopback
 from nvpair_proxy.core.views import ProcessSnapshot
+from nvpair_proxy.facade.facade import facade_site, make_facade
+from nvpair_proxy.facade.listener import DemuxFactory
+from nvpair_proxy.nodes.discovery import make_node
+from nvpair_proxy.nodes.engines import load_engines
+from nvpair_proxy.request.dispatch import Bounds
+from nvpair_proxy.routing.reservations import ReservationMap
+from nvpair_proxy.testing import FakeAgent, RecordingEmitter, loopback
 
 ENGINES = load_engines()
 

@@ -58,7 +58,8 @@ inside the engine), ``truth_reads`` (requests to the truth routes), ``cache_hits
 
 Admin routes: ``POST /_sim/fault`` (a JSON object of ``FAULT_FIELDS``) changes a node at
 runtime, ``GET /_sim/state`` reports its fields and what it served, and
-``GET /_sim/stalled?count=N`` answers once N streams have been paused by a slow reader. They are loopback
+``GET /_sim/stalled?count=N`` answers once N streams have been paused by a slow reader. They are
+loopback
 test aids with no authentication: the CLI listens on 127.0.0.1 only, and nothing should ever
 expose them further.
 
@@ -68,11 +69,11 @@ CLI: ``python -m nvpair_proxy.testing.simfleet FLEET.toml`` (the file format is 
 from __future__ import annotations
 
 import hashlib
-from collections import OrderedDict, deque
 import json
 import math
 import sys
 import tomllib
+from collections import OrderedDict, deque
 from datetime import datetime, timezone
 from typing import Any, Callable, Mapping, Protocol, Sequence, cast
 

@@ -19,7 +19,8 @@ KV cache of a full context is 8 MB.
 Other shapes of the same model are written with ``shape``: ``FLEET`` is about 25M parameters
 (width 512, eight layers), big enough that prefill and decode cost real time on one thread,
 for ``bench/fleet``'s placement runs; its context, 8,192 tokens, holds a conversation of many
-long turns (its KV cache takes 16 KiB a token). The default, ``TINY``, is the file above, byte for byte.
+long turns (its KV cache takes 16 KiB a token). The default, ``TINY``, is the file above, byte for
+byte.
 """
 
 from __future__ import annotations
