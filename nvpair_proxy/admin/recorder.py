@@ -24,20 +24,14 @@ from zope.interface import implementer
 
 from ..core.interfaces import IRequestRecorder
 from ..http.answers import LABELS, OTHER, STATUS_LABELS
-from ..request.attempt import ATTEMPT_CANCELLED, NO_CONTENT, STATUS, TRANSPORT, Committed
-from ..request.events import RequestEnded
+from ..request.attempt import Committed
+from ..request.events import Outcome, RequestEnded
 
 RECENT = 100
 MODEL_SHOWN = 120  # characters of a requested model name kept for the recent table
 
-# Dispatch results: how one attempt on one node ended.
+# Dispatch results: how one attempt on one node ended (a failed one: its AttemptFailure).
 COMMITTED = "committed"
-DISPATCH_RESULTS = {
-    STATUS: "refused_status",
-    TRANSPORT: "transport",
-    NO_CONTENT: "no_content",
-    ATTEMPT_CANCELLED: "cancelled",
-}
 
 # Why a request did not complete, from a fixed vocabulary (metric labels stay bounded): the
 # label of its Reason, or, for an engine's own answer relayed with no reason of ours, its
@@ -69,7 +63,7 @@ DURATION_BUCKETS = (
 
 def reason(ended: RequestEnded) -> str | None:
     """The reason (one of REASONS) a request did not complete, None if it did."""
-    if ended.outcome == "completed":
+    if ended.outcome == Outcome.COMPLETED:  # a StrEnum: the wire string compares equal
         return None
     if ended.reason is not None:
         return ended.reason.label
@@ -150,7 +144,7 @@ class Recorder:
         self._histogram(self.queue_wait, (engine,), QUEUE_WAIT_BUCKETS).observe(waited)
 
     def dispatch_ended(self, engine: str, outcome) -> None:
-        result = COMMITTED if isinstance(outcome, Committed) else DISPATCH_RESULTS[outcome.kind]
+        result = COMMITTED if isinstance(outcome, Committed) else outcome.kind.value
         self.dispatches[engine, outcome.node.id, result] += 1
 
     def forget_nodes_except(self, fleet: Iterable[str]) -> None:

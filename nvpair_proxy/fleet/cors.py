@@ -13,6 +13,7 @@ Nothing here is cached: every preflight asks the engines again.
 
 from __future__ import annotations
 
+import enum
 from typing import Callable, Sequence
 
 from twisted.web.http_headers import Headers
@@ -39,8 +40,19 @@ ALLOW_PRIVATE_NETWORK = b"Access-Control-Allow-Private-Network"
 MAX_AGE = b"Access-Control-Max-Age"
 VARY = b"Vary"
 
-# Inventory verdicts for a model list requested with an Origin.
-DENIED, INVALID, AGREED = "denied", "invalid", "agreed"
+
+class Verdict(enum.Enum):
+    """What the engines' model lists say together when a browser (an Origin) asked."""
+
+    #: An engine refuses the origin: its denial is what the browser sees.
+    DENIED = "denied"
+    #: None answered, or some answer is not a valid inventory: no list is shown.
+    INVALID = "invalid"
+    #: Every responding engine allows the origin: the merged list goes out.
+    AGREED = "agreed"
+
+
+DENIED, INVALID, AGREED = Verdict
 
 
 def is_preflight(method: bytes, headers: Headers) -> bool:
@@ -199,7 +211,7 @@ def denies_inventory(reply: Reply, origin: bytes) -> bool:
 
 def judge_inventory(
     replies: Sequence[Reply], origin: bytes, all_valid: bool
-) -> tuple[str, Reply | None]:
+) -> tuple[Verdict, Reply | None]:
     """Every responding engine must agree before a merged list reaches a browser.
 
     (DENIED, the first denial) when any engine refuses the origin; (INVALID, None) when

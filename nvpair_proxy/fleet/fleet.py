@@ -253,14 +253,14 @@ def serve_model_list(fleet: Fleet, request: BoundedRequest, route) -> None:
             send_list([reply for reply, _ in valid], [pairs for _, pairs in valid], Headers())
             return
         verdict, denial = cors.judge_inventory(replies, origin, len(valid) == len(replies))
-        if verdict == cors.DENIED:
+        if verdict is cors.DENIED:
             answering.error(
                 403,
                 Reason.ORIGIN_DENIED,
                 Headers({b"Vary": [b"Origin"]}),
                 node=denial.node if denial is not None else None,
             )
-        elif verdict == cors.INVALID:
+        elif verdict is cors.INVALID:
             answering.error(502, Reason.INVENTORY_UNAVAILABLE, cors.combined(replies, origin))
         else:
             send_list(replies, listed, cors.combined(replies, origin))

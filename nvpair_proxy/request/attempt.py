@@ -63,8 +63,21 @@ class InvalidTransition(RuntimeError):
     """A move the table does not allow: a bug, never a race (the reactor thread decides)."""
 
 
-# Failure kinds of an attempt that did not commit.
-STATUS, TRANSPORT, NO_CONTENT, ATTEMPT_CANCELLED = "status", "transport", "no-content", "cancelled"
+class AttemptFailure(enum.StrEnum):
+    """How an attempt ended without commit. Its value is its ``result`` label on
+    ``nvpair_proxy_dispatches_total`` (a committed dispatch's is ``committed``)."""
+
+    #: The node answered a status another node may fix (failed over from).
+    STATUS = "refused_status"
+    #: No answer: a refused or dropped connection, or headers that never came.
+    TRANSPORT = "transport"
+    #: Headers, then no first body byte within the cap.
+    NO_CONTENT = "no_content"
+    #: Abandoned: the request ended, or the node left the routable set.
+    CANCELLED = "cancelled"
+
+
+STATUS, TRANSPORT, NO_CONTENT, ATTEMPT_CANCELLED = AttemptFailure
 
 # Failures while connecting mean "try the node's next address"
 # (docs/references.md#multi-homed-dial).
@@ -116,7 +129,7 @@ class Failed:
     """The attempt ended without commit; ``kind`` says how, ``status`` for a refused answer."""
 
     node: Node
-    kind: str
+    kind: AttemptFailure
     reason: str
     status: int | None = None
     #: The attempt ran out its header or first-content cap: the node took a whole budget

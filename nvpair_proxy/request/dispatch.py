@@ -29,15 +29,6 @@ from ..routing.router import BUSY_STATUSES
 from ..routing.slotqueue import Waiter
 from .attempt import NO_CONTENT, STATUS, AddressMemory, Attempt, Committed, Failed, UpstreamRequest
 
-# The proxy's own answer texts (docs/references.md#proxy-answers), as the reasons carry them.
-NO_OWNER = Reason.NO_OWNER.text
-NO_CANDIDATE = Reason.NO_CANDIDATE.text
-DEADLINE_PASSED = Reason.DEADLINE_PASSED.text
-NO_OWNER_RETURNED = Reason.NO_OWNER_RETURNED.text
-EVERY_ATTEMPT_FAILED = Reason.EVERY_ATTEMPT_FAILED.text
-ALL_OWNERS_BUSY = Reason.ALL_OWNERS_BUSY.text
-NO_CONTENT_TEXT = Reason.NO_CONTENT.text
-
 
 @attrs.frozen
 class Bounds:
@@ -95,9 +86,10 @@ class Answer:
 
 @attrs.frozen
 class Gone:
-    """The loop stopped because the requester left or we are shutting down."""
+    """The loop stopped: the requester left, we are shutting down, or the request ended
+    otherwise (``reason`` says which; its owner already answered or will)."""
 
-    reason: str
+    reason: Reason
 
 
 @implementer(IDispatchObserver)
@@ -259,7 +251,7 @@ class Dispatch:
             self._let_go()
             on_error(failure)
 
-    def stop(self, reason: str) -> None:
+    def stop(self, reason: Reason) -> None:
         """The requester left (or we shut down): end at once, no further dispatch."""
         if self._done:
             return

@@ -8,6 +8,7 @@ client gone, shutdown, an unexpected exception, the backstop) can all call it sa
 
 from __future__ import annotations
 
+import enum
 import itertools
 import json
 import math
@@ -23,17 +24,21 @@ from ..core.interfaces import IEmitter, IRequestRecorder
 from ..core.logs import enabled, logger
 from ..http.answers import Reason
 
-QUEUED, RUNNING, COMPLETED, FAILED, CANCELLED = (
-    "queued",
-    "running",
-    "completed",
-    "failed",
-    "cancelled",
-)
 
-CLIENT_GONE = Reason.CLIENT_GONE.text
-SHUTDOWN = Reason.SHUTDOWN.text
-BACKSTOP = Reason.BACKSTOP.text
+class Outcome(enum.StrEnum):
+    """How a request ended, as its ``outcome`` label in the metrics; for an admitted one
+    (all but ``REJECTED``) also its terminal workload state on the wire."""
+
+    COMPLETED = "completed"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    #: Answered before routing (a refused key, a bad target, CORS): never admitted.
+    REJECTED = "rejected"
+
+
+# A workload's states before its end (protocol strings), then its outcomes.
+QUEUED, RUNNING = "queued", "running"
+COMPLETED, FAILED, CANCELLED, REJECTED = Outcome
 
 log = logger()
 
@@ -154,12 +159,12 @@ class Workload:
         self.state, self.scheduled_on, self.started_at = RUNNING, node_id, self.clock()
         self._emit("workload:started", None, None, None)
 
-    def terminal(self, state: str, error: str | None = None, stats: dict | None = None) -> bool:
+    def terminal(self, state: Outcome, error: str | None = None, stats: dict | None = None) -> bool:
         """Emit the one terminal event; False (and nothing sent) if one was sent already."""
         if self.ended:
             return False
         self.state = state
-        method = "workload:completed" if state == COMPLETED else "workload:errored"
+        method = "workload:completed" if state is COMPLETED else "workload:errored"
         self._emit(method, error, self.clock(), stats)
         self.ended = True
         return True
@@ -265,7 +270,6 @@ class ActivityThrottle:
 # Route classes and request outcomes: the fixed vocabularies of the admin listener
 # (docs/references.md#bounded-labels).
 INFERENCE, MODELS, PREFLIGHT, OTHER = "inference", "models", "preflight", "other"
-REJECTED = "rejected"
 
 
 def route_class(route) -> str:
@@ -284,7 +288,7 @@ class RequestEnded:
     engine: str
     at: float
     route: str
-    outcome: str
+    outcome: Outcome
     status: int
     duration: float
     node: str | None = None

@@ -32,12 +32,10 @@ from ..routing.router import retry_after
 from .attempt import Committed, UpstreamRequest
 from .dispatch import Answer, Dispatch, Gone, Job, Upstreams, retryable_status
 from .events import (
-    BACKSTOP,
     CANCELLED,
-    CLIENT_GONE,
     COMPLETED,
     FAILED,
-    SHUTDOWN,
+    Outcome,
     Reporter,
     Workload,
     route_class,
@@ -404,7 +402,7 @@ class Exchange:
         if not self.ended:
             log.error("request {id} finished without an outcome", id=self.id, engine=self.engine.id)
             if self.dispatch is not None:
-                self.dispatch.stop(BACKSTOP)
+                self.dispatch.stop(Reason.BACKSTOP)
             self._end(FAILED, Reason.BACKSTOP, status=500)
 
     # The client side going away.
@@ -414,7 +412,7 @@ class Exchange:
         is cancelled even when the terminal frame was relayed: a client that stopped reading never
         received it."""
         transport = self._client_transport()
-        self._stop_upstream(CLIENT_GONE)
+        self._stop_upstream(Reason.CLIENT_GONE)
         self._end(CANCELLED, Reason.CLIENT_GONE)
         if transport is not None:
             transport.abortConnection()
@@ -426,7 +424,7 @@ class Exchange:
             self.stream.abort()
             self._end_committed()
             return
-        self._stop_upstream(CLIENT_GONE)
+        self._stop_upstream(Reason.CLIENT_GONE)
         self._end(CANCELLED, Reason.CLIENT_GONE)
 
     def _client_transport(self) -> ITCPTransport | None:
@@ -438,13 +436,13 @@ class Exchange:
         """Our own shutdown cancels in-flight requests (docs/references.md#shutdown-cancels)."""
         if self.ended:
             return
-        self._stop_upstream(SHUTDOWN)
+        self._stop_upstream(Reason.SHUTDOWN)
         self._end(CANCELLED, Reason.SHUTDOWN)
         transport = self._client_transport()
         if transport is not None:
             transport.abortConnection()
 
-    def _stop_upstream(self, reason: str) -> None:
+    def _stop_upstream(self, reason: Reason) -> None:
         if self.dispatch is not None:
             self.dispatch.stop(reason)
         if self.stream is not None:
@@ -461,7 +459,7 @@ class Exchange:
             engine=self.engine.id,
         )
         if self.dispatch is not None:
-            self.dispatch.stop(BACKSTOP)
+            self.dispatch.stop(Reason.BACKSTOP)
         if self.stream is not None:
             self.stream.abort()
         self._end(FAILED, Reason.BACKSTOP, status=500)
@@ -471,7 +469,7 @@ class Exchange:
 
     def _end(
         self,
-        state: str,
+        state: Outcome,
         reason: Reason | None,
         detail: str = "",
         *,
@@ -493,7 +491,7 @@ class Exchange:
 
     def _ended(
         self,
-        state: str,
+        state: Outcome,
         reason: Reason | None,
         detail: str,
         status: int | None,

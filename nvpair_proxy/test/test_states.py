@@ -19,6 +19,7 @@ from nvpair_proxy.request.attempt import (
     TRANSITIONS,
     AddressMemory,
     Attempt,
+    AttemptFailure,
     Committed,
     InvalidTransition,
     State,
@@ -110,6 +111,7 @@ class AttemptStateTests(SynchronousTestCase):
         self.assertIs(a.state, CANCELLED)
         self.assertTrue(upstream.transport.stopped)
         self.assertEqual([o.kind for o in outcomes], ["cancelled"])
+        self.assertIs(outcomes[0].kind, AttemptFailure.CANCELLED, "a kind is a type, not a string")
         self.assertEqual(clock.getDelayedCalls(), [])
 
 
