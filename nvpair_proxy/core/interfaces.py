@@ -44,21 +44,15 @@ class ITruthSink(Interface):
         """Clock seconds of the facade's last admitted request, None before any."""
 
 
-class IRouter(Interface):
-    """One facade's routing state: the only way routing changes (docs/references.md#router-seam).
-
-    What the request path and the prober are handed. The node set's owners (the broker and
-    standalone mode) hold the concrete Router and also replace, add and admit nodes.
-    """
+class IOwners(Interface):
+    """Who may serve a request now, and in which order: one facade's node set as the request
+    path reads it (docs/references.md#router-seam). The node set's owners (the broker, standalone
+    mode, the prober) hold the concrete Router and change it."""
 
     pin = Attribute('The node/select pin, or "".')
 
     def routable() -> list:
         """The nodes a request may go to now, in id order."""
-
-    def set_models(node_id: str, models) -> None:
-        """Replace a node's model inventory with a probe's answer
-        (docs/references.md#probed-inventory)."""
 
     def candidates(model: str | None) -> list:
         """Owners of a normalized model (None: every routable node) in round order."""
@@ -69,62 +63,10 @@ class IRouter(Interface):
     def busy_for(model: str) -> float | None:
         """Seconds of hold left when every owner of the model is busy-held, else None."""
 
-    affinity = Attribute("The affinity table (routing/affinity.py), None when affinity is off.")
 
-    def place(nodes: list, key: bytes | None = None) -> tuple:
-        """Reserve the chosen candidate and move it first: (nodes, reservation or None);
-        ``key``, a conversation's, may put its node first."""
-
-    def affine(key: bytes | None) -> str | None:
-        """The node that last committed the conversation ``key``, None when none."""
-
-    def committed_key(key: bytes, node_id: str) -> None:
-        """A request of the conversation ``key`` committed on the node."""
-
-    def wants_rate(node_id: str) -> bool:
-        """Whether a request that ended on the node should have its prompt rate read."""
-
-    def served(node_id: str, seconds: float) -> None:
-        """One request's time on the node, from its dispatch to its end."""
-
-    def rate_read(node_id: str, reading) -> None:
-        """The prompt figures a response's tail said (a routing.rates.PromptReading)."""
-
-    def hold_offers() -> None:
-        """A request's end begins: slots it frees wait for ``offer_held``."""
-
-    def offer_held() -> None:
-        """The request's end is done: free slots go to waiting requests now."""
-
-    def affinity_wait(nodes: list, model: str | None, key: bytes | None, size: int):
-        """(node, seconds) to wait for a full conversation's node, or None to go elsewhere."""
-
-    def fail_over(remaining: list, model: str | None = None) -> list:
-        """The remaining candidates for ``model`` with the next one to try first."""
-
-    def admitted() -> None:
-        """A request was admitted now (the engine-truth poller reads faster with traffic)."""
-
-    def all_full(nodes: list, model: str | None) -> bool:
-        """Whether a request for the model should wait for a slot instead of going to nodes
-        (late binding: every owner full by its known slots)."""
-
-    def refuses(nodes: list, model: str | None) -> bool:
-        """Whether a new request would wait and the queue has no room for it."""
-
-    def wait(
-        model: str,
-        deadline: float,
-        wake,
-        expire,
-        ahead: bool = False,
-        prefer: str | None = None,
-        patience: float | None = None,
-    ):
-        """Queue a request until a slot frees (``wake``) or its deadline (``expire``)."""
-
-    def unwait(waiter) -> None:
-        """Take a waiting request out of the queue: it ended."""
+class IHealth(Interface):
+    """What an inference dispatch learns of its node, and the watch on its target
+    (docs/decisions.md#busy-hold, #stall-cooldown, docs/references.md#target-left-discovery)."""
 
     def answered(node_id: str, status: int) -> None:
         """An attempt got a status from the node."""
@@ -135,15 +77,67 @@ class IRouter(Interface):
     def stalled(node_id: str) -> None:
         """The node used up a whole first-content budget without a byte."""
 
-    def set_pin(node_id: str) -> None:
-        """Pin a known node ("" clears); KeyError for an unknown one."""
-
     def watch(attempt: "IWatchedAttempt") -> None:
-        """Cancel the attempt if its target leaves the routable set
-        (docs/references.md#target-left-discovery)."""
+        """Cancel the attempt if its target leaves the routable set."""
 
     def unwatch(attempt: "IWatchedAttempt") -> None:
         """Stop watching the attempt."""
+
+
+class IPlacement(Interface):
+    """A facade's placement policy, chosen once when the facade is wired (routing/tickets.py):
+    standalone ranking with its queue, rates and affinity, the broker's reservations, or none
+    (the ingress). It gives each request its ticket; nothing on the request path asks which
+    policy it is."""
+
+    def refuses(nodes: list, model: str | None) -> bool:
+        """Whether a new request would wait and the queue has no room for it (the busy 503)."""
+
+    def ticket(model: str | None, size: int, headers, body, path: str, reserve: bool):
+        """An admitted request's ``ITicket``: ``model`` normalized (None: none named),
+        ``size`` its body's bytes, ``headers``, ``body`` (the parsed JSON, or None) and
+        ``path`` what its conversation's key is read from, ``reserve`` whether it holds a
+        claim on the nodes it goes to (a workload's inference request)."""
+
+    def hold_offers() -> None:
+        """A request's end begins: slots it frees wait for ``offer_held``."""
+
+    def offer_held() -> None:
+        """The request's end is done: free slots go to waiting requests now."""
+
+
+class ITicket(Interface):
+    """One admitted request's routing, made at admission by the facade's placement: its
+    conversation's key, its claim on a node, its place in the queue, what its end teaches.
+    The dispatch loop asks it where to go; the exchange tells it how the request ended."""
+
+    affinity = Attribute(
+        "How affinity placed the request (none, miss, hit, spill: a metrics label), None off."
+    )
+
+    def place(candidates: list, ahead: bool):
+        """A round begins over ``candidates``: the nodes in the order to try them (the first
+        claimed), or a ``tickets.Wait`` (``ahead``: it already spent a dispatch)."""
+
+    def next(queue: list, failed: bool):
+        """The node to dispatch to next, popped from the round's ``queue`` (after a failure
+        in the round, ``failed``, the remaining owners ordered again), its claim moved there;
+        or a ``tickets.Wait``."""
+
+    def wait(plan, deadline: float, wake, expire) -> None:
+        """Wait in the facade's queue as ``plan`` (a ``Wait``) says, holding no claim, until
+        ``wake`` (a slot freed) or ``expire`` (``deadline`` passed), each called at most once."""
+
+    def release() -> None:
+        """Hold nothing: the claim released, out of the queue (it backs off, waits or ends)."""
+
+    def committed(node_id: str, status: int):
+        """The node committed with ``status``: the claim (a Reservation, or None) is handed
+        over to the stream, which releases it at the end."""
+
+    def measured(node_id: str, seconds: float, figures) -> None:
+        """A committed request below 400 ended ``seconds`` after its dispatch to the node;
+        ``figures()`` reads its response's prompt figures, if the placement wants them."""
 
 
 class IWatchedAttempt(Interface):

@@ -20,7 +20,7 @@ from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Request
 
 from ..core import constants
-from ..core.interfaces import IEmitter, IRequestRecorder
+from ..core.interfaces import IEmitter, IPlacement, IRequestRecorder
 from ..core.views import FacadeView
 from ..fleet import cors
 from ..fleet.fleet import Fleet, serve_model_list, serve_preflight
@@ -36,6 +36,7 @@ from ..routing.affinity import AffinityTable
 from ..routing.reservations import ReservationMap
 from ..routing.router import Router
 from ..routing.slotqueue import SlotQueue
+from ..routing.tickets import Brokered, Direct, LateBinding, Standalone
 
 IDENTITY_PROBE = b"x-nvpair-engine-identity-probe"
 
@@ -51,6 +52,8 @@ class Facade:
     router: Router
     reporter: Reporter
     upstreams: Upstreams
+    #: The placement policy, chosen when the facade was made (routing/tickets.py).
+    placement: IPlacement = attrs.Factory(Direct)
     in_flight: set = attrs.Factory(set)
     stopping: bool = False
 
@@ -63,7 +66,9 @@ class Facade:
         return Exchange(
             request,
             engine=self.engine,
-            router=self.router,
+            owners=self.router,
+            placement=self.placement,
+            health=self.router,
             reporter=self.reporter,
             upstreams=self.upstreams,
             in_flight=self.in_flight,
@@ -136,16 +141,19 @@ def make_facade(
             else (lambda waiter, seconds: recorder.queue_left(engine.id, seconds))
         )
         queue = SlotQueue(clock, queue_depth, on_leave=waited)
+    table = AffinityTable() if affinity else None
+    router = Router(
+        engine=engine,
+        clock=clock,
+        reservations=ReservationMap() if reservations is None else reservations,
+        scheduling=scheduling,
+        queue=queue,
+        affinity=table,
+    )
     return Facade(
         engine=engine,
-        router=Router(
-            engine=engine,
-            clock=clock,
-            reservations=reservations,
-            scheduling=scheduling,
-            queue=queue,
-            affinity=AffinityTable() if affinity else None,
-        ),
+        router=router,
+        placement=placement_for(router, reservations, scheduling, queue, table),
         reporter=Reporter(
             engine=engine.id,
             emitter=emitter,
@@ -163,6 +171,25 @@ def make_facade(
             loop_guard=loop_guard or LoopGuard(),
         ),
     )
+
+
+def placement_for(
+    router: Router,
+    reservations: ReservationMap | None,
+    scheduling: bool,
+    queue: SlotQueue | None,
+    affinity: AffinityTable | None,
+) -> IPlacement:
+    """The facade's placement policy, chosen once here: none without a reservation map,
+    standalone ranking (with late binding when it has a ``queue``), or the broker's
+    chooser."""
+    if reservations is None:
+        return Direct()
+    if not scheduling:
+        return Brokered(router, reservations, affinity)
+    if queue is None:
+        return Standalone(router, reservations, affinity)
+    return LateBinding(router, reservations, queue, affinity)
 
 
 def report_rejection(

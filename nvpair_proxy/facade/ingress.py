@@ -18,31 +18,27 @@ from twisted.web.server import NOT_DONE_YET, Request
 from zope.interface import implementer
 
 from ..cluster.trust import ClusterDirectory, der_of
-from ..core.interfaces import IRouter
+from ..core.interfaces import IOwners
 from ..http.answers import CLUSTER_AUTH, NO_LOCAL_BACKEND, Reason, send_error
 from ..nodes.discovery import Node
 from ..request.exchange import Exchange
-from ..routing.rates import PromptReading
+from ..routing.tickets import Direct
 from .facade import Facade, answered_before_routing, report_rejection
 
 if TYPE_CHECKING:
     from OpenSSL.crypto import X509
 
 
-@implementer(IRouter)
+@implementer(IOwners)
 @attrs.frozen
-class LocalBackendRoute:
-    """The ingress's routing: this node's engine, nothing to choose and nothing to learn."""
+class LocalBackend:
+    """Whom the ingress may send to: this node's engine, the one candidate, always."""
 
     backend: Node
     pin = ""
-    affinity = None
 
     def routable(self) -> list[Node]:
         return [self.backend]
-
-    def set_models(self, node_id: str, models) -> None:
-        """Nothing probes the backend: every model is sent to it."""
 
     def candidates(self, model: str | None) -> list[Node]:
         return [self.backend]
@@ -53,79 +49,9 @@ class LocalBackendRoute:
     def busy_for(self, model: str) -> float | None:
         return None
 
-    def place(self, nodes: list[Node], key: bytes | None = None) -> tuple[list[Node], None]:
-        return list(nodes), None
 
-    def affine(self, key: bytes | None) -> None:
-        return None
-
-    def committed_key(self, key: bytes, node_id: str) -> None:
-        pass
-
-    def wants_rate(self, node_id: str) -> bool:
-        return False
-
-    def served(self, node_id: str, seconds: float) -> None:
-        pass
-
-    def rate_read(self, node_id: str, reading: PromptReading) -> None:
-        pass
-
-    def hold_offers(self) -> None:
-        pass
-
-    def offer_held(self) -> None:
-        pass
-
-    def affinity_wait(
-        self, nodes: list[Node], model: str | None, key: bytes | None, size: int
-    ) -> None:
-        return None
-
-    def fail_over(self, remaining: list[Node], model: str | None = None) -> list[Node]:
-        return list(remaining)
-
-    def admitted(self) -> None:
-        pass
-
-    def all_full(self, nodes: list[Node], model: str | None) -> bool:
-        return False  # the backend's own queue is the one to wait in
-
-    def refuses(self, nodes: list[Node], model: str | None) -> bool:
-        return False
-
-    def wait(
-        self,
-        model: str,
-        deadline: float,
-        wake,
-        expire,
-        ahead: bool = False,
-        prefer: str | None = None,
-        patience: float | None = None,
-    ) -> None:
-        raise AssertionError("the local backend is never full")
-
-    def unwait(self, waiter) -> None:
-        pass
-
-    def answered(self, node_id: str, status: int) -> None:
-        pass
-
-    def first_byte(self, node_id: str) -> None:
-        pass
-
-    def stalled(self, node_id: str) -> None:
-        pass
-
-    def set_pin(self, node_id: str) -> None:
-        raise KeyError(node_id)
-
-    def watch(self, attempt) -> None:
-        pass
-
-    def unwatch(self, attempt) -> None:
-        pass
+#: One node, no placement: nothing reserved, nothing queued (its engine's queue is the one).
+NO_PLACEMENT = Direct()
 
 
 def ingress_exchange(facade: Facade, request: Request, backend: Node) -> Exchange:
@@ -133,7 +59,9 @@ def ingress_exchange(facade: Facade, request: Request, backend: Node) -> Exchang
     return Exchange(
         request,
         engine=facade.engine,
-        router=LocalBackendRoute(backend),
+        owners=LocalBackend(backend),
+        placement=NO_PLACEMENT,
+        health=None,
         reporter=facade.reporter,
         upstreams=facade.upstreams,
         in_flight=facade.in_flight,

@@ -21,12 +21,12 @@ from twisted.web.http_headers import Headers
 from twisted.web.iweb import IAgent
 
 from ..core import constants
-from ..core.interfaces import IRouter
 from ..core.logs import logger
 from ..http.loopguard import LoopGuard
 from ..nodes.discovery import Node, host_port
 from ..nodes.engines import Engine
 from ..request.attempt import clean_end
+from ..routing.router import Router
 
 log = logger()
 
@@ -227,7 +227,7 @@ class Prober(TimerService):
     def __init__(
         self,
         engine: Engine,
-        router: IRouter,
+        router: Router,
         agent: IAgent,
         clock: IReactorTime,
         should_probe: Callable[[Node], bool],

@@ -19,14 +19,13 @@ from twisted.web.iweb import IAgent
 from zope.interface import implementer
 
 from ..core import constants
-from ..core.interfaces import IDispatchObserver, IRouter
+from ..core.interfaces import IDispatchObserver, IHealth, IOwners, ITicket
 from ..core.timers import cancel_pending
 from ..http.answers import Reason
 from ..http.loopguard import LoopGuard
 from ..nodes.discovery import Node
-from ..routing.reservations import Reservation
 from ..routing.router import BUSY_STATUSES
-from ..routing.slotqueue import Waiter
+from ..routing.tickets import PASS, Wait
 from .attempt import NO_CONTENT, STATUS, AddressMemory, Attempt, Committed, Failed, UpstreamRequest
 
 
@@ -141,20 +140,20 @@ class Job:
     facade's collaborators the loop works with. Built once; every dispatch reads it."""
 
     request: UpstreamRequest
-    router: IRouter
+    owners: IOwners
     upstreams: Upstreams
     #: The normalized model routed on; None routes to every routable node.
     model: str | None
     created_at: float
     #: What an empty first round answers: the body named no model, or one nobody serves.
     no_candidate: Reason
-    #: Hold a reservation while dispatching (a workload's request; inference only).
-    reserve: bool = False
+    #: The request's routing (routing/tickets.py): where each round and dispatch goes, its
+    #: claim on the node, its place in the queue.
+    ticket: ITicket = PASS
+    #: What an inference dispatch tells of its node, and the target watch; None for a
+    #: request that tells nothing (not inference, or the ingress's).
+    health: IHealth | None = None
     observer: IDispatchObserver = SILENT
-    #: The conversation's affinity key (routing/affinity.py; never logged), and the request
-    #: body's size, which the spill rule weighs a re-read by.
-    key: bytes | None = attrs.field(default=None, repr=False)
-    size: int = 0
 
     @property
     def inference(self) -> bool:
@@ -182,28 +181,26 @@ class Dispatch:
         rather than in the job, which outlives the loop's end: docs/decisions.md#no-cycles)."""
         upstreams = job.upstreams
         self.job, self.upstreams = job, upstreams
-        self.clock, self.random, self.router, self.model = (
+        self.clock, self.random, self.owners, self.model = (
             upstreams.clock,
             upstreams.random,
-            job.router,
+            job.owners,
             job.model,
         )
         self.inference, self.bounds = job.inference, upstreams.bounds
         self.deadline = job.created_at + self.bounds.deadline
         self.no_candidate = job.no_candidate
-        self.reserve = job.reserve and job.inference
+        self.ticket = job.ticket
+        self.health = job.health if job.inference else None
         self.observer = job.observer if observer is None else observer
         self.dispatches = 0
         self._on_done: Callable[[Committed | Answer | Gone], None] = _unset
         self._on_error: Callable[[Failure], None] = _unset
         self.attempt: Attempt | None = None
-        self.reservation: Reservation | None = None
         self._queue: list[Node] = []
         self._timer: IDelayedCall | None = None
         #: Waiting in the facade's queue for a free slot (late binding).
-        self._waiting: Waiter | None = None
-        #: A request waits for its conversation's node at most once (the spill rule's bound).
-        self._waited_for_affine = False
+        self._waiting = False
         self._owner_missing = False
         self._failed_in_round = False
         self._done = False
@@ -217,7 +214,7 @@ class Dispatch:
     @property
     def queued(self) -> bool:
         """Waiting in the facade's queue for a free slot (late binding), for status."""
-        return self._waiting is not None
+        return self._waiting
 
     def attempting(self) -> str | None:
         """The node the attempt in flight targets, None between attempts (for status)."""
@@ -261,7 +258,7 @@ class Dispatch:
 
     def _round(self, candidates: list[Node] | None = None) -> None:
         if candidates is None:
-            candidates = self.router.candidates(self.model)
+            candidates = self.owners.candidates(self.model)
         if not candidates:
             if self.dispatches == 0:
                 self._finish(Answer(502, self.no_candidate))
@@ -270,26 +267,20 @@ class Dispatch:
                 self._back_off()
             return
         self._owner_missing = False
-        if self.reserve and self.router.all_full(candidates, self.model):
-            self._wait(ahead=self.dispatches > 0)
+        plan = self.ticket.place(candidates, self.dispatches > 0)
+        if isinstance(plan, Wait):
+            self._wait(plan)
             return
-        if self.reserve and self.job.key is not None and not self._waited_for_affine:
-            waiting = self.router.affinity_wait(candidates, self.model, self.job.key, self.job.size)
-            if waiting is not None:
-                self._waited_for_affine = True
-                self._wait(ahead=self.dispatches > 0, prefer=waiting[0], patience=waiting[1])
-                return
-        if self.reserve:
-            candidates, self.reservation = self.router.place(candidates, self.job.key)
-        self._queue = list(candidates)
+        self._queue = list(plan)
         self._failed_in_round = False
         self._dispatch_next()
 
     def _dispatch_next(self) -> None:
-        while self._queue and not self.router.is_routable(self._queue[0].id):
+        owners = self.owners
+        while self._queue and not owners.is_routable(self._queue[0].id):
             self._queue.pop(0)
         if not self._queue:
-            self._release()
+            self.ticket.release()
             self.observer.cleared()
             self._back_off()
             return
@@ -299,18 +290,13 @@ class Dispatch:
         if self.inference and self.clock.seconds() >= self.deadline:
             self._finish(Answer(503, Reason.DEADLINE_PASSED, retry_after=1))
             return
-        if self.reservation is not None and self._failed_in_round:
-            if self.router.all_full(self._queue, self.model):
-                # A failover that finds every owner full waits, ahead of new arrivals.
-                self._wait(ahead=True)
-                return
-            self._queue = self.router.fail_over(self._queue, self.model)
-        node = self._queue.pop(0)
-        self._queue = [n for n in self._queue if self.router.is_routable(n.id)]
+        node = self.ticket.next(self._queue, self._failed_in_round)
+        if isinstance(node, Wait):
+            self._wait(node)  # a failover that finds every owner full waits, ahead
+            return
+        self._queue = [n for n in self._queue if owners.is_routable(n.id)]
         self._failed_in_round = True
         self.dispatches += 1
-        if self.reservation is not None:
-            self.reservation.move(node.id)
         self.observer.dispatched(node)
         upstreams = self.upstreams
         attempt = self.attempt = Attempt(
@@ -321,8 +307,8 @@ class Dispatch:
             request=self.job.request,
             final=self.is_final,
         )
-        if self.inference:
-            self.router.watch(attempt)
+        if self.health is not None:
+            self.health.watch(attempt)
         attempt.start(self._attempt_outcome)
 
     def is_final(self) -> bool:
@@ -332,18 +318,19 @@ class Dispatch:
         meanwhile."""
         if self.inference:
             return self.dispatches >= self.bounds.max_attempts
-        return not any(self.router.is_routable(n.id) for n in self._queue)
+        return not any(self.owners.is_routable(n.id) for n in self._queue)
 
     def _attempt_outcome(self, outcome: Committed | Failed) -> None:
         self._guarded(self._attempt_ended, outcome, self.is_final())
 
     def _attempt_ended(self, outcome: Committed | Failed, final: bool) -> None:
         self.observer.attempt_ended(outcome)
-        if self.inference and self.attempt is not None:
-            self.router.unwatch(self.attempt)
+        health = self.health
+        if health is not None:
+            if self.attempt is not None:
+                health.unwatch(self.attempt)
+            _tell(health, outcome)
         self.attempt = None
-        if self.inference:
-            self._tell_router(outcome)
         if self._done:
             return
         if isinstance(outcome, Committed):
@@ -357,49 +344,27 @@ class Dispatch:
         else:
             self._dispatch_next()
 
-    def _tell_router(self, outcome: Committed | Failed) -> None:
-        """What the node's answer says about it: busy (429/503), stalled, or serving.
-
-        Any commit but a busy one (the last attempt's 429 or 503, passed through) is a first
-        byte: the node answered, so it is neither full nor stalled. A node that ran out a
-        whole cap, for its headers or for its first byte, cools: either way it took a budget
-        and gave nothing for it.
-        """
-        node_id = outcome.node.id
-        if isinstance(outcome, Committed):
-            if outcome.response.code in BUSY_STATUSES:
-                self.router.answered(node_id, outcome.response.code)
-            else:
-                self.router.first_byte(node_id)
-        elif outcome.kind == STATUS and outcome.status is not None:
-            self.router.answered(node_id, outcome.status)
-        elif outcome.spent:
-            self.router.stalled(node_id)
-
-    def _wait(self, ahead: bool, prefer: str | None = None, patience: float | None = None) -> None:
+    def _wait(self, plan: Wait) -> None:
         """Every owner is full (or the conversation's node is worth waiting for): wait in the
         facade's queue, costing no attempt and holding no reservation, until a slot frees or
         the deadline passes (docs/decisions.md#late-binding, #affinity)."""
-        assert self.model is not None
-        self._release()
+        self.ticket.release()
         self._queue = []
         self.observer.cleared()
-        self._waiting = self.router.wait(
-            self.model,
+        self._waiting = True
+        self.ticket.wait(
+            plan,
             self.deadline,
             wake=lambda: self._guarded(self._woken),
             expire=lambda: self._guarded(self._expired),
-            ahead=ahead,
-            prefer=prefer,
-            patience=patience,
         )
 
     def _woken(self) -> None:
-        self._waiting = None
+        self._waiting = False
         self._round()
 
     def _expired(self) -> None:
-        self._waiting = None
+        self._waiting = False
         self._finish(Answer(503, Reason.NO_FREE_SLOT, retry_after=1))
 
     def _back_off(self) -> None:
@@ -430,16 +395,13 @@ class Dispatch:
 
     def _finish(self, result: Committed | Answer | Gone) -> None:
         self._done = True
-        if isinstance(result, Committed) and self.reservation is not None:
+        if isinstance(result, Committed):
             # The claim goes with the commit: the stream holds the node until it ends.
-            result = Committed(
-                result.node,
-                result.address,
-                result.response,
-                result.relay,
-                reservation=self.reservation,
-            )  # what attrs.evolve does, cheaper
-            self.reservation = None
+            reservation = self.ticket.committed(result.node.id, result.response.code)
+            if reservation is not None:
+                result = Committed(
+                    result.node, result.address, result.response, result.relay, reservation
+                )  # what attrs.evolve does, cheaper
         self._cleanup()
         on_done = self._let_go()
         on_done(result)
@@ -455,17 +417,30 @@ class Dispatch:
     def _cleanup(self) -> None:
         cancel_pending(self._timer)
         self._timer = None
-        if self._waiting is not None:
-            waiter, self._waiting = self._waiting, None
-            self.router.unwait(waiter)
+        self._waiting = False
         if self.attempt is not None:
             attempt, self.attempt = self.attempt, None
-            if self.inference:
-                self.router.unwatch(attempt)
+            if self.health is not None:
+                self.health.unwatch(attempt)
             attempt.cancel("request ended")
-        self._release()
+        self.ticket.release()
 
-    def _release(self) -> None:
-        if self.reservation is not None:
-            self.reservation.release()
-            self.reservation = None
+
+def _tell(health: IHealth, outcome: Committed | Failed) -> None:
+    """What the node's answer says about it: busy (429/503), stalled, or serving.
+
+    Any commit but a busy one (the last attempt's 429 or 503, passed through) is a first
+    byte: the node answered, so it is neither full nor stalled. A node that ran out a
+    whole cap, for its headers or for its first byte, cools: either way it took a budget
+    and gave nothing for it.
+    """
+    node_id = outcome.node.id
+    if isinstance(outcome, Committed):
+        if outcome.response.code in BUSY_STATUSES:
+            health.answered(node_id, outcome.response.code)
+        else:
+            health.first_byte(node_id)
+    elif outcome.kind == STATUS and outcome.status is not None:
+        health.answered(node_id, outcome.status)
+    elif outcome.spent:
+        health.stalled(node_id)

@@ -19,16 +19,15 @@ from twisted.python.failure import Failure
 from twisted.web.server import Request
 from zope.interface import implementer
 
-from ..core.interfaces import IDispatchObserver, IRouter
+from ..core.interfaces import IDispatchObserver, IHealth, IOwners, IPlacement, ITicket
 from ..core.logs import logger
 from ..core.views import InFlightView
 from ..http.answers import Reason, answer_internal_error, send_error
 from ..http.hopbyhop import copy_end_to_end, end_to_end
 from ..nodes.discovery import Node, host_port
 from ..nodes.engines import Engine
-from ..routing.affinity import affinity_key
-from ..routing.rates import PromptReading
 from ..routing.router import retry_after
+from ..routing.tickets import PASS
 from .attempt import Committed, UpstreamRequest
 from .dispatch import Answer, Dispatch, Gone, Job, Upstreams, retryable_status
 from .events import (
@@ -108,7 +107,9 @@ class Exchange:
         request: Request,
         *,
         engine: Engine,
-        router: IRouter,
+        owners: IOwners,
+        placement: IPlacement,
+        health: IHealth | None,
         reporter: Reporter,
         upstreams: Upstreams,
         in_flight: set,
@@ -118,8 +119,10 @@ class Exchange:
     ) -> None:
         """``inference`` None follows the route; False forwards in one pass without reading
         a model (the ingress: the originating node already routed). ``bad_gateway_code`` is
-        the ``code`` every 502 the proxy answers carries (the ingress's backend error)."""
-        self.request, self.engine, self.router = request, engine, router
+        the ``code`` every 502 the proxy answers carries (the ingress's backend error).
+        ``health`` hears what inference dispatches learn of their nodes (None: nothing)."""
+        self.request, self.engine, self.owners = request, engine, owners
+        self.placement, self.health = placement, health
         self.reporter, self.upstreams, self.in_flight = reporter, upstreams, in_flight
         self.clock = upstreams.clock
         self.admitted_at = self.clock.seconds()
@@ -144,11 +147,8 @@ class Exchange:
         self.target = ""
         self.node_id: str | None = None
         self.dispatched_at: float | None = None
-        #: The conversation's key and the node it had at admission (affinity), and how
-        #: affinity placed it; never logged.
-        self.key: bytes | None = None
-        self.affine: str | None = None
-        self.affinity: str | None = None
+        #: The request's routing, made at admission by the facade's placement.
+        self.ticket: ITicket = PASS
 
     # Admission.
 
@@ -160,28 +160,28 @@ class Exchange:
         model = self.model = requested_model(data)
         wanted = None if model is None else self.engine.normalize_model(model)
         no_candidate = Reason.NO_CANDIDATE if model is None else Reason.NO_OWNER
-        candidates = self.router.candidates(wanted)
+        candidates = self.owners.candidates(wanted)
         if not candidates:
             self._answer(Answer(502, no_candidate))
             return
-        held = None if wanted is None else self.router.busy_for(wanted)
+        held = None if wanted is None else self.owners.busy_for(wanted)
         if held is not None:
             # Engines that just said they are full get no new work for a moment
             # (docs/decisions.md#busy-hold).
             self._answer(Answer(503, Reason.ALL_OWNERS_BUSY, retry_after=retry_after(held)))
             return
-        if wanted is not None and self.router.refuses(candidates, wanted):
+        if wanted is not None and self.placement.refuses(candidates, wanted):
             # Late binding: every owner is full and the queue has no room left.
             self._answer(Answer(503, Reason.ALL_OWNERS_BUSY, retry_after=1))
             return
-        self.router.admitted()
-        key = None
-        if wanted is not None and self.router.affinity is not None:
-            # Never logged, nor anything derived from it (routing/affinity.py).
-            key = affinity_key(self.request.requestHeaders, data, wanted, self.path)
-            self.affine = self.router.affine(key)
-            self.affinity = "none" if key is None else "miss" if self.affine is None else "spill"
-        self.key = key
+        ticket = self.ticket = self.placement.ticket(
+            wanted,
+            len(body),
+            self.request.requestHeaders,
+            data,
+            self.path,
+            reserve=model is not None and self.inference,
+        )
         if model is not None:
             self.workload = self.reporter.new_workload(model, self.admitted_at)
             self.workload.admitted()
@@ -211,14 +211,13 @@ class Exchange:
         self.dispatch = Dispatch(
             Job(
                 request=sent,
-                router=self.router,
+                owners=self.owners,
                 upstreams=upstreams,
                 model=wanted,
                 created_at=self.admitted_at,
                 no_candidate=no_candidate,
-                reserve=self.workload is not None,
-                key=key,
-                size=len(body),
+                ticket=ticket,
+                health=self.health,
             ),
             observer=self,
         )
@@ -326,10 +325,6 @@ class Exchange:
         )
         self.node_id = node.id
         self.target = host_port(committed.address, node.port)
-        if self.key is not None and response.code < 400:
-            self.router.committed_key(self.key, node.id)
-        if self.affine is not None:
-            self.affinity = "hit" if node.id == self.affine else "spill"
         if self.workload is not None:
             self.workload.started(node.id)
         self.reporter.request_started(self.id, self.method, self.path, self.target, node.id)
@@ -375,23 +370,10 @@ class Exchange:
                     id=self.id,
                     engine=self.engine.id,
                 )
-        if self.router.affinity is not None and code < 400 and self.dispatched_at is not None:
-            node = stream.node_id
-            if self.router.wants_rate(node):
-                figures = stream.figures()
-                size = self.dispatch.job.size if self.dispatch is not None else 0
-                self.router.rate_read(
-                    node,
-                    PromptReading(size=size)
-                    if figures is None
-                    else PromptReading(
-                        rate=figures.prompt_rate,
-                        read=figures.prompt_read,
-                        seen=figures.prompt_seen,
-                        size=size,
-                    ),
-                )
-            self.router.served(node, self.clock.seconds() - self.dispatched_at)
+        if code < 400 and self.dispatched_at is not None:
+            self.ticket.measured(
+                stream.node_id, self.clock.seconds() - self.dispatched_at, stream.figures
+            )
         if 200 <= code < 300:
             self._end(COMPLETED, None, status=code, stats=stats, note=stream.idle_note)
         else:
@@ -483,11 +465,11 @@ class Exchange:
         if self.ended:
             return
         # A slot this end frees goes to a waiting request once the end is done, in this turn.
-        self.router.hold_offers()
+        self.placement.hold_offers()
         try:
             self._ended(state, reason, detail, status, stats, note)
         finally:
-            self.router.offer_held()
+            self.placement.offer_held()
 
     def _ended(
         self,
@@ -540,5 +522,5 @@ class Exchange:
                 ttfb=ttfb,
                 stats=stats,
                 dispatches=self.dispatch.dispatches if self.dispatch else 0,
-                affinity=self.affinity,
+                affinity=self.ticket.affinity,
             )

@@ -28,7 +28,7 @@ from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from zope.interface import implementer
 
 from ..core import constants
-from ..core.interfaces import IRouter, ITruthSink, IWatchedAttempt
+from ..core.interfaces import IHealth, IOwners, ITruthSink, IWatchedAttempt
 from ..core.logs import logger
 from ..core.timers import cancel_pending
 from ..core.views import EngineView, RoutingView
@@ -38,9 +38,9 @@ from ..nodes.selection import order, owners
 from .affinity import AffinityTable
 from .enginetruth import EngineTruth
 from .placement import Standing, rank_key, standing
-from .rates import RATE_READ_INTERVAL, NodeRates, PromptReading
-from .reservations import Reservation, ReservationMap
-from .slotqueue import SlotQueue, Waiter
+from .rates import NodeRates
+from .reservations import ReservationMap
+from .slotqueue import SlotQueue
 
 log = logger()
 
@@ -48,12 +48,19 @@ log = logger()
 BUSY_STATUSES = frozenset({429, 503})
 
 
-@implementer(IRouter, ITruthSink)
+@implementer(IOwners, IHealth, ITruthSink)
 @attrs.define(eq=False)
 class Router:
+    """One facade's routing state: the node set, the pin, holds and cooldowns, what the
+    engines report and the rates measured, the target watch, and the view for ``/status``.
+    The placement policy (tickets.py) decides over it; the queue and the affinity table are
+    kept here as state the view shows."""
+
     engine: Engine
     clock: IReactorTime
-    reservations: ReservationMap | None = None
+    #: The process-wide claims and the scheduler's priority (a facade without a shared map,
+    #: in tests, gets one of its own: nothing else claims on it).
+    reservations: ReservationMap = attrs.Factory(ReservationMap)
     nodes: NodeSet = attrs.Factory(NodeSet)
     busy_hold: float = constants.BUSY_HOLD
     stall_cooldown: float = constants.STALL_COOLDOWN
@@ -64,27 +71,26 @@ class Router:
     _watched: set = attrs.Factory(set)
     _sweep: IDelayedCall | None = None
     #: Standalone placement (placement.py): owners ranked by what their engines report.
+    #: Read once, when the router is made: it chooses how candidates are ordered.
     scheduling: bool = False
     #: Late binding (slotqueue.py): where requests wait when every owner is full; None keeps
     #: them going to the engines (broker mode, ``--no-late-binding``).
     queue: SlotQueue | None = None
     #: Affinity (affinity.py): the node that last committed each conversation; None: off.
     affinity: AffinityTable | None = None
-    _rates: dict[str, NodeRates] = attrs.Factory(dict)
+    #: Each node's measured rates (standalone placement with affinity measures them).
+    rates: dict[str, NodeRates] = attrs.Factory(dict)
+    #: Called whenever an engine's report changes (a slot may have freed).
+    on_truth: list[Callable[[], None]] = attrs.Factory(list)
     _truth: dict[str, EngineTruth] = attrs.Factory(dict)
     _ended_since_read: dict[str, int] = attrs.Factory(dict)
     _last_traffic: float | None = None
-    _offer: IDelayedCall | None = None
-    #: While a request's end runs (``hold_offers``): a slot it frees is offered when it is done.
-    _holding: int = 0
-    _offer_due: bool = False
+    _order: Callable[[list[Node], str | None], list[Node]] = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
-        if self.scheduling and self.reservations is not None:
-            # Any of our dispatches ending frees a slot at once, whichever facade made it.
-            self.reservations.on_release.append(self._released)
-        if self.queue is not None:
-            self.queue.on_patience = self._offer_soon
+        # Chosen once: standalone ranks by what the engines report; the broker's order stands
+        # with held and cooling nodes last.
+        self._order = self.ranked if self.scheduling else self._held_last
 
     # The node set.
 
@@ -123,8 +129,8 @@ class Router:
         known = {node.id for node in self.nodes.all()}
         if self.affinity is not None:
             self.affinity.forget_nodes_except(known)
-        for node_id in [n for n in self._rates if n not in known]:
-            del self._rates[node_id]
+        for node_id in [n for n in self.rates if n not in known]:
+            del self.rates[node_id]
 
     def set_admission(
         self, admit: Callable[[Node], Node | None], state: Callable[[], object] | None = None
@@ -166,7 +172,8 @@ class Router:
             self._truth.pop(node_id, None)
         else:
             self._truth[node_id] = truth
-        self._offer_soon()
+        for changed in self.on_truth:
+            changed()
 
     def truth_of(self, node_id: str) -> EngineTruth | None:
         return self._truth.get(node_id)
@@ -194,7 +201,7 @@ class Router:
     # Ordering (docs/references.md#owner-filter, #owner-order).
 
     def priority(self) -> tuple[str, ...]:
-        return self.reservations.priority if self.reservations is not None else ()
+        return self.reservations.priority
 
     def candidates(self, model: str | None) -> list[Node]:
         """The owners of ``model`` (normalized; None: every routable node) in the order a
@@ -203,9 +210,9 @@ class Router:
         nodes = self.routable()
         if model is not None:
             nodes = owners(nodes, model)
-        ordered = order(nodes, self._pin, self.priority())
-        if self.scheduling:
-            return self._ranked(ordered, model)
+        return self._order(order(nodes, self._pin, self.priority()), model)
+
+    def _held_last(self, ordered: list[Node], model: str | None) -> list[Node]:
         if not self._held and not self._cooling:
             return ordered
         now = self.clock.seconds()
@@ -221,7 +228,7 @@ class Router:
             for node in nodes
         ]
 
-    def _ranked(self, nodes: Sequence[Node], model: str | None) -> list[Node]:
+    def ranked(self, nodes: Sequence[Node], model: str | None) -> list[Node]:
         """Free before full, warm before cold, fewer busy, node id; held and cooling last."""
         if len(nodes) < 2:
             return list(nodes)  # nothing to weigh: one owner is the usual standalone case
@@ -242,216 +249,24 @@ class Router:
         return sorted(nodes, key=key)
 
     def _ours(self, node_id: str) -> int:
-        return int(self.reservations.load(node_id)) if self.reservations is not None else 0
+        return int(self.reservations.load(node_id))
 
-    # Late binding (slotqueue.py).
-
-    def all_full(self, nodes: Sequence[Node], model: str | None) -> bool:
-        """Whether a request for ``model`` should wait rather than go to ``nodes``: late
-        binding is on and every owner is full by its known slots (a held one counts as full:
-        it just said so). An owner whose slots are unknown is never full."""
-        if self.queue is None or model is None or not nodes:
-            return False
-        now = self.clock.seconds()
-        first = nodes[0].id
-        if not self._is_held(first, now) and not self.standings(nodes[:1], model)[0].full:
-            return False  # the usual case, one owner asked: ranked first and free
-        known_full = False
-        for item in self.standings(nodes, model):
-            if item.full:
-                known_full = True
-            elif not self._is_held(item.node_id, now):
-                return False
-        return known_full
-
-    def refuses(self, nodes: Sequence[Node], model: str | None) -> bool:
-        """A new request would wait, and the queue has no room for it (the busy 503)."""
-        return self.queue is not None and self.queue.is_full() and self.all_full(nodes, model)
-
-    def wait(
-        self,
-        model: str,
-        deadline: float,
-        wake: Callable[[], None],
-        expire: Callable[[], None],
-        ahead: bool = False,
-        prefer: str | None = None,
-        patience: float | None = None,
-    ) -> Waiter:
-        assert self.queue is not None
-        now = self.clock.seconds()
-        waiter = self.queue.add(
-            Waiter(
-                model=model,
-                deadline=deadline,
-                since=now,
-                wake=wake,
-                expire=expire,
-                ahead=ahead,
-                prefer=prefer,
-                patience_until=None if patience is None else now + patience,
-            )
-        )
-        # A slot may have freed while nobody waited (a failover's own reservation, released
-        # as it joins): the offer that would have followed it is made now. Usually every
-        # owner is still full, as the request just found, and nothing is scheduled.
-        if not self.all_full(self.candidates(model), model):
-            self._offer_soon()
-        return waiter
-
-    def unwait(self, waiter: Waiter) -> None:
-        if self.queue is not None:
-            self.queue.remove(waiter)
-
-    # Affinity (affinity.py).
-
-    def affine(self, key: bytes | None) -> str | None:
-        """The node that last committed ``key``'s conversation, None when none (or off)."""
-        if key is None or self.affinity is None:
-            return None
-        return self.affinity.node_for(key, self.clock.seconds())
-
-    def committed_key(self, key: bytes, node_id: str) -> None:
-        """A request of ``key`` committed on ``node_id``: its cache is there now."""
-        if self.affinity is not None:
-            self.affinity.committed(key, node_id, self.clock.seconds())
-
-    def wants_rate(self, node_id: str) -> bool:
-        """Whether the prompt rate of a request that ended on ``node_id`` is worth reading
-        from its body's tail: at most once a second per node, so placement's rates cost
-        O(nodes) a second, not a parse per request."""
-        rates = self._rates.get(node_id)
-        return (
-            rates is None
-            or rates.rate_read_at is None
-            or (self.clock.seconds() - rates.rate_read_at >= RATE_READ_INTERVAL)
-        )
-
-    def served(self, node_id: str, seconds: float) -> None:
-        """One request's time on ``node_id``, from its dispatch to its end."""
-        rates = self._rates_of(node_id)
-        if rates is not None:
-            rates.served(seconds)
-
-    def rate_read(self, node_id: str, reading: PromptReading) -> None:
-        """The prompt figures a response's tail said."""
-        rates = self._rates_of(node_id)
-        if rates is not None:
-            rates.rate_read(reading, self.clock.seconds())
-
-    def _rates_of(self, node_id: str) -> NodeRates | None:
+    def rates_of(self, node_id: str) -> NodeRates | None:
+        """The node's measured rates, made at first use; None for a node not in the fleet."""
         if node_id not in self.nodes:
             return None
-        rates = self._rates.get(node_id)
+        rates = self.rates.get(node_id)
         if rates is None:
-            rates = self._rates[node_id] = NodeRates()
+            rates = self.rates[node_id] = NodeRates()
         return rates
 
-    def affinity_wait(
-        self, nodes: Sequence[Node], model: str | None, key: bytes | None, size: int
-    ) -> tuple[str, float] | None:
-        """The spill rule (docs/decisions.md#affinity): when the conversation's node is full
-        while another owner is free, wait for it (its id and how long at most) if that is
-        expected to cost less than reading the context again elsewhere; None to go elsewhere
-        now (or when there is nothing to decide)."""
-        affine = self.affine(key)
-        if not self.scheduling or affine is None or model is None or self.queue is None:
-            return None
-        if nodes and nodes[0].id == affine:
-            # The usual case: ranked first, which (every owner not being full, as the request
-            # just found) means free, or held or cooling, where it goes or is passed over
-            # without waiting either way.
-            return None
-        now = self.clock.seconds()
-        node = next((n for n in nodes if n.id == affine), None)
-        if node is None or self._is_held(affine, now) or self._is_cooling(affine, now):
-            return None
-        mine = self.standings([node], model)[0]
-        if not mine.full:
-            return None  # the usual case: its node is free, and goes first (``place``)
-        rates = self._rates.get(affine)
-        if rates is None or rates.prompt_rate is None or rates.service is None:
-            return None  # nothing measured: never wait for it
-        free = [
-            s
-            for s in self.standings([n for n in nodes if n.id != affine], model)
-            if not s.full and not self._is_held(s.node_id, now)
-        ]
-        if not free:
-            return None
-        expected = rates.service * (1 + self.queue.waiting_for(affine)) / max(1, mine.total or 1)
-        elsewhere = [
-            r.prompt_rate
-            for s in free
-            if (r := self._rates.get(s.node_id)) is not None and r.prompt_rate
-        ]
-        reread = rates.tokens(size) / max(elsewhere or [rates.prompt_rate])
-        if expected >= reread:
-            return None
-        return affine, min(rates.service, reread)
-
-    def _free_for(self, node_id: str, nodes: Sequence[Node]) -> bool:
-        """Whether ``node_id`` is among ``nodes``, neither held nor cooling, nor full."""
-        now = self.clock.seconds()
-        if (
-            node_id not in {n.id for n in nodes}
-            or self._is_held(node_id, now)
-            or self._is_cooling(node_id, now)
-        ):
+    def slot_ended(self, node_id: str) -> bool:
+        """One of our dispatches on ``node_id`` ended or moved away: the engine's last report
+        still counts it. False for a node not in this facade's fleet."""
+        if node_id not in self.nodes:
             return False
-        return not any(s.full for s in self.standings([n for n in nodes if n.id == node_id], None))
-
-    def _may_go(self, waiter: Waiter) -> bool:
-        """A waiter for its preferred node goes when that node is free (or no longer one it
-        may wait for); a waiter without one, whenever a slot is free."""
-        if waiter.prefer is None:
-            return True
-        nodes = self.candidates(waiter.model)
-        if waiter.prefer not in {n.id for n in nodes}:
-            return True
-        return not any(
-            s.full
-            for s in self.standings([n for n in nodes if n.id == waiter.prefer], waiter.model)
-        )
-
-    def _released(self, node_id: str) -> None:
-        if node_id in self.nodes:
-            self._ended_since_read[node_id] = self._ended_since_read.get(node_id, 0) + 1
-            self._offer_soon()
-
-    def hold_offers(self) -> None:
-        """A request's end begins: slots it frees are offered when it is done
-        (``offer_held``), not in the middle of it, and without a timer."""
-        self._holding += 1
-
-    def offer_held(self) -> None:
-        """The request's end is done: offer what it freed, now."""
-        self._holding -= 1
-        if not self._holding and self._offer_due:
-            self._offer_due = False
-            if self._offer is None:
-                self._offer_slots()
-
-    def _offer_soon(self) -> None:
-        """Let waiting requests go once this turn's work is done: a slot freed inside an
-        attempt's or a stream's end must not start another request in the middle of it.
-        Nothing is scheduled while nobody waits, and nothing while a request's end holds
-        the offer (the usual way a slot frees: no timer per request in the queue)."""
-        if self.queue is not None and len(self.queue) and self._offer is None:
-            if self._holding:
-                self._offer_due = True
-            else:
-                self._offer = self.clock.callLater(0, self._offer_slots)
-
-    def _offer_slots(self) -> None:
-        self._offer = None
-        queue = self.queue
-        if queue is None:
-            return
-        for model in queue.models():
-            while not self.all_full(self.candidates(model), model):
-                if not queue.wake_first(model, self._may_go):
-                    break
+        self._ended_since_read[node_id] = self._ended_since_read.get(node_id, 0) + 1
+        return True
 
     def busy_for(self, model: str) -> float | None:
         """Seconds until the longest hold ends when every owner of ``model`` is held, else
@@ -470,46 +285,10 @@ class Router:
     def model_owners(self, model: str) -> list[str]:
         """``node/model-owners``: exactly the candidates a request would try, in order."""
         nodes = self.candidates(model)
-        if nodes and not self._pinned_first(nodes) and self.reservations is not None:
-            chosen = self.reservations.pick(self._preferred_ids(nodes))
+        if nodes and not self.pinned_first(nodes):
+            chosen = self.reservations.pick(self.preferred_ids(nodes))
             nodes.sort(key=lambda n: n.id != chosen)
         return [n.id for n in nodes]
-
-    # Placement (docs/references.md#reserve-least-loaded, #reservations).
-
-    def place(
-        self, nodes: Sequence[Node], key: bytes | None = None
-    ) -> tuple[list[Node], Reservation | None]:
-        """Reserve the least loaded candidate and move it to the front.
-
-        An eligible pin first takes no reservation. The chooser skips held and cooling nodes
-        unless all candidates are (docs/decisions.md#busy-hold, #stall-cooldown). With a
-        conversation's ``key``, its affine node goes first where it may.
-        """
-        nodes = list(nodes)
-        if self.reservations is None or not nodes or self._pinned_first(nodes):
-            return nodes, None
-        affine = self.affine(key)
-        if self.scheduling:
-            # The candidates come ranked (``candidates``): the first is the placement, unless
-            # the conversation's node is free to take it.
-            if affine is not None and nodes[0].id != affine and self._free_for(affine, nodes):
-                nodes.sort(key=lambda n: n.id != affine)
-            return nodes, self.reservations.reserve(nodes[0].id)
-        # Broker mode's opt-in affinity only breaks the chooser's tie.
-        reservation = self.reservations.choose(self._preferred_ids(nodes), prefer=affine)
-        if reservation is None:
-            return nodes, None
-        return sorted(nodes, key=lambda n: n.id != reservation.node_id), reservation
-
-    def fail_over(self, remaining: Sequence[Node], model: str | None = None) -> list[Node]:
-        """Failover goes to the least loaded remaining owner, not the list's head."""
-        if self.reservations is None or not remaining:
-            return list(remaining)
-        if self.scheduling:
-            return self._ranked(remaining, model)
-        chosen = self.reservations.pick(self._preferred_ids(remaining))
-        return sorted(remaining, key=lambda n: n.id != chosen)
 
     # What attempts tell the router.
 
@@ -548,7 +327,7 @@ class Router:
             routable=tuple(node.id for node in routable),
             held=tuple(self.held()),
             cooling=tuple(self.cooling()),
-            engines=self._engine_views(routable) if self.scheduling else (),
+            engines=self._engine_views(routable) if self.scheduling else (),  # not a request's
             queued=len(queue) if queue is not None else 0,
             oldest_wait=None if oldest is None else now - oldest,
             affinity_keys=None
@@ -563,7 +342,7 @@ class Router:
             truth = self._truth.get(node.id)
             slots = truth.slots_for(None) if truth is not None else None
             warm = None if truth is None or truth.warm is None else tuple(sorted(truth.warm))
-            rates = self._rates.get(node.id)
+            rates = self.rates.get(node.id)
             views.append(
                 EngineView(
                     node=node.id,
@@ -614,12 +393,19 @@ class Router:
         if self._watched and self._sweep is None:
             self._sweep = self.clock.callLater(self.watch_interval, self._check_targets)
 
-    # Internals.
+    # What placement asks (tickets.py).
 
-    def _pinned_first(self, nodes: Sequence[Node]) -> bool:
+    def pinned_first(self, nodes: Sequence[Node]) -> bool:
+        """Whether an eligible pin heads ``nodes`` (it takes no reservation)."""
         return bool(self._pin) and nodes[0].id == self._pin
 
-    def _preferred_ids(self, nodes: Sequence[Node]) -> list[str]:
+    def is_held(self, node_id: str) -> bool:
+        return self._is_held(node_id, self.clock.seconds())
+
+    def is_cooling(self, node_id: str) -> bool:
+        return self._is_cooling(node_id, self.clock.seconds())
+
+    def preferred_ids(self, nodes: Sequence[Node]) -> list[str]:
         """Free nodes; else those only cooling (a busy hold is the stronger signal); else all."""
         now = self.clock.seconds()
         not_held = [n.id for n in nodes if not self._is_held(n.id, now)]

@@ -33,12 +33,15 @@ from nvpair_proxy.core.interfaces import (
     IBodySink,
     IDispatchObserver,
     IEmitter,
+    IHealth,
+    IOwners,
+    IPlacement,
     IRequestRecorder,
-    IRouter,
     IStatusSource,
+    ITicket,
     ITruthSink,
 )
-from nvpair_proxy.facade.ingress import LocalBackendRoute
+from nvpair_proxy.facade.ingress import LocalBackend
 from nvpair_proxy.http.client import Client
 from nvpair_proxy.http.relay import clean_end
 from nvpair_proxy.http.requestbody import BytesProducer
@@ -46,7 +49,11 @@ from nvpair_proxy.nodes.discovery import Node
 from nvpair_proxy.process.service import ProcessService
 from nvpair_proxy.request.dispatch import SILENT
 from nvpair_proxy.request.events import LogEmitter
+from nvpair_proxy.routing.affinity import AffinityTable
+from nvpair_proxy.routing.reservations import ReservationMap
 from nvpair_proxy.routing.router import Router
+from nvpair_proxy.routing.slotqueue import SlotQueue
+from nvpair_proxy.routing.tickets import PASS, Brokered, Direct, LateBinding, Standalone
 from nvpair_proxy.test.support import Collect, Wire
 from nvpair_proxy.test.world import ENGINES, World, WorldStatus
 from nvpair_proxy.testing import FakeAgent, FakeResponse, RecordingEmitter
@@ -85,15 +92,24 @@ class Interfaces(SynchronousTestCase):
         upstream.write(b'{"done":false}\n')
         (committed,) = streaming.facade.in_flight
         self.addCleanup(upstream.finish)
+        router = Router(engine=ENGINES["ollama"], clock=Clock())
         for interface, implementation in (
             (IAgent, FakeAgent()),
             (IAgent, Agent(MemoryReactorClock())),
             (IAgent, Client(MemoryReactorClock())),
             (IEmitter, RecordingEmitter()),
             (IEmitter, LogEmitter()),
-            (IRouter, Router(engine=ENGINES["ollama"], clock=Clock())),
-            (ITruthSink, Router(engine=ENGINES["ollama"], clock=Clock())),
-            (IRouter, LocalBackendRoute(node)),
+            (IOwners, router),
+            (IHealth, router),
+            (ITruthSink, router),
+            (IOwners, LocalBackend(node)),
+            (IPlacement, Direct()),
+            (IPlacement, Brokered(router, ReservationMap())),
+            (IPlacement, Standalone(router, ReservationMap(), AffinityTable())),
+            (IPlacement, LateBinding(router, ReservationMap(), SlotQueue(Clock(), 10))),
+            (ITicket, PASS),
+            (ITicket, Brokered(router, ReservationMap()).make("m", None, 0)),
+            (ITicket, Standalone(router, ReservationMap()).make("m", b"key", 10)),
             (IReactorTime, Clock()),
             (IBodySink, committed.stream),
             (IDispatchObserver, exchange),

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 
 from twisted.trial.unittest import SkipTest, SynchronousTestCase
 
@@ -74,7 +75,16 @@ LAYERS = (
     ("nodes", ("engines", "selfcheck", "discovery", "selection", "slots")),
     (
         "routing",
-        ("reservations", "enginetruth", "placement", "slotqueue", "affinity", "rates", "router"),
+        (
+            "reservations",
+            "enginetruth",
+            "placement",
+            "slotqueue",
+            "affinity",
+            "rates",
+            "router",
+            "tickets",
+        ),
     ),
     ("standalone", ("engineaccess", "nodesfile")),
     # The request path, top to bottom.
@@ -525,3 +535,92 @@ def late():
             if imports_test_package(read(path))
         ]
         self.assertEqual(offending, [], "scripts use nvpair_proxy.testing")
+
+
+# A run-time choice between placement policies: a mode flag read, or a collaborator asked
+# whether it exists. Placement is chosen once, when a facade is wired (routing/tickets.py).
+MODE_CHECK = re.compile(
+    r"\.(scheduling|late_binding)\b|\b(queue|affinity|reservations|table|meter)\s+is\s+(not\s+)?None"
+)
+# The request path: every request runs these (routing through its ticket and the router's
+# reads; the router's node-set changes, view and status are not on it).
+REQUEST_PATH_MODULES = ("request.dispatch", "request.exchange", "routing.tickets")
+ROUTER_ON_THE_REQUEST_PATH = (
+    "routable",
+    "is_routable",
+    "priority",
+    "candidates",
+    "_held_last",
+    "standings",
+    "ranked",
+    "_ours",
+    "busy_for",
+    "answered",
+    "first_byte",
+    "stalled",
+    "watch",
+    "unwatch",
+    "pinned_first",
+    "is_held",
+    "is_cooling",
+    "preferred_ids",
+    "rates_of",
+    "slot_ended",
+)
+
+
+class SeamTests(SynchronousTestCase):
+    """The seams stay narrow, and placement is chosen at wiring, never per request."""
+
+    def test_no_interface_has_more_than_eight_members(self):
+        from zope.interface.interface import InterfaceClass
+
+        from nvpair_proxy.core import interfaces
+
+        sizes = {
+            name: len(list(value.names(all=True)))
+            for name, value in vars(interfaces).items()
+            if isinstance(value, InterfaceClass) and value.__module__ == interfaces.__name__
+        }
+        self.assertIn("ITicket", sizes, "the scan sees the interfaces")
+        self.assertEqual({name: n for name, n in sizes.items() if n > 8}, {})
+
+    def test_no_mode_check_on_the_request_path(self):
+        import inspect
+
+        from nvpair_proxy.routing.router import Router
+
+        found = []
+        for module in REQUEST_PATH_MODULES:
+            source = source_of(module)
+            # Every function but a placement policy's constructor, which runs at wiring.
+            tree = ast.parse(source)
+            wiring = {
+                id(item)
+                for cls in ast.walk(tree)
+                if isinstance(cls, ast.ClassDef) and not cls.name.endswith("Ticket")
+                for item in cls.body
+                if isinstance(item, ast.FunctionDef)
+                and item.name == "__init__"
+                and module == "routing.tickets"
+            }
+            for node in ast.walk(tree):
+                if isinstance(node, ast.FunctionDef) and id(node) not in wiring:
+                    text = ast.get_source_segment(source, node) or ""
+                    found += [
+                        f"{module}.{node.name}: {m.group(0)}" for m in MODE_CHECK.finditer(text)
+                    ]
+        for name in ROUTER_ON_THE_REQUEST_PATH:
+            source = inspect.getsource(getattr(Router, name))
+            found += [f"Router.{name}: {m.group(0)}" for m in MODE_CHECK.finditer(source)]
+        self.assertEqual(found, [], "choose the policy when the facade is wired")
+
+    def test_the_mode_scan_sees_a_mode_check(self):
+        for line in (
+            "if self.scheduling:",
+            "if self.queue is None:",
+            "elif self.router.affinity is not None and x:",
+            "return 0 if self.reservations is None else 1",
+        ):
+            self.assertIsNotNone(MODE_CHECK.search(line), line)
+        self.assertIsNone(MODE_CHECK.search("if self.reservation is not None:"))

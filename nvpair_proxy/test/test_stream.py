@@ -27,7 +27,7 @@ class CommitHandsOverTheReservation(WorldTestCase):
         self.assertIsInstance(stream, Stream)
         self.assertIsInstance(stream.committed, Committed)
         self.assertIsNotNone(stream.committed.reservation)
-        self.assertIsNone(exchange.dispatch.reservation)
+        self.assertIsNone(exchange.ticket.reservation)
         self.assertEqual(w.reservations.reservations, {"a": 1})  # held while it streams
         upstream.write(b'{"done":true}\n')
         upstream.finish()

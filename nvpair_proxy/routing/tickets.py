@@ -1,0 +1,607 @@
+"""Placement policies and the routing ticket each gives a request (docs/architecture.md).
+
+A facade's placement policy is chosen once, when the facade is wired: ``Standalone`` ranks
+owners by what their engines report and lets requests wait in the facade's queue (late
+binding) or for their conversation's node (affinity); ``Brokered`` spreads by the
+reservation chooser among the broker's candidates; ``Direct`` places nothing (the mutual-TLS
+ingress, and a facade without a reservation map). Nothing on the request path asks which one
+it has.
+
+At admission the policy makes one ``ITicket`` for the request. The ticket carries what is
+the request's own in routing: its conversation's key and how affinity placed it, its claim on
+a node (the reservation), its place in the queue, and what its end teaches the policy (the
+node's rates). The dispatch loop asks the ticket where to go next, the exchange tells it how
+the request ended; neither holds routing state of its own.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import attrs
+from twisted.web.http_headers import Headers
+from zope.interface import implementer
+
+from ..core.interfaces import IPlacement, ITicket
+from ..nodes.discovery import Node
+from .affinity import AffinityTable, affinity_key
+from .rates import RATE_READ_INTERVAL, PromptReading
+from .reservations import Reservation, ReservationMap
+from .router import Router
+from .slotqueue import SlotQueue, Waiter
+
+
+@attrs.frozen
+class Wait:
+    """A round's answer when the request should wait in the facade's queue instead of
+    going: every owner is full, or its conversation's node is worth waiting for."""
+
+    #: Ahead of new arrivals: it already spent a dispatch (a failover).
+    ahead: bool
+    #: The node it waits for while another is free, and for how long at most (affinity).
+    prefer: str | None = None
+    patience: float | None = None
+
+
+#: What a round (``place``) or the next dispatch (``next``) answers: the nodes in the order
+#: to try them, or wait.
+Plan = list[Node] | Wait
+
+
+@implementer(ITicket)
+class PassTicket:
+    """The ticket of a request that reserves nothing: the candidates are tried as they
+    come, each dispatch claims nothing, and it never waits (a request without a workload,
+    or any request of a ``Direct`` placement)."""
+
+    affinity: str | None = None
+
+    def place(self, candidates: list[Node], ahead: bool) -> Plan:
+        return candidates
+
+    def next(self, queue: list[Node], failed: bool) -> Node | Wait:
+        return queue.pop(0)
+
+    def wait(self, plan: Wait, deadline: float, wake, expire) -> None:
+        raise AssertionError("a request that reserves nothing never waits")
+
+    def release(self) -> None:
+        """Nothing is held."""
+
+    def committed(self, node_id: str, status: int) -> Reservation | None:
+        return None
+
+    def measured(self, node_id: str, seconds: float, figures: Callable[[], Any]) -> None:
+        """Nothing is learned from it."""
+
+
+PASS = PassTicket()
+
+
+@implementer(IPlacement)
+class Direct:
+    """No placement: one pass over the candidates as they come, nothing reserved, nothing
+    queued (the ingress forwards to its one backend; its engine's queue is the one to wait
+    in)."""
+
+    def refuses(self, nodes: Sequence[Node], model: str | None) -> bool:
+        return False
+
+    def ticket(
+        self, model: str | None, size: int, headers: Headers, body: Any, path: str, reserve: bool
+    ) -> ITicket:
+        return PASS
+
+    def hold_offers(self) -> None:
+        """Nothing waits, so nothing is offered."""
+
+    def offer_held(self) -> None:
+        """Nothing waits, so nothing is offered."""
+
+
+@implementer(ITicket)
+class ReservedTicket:
+    """A workload's ticket: its claim on the node it goes to (docs/references.md#reservations),
+    moved with each dispatch, handed over at the commit, released when it backs off, waits or
+    ends."""
+
+    def __init__(self, placement: "Brokered", model: str, key: bytes | None) -> None:
+        self.placement, self.model, self.key = placement, model, key
+        self.reservation: Reservation | None = None
+        #: The node that last committed the conversation (affinity), None when none.
+        self.affine = placement.affine(key)
+        #: How affinity placed it (a metrics label): none, miss, hit or spill; None when off.
+        self.affinity: str | None = placement.affinity_label(key, self.affine)
+
+    def place(self, candidates: list[Node], ahead: bool) -> Plan:
+        # Asked at every round: another request of the conversation may have moved it.
+        affine = self.placement.affine(self.key)
+        nodes, self.reservation = self.placement.place(candidates, affine)
+        return nodes
+
+    def next(self, queue: list[Node], failed: bool) -> Node | Wait:
+        """The next node to try, popped from ``queue``: after a failure in this round the
+        least loaded remaining owner, not the list's head."""
+        reservation = self.reservation
+        if reservation is not None and failed:
+            plan = self.placement.fail_over(queue, self.model)
+            if isinstance(plan, Wait):
+                return plan
+            queue[:] = plan
+        node = queue.pop(0)
+        if reservation is not None:
+            reservation.move(node.id)
+        return node
+
+    def wait(self, plan: Wait, deadline: float, wake, expire) -> None:
+        raise AssertionError("the broker's candidates never make a request wait")
+
+    def release(self) -> None:
+        if self.reservation is not None:
+            self.reservation.release()
+            self.reservation = None
+
+    def committed(self, node_id: str, status: int) -> Reservation | None:
+        """The node committed: its cache holds the conversation now, and the claim goes with
+        the commit (the stream holds the node until it ends)."""
+        key = self.key
+        if key is not None and status < 400:
+            self.placement.committed_key(key, node_id)
+        if self.affine is not None:
+            self.affinity = "hit" if node_id == self.affine else "spill"
+        reservation, self.reservation = self.reservation, None
+        return reservation
+
+    def measured(self, node_id: str, seconds: float, figures: Callable[[], Any]) -> None:
+        """The broker's placement learns nothing from a request's end."""
+
+
+class Conversations:
+    """Affinity on: each request's conversation key (routing/affinity.py; never logged, nor
+    anything derived from it) and the node that last committed it."""
+
+    def __init__(self, table: AffinityTable, clock) -> None:
+        self.table, self.clock = table, clock
+
+    def key(self, headers: Headers, body: Any, model: str, path: str) -> bytes | None:
+        return affinity_key(headers, body, model, path)
+
+    def node_for(self, key: bytes | None) -> str | None:
+        """The node that last committed ``key``'s conversation, None when none."""
+        return None if key is None else self.table.node_for(key, self.clock.seconds())
+
+    def label(self, key: bytes | None, affine: str | None) -> str | None:
+        """How affinity placed a request at admission: none (no key), miss (a new key) or,
+        until its commit says hit, spill."""
+        return "none" if key is None else "miss" if affine is None else "spill"
+
+    def committed(self, key: bytes, node_id: str) -> None:
+        self.table.committed(key, node_id, self.clock.seconds())
+
+
+class NoConversations:
+    """Affinity off: no request has a key, and nothing is looked up or remembered."""
+
+    def key(self, headers: Headers, body: Any, model: str, path: str) -> None:
+        return None
+
+    def node_for(self, key: bytes | None) -> None:
+        return None
+
+    def label(self, key: bytes | None, affine: str | None) -> None:
+        return None
+
+    def committed(self, key: bytes, node_id: str) -> None:
+        pass
+
+
+NO_CONVERSATIONS = NoConversations()
+
+
+@implementer(IPlacement)
+class Brokered:
+    """Broker mode: the cluster's scheduler ranks (the router's candidates come in its
+    order), and the reservation chooser spreads a burst over the least loaded
+    (docs/references.md#reserve-least-loaded). Opt-in affinity (``--affinity``) only breaks the
+    chooser's tie among equally loaded listed candidates."""
+
+    def __init__(
+        self, router: Router, reservations: ReservationMap, affinity: AffinityTable | None = None
+    ) -> None:
+        self.router, self.reservations = router, reservations
+        self.clock = router.clock
+        # Chosen once: with affinity off a request has no key, and no lookup runs.
+        self.conversations: Conversations | NoConversations = (
+            NO_CONVERSATIONS if affinity is None else Conversations(affinity, self.clock)
+        )
+
+    def refuses(self, nodes: Sequence[Node], model: str | None) -> bool:
+        return False
+
+    def ticket(
+        self, model: str | None, size: int, headers: Headers, body: Any, path: str, reserve: bool
+    ) -> ITicket:
+        self.router.admitted()
+        if not reserve or model is None:
+            return PASS
+        # Never logged, nor anything derived from it (routing/affinity.py).
+        return self.make(model, self.conversations.key(headers, body, model, path), size)
+
+    def make(self, model: str, key: bytes | None, size: int) -> ITicket:
+        return ReservedTicket(self, model, key)
+
+    def hold_offers(self) -> None:
+        """Nothing waits, so nothing is offered."""
+
+    def offer_held(self) -> None:
+        """Nothing waits, so nothing is offered."""
+
+    # What its tickets ask.
+
+    def affine(self, key: bytes | None) -> str | None:
+        """The node that last committed ``key``'s conversation, None when none."""
+        return self.conversations.node_for(key)
+
+    def affinity_label(self, key: bytes | None, affine: str | None) -> str | None:
+        return self.conversations.label(key, affine)
+
+    def committed_key(self, key: bytes, node_id: str) -> None:
+        self.conversations.committed(key, node_id)
+
+    def place(
+        self, nodes: Sequence[Node], affine: str | None
+    ) -> tuple[list[Node], Reservation | None]:
+        """Reserve the least loaded candidate and move it to the front; an eligible pin
+        first takes no reservation. The chooser skips held and cooling nodes unless all
+        candidates are (docs/decisions.md#busy-hold, #stall-cooldown)."""
+        nodes = list(nodes)
+        if not nodes or self.router.pinned_first(nodes):
+            return nodes, None
+        reservation = self.reservations.choose(self.router.preferred_ids(nodes), prefer=affine)
+        if reservation is None:
+            return nodes, None
+        return sorted(nodes, key=lambda n: n.id != reservation.node_id), reservation
+
+    def fail_over(self, remaining: Sequence[Node], model: str) -> Plan:
+        """Failover goes to the least loaded remaining owner, not the list's head."""
+        if not remaining:
+            return list(remaining)
+        chosen = self.reservations.pick(self.router.preferred_ids(remaining))
+        return sorted(remaining, key=lambda n: n.id != chosen)
+
+
+@implementer(ITicket)
+class StandaloneTicket(ReservedTicket):
+    """A workload's ticket under standalone placement: it may wait in the facade's queue
+    (late binding), once for its conversation's node (affinity), and its end teaches the
+    placement the node's rates."""
+
+    placement: "Standalone"
+
+    def __init__(self, placement: "Standalone", model: str, key: bytes | None, size: int) -> None:
+        super().__init__(placement, model, key)
+        self.size = size
+        self.waiter: Waiter | None = None
+        #: A request waits for its conversation's node at most once (the spill rule's bound).
+        self.waited_for_affine = False
+
+    def place(self, candidates: list[Node], ahead: bool) -> Plan:
+        placement = self.placement
+        if placement.all_full(candidates, self.model):
+            return Wait(ahead=ahead)
+        # Asked at every round: another request of the conversation may have moved it.
+        affine = placement.affine(self.key)
+        if affine is not None and not self.waited_for_affine:
+            waiting = placement.affinity_wait(candidates, self.model, affine, self.size)
+            if waiting is not None:
+                self.waited_for_affine = True
+                return Wait(ahead=ahead, prefer=waiting[0], patience=waiting[1])
+        nodes, self.reservation = placement.place(candidates, affine)
+        return nodes
+
+    def wait(self, plan: Wait, deadline: float, wake, expire) -> None:
+        """Wait in the facade's queue, costing no attempt and holding no reservation, until
+        a slot frees (``wake``) or the deadline (``expire``)."""
+        self.release()
+
+        def woken() -> None:
+            self.waiter = None
+            wake()
+
+        def expired() -> None:
+            self.waiter = None
+            expire()
+
+        self.waiter = self.placement.wait(self.model, deadline, woken, expired, plan)
+
+    def release(self) -> None:
+        super().release()
+        if self.waiter is not None:
+            waiter, self.waiter = self.waiter, None
+            self.placement.unwait(waiter)
+
+    def measured(self, node_id: str, seconds: float, figures: Callable[[], Any]) -> None:
+        """A committed request below 400 ended on ``node_id``, ``seconds`` after its
+        dispatch: the node's time to serve one, and (at most once a second per node) the
+        prompt figures its response's tail said."""
+        self.placement.measured(node_id, seconds, figures, self.size)
+
+
+class RateMeter:
+    """What a request's end teaches standalone placement with affinity: the node's time to
+    serve one request (dispatch to end), and its prompt figures, read from a response's tail
+    at most once a second per node (so placement's rates cost O(nodes) a second, not a parse
+    per request)."""
+
+    def __init__(self, router: Router) -> None:
+        self.router, self.clock = router, router.clock
+
+    def measured(self, node_id: str, seconds: float, figures: Callable[[], Any], size: int) -> None:
+        rates = self.router.rates_of(node_id)
+        if rates is None:
+            return
+        now = self.clock.seconds()
+        if rates.rate_read_at is None or now - rates.rate_read_at >= RATE_READ_INTERVAL:
+            read = figures()
+            rates.rate_read(
+                PromptReading(size=size)
+                if read is None
+                else PromptReading(
+                    rate=read.prompt_rate, read=read.prompt_read, seen=read.prompt_seen, size=size
+                ),
+                now,
+            )
+        rates.served(seconds)
+
+
+class NoMeter:
+    """Without affinity nothing reads the rates, so nothing is measured."""
+
+    def measured(self, node_id: str, seconds: float, figures: Callable[[], Any], size: int) -> None:
+        pass
+
+
+NO_METER = NoMeter()
+
+
+@implementer(IPlacement)
+class Standalone(Brokered):
+    """Standalone mode without late binding (``--no-late-binding``): owners ranked by what
+    their engines report (the router ranks its candidates so), the first reserved; a
+    conversation's node goes first when it is free to (affinity, when ``affinity`` is
+    given). Nothing waits: every request goes to the engines
+    (docs/decisions.md#standalone-placement, #affinity)."""
+
+    def __init__(
+        self, router: Router, reservations: ReservationMap, affinity: AffinityTable | None = None
+    ) -> None:
+        super().__init__(router, reservations, affinity)
+        # Chosen once: only the spill rule (affinity) reads the rates, so only then are they
+        # measured.
+        self.meter: RateMeter | NoMeter = NO_METER if affinity is None else RateMeter(router)
+
+    def make(self, model: str, key: bytes | None, size: int) -> ITicket:
+        return StandaloneTicket(self, model, key, size)
+
+    def all_full(self, nodes: Sequence[Node], model: str | None) -> bool:
+        """Whether a request should wait instead of going to ``nodes``: never, here."""
+        return False
+
+    def affinity_wait(
+        self, nodes: Sequence[Node], model: str, affine: str, size: int
+    ) -> tuple[str, float] | None:
+        """Whether to wait for the conversation's node: never, here (nothing waits)."""
+        return None
+
+    def wait(
+        self, model: str, deadline: float, wake: Callable[[], None], expire, plan: Wait
+    ) -> Waiter:
+        raise AssertionError("without late binding nothing waits")
+
+    def unwait(self, waiter: Waiter) -> None:
+        raise AssertionError("without late binding nothing waits")
+
+    def place(
+        self, nodes: Sequence[Node], affine: str | None
+    ) -> tuple[list[Node], Reservation | None]:
+        """The first ranked node is the placement, unless the conversation's node is free to
+        take it; an eligible pin first takes no reservation."""
+        nodes = list(nodes)
+        if not nodes or self.router.pinned_first(nodes):
+            return nodes, None
+        if affine is not None and nodes[0].id != affine and self._free_for(affine, nodes):
+            nodes.sort(key=lambda n: n.id != affine)
+        return nodes, self.reservations.reserve(nodes[0].id)
+
+    def fail_over(self, remaining: Sequence[Node], model: str) -> Plan:
+        """The remaining owners, ranked again."""
+        if not remaining:
+            return list(remaining)
+        return self.router.ranked(remaining, model)
+
+    def _free_for(self, node_id: str, nodes: Sequence[Node]) -> bool:
+        """Whether ``node_id`` is among ``nodes``, neither held nor cooling, nor full."""
+        router = self.router
+        if (
+            node_id not in {n.id for n in nodes}
+            or router.is_held(node_id)
+            or router.is_cooling(node_id)
+        ):
+            return False
+        return not any(
+            s.full for s in router.standings([n for n in nodes if n.id == node_id], None)
+        )
+
+    def measured(self, node_id: str, seconds: float, figures: Callable[[], Any], size: int) -> None:
+        self.meter.measured(node_id, seconds, figures, size)
+
+
+@implementer(IPlacement)
+class LateBinding(Standalone):
+    """Standalone mode with late binding (the default): a request waits in the facade's
+    ``queue`` when every owner is full, and for its conversation's node when that costs less
+    than reading the context again elsewhere (docs/decisions.md#late-binding, #affinity)."""
+
+    def __init__(
+        self,
+        router: Router,
+        reservations: ReservationMap,
+        queue: SlotQueue,
+        affinity: AffinityTable | None = None,
+    ) -> None:
+        super().__init__(router, reservations, affinity)
+        self.queue = queue
+        self._offer: Any = None
+        #: While a request's end runs (``hold_offers``): a slot it frees is offered when it is done.
+        self._holding = 0
+        self._offer_due = False
+        # A slot frees when any of our dispatches ends, whichever facade made it; when a read
+        # of an engine shows one free; and for a waiter whose patience ran out, any slot will do.
+        reservations.on_release.append(self._released)
+        router.on_truth.append(self._offer_soon)
+        queue.on_patience = self._offer_soon
+
+    def refuses(self, nodes: Sequence[Node], model: str | None) -> bool:
+        """A new request would wait, and the queue has no room for it (the busy 503)."""
+        return self.queue.is_full() and self.all_full(nodes, model)
+
+    def all_full(self, nodes: Sequence[Node], model: str | None) -> bool:
+        """Whether a request for ``model`` should wait rather than go to ``nodes``: every
+        owner is full by its known slots (a held one counts as full: it just said so). An
+        owner whose slots are unknown is never full."""
+        if model is None or not nodes:
+            return False
+        router = self.router
+        first = nodes[0].id
+        if not router.is_held(first) and not router.standings(nodes[:1], model)[0].full:
+            return False  # the usual case, one owner asked: ranked first and free
+        known_full = False
+        for item in router.standings(nodes, model):
+            if item.full:
+                known_full = True
+            elif not router.is_held(item.node_id):
+                return False
+        return known_full
+
+    def fail_over(self, remaining: Sequence[Node], model: str) -> Plan:
+        """A failover that finds every owner full waits, ahead of new arrivals."""
+        if self.all_full(remaining, model):
+            return Wait(ahead=True)
+        return super().fail_over(remaining, model)
+
+    def wait(
+        self, model: str, deadline: float, wake: Callable[[], None], expire, plan: Wait
+    ) -> Waiter:
+        now = self.clock.seconds()
+        waiter = self.queue.add(
+            Waiter(
+                model=model,
+                deadline=deadline,
+                since=now,
+                wake=wake,
+                expire=expire,
+                ahead=plan.ahead,
+                prefer=plan.prefer,
+                patience_until=None if plan.patience is None else now + plan.patience,
+            )
+        )
+        # A slot may have freed while nobody waited (a failover's own reservation, released
+        # as it joins): the offer that would have followed it is made now. Usually every
+        # owner is still full, as the request just found, and nothing is scheduled.
+        if not self.all_full(self.router.candidates(model), model):
+            self._offer_soon()
+        return waiter
+
+    def unwait(self, waiter: Waiter) -> None:
+        self.queue.remove(waiter)
+
+    def hold_offers(self) -> None:
+        """A request's end begins: slots it frees are offered when it is done
+        (``offer_held``), not in the middle of it, and without a timer."""
+        self._holding += 1
+
+    def offer_held(self) -> None:
+        """The request's end is done: offer what it freed, now."""
+        self._holding -= 1
+        if not self._holding and self._offer_due:
+            self._offer_due = False
+            if self._offer is None:
+                self._offer_slots()
+
+    def _released(self, node_id: str) -> None:
+        if self.router.slot_ended(node_id):
+            self._offer_soon()
+
+    def _offer_soon(self) -> None:
+        """Let waiting requests go once this turn's work is done: a slot freed inside an
+        attempt's or a stream's end must not start another request in the middle of it.
+        Nothing is scheduled while nobody waits, and nothing while a request's end holds
+        the offer (the usual way a slot frees: no timer per request in the queue)."""
+        if len(self.queue) and self._offer is None:
+            if self._holding:
+                self._offer_due = True
+            else:
+                self._offer = self.clock.callLater(0, self._offer_slots)
+
+    def _offer_slots(self) -> None:
+        self._offer = None
+        queue = self.queue
+        for model in queue.models():
+            while not self.all_full(self.router.candidates(model), model):
+                if not queue.wake_first(model, self._may_go):
+                    break
+
+    def _may_go(self, waiter: Waiter) -> bool:
+        """A waiter for its preferred node goes when that node is free (or no longer one it
+        may wait for); a waiter without one, whenever a slot is free."""
+        if waiter.prefer is None:
+            return True
+        nodes = self.router.candidates(waiter.model)
+        if waiter.prefer not in {n.id for n in nodes}:
+            return True
+        return not any(
+            s.full
+            for s in self.router.standings(
+                [n for n in nodes if n.id == waiter.prefer], waiter.model
+            )
+        )
+
+    def affinity_wait(
+        self, nodes: Sequence[Node], model: str, affine: str, size: int
+    ) -> tuple[str, float] | None:
+        """The spill rule (docs/decisions.md#affinity): when the conversation's node is full
+        while another owner is free, wait for it (its id and how long at most) if that is
+        expected to cost less than reading the context again elsewhere; None to go elsewhere
+        now (or when there is nothing to decide)."""
+        if nodes and nodes[0].id == affine:
+            # The usual case: ranked first, which (every owner not being full, as the request
+            # just found) means free, or held or cooling, where it goes or is passed over
+            # without waiting either way.
+            return None
+        router = self.router
+        node = next((n for n in nodes if n.id == affine), None)
+        if node is None or router.is_held(affine) or router.is_cooling(affine):
+            return None
+        mine = router.standings([node], model)[0]
+        if not mine.full:
+            return None  # the usual case: its node is free, and goes first (``place``)
+        rates = router.rates.get(affine)
+        if rates is None or rates.prompt_rate is None or rates.service is None:
+            return None  # nothing measured: never wait for it
+        free = [
+            s
+            for s in router.standings([n for n in nodes if n.id != affine], model)
+            if not s.full and not router.is_held(s.node_id)
+        ]
+        if not free:
+            return None
+        expected = rates.service * (1 + self.queue.waiting_for(affine)) / max(1, mine.total or 1)
+        elsewhere = [
+            r.prompt_rate
+            for s in free
+            if (r := router.rates.get(s.node_id)) is not None and r.prompt_rate
+        ]
+        reread = rates.tokens(size) / max(elsewhere or [rates.prompt_rate])
+        if expected >= reread:
+            return None
+        return affine, min(rates.service, reread)
