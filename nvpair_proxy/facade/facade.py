@@ -10,7 +10,7 @@ in the service tree are ``facadeservice.py``'s.
 from __future__ import annotations
 
 from functools import partial
-from typing import Callable, Mapping
+from typing import Any, Callable, Mapping
 
 import attrs
 from twisted.internet.interfaces import IReactorTime
@@ -193,10 +193,16 @@ def placement_for(
 
 
 def report_rejection(
-    facade: Facade, method: bytes, path: bytes, status: int, reason: Reason, detail: str = ""
+    facade: Facade,
+    method: bytes,
+    path: bytes,
+    status: int,
+    reason: Reason,
+    detail: str = "",
+    route=UNCLASSIFIED,
 ) -> None:
     """``proxy/request`` for an answer given before a request reached routing
-    (docs/references.md#request-events)."""
+    (docs/references.md#request-events); ``route`` when the caller already classified it."""
     error = reason.says(detail)
     reporter = facade.reporter
     path = path.split(b"?", 1)[0]
@@ -210,7 +216,7 @@ def report_rejection(
         error=error,
     )
     reporter.request_ended(
-        route=route_class(facade.engine.classify(method, path)),
+        route=route_class(facade.engine.classify(method, path) if route is UNCLASSIFIED else route),
         outcome=REJECTED,
         status=status,
         duration=0.0,
@@ -218,53 +224,100 @@ def report_rejection(
     )
 
 
-def answered_stopping(facade: Facade, request: Request) -> bool:
-    """While the process stops, a new request gets 503 and the connection closes."""
-    if not facade.stopping:
-        return False
-    report_rejection(facade, request.method, request.path, 503, Reason.SHUTTING_DOWN)
-    request.setHeader(b"Connection", b"close")
-    send_error(request, 503, SHUTTING_DOWN, retry_after=1)
-    return True
+# The front door: what a request is, decided once (docs/architecture.md).
 
 
-def answered_loop(facade: Facade, request: Request) -> bool:
-    """A request carrying our own Via token came back to us: 508 at once, no dispatch and
-    no workload (docs/references.md#forwarding-loop), whatever its route: a model list asked in a
-    loop loops too."""
-    if not facade.upstreams.loop_guard.seen(request.requestHeaders):
-        return False
-    report_rejection(facade, request.method, request.path, 508, Reason.FORWARDING_LOOP)
-    send_error(request, 508, FORWARDING_LOOP)
-    return True
+@attrs.frozen
+class Refusal:
+    """An answer given before routing: its status, the reason it is reported with, the body
+    text and its ``code``, and whether the connection closes after it."""
+
+    status: int
+    reason: Reason
+    text: str
+    detail: str = ""
+    code: str | None = None
+    retry_after: int = 0
+    close: bool = False
 
 
-def answered_before_routing(facade: Facade, request: Request) -> bool:
-    """The answers every ingress gives before anything is routed: the identity probe, a
-    forwarding loop, and a new request while the process stops."""
-    return (
-        answered_identity_probe(facade, request)
-        or answered_loop(facade, request)
-        or answered_stopping(facade, request)
-    )
+@attrs.frozen
+class Preflight:
+    """A CORS preflight: every routable engine is asked (fleet.py)."""
 
 
-def answered_identity_probe(facade: Facade, request: Request) -> bool:
-    """A client asking whether this port is a proxy facade gets 409 naming the engine, on
-    every ingress, so nothing mistakes the proxy for the engine itself
-    (docs/references.md#identity-probe)."""
-    if request.getHeader(IDENTITY_PROBE) != b"1":
-        return False
-    text = FACADE_FOR + facade.engine.id
+@attrs.frozen
+class ModelList:
+    """A model list: the whole fleet's, merged (fleet.py)."""
+
+    route: Any
+
+
+@attrs.frozen
+class Forward:
+    """Everything else: routed to a node by an Exchange (``route`` None: an unlisted path,
+    forwarded verbatim)."""
+
+    route: Any
+
+
+Decision = Refusal | Preflight | ModelList | Forward
+
+
+def refused_before_routing(facade: Facade, request: Request) -> Refusal | None:
+    """The answers every ingress gives before anything is routed, in this order: the
+    identity probe (docs/references.md#identity-probe: 409 naming the engine, so nothing
+    mistakes the proxy for the engine itself), a forwarding loop (508 at once, whatever the
+    route: docs/references.md#forwarding-loop), and a new request while the process stops
+    (503, and the connection closes)."""
+    if request.getHeader(IDENTITY_PROBE) == b"1":
+        engine = facade.engine.id
+        return Refusal(
+            409, Reason.IDENTITY_PROBE, FACADE_FOR + engine, detail=engine, code="proxy-facade"
+        )
+    if facade.upstreams.loop_guard.seen(request.requestHeaders):
+        return Refusal(508, Reason.FORWARDING_LOOP, FORWARDING_LOOP)
+    if facade.stopping:
+        return Refusal(503, Reason.SHUTTING_DOWN, SHUTTING_DOWN, retry_after=1, close=True)
+    return None
+
+
+def decide(facade: Facade, request: Request) -> tuple[Decision, Any]:
+    """What the facade does with ``request``, and its engine route (classified once here)."""
+    route = facade.engine.classify(request.method, request.path)
+    refusal = refused_before_routing(facade, request)
+    if refusal is not None:
+        return refusal, route
+    if cors.is_preflight(request.method, request.requestHeaders):
+        return Preflight(), route
+    if route is not None and route.is_models:
+        return ModelList(route), route
+    return Forward(route), route
+
+
+def refuse(facade: Facade, request: Request, refusal: Refusal, route=UNCLASSIFIED) -> None:
+    """Answer a refusal and report it, in one call."""
     report_rejection(
-        facade, request.method, request.path, 409, Reason.IDENTITY_PROBE, facade.engine.id
+        facade, request.method, request.path, refusal.status, refusal.reason, refusal.detail, route
     )
-    send_error(request, 409, text, code="proxy-facade")
-    return True
+    if refusal.close:
+        request.setHeader(b"Connection", b"close")
+    send_error(
+        request, refusal.status, refusal.text, code=refusal.code, retry_after=refusal.retry_after
+    )
+
+
+def forward(exchange: Exchange) -> None:
+    """Start ``exchange``; a bug costs this request only
+    (docs/references.md#request-containment)."""
+    try:
+        exchange.start()
+    except Exception:
+        exchange.crashed(Failure())
 
 
 class FacadeResource(Resource):
-    """Every path of the facade: classify and hand to an Exchange; nothing is an allowlist."""
+    """Every path of the facade: one decision, one handler; nothing is an allowlist."""
 
     isLeaf = True
 
@@ -273,20 +326,16 @@ class FacadeResource(Resource):
         self.facade = facade
 
     def render(self, request: BoundedRequest):
-        if answered_before_routing(self.facade, request):
-            return NOT_DONE_YET
-        if cors.is_preflight(request.method, request.requestHeaders):
-            serve_preflight(self.facade.fleet, request)
-            return NOT_DONE_YET
-        route = self.facade.engine.classify(request.method, request.path)
-        if route is not None and route.is_models:
-            serve_model_list(self.facade.fleet, request, route)
-            return NOT_DONE_YET
-        exchange = self.facade.exchange(request, route)
-        try:
-            exchange.start()
-        except Exception:
-            exchange.crashed(Failure())
+        facade = self.facade
+        decision, route = decide(facade, request)
+        if isinstance(decision, Forward):
+            forward(facade.exchange(request, route))
+        elif isinstance(decision, Refusal):
+            refuse(facade, request, decision, route)
+        elif isinstance(decision, ModelList):
+            serve_model_list(facade.fleet, request, decision.route)
+        else:
+            serve_preflight(facade.fleet, request)
         return NOT_DONE_YET
 
 

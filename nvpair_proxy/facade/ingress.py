@@ -12,18 +12,17 @@ from weakref import WeakKeyDictionary
 
 import attrs
 from twisted.internet.interfaces import ISSLTransport
-from twisted.python.failure import Failure
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Request
 from zope.interface import implementer
 
 from ..cluster.trust import ClusterDirectory, der_of
 from ..core.interfaces import IOwners
-from ..http.answers import CLUSTER_AUTH, NO_LOCAL_BACKEND, Reason, send_error
+from ..http.answers import CLUSTER_AUTH, NO_LOCAL_BACKEND, Reason
 from ..nodes.discovery import Node
 from ..request.exchange import Exchange
 from ..routing.tickets import Direct
-from .facade import Facade, answered_before_routing, report_rejection
+from .facade import Facade, Refusal, forward, refuse, refused_before_routing
 
 if TYPE_CHECKING:
     from OpenSSL.crypto import X509
@@ -54,7 +53,7 @@ class LocalBackend:
 NO_PLACEMENT = Direct()
 
 
-def ingress_exchange(facade: Facade, request: Request, backend: Node) -> Exchange:
+def ingress_exchange(facade: Facade, request: Request, backend: Node, route) -> Exchange:
     """A forward to the local backend: one pass, no workload, backend errors coded."""
     return Exchange(
         request,
@@ -65,6 +64,7 @@ def ingress_exchange(facade: Facade, request: Request, backend: Node) -> Exchang
         reporter=facade.reporter,
         upstreams=facade.upstreams,
         in_flight=facade.in_flight,
+        route=route,
         inference=False,
         bad_gateway_code="backend-error",
     )
@@ -86,8 +86,28 @@ class IngressResource(Resource):
         self._ders: WeakKeyDictionary[object, bytes] = WeakKeyDictionary()
 
     def render(self, request: Request):
-        if answered_before_routing(self.facade, request):
+        facade = self.facade
+        # One decision, the facade's shape: refused before routing, or forwarded to the one
+        # local backend.
+        route = facade.engine.classify(request.method, request.path)
+        refusal = refused_before_routing(facade, request) or self._refused(request)
+        if refusal is not None:
+            refuse(facade, request, refusal, route)
             return NOT_DONE_YET
+        backend = self.backend()
+        assert backend is not None  # _refused answered its absence
+        host, port = backend
+        node = self._node
+        if node is None or (node.port, node.addresses) != (port, (host,)):
+            node = self._node = Node(
+                id="local-backend", name="local-backend", port=port, addresses=(host,)
+            )
+        forward(ingress_exchange(facade, request, node, route))
+        return NOT_DONE_YET
+
+    def _refused(self, request: Request) -> Refusal | None:
+        """The ingress's own refusals: a peer whose certificate is not pinned (checked for
+        every request: a revoked pin refuses the next one), and no local backend."""
         self.directory.check()
         # The ingress listens on TLS only; pyOpenSSL's certificate, None without a peer's.
         transport = cast(ISSLTransport, request.channel.transport)
@@ -96,30 +116,11 @@ class IngressResource(Resource):
             certificate = cast("X509 | None", transport.getPeerCertificate())
             if certificate is not None:
                 der = self._ders[transport] = der_of(certificate)
-        # The pins are checked for every request (a revoked pin refuses the next one); only
-        # the connection's certificate, which cannot change, is converted once.
+        # Only the connection's certificate, which cannot change, is converted once.
         if der is None or not self.directory.trusts(der):
             code, text = CLUSTER_AUTH
-            report_rejection(self.facade, request.method, request.path, 403, Reason.CLUSTER_AUTH)
-            send_error(request, 403, text, code=code)
-            return NOT_DONE_YET
-        backend = self.backend()
-        if backend is None:
+            return Refusal(403, Reason.CLUSTER_AUTH, text, code=code)
+        if self.backend() is None:
             text = f"no local {self.facade.engine.id} backend is available on this node"
-            report_rejection(
-                self.facade, request.method, request.path, 503, Reason.NO_LOCAL_BACKEND
-            )
-            send_error(request, 503, text, code=NO_LOCAL_BACKEND)
-            return NOT_DONE_YET
-        host, port = backend
-        node = self._node
-        if node is None or (node.port, node.addresses) != (port, (host,)):
-            node = self._node = Node(
-                id="local-backend", name="local-backend", port=port, addresses=(host,)
-            )
-        exchange = ingress_exchange(self.facade, request, node)
-        try:
-            exchange.start()
-        except Exception:
-            exchange.crashed(Failure())
-        return NOT_DONE_YET
+            return Refusal(503, Reason.NO_LOCAL_BACKEND, text, code=NO_LOCAL_BACKEND)
+        return None

@@ -359,3 +359,45 @@ class ModelListTests(WorldTestCase):
         self.assertFalse(slow.transport.disconnecting)
         w.site_clock.advance(0.1)
         self.assertTrue(slow.transport.disconnecting)
+
+
+class FrontDoorTests(WorldTestCase):
+    """The facade decides once what a request is (``facade.decide``): a refusal, a preflight,
+    a model list or a forward, each with its one handler."""
+
+    def counting(self, w):
+        """Count the engine's route classifications from here on."""
+        calls = []
+
+        class Counting:
+            def __init__(self, engine) -> None:
+                self.engine = engine
+
+            def __getattr__(self, name):
+                return getattr(self.engine, name)
+
+            def classify(self, method, path):
+                calls.append((method, path))
+                return self.engine.classify(method, path)
+
+        w.facade.engine = Counting(w.facade.engine)
+        return calls
+
+    def test_a_forwarded_request_is_classified_once(self):
+        w = self.world()
+        w.add("a")
+        calls = self.counting(w)
+        client = w.chat()
+        w.agent.last.respond(
+            200, {"Content-Type": "application/x-ndjson"}, b'{"done":true}\n', finish=True
+        )
+        self.assertEqual(client.response().status, 200)
+        self.assertEqual(calls, [(b"POST", b"/api/chat")])
+
+    def test_a_refusal_is_classified_once_and_reported_with_its_route(self):
+        w = self.world()
+        calls = self.counting(w)
+        w.send("POST", "/api/chat", {"model": "m"}, headers={"X-NVPAIR-Engine-Identity-Probe": "1"})
+        self.assertEqual(calls, [(b"POST", b"/api/chat")])
+        reported = [p for m, p in w.emitter.sent if m == "ollama:proxy/request"]
+        self.assertEqual([(p["status"], p["path"]) for p in reported], [(409, "/api/chat")])
