@@ -36,7 +36,7 @@ from ..routing.affinity import AffinityTable
 from ..routing.reservations import ReservationMap
 from ..routing.router import Router
 from ..routing.slotqueue import SlotQueue
-from ..routing.tickets import Brokered, Direct, LateBinding, Standalone
+from ..routing.tickets import Brokered, Direct, LateBinding, Policy, Standalone
 
 IDENTITY_PROBE = b"x-nvpair-engine-identity-probe"
 
@@ -120,40 +120,36 @@ def make_facade(
     recorder: IRequestRecorder | None = None,
     agent_for_node: Callable[[Node], IAgent] | None = None,
     loop_guard: LoopGuard | None = None,
-    scheduling: bool = False,
-    queue_depth: int | None = None,
-    affinity: bool = False,
+    policy: Policy = Policy(),
 ) -> Facade:
     """A facade from the parts every facade of a process shares (docs/references.md#one-process).
 
     ``agent_for_node`` dials nodes that need their own agent (nodes-file TLS or keys, pinned
-    peers); without it every node shares ``agent``. ``scheduling`` ranks owners by what their
-    engines report (standalone mode); ``queue_depth`` turns late binding on with that bound;
-    ``affinity`` sends a conversation back to the node that holds its cache.
+    peers); without it every node shares ``agent``. ``policy`` says how it places requests.
     """
     if activity is None:
         activity = ActivityThrottle(emitter, clock.seconds)
     queue = None
-    if queue_depth is not None:
+    if policy.queue_depth is not None:
         waited = (
             None
             if recorder is None
             else (lambda waiter, seconds: recorder.queue_left(engine.id, seconds))
         )
-        queue = SlotQueue(clock, queue_depth, on_leave=waited)
-    table = AffinityTable() if affinity else None
+        queue = SlotQueue(clock, policy.queue_depth, on_leave=waited)
+    table = AffinityTable() if policy.affinity else None
     router = Router(
         engine=engine,
         clock=clock,
         reservations=ReservationMap() if reservations is None else reservations,
-        scheduling=scheduling,
+        scheduling=policy.ranking,
         queue=queue,
         affinity=table,
     )
     return Facade(
         engine=engine,
         router=router,
-        placement=placement_for(router, reservations, scheduling, queue, table),
+        placement=placement_for(router, reservations, policy.ranking, queue, table),
         reporter=Reporter(
             engine=engine.id,
             emitter=emitter,

@@ -209,14 +209,22 @@ class Client:
         if bodyProducer is not None and not isinstance(bodyProducer, BytesProducer):
             return self._read_body_first(method, uri, headers, bodyProducer)
         origin, path = self._route(uri)
+        outgoing = Outgoing(
+            method,
+            uri,
+            path,
+            origin.host_header,
+            headers,
+            bodyProducer.body if bodyProducer else None,
+        )
         connection = self._pooled(origin.key)
         dial = _Dial()
         result: Deferred[IResponse] = Deferred(dial.cancel)
         if connection is not None:
             dial.connection = connection
-            connection.send(method, uri, path, origin.host_header, headers, bodyProducer, result)
+            connection.send(outgoing, result)
             return result
-        self._dial(dial, origin, method, uri, path, headers, bodyProducer, result)
+        self._dial(dial, origin, outgoing, result)
         return result
 
     def _pooled(self, key: tuple) -> "_Connection | None":
@@ -237,23 +245,12 @@ class Client:
             connection.close_idle()
 
     def _dial(
-        self,
-        dial: "_Dial",
-        origin: Origin,
-        method: bytes,
-        uri: bytes,
-        path: bytes,
-        headers: Headers | None,
-        producer: BytesProducer | None,
-        result: Deferred[IResponse],
+        self, dial: "_Dial", origin: Origin, outgoing: "Outgoing", result: Deferred[IResponse]
     ) -> None:
         dial.connection = None
         connecting = dial.connecting = origin.endpoint().connect(origin.factory)
         connecting.addCallbacks(
-            dial.connected,
-            dial.failed,
-            callbackArgs=(method, uri, path, origin.host_header, headers, producer, result),
-            errbackArgs=(result,),
+            dial.connected, dial.failed, callbackArgs=(outgoing, result), errbackArgs=(result,)
         )
 
     def _read_body_first(
@@ -405,6 +402,30 @@ class KeepAliveEndpoint:
         return protocol
 
 
+class Outgoing:
+    """One request as the client sends it, made once in ``Client.request`` and handed whole to
+    the connection that carries it: its method, absolute URI and origin-form ``path``, the
+    Host header its origin gives, the caller's headers and the body (None: none)."""
+
+    __slots__ = ("method", "uri", "path", "host_header", "headers", "body")
+
+    def __init__(
+        self,
+        method: bytes,
+        uri: bytes,
+        path: bytes,
+        host_header: bytes,
+        headers: Headers | None,
+        body: bytes | None,
+    ) -> None:
+        self.method, self.uri, self.path, self.host_header = method, uri, path, host_header
+        self.headers, self.body = headers, body
+
+
+# What a connection has sent before its first request: nothing (a stand-in, never read).
+_NOTHING_SENT = Outgoing(b"", b"", b"", b"", None, None)
+
+
 class _Dial:
     """A request waiting for a new connection: what a cancel has to stop."""
 
@@ -420,23 +441,13 @@ class _Dial:
         elif self.connecting is not None:
             self.connecting.cancel()
 
-    def connected(
-        self,
-        connection: "_Connection",
-        method,
-        uri,
-        path,
-        host_header,
-        headers,
-        producer,
-        result: Deferred,
-    ) -> None:
+    def connected(self, connection: "_Connection", outgoing: "Outgoing", result: Deferred) -> None:
         self.connecting = None
         if result.called:
             connection.pool.give(connection)
             return
         self.connection = connection
-        connection.send(method, uri, path, host_header, headers, producer, result)
+        connection.send(outgoing, result)
 
     def failed(self, failure: Failure, result: Deferred) -> None:
         self.connecting = None
@@ -509,7 +520,7 @@ class _Connection(Protocol):
         self.result: Deferred[IResponse] | None = None
         # A stand-in between responses, so the per-chunk path calls it without a check.
         self.response: ClientResponse | _NoResponse = _NO_RESPONSE
-        self.sent: tuple = ()
+        self.sent: Outgoing = _NOTHING_SENT
         self.head = b""
         self.scanned = 0  # how far into ``head`` the end of the head was already looked for
         self.framing = LENGTH
@@ -534,31 +545,25 @@ class _Connection(Protocol):
 
     # Sending.
 
-    def send(
-        self,
-        method: bytes,
-        uri: bytes,
-        path: bytes,
-        host_header: bytes,
-        headers: Headers | None,
-        producer: BytesProducer | None,
-        result: Deferred[IResponse],
-    ) -> None:
+    def send(self, outgoing: "Outgoing", result: Deferred[IResponse]) -> None:
+        """Write ``outgoing`` whole, in one call: it is never written again
+        (docs/decisions.md#sent-once)."""
         self.state, self.result, self.streamed_at = WAITING, result, None
-        self.sent = (method, uri, headers)
-        head = [method, b" ", path, b" HTTP/1.1\r\n"]
+        self.sent = outgoing
+        headers, body = outgoing.headers, outgoing.body
+        head = [outgoing.method, b" ", outgoing.path, b" HTTP/1.1\r\n"]
         if headers is None or not headers.hasHeader(b"host"):
-            head += (b"Host: ", host_header, b"\r\n")
+            head += (b"Host: ", outgoing.host_header, b"\r\n")
         if headers is not None:
             for name, values in headers.getAllRawHeaders():
                 if name in _OURS:
                     continue
                 for value in values:
                     head += (name, b": ", value, b"\r\n")
-        if producer is None:
+        if body is None:
             head.append(b"\r\n")
-        else:  # a BytesProducer: Client.request reads any other body whole first
-            head += (b"Content-Length: %d\r\n\r\n" % len(producer.body), producer.body)
+        else:  # from a BytesProducer: Client.request reads any other body whole first
+            head += (b"Content-Length: %d\r\n\r\n" % len(body), body)
         self.transport.writeSequence(head)
 
     def cancel(self, result: Deferred[IResponse]) -> None:
@@ -601,7 +606,7 @@ class _Connection(Protocol):
                 if end - position > MAX_HEAD:
                     raise WireError("response head too large")
                 head = parse_head(buffer[position:end])
-                framing, length = body_framing(head, self.sent[0])
+                framing, length = body_framing(head, self.sent.method)
                 if head.code == 101 or head.code < 100:
                     raise WireError(f"unexpected status {head.code}")
             except WireError:
@@ -841,7 +846,7 @@ class ClientResponse:
 
     previousResponse = None
 
-    def __init__(self, connection: _Connection, head, length, sent: tuple) -> None:
+    def __init__(self, connection: _Connection, head, length, sent: "Outgoing") -> None:
         self.version = (b"HTTP", 1, 1 if head.version == b"HTTP/1.1" else 0)
         self.code, self.phrase = head.code, head.phrase
         self.headers = Headers(head.fields)
@@ -856,7 +861,8 @@ class ClientResponse:
 
     @property
     def request(self) -> ClientRequest:
-        return ClientRequest(*self._sent)
+        sent = self._sent
+        return ClientRequest(sent.method, sent.uri, sent.headers)
 
     def setPreviousResponse(self, response: IResponse) -> None:
         self.previousResponse = response

@@ -51,6 +51,7 @@ from ..nodes.selfcheck import self_reason
 from ..request.dispatch import Bounds
 from ..request.events import ActivityThrottle, LogEmitter, new_run_id
 from ..routing.reservations import ReservationMap
+from ..routing.tickets import Policy
 from ..standalone.engineaccess import EngineAgents
 from ..standalone.nodesfile import ConfiguredNodes, NodesFileError, NodesFileWatcher, tls_configs
 from .options import Config
@@ -61,6 +62,18 @@ log = logger()
 def make_pool(reactor) -> ConnectionPool:
     """One process-wide pool; idle connections kept as long as the engines keep them."""
     return ConnectionPool(reactor, max_idle_per_host=256, idle_timeout=constants.POOL_IDLE_TIMEOUT)
+
+
+def policy_of(config: Config) -> Policy:
+    """How the facades place requests, read once from the command line: standalone mode ranks
+    by what engines report and, unless ``--no-late-binding``, lets requests wait in the
+    facade's queue; affinity is on by default there and opt-in under the broker."""
+    late = config.standalone and config.late_binding
+    return Policy(
+        ranking=config.standalone,
+        queue_depth=config.queue_depth if late else None,
+        affinity=config.affinity,
+    )
 
 
 @attrs.define(eq=False)
@@ -84,11 +97,8 @@ class Runtime:
     peer_agents: PeerAgents | None = None
     # The agent per node, given to every facade when it is made (None: all share ``agent``).
     agent_for_node: Callable[[Node], IAgent] | None = None
-    # Standalone placement: rank by what engines report; late binding with its queue depth.
-    scheduling: bool = False
-    late_binding: bool = False
-    queue_depth: int = constants.QUEUE_DEPTH
-    affinity: bool = False
+    # How every facade places requests (standalone: ranked, late binding, affinity).
+    policy: Policy = Policy()
 
     @classmethod
     def build(
@@ -137,10 +147,7 @@ class Runtime:
             engine_agents=engine_agents,
             peer_agents=peer_agents,
             agent_for_node=agent_for_node,
-            scheduling=config.standalone,
-            late_binding=config.standalone and config.late_binding,
-            queue_depth=config.queue_depth,
-            affinity=config.affinity,
+            policy=policy_of(config),
         )
 
     def facade(self, engine) -> Facade:
@@ -157,9 +164,7 @@ class Runtime:
             recorder=self.recorder,
             agent_for_node=self.agent_for_node,
             loop_guard=self.loop_guard,
-            scheduling=self.scheduling,
-            queue_depth=self.queue_depth if self.late_binding else None,
-            affinity=self.affinity,
+            policy=self.policy,
         )
 
     def poller(self, facade: Facade) -> TruthPoller:

@@ -32,6 +32,20 @@ from .slotqueue import SlotQueue, Waiter
 
 
 @attrs.frozen
+class Policy:
+    """How a process's facades place requests, fixed at start-up from the command line and
+    handed on as one value: which placement policy each facade is given (``placement_for``
+    in facade.py), and what it is made with."""
+
+    #: Rank owners by what their engines report (standalone mode); else the broker's order.
+    ranking: bool = False
+    #: Late binding with this bound on new arrivals (``--queue-depth``); None: off.
+    queue_depth: int | None = None
+    #: Send a conversation back to the node that holds its cache.
+    affinity: bool = False
+
+
+@attrs.frozen
 class Wait:
     """A round's answer when the request should wait in the facade's queue instead of
     going: every owner is full, or its conversation's node is worth waiting for."""

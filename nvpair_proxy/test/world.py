@@ -21,6 +21,7 @@ from nvpair_proxy.nodes.discovery import make_node
 from nvpair_proxy.nodes.engines import load_engines
 from nvpair_proxy.request.dispatch import Bounds
 from nvpair_proxy.routing.reservations import ReservationMap
+from nvpair_proxy.routing.tickets import Policy
 from nvpair_proxy.testing import FakeAgent, RecordingEmitter, loopback
 
 ENGINES = load_engines()
@@ -151,9 +152,7 @@ class World:
             bounds=Bounds(response_timeout=response_timeout),
             reservations=self.reservations,
             recorder=recorder,
-            scheduling=scheduling,
-            queue_depth=queue_depth,
-            affinity=affinity,
+            policy=Policy(ranking=scheduling, queue_depth=queue_depth, affinity=affinity),
         )
         self.site = facade_site(self.facade, reactor=self.site_clock)
         self.factory = DemuxFactory(self.site, lan=lan)
