@@ -1000,9 +1000,9 @@ class TreeTests(SynchronousTestCase):
         """A broker tree with the admin listener bound on a MemoryReactorClock."""
         from twisted.internet.testing import MemoryReactorClock
 
-        from nvpair_proxy.process import service
+        from nvpair_proxy.process import link, service
 
-        self.patch(service, "claim_stdout", lambda: 99)
+        self.patch(link, "claim_stdout", lambda: 99)
         options = Options()
         options.parseOptions(["--admin", "[::1]:9464", *arguments])
         reactor = MemoryReactorClock()

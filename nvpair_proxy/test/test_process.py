@@ -242,7 +242,7 @@ class StartupTests(SynchronousTestCase):
 
     def test_a_stray_print_cannot_reach_the_link(self):
         code = (
-            "import os\nfrom nvpair_proxy.process.service import claim_stdout\n"
+            "import os\nfrom nvpair_proxy.process.link import claim_stdout\n"
             "fd = claim_stdout()\nprint('stray output', flush=True)\n"
             "os.write(1, b'raw fd 1 write\\n')\nos.write(fd, b'{\"jsonrpc\":\"2.0\"}\\n')\n"
         )

@@ -18,13 +18,11 @@ from nvpair_proxy.fleet.inventory import Prober
 from nvpair_proxy.nodes.discovery import make_node
 from nvpair_proxy.nodes.engines import load_engines
 from nvpair_proxy.process.options import Config, Options
+from nvpair_proxy.process.runtime import Runtime, RuntimeService, make_pool
 from nvpair_proxy.process.service import (
     ProcessService,
-    Runtime,
-    RuntimeService,
     broker_tree,
     local_fleet,
-    make_pool,
     standalone_tree,
 )
 from nvpair_proxy.routing.router import Router
@@ -382,9 +380,9 @@ class TreeTests(SynchronousTestCase):
         self.assertFalse(root.getServiceNamed("watchdog").running)
 
     def test_broker_tree(self):
-        from nvpair_proxy.process import service
+        from nvpair_proxy.process import link
 
-        self.patch(service, "claim_stdout", lambda: 99)
+        self.patch(link, "claim_stdout", lambda: 99)
         cluster = self.mktemp()
         os.makedirs(cluster)
         root = broker_tree(parsed("--cluster-dir", cluster), MemoryReactorClock())
@@ -392,9 +390,9 @@ class TreeTests(SynchronousTestCase):
         self.assertEqual(list(root.getServiceNamed("facades")), [])
 
     def test_a_broker_facade_dials_pinned_peers_on_their_pool_and_the_rest_on_the_shared(self):
-        from nvpair_proxy.process import service
+        from nvpair_proxy.process import link
 
-        self.patch(service, "claim_stdout", lambda: 99)
+        self.patch(link, "claim_stdout", lambda: 99)
         cluster = self.mktemp()
         os.makedirs(cluster)
         root = broker_tree(parsed("--cluster-dir", cluster), MemoryReactorClock())
@@ -486,9 +484,9 @@ class WiredTreeTests(SynchronousTestCase):
             self.assertAsksTheEnvironmentsKeys(service)
 
     def test_broker_facades_ask_the_lan_keys_of_the_environment(self):
-        from nvpair_proxy.process import service
+        from nvpair_proxy.process import link
 
-        self.patch(service, "claim_stdout", lambda: 99)
+        self.patch(link, "claim_stdout", lambda: 99)
         root = broker_tree(parsed("--state-dir", self.folder), MemoryReactorClock())
         for engine_id, port in (("ollama", 1300), ("llamacpp", 1301)):
             opened = root.facades.open(ENGINES[engine_id], port, should_probe=lambda node: False)
@@ -544,7 +542,7 @@ class StopOnceTests(SynchronousTestCase):
     def test_a_second_stop_is_quiet(self):
         from twisted.internet.error import ReactorNotRunning
 
-        from nvpair_proxy.process.service import stop_once
+        from nvpair_proxy.process.link import stop_once
 
         class Reactor:
             stops = 0
