@@ -80,8 +80,9 @@ class Router:
     affinity: AffinityTable | None = None
     #: Each node's measured rates (standalone placement with affinity measures them).
     rates: dict[str, NodeRates] = attrs.Factory(dict)
-    #: Called whenever an engine's report changes (a slot may have freed).
-    on_truth: list[Callable[[], None]] = attrs.Factory(list)
+    #: Called whenever a slot may have freed: an engine's report changed, or (standalone) one
+    #: of our dispatches on a node of this fleet ended or moved away.
+    on_freed: list[Callable[[], None]] = attrs.Factory(list)
     _truth: dict[str, EngineTruth] = attrs.Factory(dict)
     _ended_since_read: dict[str, int] = attrs.Factory(dict)
     _last_traffic: float | None = None
@@ -91,6 +92,9 @@ class Router:
         # Chosen once: standalone ranks by what the engines report; the broker's order stands
         # with held and cooling nodes last.
         self._order = self.ranked if self.scheduling else self._held_last
+        if self.scheduling:
+            # Any of our dispatches ending frees a slot at once, whichever facade made it.
+            self.reservations.on_release.append(self._released)
 
     # The node set.
 
@@ -172,8 +176,8 @@ class Router:
             self._truth.pop(node_id, None)
         else:
             self._truth[node_id] = truth
-        for changed in self.on_truth:
-            changed()
+        for freed in self.on_freed:
+            freed()
 
     def truth_of(self, node_id: str) -> EngineTruth | None:
         return self._truth.get(node_id)
@@ -260,13 +264,14 @@ class Router:
             rates = self.rates[node_id] = NodeRates()
         return rates
 
-    def slot_ended(self, node_id: str) -> bool:
+    def _released(self, node_id: str) -> None:
         """One of our dispatches on ``node_id`` ended or moved away: the engine's last report
-        still counts it. False for a node not in this facade's fleet."""
+        still counts it, and a slot may be free."""
         if node_id not in self.nodes:
-            return False
+            return
         self._ended_since_read[node_id] = self._ended_since_read.get(node_id, 0) + 1
-        return True
+        for freed in self.on_freed:
+            freed()
 
     def busy_for(self, model: str) -> float | None:
         """Seconds until the longest hold ends when every owner of ``model`` is held, else

@@ -469,10 +469,10 @@ class LateBinding(Standalone):
         #: While a request's end runs (``hold_offers``): a slot it frees is offered when it is done.
         self._holding = 0
         self._offer_due = False
-        # A slot frees when any of our dispatches ends, whichever facade made it; when a read
-        # of an engine shows one free; and for a waiter whose patience ran out, any slot will do.
-        reservations.on_release.append(self._released)
-        router.on_truth.append(self._offer_soon)
+        # A slot frees when any of our dispatches ends, whichever facade made it, and when a
+        # read of an engine shows one free (the router says which); for a waiter whose patience
+        # ran out, any slot will do.
+        router.on_freed.append(self._offer_soon)
         queue.on_patience = self._offer_soon
 
     def refuses(self, nodes: Sequence[Node], model: str | None) -> bool:
@@ -541,10 +541,6 @@ class LateBinding(Standalone):
             self._offer_due = False
             if self._offer is None:
                 self._offer_slots()
-
-    def _released(self, node_id: str) -> None:
-        if self.router.slot_ended(node_id):
-            self._offer_soon()
 
     def _offer_soon(self) -> None:
         """Let waiting requests go once this turn's work is done: a slot freed inside an

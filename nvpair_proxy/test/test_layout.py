@@ -565,7 +565,7 @@ ROUTER_ON_THE_REQUEST_PATH = (
     "is_cooling",
     "preferred_ids",
     "rates_of",
-    "slot_ended",
+    "_released",
 )
 
 

@@ -3,12 +3,15 @@ request waiting in the proxy, not inside a full engine, until the first owner fr
 
 from __future__ import annotations
 
+from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 
 from nvpair_proxy.http.answers import Reason
 from nvpair_proxy.nodes.discovery import make_node
 from nvpair_proxy.routing.enginetruth import EngineTruth, Slots
 from nvpair_proxy.routing.placement import standing
+from nvpair_proxy.routing.reservations import ReservationMap
+from nvpair_proxy.routing.router import Router
 
 from .world import ENGINES, NDJSON, WorldTestCase
 
@@ -56,6 +59,20 @@ class StandingTests(SynchronousTestCase):
         self.assertIs(standing(self.node, "m:latest", truth, 0).warm, True)
         self.assertIs(standing(self.node, "n:latest", truth, 0).warm, False)
         self.assertIsNone(standing(self.node, "m:latest", EngineTruth(read_at=0), 0).warm)
+
+    def test_our_ended_dispatch_frees_its_slot_in_the_ranking_without_late_binding(self):
+        # The engine's report still counts a dispatch of ours that ended since it was read:
+        # the router takes it off at the release, whether or not requests wait (late binding).
+        reservations = ReservationMap()
+        router = Router(
+            engine=ENGINES["ollama"], clock=Clock(), reservations=reservations, scheduling=True
+        )
+        router.put_manual(self.node)
+        router.set_truth("a", EngineTruth(read_at=0, slots=Slots(total=1, busy=1)))
+        claim = reservations.reserve("a")
+        self.assertTrue(router.standings([self.node], "m:latest")[0].full)
+        claim.release()
+        self.assertFalse(router.standings([self.node], "m:latest")[0].full)
 
     def test_a_router_mode_model_competes_for_its_own_slots(self):
         truth = EngineTruth(read_at=0, slots=None, model_slots={"m:latest": Slots(total=2, busy=2)})
