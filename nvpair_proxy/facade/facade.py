@@ -180,6 +180,8 @@ def placement_for(
     standalone ranking (with late binding when it has a ``queue``), or the broker's
     chooser."""
     if reservations is None:
+        if scheduling or queue is not None:
+            raise ValueError("standalone placement needs the process's reservation map")
         return Direct()
     if not scheduling:
         return Brokered(router, reservations, affinity)

@@ -90,11 +90,11 @@ class IngressResource(Resource):
         # One decision, the facade's shape: refused before routing, or forwarded to the one
         # local backend.
         route = facade.engine.classify(request.method, request.path)
-        refusal = refused_before_routing(facade, request) or self._refused(request)
+        backend = self.backend()
+        refusal = refused_before_routing(facade, request) or self._refused(request, backend)
         if refusal is not None:
             refuse(facade, request, refusal, route)
             return NOT_DONE_YET
-        backend = self.backend()
         assert backend is not None  # _refused answered its absence
         host, port = backend
         node = self._node
@@ -105,7 +105,7 @@ class IngressResource(Resource):
         forward(ingress_exchange(facade, request, node, route))
         return NOT_DONE_YET
 
-    def _refused(self, request: Request) -> Refusal | None:
+    def _refused(self, request: Request, backend: tuple[str, int] | None) -> Refusal | None:
         """The ingress's own refusals: a peer whose certificate is not pinned (checked for
         every request: a revoked pin refuses the next one), and no local backend."""
         self.directory.check()
@@ -120,7 +120,7 @@ class IngressResource(Resource):
         if der is None or not self.directory.trusts(der):
             code, text = CLUSTER_AUTH
             return Refusal(403, Reason.CLUSTER_AUTH, text, code=code)
-        if self.backend() is None:
+        if backend is None:
             text = f"no local {self.facade.engine.id} backend is available on this node"
             return Refusal(503, Reason.NO_LOCAL_BACKEND, text, code=NO_LOCAL_BACKEND)
         return None

@@ -444,7 +444,9 @@ class _Dial:
     def connected(self, connection: "_Connection", outgoing: "Outgoing", result: Deferred) -> None:
         self.connecting = None
         if result.called:
-            connection.pool.give(connection)
+            # Cancelled while dialling: never used, so nothing says how long its server keeps
+            # it idle; closed rather than pooled for the pool's 90 s.
+            connection.close_idle()
             return
         self.connection = connection
         connection.send(outgoing, result)
@@ -532,7 +534,9 @@ class _Connection(Protocol):
         # How long the server keeps the connection idle, by its ``Keep-Alive`` (less a margin).
         self.keep_for = math.inf
         # When a streamed (chunked) answer ended and left the connection idle: a close by
-        # the server soon after says it closes after streams. None once it carries another.
+        # the server soon after says it closes after streams, whether it is still idle then,
+        # seen by the peek before a reuse, or carrying the next request unanswered. None once
+        # an answer's first byte arrives.
         self.streamed_at: float | None = None
         # Whether the consumer paused the socket: orthogonal to the body's progress, since
         # bytes already read still arrive and the body can end while paused.
@@ -548,7 +552,7 @@ class _Connection(Protocol):
     def send(self, outgoing: "Outgoing", result: Deferred[IResponse]) -> None:
         """Write ``outgoing`` whole, in one call: it is never written again
         (docs/decisions.md#sent-once)."""
-        self.state, self.result, self.streamed_at = WAITING, result, None
+        self.state, self.result = WAITING, result
         self.sent = outgoing
         headers, body = outgoing.headers, outgoing.body
         head = [outgoing.method, b" ", outgoing.path, b" HTTP/1.1\r\n"]
@@ -581,7 +585,7 @@ class _Connection(Protocol):
         elif state is HEAD:
             self._head(data)
         elif state is WAITING:
-            self.state = HEAD
+            self.state, self.streamed_at = HEAD, None
             self._head(data)
         elif state is IDLE:
             # A server that speaks out of turn is not trusted with another request.
@@ -765,30 +769,45 @@ class _Connection(Protocol):
 
     def peer_gone(self) -> bool:
         """Whether the server already closed this idle connection, or sent bytes unasked
-        (a TLS close_notify among them), though the reactor has not read it yet: a peek at
-        the socket, which reads nothing. False in memory (no socket to ask)."""
-        handle = _socket_of(self.transport)
-        if handle is None:
-            return False
-        try:
-            handle.recv(1, _PEEK)  # b"": closed; bytes: spoke out of turn
-        except BlockingIOError:
-            return False
-        except OSError:
-            return True  # reset
-        return True
+        (a TLS close_notify among them), though the reactor has not told us yet: a transport
+        already closing (the TLS layer closes as it reads a close_notify), or a peek at the
+        socket, which reads nothing. A close seen here soon after a stream teaches the origin
+        as one seen on the connection's loss would."""
+        transport = self.transport
+        if getattr(transport, "disconnecting", False):
+            gone = True
+        else:
+            handle = _socket_of(transport)
+            if handle is None:
+                return False  # in memory: no socket to ask
+            try:
+                handle.recv(1, _PEEK)  # b"": closed; bytes: spoke out of turn
+                gone = True
+            except BlockingIOError:
+                return False
+            except OSError:
+                gone = True  # reset
+        self._closed_after_stream()
+        return gone
+
+    def _closed_after_stream(self) -> None:
+        """The server closed this connection: if that came within ``STREAM_CLOSE_WINDOW`` of
+        a stream's end on it, its origin closes after streams."""
+        streamed_at, origin = self.streamed_at, self.origin
+        if (
+            streamed_at is not None
+            and origin is not None
+            and self.pool.clock.seconds() - streamed_at <= STREAM_CLOSE_WINDOW
+        ):
+            origin.closes_after_streams = True
 
     def connectionLost(self, reason: Failure = connectionDone) -> None:
         state, self.state = self.state, CLOSED
         if state is IDLE:
             self.pool.forget(self)
-            streamed_at, origin = self.streamed_at, self.origin
-            if (
-                streamed_at is not None
-                and origin is not None
-                and self.pool.clock.seconds() - streamed_at <= STREAM_CLOSE_WINDOW
-            ):
-                origin.closes_after_streams = True
+        if state is IDLE or state is WAITING:
+            # Closed by the server (an abort of ours has made it CLOSED already).
+            self._closed_after_stream()
         result, self.result = self.result, None
         if result is not None and not result.called:
             # Never sent again (docs/decisions.md#sent-once): the server may have read it.

@@ -394,14 +394,18 @@ class Dispatch:
         self._finish(Answer(503, reason, retry_after=1))
 
     def _finish(self, result: Committed | Answer | Gone) -> None:
-        self._done = True
         if isinstance(result, Committed):
             # The claim goes with the commit: the stream holds the node until it ends.
-            reservation = self.ticket.committed(result.node.id, result.response.code)
+            try:
+                reservation = self.ticket.committed(result.node.id, result.response.code)
+            except Exception:
+                result.relay.abort()  # a bug: nobody will read the body (request-containment)
+                raise
             if reservation is not None:
                 result = Committed(
                     result.node, result.address, result.response, result.relay, reservation
                 )  # what attrs.evolve does, cheaper
+        self._done = True
         self._cleanup()
         on_done = self._let_go()
         on_done(result)

@@ -404,11 +404,13 @@ class Router:
         """Whether an eligible pin heads ``nodes`` (it takes no reservation)."""
         return bool(self._pin) and nodes[0].id == self._pin
 
-    def is_held(self, node_id: str) -> bool:
-        return self._is_held(node_id, self.clock.seconds())
+    def is_held(self, node_id: str, now: float) -> bool:
+        """Held at ``now`` (a decision reads the clock once)."""
+        return self._is_held(node_id, now)
 
-    def is_cooling(self, node_id: str) -> bool:
-        return self._is_cooling(node_id, self.clock.seconds())
+    def is_cooling(self, node_id: str, now: float) -> bool:
+        """Cooling at ``now`` (a decision reads the clock once)."""
+        return self._is_cooling(node_id, now)
 
     def preferred_ids(self, nodes: Sequence[Node]) -> list[str]:
         """Free nodes; else those only cooling (a busy hold is the stronger signal); else all."""

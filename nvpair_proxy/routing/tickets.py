@@ -92,6 +92,18 @@ class PassTicket:
 PASS = PassTicket()
 
 
+@implementer(ITicket)
+class MeteredPass(PassTicket):
+    """A request that reserves nothing under standalone placement: its end still teaches
+    the placement's rate meter (a null one without affinity)."""
+
+    def __init__(self, meter: "RateMeter | NoMeter", size: int) -> None:
+        self.meter, self.size = meter, size
+
+    def measured(self, node_id: str, seconds: float, figures: Callable[[], Any]) -> None:
+        self.meter.measured(node_id, seconds, figures, self.size)
+
+
 @implementer(IPlacement)
 class Direct:
     """No placement: one pass over the candidates as they come, nothing reserved, nothing
@@ -237,12 +249,16 @@ class Brokered:
     ) -> ITicket:
         self.router.admitted()
         if not reserve or model is None:
-            return PASS
+            return self.unreserved(size)
         # Never logged, nor anything derived from it (routing/affinity.py).
         return self.make(model, self.conversations.key(headers, body, model, path), size)
 
     def make(self, model: str, key: bytes | None, size: int) -> ITicket:
         return ReservedTicket(self, model, key)
+
+    def unreserved(self, size: int) -> ITicket:
+        """The ticket of a request that reserves nothing (no workload)."""
+        return PASS
 
     def hold_offers(self) -> None:
         """Nothing waits, so nothing is offered."""
@@ -397,6 +413,11 @@ class Standalone(Brokered):
     def make(self, model: str, key: bytes | None, size: int) -> ITicket:
         return StandaloneTicket(self, model, key, size)
 
+    def unreserved(self, size: int) -> ITicket:
+        """A request without a workload reserves nothing, yet its end on a node is measured
+        as every request's is (the node's time to serve one, its prompt figures)."""
+        return MeteredPass(self.meter, size)
+
     def all_full(self, nodes: Sequence[Node], model: str | None) -> bool:
         """Whether a request should wait instead of going to ``nodes``: never, here."""
         return False
@@ -436,10 +457,11 @@ class Standalone(Brokered):
     def _free_for(self, node_id: str, nodes: Sequence[Node]) -> bool:
         """Whether ``node_id`` is among ``nodes``, neither held nor cooling, nor full."""
         router = self.router
+        now = self.clock.seconds()
         if (
             node_id not in {n.id for n in nodes}
-            or router.is_held(node_id)
-            or router.is_cooling(node_id)
+            or router.is_held(node_id, now)
+            or router.is_cooling(node_id, now)
         ):
             return False
         return not any(
@@ -486,14 +508,15 @@ class LateBinding(Standalone):
         if model is None or not nodes:
             return False
         router = self.router
+        now = self.clock.seconds()
         first = nodes[0].id
-        if not router.is_held(first) and not router.standings(nodes[:1], model)[0].full:
+        if not router.is_held(first, now) and not router.standings(nodes[:1], model)[0].full:
             return False  # the usual case, one owner asked: ranked first and free
         known_full = False
         for item in router.standings(nodes, model):
             if item.full:
                 known_full = True
-            elif not router.is_held(item.node_id):
+            elif not router.is_held(item.node_id, now):
                 return False
         return known_full
 
@@ -589,8 +612,9 @@ class LateBinding(Standalone):
             # without waiting either way.
             return None
         router = self.router
+        now = self.clock.seconds()
         node = next((n for n in nodes if n.id == affine), None)
-        if node is None or router.is_held(affine) or router.is_cooling(affine):
+        if node is None or router.is_held(affine, now) or router.is_cooling(affine, now):
             return None
         mine = router.standings([node], model)[0]
         if not mine.full:
@@ -601,7 +625,7 @@ class LateBinding(Standalone):
         free = [
             s
             for s in router.standings([n for n in nodes if n.id != affine], model)
-            if not s.full and not router.is_held(s.node_id)
+            if not s.full and not router.is_held(s.node_id, now)
         ]
         if not free:
             return None

@@ -14,7 +14,7 @@ from nvpair_proxy.routing.affinity import HASHED, AffinityTable, affinity_key
 from nvpair_proxy.routing.enginetruth import EngineTruth, Slots
 
 from .support import LogCapture
-from .world import NDJSON, WorldTestCase
+from .world import ENGINES, NDJSON, WorldTestCase
 
 ADDRESS = {"a": "10.0.0.1", "b": "10.0.0.2", "c": "10.0.0.3"}
 NODE_OF = {address: node for node, address in ADDRESS.items()}
@@ -465,3 +465,67 @@ class BrokerAffinityTests(WorldTestCase):
         self.assertEqual(node_of(w.agent.last), expected)
         w.agent.last.respond(200, NDJSON, DONE, finish=True)
         self.assertEqual(client.response().status, 200)
+
+
+class TicketTests(WorldTestCase):
+    """What a request's ticket carries and teaches, beyond placement itself."""
+
+    def test_a_request_without_a_workload_still_teaches_its_nodes_service_time(self):
+        w = self.world(scheduling=True, queue_depth=10, affinity=True)
+        w.add("a")
+        w.clock.advance(5)
+        client = w.send("GET", "/api/version")
+        w.clock.advance(0.25)
+        w.agent.last.respond(200, {"Content-Type": "application/json"}, b"{}", finish=True)
+        self.assertEqual(client.response().status, 200)
+        self.assertEqual(w.facade.router.rates["a"].service, 0.25)
+
+    def test_without_affinity_nothing_is_measured(self):
+        w = self.world(scheduling=True, queue_depth=10)
+        w.add("a")
+        client = w.send("GET", "/api/version")
+        w.agent.last.respond(200, {"Content-Type": "application/json"}, b"{}", finish=True)
+        self.assertEqual(client.response().status, 200)
+        self.assertEqual(w.facade.router.rates, {})
+
+    def test_a_bug_in_the_commits_ticket_costs_that_request_only(self):
+        from nvpair_proxy.routing.tickets import ReservedTicket
+
+        w = self.world()
+        w.add("a")
+
+        class Broken(ReservedTicket):
+            def committed(self, node_id, status):
+                raise RuntimeError("a bug in the ticket")
+
+        w.facade.placement.make = lambda model, key, size: Broken(w.facade.placement, model, key)
+        self.addCleanup(self.flushLoggedErrors, RuntimeError)
+        client = w.chat()
+        upstream = w.agent.last.respond(200, NDJSON)
+        upstream.write(b'{"done":true}\n')
+        self.assertEqual(client.response().status, 500)
+        self.assertTrue(upstream.transport.stopped, "the body nobody reads is aborted")
+        self.assertEqual(w.reservations.reservations, {}, "its claim released")
+        self.assertEqual(w.workload_events()[-1][:2], ("workload:errored", "failed"))
+
+    def test_standalone_placement_without_the_reservation_map_is_refused_at_wiring(self):
+        from twisted.internet.task import Clock
+
+        from nvpair_proxy.facade.facade import make_facade
+        from nvpair_proxy.routing.tickets import Direct, Policy
+        from nvpair_proxy.testing import FakeAgent, RecordingEmitter
+
+        def made(policy):
+            return make_facade(
+                ENGINES["ollama"],
+                clock=Clock(),
+                agent=FakeAgent(),
+                emitter=RecordingEmitter(),
+                run_id="0" * 16,
+                random=lambda: 0.5,
+                policy=policy,
+            )
+
+        self.assertIsInstance(made(Policy()).placement, Direct)
+        for policy in (Policy(ranking=True), Policy(queue_depth=10)):
+            self.assertRaises(ValueError, made, policy)

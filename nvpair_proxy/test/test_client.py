@@ -568,6 +568,29 @@ class ReuseTests(ClientCase):
         self.body_of(response)
         self.assertEqual(self.pool.idle_count(), 1, "a length-framed answer is still pooled")
 
+    def test_a_close_seen_before_a_reuse_is_not_written_to_and_teaches_too(self):
+        # A transport already closing (the TLS layer closes as it reads a close_notify, before
+        # the socket's FIN) is as good as closed: the next request dials anew.
+        response, first = self.respond(STREAM, b"POST")
+        self.body_of(response)
+        first.transport.loseConnection()
+        first.sent()
+        self.client.request(b"GET", URL)
+        self.assertEqual((len(self.reactor.tcpClients), first.sent()), (2, b""))
+        response, second = self.respond(STREAM, b"POST")
+        self.body_of(response)
+        self.assertEqual(self.pool.idle_count(), 0, "learned from the close seen at the reuse")
+
+    def test_a_close_that_loses_the_next_request_teaches_too(self):
+        response, first = self.respond(STREAM, b"POST")
+        self.body_of(response)
+        lost = self.client.request(b"POST", URL, bodyProducer=BytesProducer(b"{}"))
+        first.close(ierror.ConnectionLost)  # the race: written, then the close after the stream
+        self.failureResultOf(lost, ResponseNeverReceived)
+        response, second = self.respond(STREAM, b"POST")
+        self.body_of(response)
+        self.assertEqual(self.pool.idle_count(), 0, "learned: not pooled after its stream")
+
     def test_a_close_at_the_servers_idle_timeout_teaches_nothing(self):
         response, first = self.respond(STREAM, b"POST")
         self.body_of(response)
