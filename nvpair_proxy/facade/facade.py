@@ -9,6 +9,7 @@ in the service tree are ``facadeservice.py``'s.
 
 from __future__ import annotations
 
+import enum
 from functools import partial
 from typing import Any, Callable, Mapping
 
@@ -239,27 +240,18 @@ class Refusal:
     close: bool = False
 
 
-@attrs.frozen
-class Preflight:
-    """A CORS preflight: every routable engine is asked (fleet.py)."""
+class Door(enum.Enum):
+    """Where a request past the refusals goes."""
+
+    #: A CORS preflight: every routable engine is asked (fleet.py).
+    PREFLIGHT = "preflight"
+    #: A model list: the whole fleet's, merged (fleet.py).
+    MODEL_LIST = "model list"
+    #: Everything else: routed to a node by an Exchange (an unlisted path forwarded verbatim).
+    FORWARD = "forward"
 
 
-@attrs.frozen
-class ModelList:
-    """A model list: the whole fleet's, merged (fleet.py)."""
-
-    route: Any
-
-
-@attrs.frozen
-class Forward:
-    """Everything else: routed to a node by an Exchange (``route`` None: an unlisted path,
-    forwarded verbatim)."""
-
-    route: Any
-
-
-Decision = Refusal | Preflight | ModelList | Forward
+PREFLIGHT, MODEL_LIST, FORWARD = Door
 
 
 def refused_before_routing(facade: Facade, request: Request) -> Refusal | None:
@@ -280,17 +272,17 @@ def refused_before_routing(facade: Facade, request: Request) -> Refusal | None:
     return None
 
 
-def decide(facade: Facade, request: Request) -> tuple[Decision, Any]:
+def decide(facade: Facade, request: Request) -> tuple[Refusal | Door, Any]:
     """What the facade does with ``request``, and its engine route (classified once here)."""
     route = facade.engine.classify(request.method, request.path)
     refusal = refused_before_routing(facade, request)
     if refusal is not None:
         return refusal, route
     if cors.is_preflight(request.method, request.requestHeaders):
-        return Preflight(), route
+        return PREFLIGHT, route
     if route is not None and route.is_models:
-        return ModelList(route), route
-    return Forward(route), route
+        return MODEL_LIST, route
+    return FORWARD, route
 
 
 def refuse(facade: Facade, request: Request, refusal: Refusal, route=UNCLASSIFIED) -> None:
@@ -326,12 +318,12 @@ class FacadeResource(Resource):
     def render(self, request: BoundedRequest):
         facade = self.facade
         decision, route = decide(facade, request)
-        if isinstance(decision, Forward):
-            forward(facade.exchange(request, route))
-        elif isinstance(decision, Refusal):
+        if isinstance(decision, Refusal):
             refuse(facade, request, decision, route)
-        elif isinstance(decision, ModelList):
-            serve_model_list(facade.fleet, request, decision.route)
+        elif decision is FORWARD:
+            forward(facade.exchange(request, route))
+        elif decision is MODEL_LIST:
+            serve_model_list(facade.fleet, request, route)
         else:
             serve_preflight(facade.fleet, request)
         return NOT_DONE_YET

@@ -467,7 +467,7 @@ class _ConnectionFactory(Factory):
         self.closes_after_streams = False
 
     def buildProtocol(self, addr) -> "_Connection":
-        return _Connection(self.pool, self.key, self)
+        return _Connection(self)
 
 
 @implementer(IConsumer)
@@ -514,10 +514,8 @@ class _Connection(Protocol):
 
     transport: _IConnectionTransport  # set by makeConnection, before connectionMade
 
-    def __init__(
-        self, pool: "ConnectionPool", key: tuple, origin: "_ConnectionFactory | None" = None
-    ) -> None:
-        self.pool, self.key, self.origin = pool, key, origin
+    def __init__(self, origin: "_ConnectionFactory") -> None:
+        self.origin, self.pool, self.key = origin, origin.pool, origin.key
         self.state = CONNECTING
         self.result: Deferred[IResponse] | None = None
         # A stand-in between responses, so the per-chunk path calls it without a check.
@@ -543,9 +541,12 @@ class _Connection(Protocol):
         self.paused = False
         self.idle_until = 0.0  # set by the pool
         self.closed: list[Deferred[None]] = []
+        self.socket: socket.socket | None = None
 
     def connectionMade(self) -> None:
         self.state = IDLE
+        # Found once: what ``peer_gone`` peeks at before each reuse (None in memory).
+        self.socket = _socket_of(self.transport)
 
     # Sending.
 
@@ -682,31 +683,25 @@ class _Connection(Protocol):
         at all.
         """
         response = self._release()
+        streamed = self.framing == CHUNKED
         if not self.keep or rest:
             self._close()
-            if response is not None:
-                response.end(_BODY_DONE)
-            return
-        self.state = IDLE
-        if self.paused:
-            self.paused = False
-            self.transport.resumeProducing()
-        if self.framing != CHUNKED:
-            self.pool.give(self, self.keep_for)
-            if response is not None:
-                response.end(_BODY_DONE)
-            return
+        else:
+            self.state = IDLE
+            if self.paused:
+                self.paused = False
+                self.transport.resumeProducing()
+            if not streamed:
+                self.pool.give(self, self.keep_for)
         emptied = self.pool.emptied
         if response is not None:
             response.end(_BODY_DONE)
-        if self.state is not IDLE:
-            return
-        origin = self.origin
-        if (origin is not None and origin.closes_after_streams) or self.pool.emptied != emptied:
-            self._close()  # or the pool closed every idle connection meanwhile: this one too
-            return
-        self.streamed_at = self.pool.clock.seconds()
-        self.pool.give(self, self.keep_for)
+        if streamed and self.state is IDLE:
+            if self.origin.closes_after_streams or self.pool.emptied != emptied:
+                self._close()  # or the pool closed every idle connection meanwhile: this too
+            else:
+                self.streamed_at = self.pool.clock.seconds()
+                self.pool.give(self, self.keep_for)
 
     def _unframeable(self, failure: Failure) -> None:
         result, self.result = self.result, None
@@ -777,7 +772,7 @@ class _Connection(Protocol):
         if getattr(transport, "disconnecting", False):
             gone = True
         else:
-            handle = _socket_of(transport)
+            handle = self.socket
             if handle is None:
                 return False  # in memory: no socket to ask
             try:
@@ -793,13 +788,12 @@ class _Connection(Protocol):
     def _closed_after_stream(self) -> None:
         """The server closed this connection: if that came within ``STREAM_CLOSE_WINDOW`` of
         a stream's end on it, its origin closes after streams."""
-        streamed_at, origin = self.streamed_at, self.origin
+        streamed_at = self.streamed_at
         if (
             streamed_at is not None
-            and origin is not None
             and self.pool.clock.seconds() - streamed_at <= STREAM_CLOSE_WINDOW
         ):
-            origin.closes_after_streams = True
+            self.origin.closes_after_streams = True
 
     def connectionLost(self, reason: Failure = connectionDone) -> None:
         state, self.state = self.state, CLOSED

@@ -135,13 +135,13 @@ class ReservedTicket:
         self.placement, self.model, self.key = placement, model, key
         self.reservation: Reservation | None = None
         #: The node that last committed the conversation (affinity), None when none.
-        self.affine = placement.affine(key)
+        self.affine = placement.conversations.node_for(key)
         #: How affinity placed it (a metrics label): none, miss, hit or spill; None when off.
-        self.affinity: str | None = placement.affinity_label(key, self.affine)
+        self.affinity: str | None = placement.conversations.label(key, self.affine)
 
     def place(self, candidates: list[Node], ahead: bool) -> Plan:
         # Asked at every round: another request of the conversation may have moved it.
-        affine = self.placement.affine(self.key)
+        affine = self.placement.conversations.node_for(self.key)
         nodes, self.reservation = self.placement.place(candidates, affine)
         return nodes
 
@@ -172,7 +172,7 @@ class ReservedTicket:
         the commit (the stream holds the node until it ends)."""
         key = self.key
         if key is not None and status < 400:
-            self.placement.committed_key(key, node_id)
+            self.placement.conversations.committed(key, node_id)
         if self.affine is not None:
             self.affinity = "hit" if node_id == self.affine else "spill"
         reservation, self.reservation = self.reservation, None
@@ -266,17 +266,7 @@ class Brokered:
     def offer_held(self) -> None:
         """Nothing waits, so nothing is offered."""
 
-    # What its tickets ask.
-
-    def affine(self, key: bytes | None) -> str | None:
-        """The node that last committed ``key``'s conversation, None when none."""
-        return self.conversations.node_for(key)
-
-    def affinity_label(self, key: bytes | None, affine: str | None) -> str | None:
-        return self.conversations.label(key, affine)
-
-    def committed_key(self, key: bytes, node_id: str) -> None:
-        self.conversations.committed(key, node_id)
+    # What its tickets ask, over a round's candidates or what is left of them (never none).
 
     def place(
         self, nodes: Sequence[Node], affine: str | None
@@ -285,7 +275,7 @@ class Brokered:
         first takes no reservation. The chooser skips held and cooling nodes unless all
         candidates are (docs/decisions.md#busy-hold, #stall-cooldown)."""
         nodes = list(nodes)
-        if not nodes or self.router.pinned_first(nodes):
+        if self.router.pinned_first(nodes):
             return nodes, None
         reservation = self.reservations.choose(self.router.preferred_ids(nodes), prefer=affine)
         if reservation is None:
@@ -294,8 +284,6 @@ class Brokered:
 
     def fail_over(self, remaining: Sequence[Node], model: str) -> Plan:
         """Failover goes to the least loaded remaining owner, not the list's head."""
-        if not remaining:
-            return list(remaining)
         chosen = self.reservations.pick(self.router.preferred_ids(remaining))
         return sorted(remaining, key=lambda n: n.id != chosen)
 
@@ -320,7 +308,7 @@ class StandaloneTicket(ReservedTicket):
         if placement.all_full(candidates, self.model):
             return Wait(ahead=ahead)
         # Asked at every round: another request of the conversation may have moved it.
-        affine = placement.affine(self.key)
+        affine = placement.conversations.node_for(self.key)
         if affine is not None and not self.waited_for_affine:
             waiting = placement.affinity_wait(candidates, self.model, affine, self.size)
             if waiting is not None:
@@ -442,7 +430,7 @@ class Standalone(Brokered):
         """The first ranked node is the placement, unless the conversation's node is free to
         take it; an eligible pin first takes no reservation."""
         nodes = list(nodes)
-        if not nodes or self.router.pinned_first(nodes):
+        if self.router.pinned_first(nodes):
             return nodes, None
         if affine is not None and nodes[0].id != affine and self._free_for(affine, nodes):
             nodes.sort(key=lambda n: n.id != affine)
@@ -450,8 +438,6 @@ class Standalone(Brokered):
 
     def fail_over(self, remaining: Sequence[Node], model: str) -> Plan:
         """The remaining owners, ranked again."""
-        if not remaining:
-            return list(remaining)
         return self.router.ranked(remaining, model)
 
     def _free_for(self, node_id: str, nodes: Sequence[Node]) -> bool:

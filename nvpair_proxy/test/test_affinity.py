@@ -442,7 +442,7 @@ class BrokerAffinityTests(WorldTestCase):
 
     def test_the_affine_node_wins_a_tie_only(self):
         w = self.fleet()
-        w.facade.placement.committed_key(key(chat("one")), "b")
+        w.facade.placement.conversations.committed(key(chat("one")), "b")
         client = w.send("POST", "/api/chat", chat("one", "next"))
         self.assertEqual(node_of(w.agent.last), "b", "equal loads: the affine node")
         held = w.send("POST", "/api/chat", chat("one", "again"))
@@ -453,7 +453,7 @@ class BrokerAffinityTests(WorldTestCase):
 
     def test_a_pin_and_the_capability_gate_stand(self):
         w = self.fleet()
-        w.facade.placement.committed_key(key(chat("one")), "b")
+        w.facade.placement.conversations.committed(key(chat("one")), "b")
         w.facade.router.set_pin("a")
         self.turn_to(w, chat("one", "next"), "a")
         w.facade.router.set_pin("")
