@@ -149,6 +149,17 @@ class IWatchedAttempt(Interface):
         """Abandon the attempt unless it already committed or ended."""
 
 
+class IPeek(Interface):
+    """What a body relay (``relay.BodyRelay``) tells the attempt waiting for its first byte,
+    until a sink attaches (docs/references.md#first-byte-commit)."""
+
+    def first_data() -> None:
+        """The first non-empty chunk arrived and is held."""
+
+    def body_ended(reason) -> None:
+        """The body ended (a Failure) before any sink attached."""
+
+
 class IBodySink(Interface):
     """Where a committed upstream body goes: what ``relay.BodyRelay`` calls once attached.
 
@@ -164,20 +175,32 @@ class IBodySink(Interface):
         connection with (ResponseDone or PotentialDataLoss for a clean end)."""
 
 
-class IDispatchObserver(Interface):
-    """What the attempt loop (``dispatch.Dispatch``) tells its request: the workload events of
-    placement and each attempt's outcome (docs/references.md#workload-lifecycle,
-    #events-between-rounds)."""
+class IAttemptSink(Interface):
+    """What one dispatch (``attempt.Attempt``) tells the loop that made it: the one seam between
+    them, so the attempt holds no bare callback of its caller (docs/decisions.md#no-cycles)."""
 
-    def dispatched(node) -> None:
-        """An attempt is about to go to ``node`` (a Node)."""
-
-    def cleared() -> None:
-        """No candidate is left in this round: the request holds no node while the loop
-        backs off."""
+    def is_final() -> bool:
+        """Whether the attempt in flight is the request's last: its answer is then the
+        client's whatever its status (docs/references.md#final-attempt-answers). Asked when the
+        answer arrives."""
 
     def attempt_ended(outcome) -> None:
-        """One attempt ended: ``attempt.Committed`` or ``attempt.Failed``."""
+        """The attempt ended, once: ``attempt.Committed`` or ``attempt.Failed``."""
+
+
+class IConductor(Interface):
+    """What a request's parts below it tell the one object that conducts it
+    (``exchange.Exchange``): the committed stream's events and the client request's end. The
+    loop itself reports nothing upward: its ``run`` answers with a Deferred."""
+
+    def streamed(event) -> None:
+        """A ``stream.StreamEvent``: the body ended, went idle, the client stalled, or a bug."""
+
+    def response_finished() -> None:
+        """The client's response was finished (the backstop: it must have ended already)."""
+
+    def client_gone() -> None:
+        """The client's connection closed before its response was finished."""
 
 
 class IRequestRecorder(Interface):

@@ -10,7 +10,7 @@ in the service tree are ``facadeservice.py``'s.
 from __future__ import annotations
 
 import enum
-from functools import partial
+from functools import cached_property, partial
 from typing import Any, Callable, Mapping
 
 import attrs
@@ -32,7 +32,7 @@ from ..nodes.discovery import Node
 from ..nodes.engines import Engine
 from ..request.dispatch import Bounds, Upstreams
 from ..request.events import REJECTED, ActivityThrottle, Reporter, route_class
-from ..request.exchange import UNCLASSIFIED, Exchange
+from ..request.exchange import UNCLASSIFIED, Exchange, Wiring
 from ..routing.affinity import AffinityTable
 from ..routing.reservations import ReservationMap
 from ..routing.router import Router
@@ -62,10 +62,14 @@ class Facade:
     def clock(self) -> IReactorTime:
         return self.upstreams.clock
 
-    def exchange(self, request: Request, route=UNCLASSIFIED) -> Exchange:
+    def exchange(self, request: BoundedRequest, route=UNCLASSIFIED) -> Exchange:
         """An exchange for ``request``; ``route`` when the caller already classified it."""
-        return Exchange(
-            request,
+        return Exchange(request, self.wiring, route)
+
+    @cached_property
+    def wiring(self) -> Wiring:
+        """What each of this facade's requests works with, made at its first request."""
+        return Wiring(
             engine=self.engine,
             owners=self.router,
             placement=self.placement,
@@ -73,7 +77,6 @@ class Facade:
             reporter=self.reporter,
             upstreams=self.upstreams,
             in_flight=self.in_flight,
-            route=route,
         )
 
     @property

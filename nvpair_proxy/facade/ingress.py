@@ -19,8 +19,9 @@ from zope.interface import implementer
 from ..cluster.trust import ClusterDirectory, der_of
 from ..core.interfaces import IOwners
 from ..http.answers import CLUSTER_AUTH, NO_LOCAL_BACKEND, Reason
+from ..http.server import BoundedRequest
 from ..nodes.discovery import Node
-from ..request.exchange import Exchange
+from ..request.exchange import Exchange, Wiring
 from ..routing.tickets import Direct
 from .facade import Facade, Refusal, forward, refuse, refused_before_routing
 
@@ -53,10 +54,9 @@ class LocalBackend:
 NO_PLACEMENT = Direct()
 
 
-def ingress_exchange(facade: Facade, request: Request, backend: Node, route) -> Exchange:
+def ingress_exchange(facade: Facade, request: BoundedRequest, backend: Node, route) -> Exchange:
     """A forward to the local backend: one pass, no workload, backend errors coded."""
-    return Exchange(
-        request,
+    wiring = Wiring(
         engine=facade.engine,
         owners=LocalBackend(backend),
         placement=NO_PLACEMENT,
@@ -64,10 +64,10 @@ def ingress_exchange(facade: Facade, request: Request, backend: Node, route) -> 
         reporter=facade.reporter,
         upstreams=facade.upstreams,
         in_flight=facade.in_flight,
-        route=route,
         inference=False,
         bad_gateway_code="backend-error",
     )
+    return Exchange(request, wiring, route)
 
 
 class IngressResource(Resource):
@@ -85,7 +85,7 @@ class IngressResource(Resource):
         # Each TLS connection's peer certificate, as DER, for as long as the connection lives.
         self._ders: WeakKeyDictionary[object, bytes] = WeakKeyDictionary()
 
-    def render(self, request: Request):
+    def render(self, request: BoundedRequest):
         facade = self.facade
         # One decision, the facade's shape: refused before routing, or forwarded to the one
         # local backend.

@@ -2,8 +2,8 @@
 #terminal-frames, #dead-client-deadline).
 
 ``BodyRelay`` holds the upstream body until the stream attaches, which is what lets the
-first byte be peeked and spliced back; ``ClientWatch`` is the producer the client connection
-sees, carrying backpressure upstream and the dead-client deadline; ``StreamIdle`` is the
+first byte be peeked and spliced back (the stream it attaches to, request/stream.py, is the
+producer the client connection sees, with the dead-client deadline); ``StreamIdle`` is the
 opt-in deadline on a committed upstream that went silent.
 """
 
@@ -16,9 +16,8 @@ from twisted.internet.protocol import Protocol, connectionDone
 from twisted.python.failure import Failure
 from twisted.web.client import ResponseDone
 from twisted.web.http import PotentialDataLoss
-from zope.interface import implementer
 
-from ..core.interfaces import IBodySink
+from ..core.interfaces import IBodySink, IPeek
 from ..core.timers import cancel_pending
 
 
@@ -27,12 +26,12 @@ class BodyRelay(Protocol):
     through.
 
     Holding is what lets the first byte be peeked and spliced back in front of the stream.
-    While unattached the upstream transport is paused, so nothing but the first chunk is held.
+    While unattached the upstream transport is paused, so nothing but the first chunk is held,
+    and ``peek`` hears of the first chunk and of an end; once attached, only the sink hears.
     """
 
-    def __init__(self, on_first_data: Callable[[], None], on_end: Callable[[Failure], None]):
-        self._on_first_data = on_first_data
-        self._on_end = on_end
+    def __init__(self, peek: IPeek):
+        self._peek = peek
         self._held: list[bytes] = []
         self._ended: Failure | None = None
         self._sink: IBodySink | None = None
@@ -49,7 +48,7 @@ class BodyRelay(Protocol):
         first = not self._held
         self._held.append(data)
         if first:
-            self._on_first_data()  # usually commits and attaches, in this same call
+            self._peek.first_data()  # usually commits and attaches, in this same call
         if self._sink is None and not self._paused:
             self._paused = True
             self._upstream().pauseProducing()
@@ -59,26 +58,24 @@ class BodyRelay(Protocol):
         return cast(IPushProducer, self.transport)
 
     def connectionLost(self, reason: Failure = connectionDone) -> None:
+        self._ended = reason
         sink = self._sink
         if sink is not None:
             # Nothing follows the end: the relay lets go of the sink, which holds it
             # (docs/decisions.md#no-cycles).
-            self._sink = _ENDED
+            self._sink = None
             sink.upstream_done(reason)
             return
-        self._ended = reason
-        self._on_end(reason)
+        self._peek.body_ended(reason)
 
     def attach(self, sink: IBodySink) -> None:
         """Deliver what was held to ``sink`` and stream the rest into it."""
-        self._sink = sink
-        # Attached, the relay no longer reports to the attempt that made it.
-        self._on_first_data, self._on_end = _nothing, _ignored
         held, self._held = self._held, []
+        self._sink = sink
         for data in held:
             sink.write(data)
         if self._ended is not None:
-            self._sink = _ENDED  # the body ended while held: nothing more arrives
+            self._sink = None  # the body ended while held: nothing more arrives
             sink.upstream_done(self._ended)
         elif self._paused:
             self._paused = False
@@ -87,28 +84,6 @@ class BodyRelay(Protocol):
     def abort(self) -> None:
         if self.transport is not None and self._ended is None:
             self._upstream().stopProducing()
-
-
-def _nothing() -> None:
-    pass
-
-
-def _ignored(reason: Failure) -> None:
-    pass
-
-
-@implementer(IBodySink)
-class _Ended:
-    """The sink of a relay whose body ended: nothing more arrives."""
-
-    def write(self, data: bytes) -> None:
-        pass
-
-    def upstream_done(self, reason: Failure) -> None:
-        pass
-
-
-_ENDED = _Ended()
 
 
 def clean_end(reason: Failure) -> bool:
@@ -120,41 +95,6 @@ def clean_end(reason: Failure) -> bool:
 
 class StreamIdleTimeout(Exception):
     """The committed upstream was closed for silence (``--stream-idle-timeout``)."""
-
-
-@implementer(IPushProducer)
-class ClientWatch:
-    """The upstream body as seen by the client connection, with the dead-client deadline.
-
-    Registered as the request's producer, so a client that stops reading pauses the upstream
-    socket (backpressure) and starts the 30 s deadline; resuming stops it
-    (docs/references.md#dead-client-deadline).
-    """
-
-    def __init__(self, upstream: IPushProducer, clock, on_dead, deadline: float) -> None:
-        self.upstream, self.clock, self.on_dead, self.deadline = upstream, clock, on_dead, deadline
-        self.timer: IDelayedCall | None = None
-
-    def pauseProducing(self) -> None:
-        self.upstream.pauseProducing()
-        if self.timer is None:
-            self.timer = self.clock.callLater(self.deadline, self._expired)
-
-    def resumeProducing(self) -> None:
-        self.stop_timer()
-        self.upstream.resumeProducing()
-
-    def stopProducing(self) -> None:
-        self.stop_timer()
-        self.upstream.stopProducing()
-
-    def stop_timer(self) -> None:
-        cancel_pending(self.timer)
-        self.timer = None
-
-    def _expired(self) -> None:
-        self.timer = None
-        self.on_dead()
 
 
 class StreamIdle:

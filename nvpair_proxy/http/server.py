@@ -44,6 +44,7 @@ from twisted.web.resource import IResource
 from twisted.web.server import Request, Site
 
 from ..core import constants
+from ..core.interfaces import IConductor
 from ..core.logs import log_access
 from ..core.timers import cancel_pending
 from ..core.twisted_workarounds import trailer_lines
@@ -238,6 +239,9 @@ class BoundedRequest(Request):
 
     ``client_gone`` turns true when the client leaves before the response is finished, as
     ``notifyFinish`` reports it, so whoever answers later knows not to write to nobody.
+    ``conduct`` names the one object told of the end instead, without a Deferred per request
+    (docs/references.md#bare-proxy-cpu): it hears ``response_finished`` or ``client_gone``,
+    once, and is let go of then.
     """
 
     max_body = constants.MAX_REQUEST_BODY
@@ -248,13 +252,33 @@ class BoundedRequest(Request):
         self.client_gone = False
         self._received = 0
         self._rejected = False
+        self._conductor: IConductor | None = None
+
+    def conduct(self, conductor: IConductor) -> None:
+        """Tell ``conductor`` how this request's response ends."""
+        self._conductor = conductor
+
+    def finish(self) -> None:
+        super().finish()
+        conductor, self._conductor = self._conductor, None
+        if conductor is not None:
+            conductor.response_finished()
 
     def connectionLost(self, reason: Failure) -> None:
         # What notifyFinish reports as an error, without a Deferred per request
         # (docs/references.md#bare-proxy-cpu).
-        if not self.finished:
+        gone = not self.finished
+        if gone:
             self.client_gone = True
+        conductor, self._conductor = self._conductor, None
+        if self.producer is not None and self.channel is not None:
+            # Nothing can be produced for a connection that is gone: the producer (a
+            # request's stream, which names this request) is let go of here, by the request
+            # and its channel, rather than kept while they live.
+            self.unregisterProducer()
         super().connectionLost(reason)
+        if gone and conductor is not None:
+            conductor.client_gone()
 
     def gotLength(self, length: int | None) -> None:
         if length is not None and length > self.max_body:

@@ -23,7 +23,7 @@ from twisted.web.http_headers import Headers
 from twisted.web.iweb import IAgent, IResponse
 from zope.interface import implementer
 
-from ..core.interfaces import IWatchedAttempt
+from ..core.interfaces import IAttemptSink, IPeek, IWatchedAttempt
 from ..core.memo import Memo
 from ..core.timers import cancel_pending
 from ..http.relay import BodyRelay, clean_end
@@ -203,15 +203,16 @@ def origin_of(scheme: str, address: str, port: int) -> bytes:
     return origin
 
 
-@implementer(IWatchedAttempt)
+@implementer(IWatchedAttempt, IPeek)
 class Attempt:
     """One dispatch: dial the node's addresses, wait for headers, peek the first body byte.
 
     ``request.inference`` makes a 2xx wait for its first body byte
     (docs/references.md#first-byte-commit); every other answer commits on its headers
-    (docs/references.md#commit-on-headers). ``final``, the dispatch's question asked when the answer
-    arrives, says this answer is the client's whatever its status
-    (docs/references.md#final-attempt-answers).
+    (docs/references.md#commit-on-headers). ``sink`` is the loop that made it: asked whether
+    this answer is the client's whatever its status (docs/references.md#final-attempt-answers),
+    and told the outcome, once. The loop lets go of an attempt that ended, so the attempt may
+    keep its sink (docs/decisions.md#no-cycles).
     """
 
     def __init__(
@@ -222,13 +223,12 @@ class Attempt:
         addresses: AddressMemory,
         node: Node,
         request: UpstreamRequest,
-        final: Callable[[], bool],
+        sink: IAttemptSink,
     ):
         self.agent, self.clock, self.addresses, self.node = agent, clock, addresses, node
-        self.request, self.final = request, final
+        self.request, self.sink = request, sink
         self.response_timeout = request.response_timeout
         self.state = DIALING
-        self._on_end: Callable[[Committed | Failed], None] = _not_started
         self._request: Deferred[IResponse] | None = None
         self._timer: IDelayedCall | None = None
         self._relay: BodyRelay | None = None
@@ -236,17 +236,12 @@ class Attempt:
         self._pending_addresses: list[str] = []
         self._address = ""
 
-    def is_final(self) -> bool:
-        return self.final()
+    def start(self) -> None:
+        """Begin; the sink hears ``attempt_ended`` once, with Committed or Failed.
 
-    def start(self, on_end: Callable[[Committed | Failed], None]) -> None:
-        """Begin; ``on_end`` is called once, with Committed or Failed.
-
-        A plain callback, not a Deferred: the attempt is internal plumbing between the loop
-        and one dispatch, and a Deferred per attempt was a measurable share of a request's
-        CPU (docs/references.md#bare-proxy-cpu).
+        A declared sink, not a Deferred: a Deferred per attempt was a measurable share of a
+        request's CPU (docs/references.md#bare-proxy-cpu).
         """
-        self._on_end = on_end
         self._pending_addresses = self.addresses.order(self.node)
         if self.response_timeout > 0:
             self._timer = self.clock.callLater(self.response_timeout, self._timed_out)
@@ -291,11 +286,11 @@ class Attempt:
         self.addresses.answered(self.node, self._address)
         self._response = response
         status = response.code
-        if not self.is_final() and self.request.retryable(status):
+        if not self.sink.is_final() and self.request.retryable(status):
             discard(response, self.clock)
             self._end(Failed(self.node, STATUS, f"upstream returned HTTP {status}", status), FAILED)
             return
-        relay = self._relay = BodyRelay(self._first_data, self._body_ended)
+        relay = self._relay = BodyRelay(self)
         if self.request.inference and 200 <= status < 300:
             self._enter(PEEKING)
             if self._timer is not None and self._timer.active():
@@ -307,11 +302,13 @@ class Attempt:
         response.deliverBody(relay)
         self._commit()
 
-    def _first_data(self) -> None:
+    # What the relay tells while it holds the body (IPeek).
+
+    def first_data(self) -> None:
         if self.state == PEEKING:
             self._commit()
 
-    def _body_ended(self, reason: Failure) -> None:
+    def body_ended(self, reason: Failure) -> None:
         if self.state != PEEKING:
             return
         if clean_end(reason):
@@ -325,8 +322,9 @@ class Attempt:
         assert self._response is not None and self._relay is not None
         self._enter(COMMITTED)
         self._cancel_timer()
-        on_end = self._let_go()
-        on_end(Committed(self.node, self._address, self._response, self._relay))
+        # Handed over with the commit: the attempt keeps neither (the relay still names it).
+        response, relay, self._response, self._relay = self._response, self._relay, None, None
+        self.sink.attempt_ended(Committed(self.node, self._address, response, relay))
 
     def _timed_out(self) -> None:
         self._timer = None
@@ -355,14 +353,8 @@ class Attempt:
         if self._relay is not None:
             self._relay.abort()
             self._relay = None
-        self._let_go()(outcome)
-
-    def _let_go(self) -> Callable[[Committed | Failed], None]:
-        """The end's callback, handed out once: an ended attempt holds nothing of its
-        dispatch, so a finished request is freed as its last reference goes rather than by
-        the garbage collector (docs/decisions.md#no-cycles)."""
-        on_end, self._on_end, self.final = self._on_end, _ended, _ended_final
-        return on_end
+        self._response = None
+        self.sink.attempt_ended(outcome)
 
     def _enter(self, state: State) -> None:
         if state not in TRANSITIONS[self.state]:
@@ -374,18 +366,6 @@ class Attempt:
     def _cancel_timer(self) -> None:
         cancel_pending(self._timer)
         self._timer = None
-
-
-def _not_started(outcome: Committed | Failed) -> None:
-    raise RuntimeError("Attempt.start was not called")
-
-
-def _ended(outcome: Committed | Failed) -> None:
-    """An ended attempt's callback: it ends once (its state table says so)."""
-
-
-def _ended_final() -> bool:
-    return True
 
 
 def _reason(failure: Failure) -> str:

@@ -10,16 +10,19 @@ before each dispatch and neither ever cuts an attempt in flight.
 
 from __future__ import annotations
 
+import enum
 from typing import Callable
 
 import attrs
+from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.python.failure import Failure
 from twisted.web.iweb import IAgent
 from zope.interface import implementer
 
 from ..core import constants
-from ..core.interfaces import IDispatchObserver, IHealth, IOwners, ITicket
+from ..core.interfaces import IAttemptSink, IHealth, IOwners, ITicket
+from ..core.logs import logger
 from ..core.timers import cancel_pending
 from ..http.answers import Reason
 from ..http.loopguard import LoopGuard
@@ -27,6 +30,9 @@ from ..nodes.discovery import Node
 from ..routing.router import BUSY_STATUSES
 from ..routing.tickets import PASS, Wait
 from .attempt import NO_CONTENT, STATUS, AddressMemory, Attempt, Committed, Failed, UpstreamRequest
+from .events import Reporter, Workload
+
+log = logger()
 
 
 @attrs.frozen
@@ -91,23 +97,6 @@ class Gone:
     reason: Reason
 
 
-@implementer(IDispatchObserver)
-class _Silent:
-    """The observer of a loop nobody watches: the default when none is given."""
-
-    def dispatched(self, node: Node) -> None:
-        pass
-
-    def cleared(self) -> None:
-        pass
-
-    def attempt_ended(self, outcome: Committed | Failed) -> None:
-        pass
-
-
-SILENT = _Silent()
-
-
 # A loop is configuration (docs/references.md#forwarding-loop); another node or another try cannot
 # fix it.
 LOOP_DETECTED = 508
@@ -136,8 +125,9 @@ def final_answer(failure: Failed) -> Answer:
 
 @attrs.frozen
 class Job:
-    """What is fixed for one request at admission: what it sends, what it routes on and the
-    facade's collaborators the loop works with. Built once; every dispatch reads it."""
+    """What is fixed for one request at admission: what it sends, what it routes on, the
+    facade's collaborators the loop works with and where its progress is told. Built once;
+    every dispatch reads it."""
 
     request: UpstreamRequest
     owners: IOwners
@@ -147,90 +137,90 @@ class Job:
     created_at: float
     #: What an empty first round answers: the body named no model, or one nobody serves.
     no_candidate: Reason
+    #: The facade's voice: each dispatch's outcome goes to its recorder.
+    reporter: Reporter
+    #: The request's id, for the log.
+    id: str = ""
     #: The request's routing (routing/tickets.py): where each round and dispatch goes, its
     #: claim on the node, its place in the queue.
     ticket: ITicket = PASS
     #: What an inference dispatch tells of its node, and the target watch; None for a
     #: request that tells nothing (not inference, or the ingress's).
     health: IHealth | None = None
-    observer: IDispatchObserver = SILENT
+    #: The broker's view of the request (docs/references.md#workload-lifecycle): told of each
+    #: dispatch and each empty round; None without a model.
+    workload: Workload | None = None
 
     @property
     def inference(self) -> bool:
         return self.request.inference
 
 
-def _unset(result: object) -> None:
-    raise RuntimeError("Dispatch.run was not called")
+class Loop(enum.Enum):
+    """Where the loop stands: dispatching or backing off, waiting for an owner, waiting in
+    the queue, or done (its answer given or about to be: an attempt it cancels on the way out
+    then changes nothing)."""
+
+    RUNNING = "running"
+    #: Backing off because no node advertises the model now.
+    NO_OWNER = "no owner"
+    #: Waiting in the facade's queue for a free slot (late binding).
+    QUEUED = "queued"
+    DONE = "done"
 
 
-def _ended(result: object) -> None:
-    """A finished loop's callbacks: it finishes once (``_done``)."""
-
-
+@implementer(IAttemptSink)
 class Dispatch:
-    """One request's loop. ``run``'s ``on_done`` gets Committed, Answer or Gone, once.
+    """One request's loop. ``run`` answers with a Deferred of Committed, Answer or Gone, fired
+    once; a bug in the loop fails it.
 
     ``inference`` selects the full budget (re-resolve, back off, deadline, discovery watch);
     otherwise a single pass over the candidates resolved once, each tried at most once,
     because non-inference routes can change state (``POST /api/pull``) and must not repeat.
+
+    It points at nothing above it: its progress goes to the request's workload and the
+    facade's reporter, which the job names, and its result through the Deferred, which holds
+    its caller's callbacks only until it fires (docs/decisions.md#no-cycles).
     """
 
-    def __init__(self, job: Job, observer: IDispatchObserver | None = None):
-        """``observer``, when given, is the job's observer (the exchange passes itself here
-        rather than in the job, which outlives the loop's end: docs/decisions.md#no-cycles)."""
-        upstreams = job.upstreams
-        self.job, self.upstreams = job, upstreams
-        self.clock, self.random, self.owners, self.model = (
-            upstreams.clock,
-            upstreams.random,
-            job.owners,
-            job.model,
-        )
-        self.inference, self.bounds = job.inference, upstreams.bounds
-        self.deadline = job.created_at + self.bounds.deadline
-        self.no_candidate = job.no_candidate
-        self.ticket = job.ticket
-        self.health = job.health if job.inference else None
-        self.observer = job.observer if observer is None else observer
+    def __init__(self, job: Job):
+        self.job = job
+        self.deadline = job.created_at + job.upstreams.bounds.deadline
+        self.result: Deferred[Committed | Answer | Gone] = Deferred()
         self.dispatches = 0
-        self._on_done: Callable[[Committed | Answer | Gone], None] = _unset
-        self._on_error: Callable[[Failure], None] = _unset
+        #: The node of the latest dispatch, and when it went (for status and rates).
+        self.node: Node | None = None
+        self.dispatched_at: float | None = None
         self.attempt: Attempt | None = None
         self._queue: list[Node] = []
         self._timer: IDelayedCall | None = None
-        #: Waiting in the facade's queue for a free slot (late binding).
-        self._waiting = False
-        self._owner_missing = False
+        self._state = Loop.RUNNING
         self._failed_in_round = False
-        self._done = False
+
+    @property
+    def done(self) -> bool:
+        return self._state is Loop.DONE
 
     @property
     def waiting_for_owner(self) -> bool:
         """Backing off because no node advertises the model now
         (docs/references.md#backoff-schedule), for status."""
-        return self._owner_missing and not self._done
+        return self._state is Loop.NO_OWNER
 
     @property
     def queued(self) -> bool:
         """Waiting in the facade's queue for a free slot (late binding), for status."""
-        return self._waiting
+        return self._state is Loop.QUEUED
 
     def attempting(self) -> str | None:
         """The node the attempt in flight targets, None between attempts (for status)."""
         return self.attempt.node.id if self.attempt is not None else None
 
-    def run(
-        self,
-        on_done: Callable[[Committed | Answer | Gone], None],
-        on_error: Callable[[Failure], None],
-        candidates: list[Node] | None = None,
-    ) -> None:
-        """Start. Exactly one of ``on_done`` (Committed, Answer or Gone) and ``on_error`` (a
-        bug in the loop) is called, once. ``candidates``: the first round's, when the caller
+    def run(self, candidates: list[Node] | None = None) -> Deferred[Committed | Answer | Gone]:
+        """Start; the answer fires once. ``candidates``: the first round's, when the caller
         just resolved them."""
-        self._on_done, self._on_error = on_done, on_error
         self._guarded(self._round, candidates)
+        return self.result
 
     def _guarded(self, step: Callable[..., None], *args: object) -> None:
         """Run one step of the loop; a bug ends this request only
@@ -239,35 +229,32 @@ class Dispatch:
         try:
             step(*args)
         except Exception:
-            if self._done:
+            if self.done:
                 raise
             failure = Failure()
-            self._done = True
             self._cleanup()
-            on_error = self._on_error
-            self._let_go()
-            on_error(failure)
+            self.result.errback(failure)
 
     def stop(self, reason: Reason) -> None:
         """The requester left (or we shut down): end at once, no further dispatch."""
-        if self._done:
-            return
-        self._finish(Gone(reason))
+        if not self.done:
+            self._finish(Gone(reason))
 
     # The loop, in the spec's order.
 
     def _round(self, candidates: list[Node] | None = None) -> None:
+        job = self.job
         if candidates is None:
-            candidates = self.owners.candidates(self.model)
+            candidates = job.owners.candidates(job.model)
         if not candidates:
             if self.dispatches == 0:
-                self._finish(Answer(502, self.no_candidate))
+                self._finish(Answer(502, job.no_candidate))
             else:
-                self._owner_missing = True
+                self._state = Loop.NO_OWNER
                 self._back_off()
             return
-        self._owner_missing = False
-        plan = self.ticket.place(candidates, self.dispatches > 0)
+        self._state = Loop.RUNNING
+        plan = job.ticket.place(candidates, self.dispatches > 0)
         if isinstance(plan, Wait):
             self._wait(plan)
             return
@@ -276,70 +263,94 @@ class Dispatch:
         self._dispatch_next()
 
     def _dispatch_next(self) -> None:
-        owners = self.owners
+        job = self.job
+        owners, inference = job.owners, job.inference
         while self._queue and not owners.is_routable(self._queue[0].id):
             self._queue.pop(0)
         if not self._queue:
-            self.ticket.release()
-            self.observer.cleared()
+            self._clear()
             self._back_off()
             return
-        if self.inference and self.dispatches >= self.bounds.max_attempts:
+        if inference and self.dispatches >= job.upstreams.bounds.max_attempts:
             self._finish(Answer(503, Reason.EVERY_ATTEMPT_FAILED, retry_after=1))
             return
-        if self.inference and self.clock.seconds() >= self.deadline:
+        clock = job.upstreams.clock
+        if inference and clock.seconds() >= self.deadline:
             self._finish(Answer(503, Reason.DEADLINE_PASSED, retry_after=1))
             return
-        node = self.ticket.next(self._queue, self._failed_in_round)
+        node = job.ticket.next(self._queue, self._failed_in_round)
         if isinstance(node, Wait):
             self._wait(node)  # a failover that finds every owner full waits, ahead
             return
         self._queue = [n for n in self._queue if owners.is_routable(n.id)]
         self._failed_in_round = True
         self.dispatches += 1
-        self.observer.dispatched(node)
-        upstreams = self.upstreams
+        self._dispatched(node, clock.seconds())
+        upstreams = job.upstreams
         attempt = self.attempt = Attempt(
             agent=upstreams.agent_for(node),
-            clock=self.clock,
+            clock=clock,
             addresses=upstreams.addresses,
             node=node,
-            request=self.job.request,
-            final=self.is_final,
+            request=job.request,
+            sink=self,
         )
-        if self.health is not None:
-            self.health.watch(attempt)
-        attempt.start(self._attempt_outcome)
+        if job.health is not None:
+            job.health.watch(attempt)
+        attempt.start()
+
+    def _dispatched(self, node: Node, now: float) -> None:
+        """Workload events, docs/references.md#workload-lifecycle."""
+        self.node, self.dispatched_at = node, now
+        job = self.job
+        log.debug(
+            "request {id} dispatch {n} to node {node}",
+            id=job.id,
+            n=self.dispatches,
+            node=node.id,
+            engine=job.reporter.engine,
+        )
+        if job.workload is not None:
+            job.workload.dispatched(node.id)
+
+    def _clear(self) -> None:
+        """The request holds no node until its next dispatch
+        (docs/references.md#events-between-rounds)."""
+        job = self.job
+        job.ticket.release()
+        if job.workload is not None:
+            job.workload.cleared()
 
     def is_final(self) -> bool:
         """Whether the attempt in flight is the last this request may make
         (docs/references.md#final-attempt-answers): its answer is then the client's whatever its
         status. Asked when the answer arrives: for a single pass the other candidates may have left
         meanwhile."""
-        if self.inference:
-            return self.dispatches >= self.bounds.max_attempts
-        return not any(self.owners.is_routable(n.id) for n in self._queue)
+        job = self.job
+        if job.inference:
+            return self.dispatches >= job.upstreams.bounds.max_attempts
+        return not any(job.owners.is_routable(n.id) for n in self._queue)
 
-    def _attempt_outcome(self, outcome: Committed | Failed) -> None:
+    def attempt_ended(self, outcome: Committed | Failed) -> None:
         self._guarded(self._attempt_ended, outcome, self.is_final())
 
     def _attempt_ended(self, outcome: Committed | Failed, final: bool) -> None:
-        self.observer.attempt_ended(outcome)
-        health = self.health
-        if health is not None:
-            if self.attempt is not None:
-                health.unwatch(self.attempt)
-            _tell(health, outcome)
-        self.attempt = None
-        if self._done:
+        job = self.job
+        job.reporter.dispatch_ended(outcome)
+        attempt, self.attempt = self.attempt, None  # an ended attempt is let go of
+        if job.health is not None:
+            if attempt is not None:
+                job.health.unwatch(attempt)
+            _tell(job.health, outcome)
+        if self.done:
             return
         if isinstance(outcome, Committed):
             self._finish(outcome)
         elif final:
             self._finish(final_answer(outcome))
-        elif not self.inference:
+        elif not job.inference:
             self._dispatch_next()
-        elif self.clock.seconds() >= self.deadline:
+        elif job.upstreams.clock.seconds() >= self.deadline:
             self._finish(Answer(503, Reason.DEADLINE_PASSED, retry_after=1))
         else:
             self._dispatch_next()
@@ -348,56 +359,54 @@ class Dispatch:
         """Every owner is full (or the conversation's node is worth waiting for): wait in the
         facade's queue, costing no attempt and holding no reservation, until a slot frees or
         the deadline passes (docs/decisions.md#late-binding, #affinity)."""
-        self.ticket.release()
         self._queue = []
-        self.observer.cleared()
-        self._waiting = True
-        self.ticket.wait(
-            plan,
-            self.deadline,
-            wake=lambda: self._guarded(self._woken),
-            expire=lambda: self._guarded(self._expired),
-        )
+        self._clear()
+        self._state = Loop.QUEUED
+        self.job.ticket.wait(plan, self.deadline, wake=self._woken, expire=self._expired)
 
     def _woken(self) -> None:
-        self._waiting = False
-        self._round()
+        self._state = Loop.RUNNING
+        self._guarded(self._round)
 
     def _expired(self) -> None:
-        self._waiting = False
-        self._finish(Answer(503, Reason.NO_FREE_SLOT, retry_after=1))
+        self._state = Loop.RUNNING
+        self._guarded(self._finish, Answer(503, Reason.NO_FREE_SLOT, retry_after=1))
 
     def _back_off(self) -> None:
         """Wait before the next round; also paces the wait for an owner
         (docs/references.md#backoff-schedule)."""
-        if not self.inference:
+        job = self.job
+        if not job.inference:
             self._finish(Answer(503, Reason.EVERY_ATTEMPT_FAILED, retry_after=1))
             return
-        remaining = self.deadline - self.clock.seconds()
+        upstreams = job.upstreams
+        remaining = self.deadline - upstreams.clock.seconds()
         if remaining <= 0:
             self._finish_deadline()
             return
-        schedule = self.bounds.backoff
+        bounds = upstreams.bounds
+        schedule = bounds.backoff
         base = schedule[min(self.dispatches, len(schedule)) - 1]
-        delay = base * (1 + self.bounds.jitter * (2 * self.random() - 1))
-        self._timer = self.clock.callLater(min(delay, remaining), self._guarded, self._wake)
+        delay = base * (1 + bounds.jitter * (2 * upstreams.random() - 1))
+        self._timer = upstreams.clock.callLater(min(delay, remaining), self._guarded, self._wake)
 
     def _wake(self) -> None:
         self._timer = None
-        if self.clock.seconds() >= self.deadline:
+        if self.job.upstreams.clock.seconds() >= self.deadline:
             self._finish_deadline()
         else:
             self._round()
 
     def _finish_deadline(self) -> None:
-        reason = Reason.NO_OWNER_RETURNED if self._owner_missing else Reason.DEADLINE_PASSED
+        owner_missing = self._state is Loop.NO_OWNER
+        reason = Reason.NO_OWNER_RETURNED if owner_missing else Reason.DEADLINE_PASSED
         self._finish(Answer(503, reason, retry_after=1))
 
     def _finish(self, result: Committed | Answer | Gone) -> None:
         if isinstance(result, Committed):
             # The claim goes with the commit: the stream holds the node until it ends.
             try:
-                reservation = self.ticket.committed(result.node.id, result.response.code)
+                reservation = self.job.ticket.committed(result.node.id, result.response.code)
             except Exception:
                 result.relay.abort()  # a bug: nobody will read the body (request-containment)
                 raise
@@ -405,29 +414,20 @@ class Dispatch:
                 result = Committed(
                     result.node, result.address, result.response, result.relay, reservation
                 )  # what attrs.evolve does, cheaper
-        self._done = True
         self._cleanup()
-        on_done = self._let_go()
-        on_done(result)
-
-    def _let_go(self) -> Callable[[Committed | Answer | Gone], None]:
-        """The end's callback, handed out once: a finished loop holds nothing of its owner,
-        so a finished request is freed as its last reference goes rather than by the garbage
-        collector (docs/decisions.md#no-cycles)."""
-        on_done = self._on_done
-        self._on_done, self._on_error, self.observer = _ended, _ended, SILENT
-        return on_done
+        self.result.callback(result)
 
     def _cleanup(self) -> None:
         cancel_pending(self._timer)
         self._timer = None
-        self._waiting = False
+        self._state = Loop.DONE
+        job = self.job
         if self.attempt is not None:
             attempt, self.attempt = self.attempt, None
-            if self.health is not None:
-                self.health.unwatch(attempt)
+            if job.health is not None:
+                job.health.unwatch(attempt)
             attempt.cancel("request ended")
-        self.ticket.release()
+        job.ticket.release()
 
 
 def _tell(health: IHealth, outcome: Committed | Failed) -> None:

@@ -16,15 +16,15 @@ from typing import cast
 import attrs
 from twisted.internet.interfaces import ITCPTransport
 from twisted.python.failure import Failure
-from twisted.web.server import Request
 from zope.interface import implementer
 
-from ..core.interfaces import IDispatchObserver, IHealth, IOwners, IPlacement, ITicket
+from ..core.interfaces import IConductor, IHealth, IOwners, IPlacement, ITicket
 from ..core.logs import logger
 from ..core.views import InFlightView
 from ..http.answers import Reason, answer_internal_error, send_error
 from ..http.hopbyhop import copy_end_to_end, end_to_end
-from ..nodes.discovery import Node, host_port
+from ..http.server import BoundedRequest
+from ..nodes.discovery import host_port
 from ..nodes.engines import Engine
 from ..routing.router import retry_after
 from ..routing.tickets import PASS
@@ -97,58 +97,62 @@ class InvalidPhase(RuntimeError):
     (docs/references.md#request-containment)."""
 
 
-@implementer(IDispatchObserver)
-class Exchange:
-    """A client request's whole life in one facade: its dispatch loop's observer, and the
-    owner of the committed stream (stream.py) that reports back to it."""
+@attrs.frozen
+class Wiring:
+    """What every request of one facade works with, made once when the facade is: its engine,
+    owners, placement and health, its voice, how it reaches nodes, and the requests in flight.
 
-    def __init__(
-        self,
-        request: Request,
-        *,
-        engine: Engine,
-        owners: IOwners,
-        placement: IPlacement,
-        health: IHealth | None,
-        reporter: Reporter,
-        upstreams: Upstreams,
-        in_flight: set,
-        route=UNCLASSIFIED,
-        inference: bool | None = None,
-        bad_gateway_code: str | None = None,
-    ) -> None:
-        """``inference`` None follows the route; False forwards in one pass without reading
-        a model (the ingress: the originating node already routed). ``bad_gateway_code`` is
-        the ``code`` every 502 the proxy answers carries (the ingress's backend error).
-        ``health`` hears what inference dispatches learn of their nodes (None: nothing)."""
-        self.request, self.engine, self.owners = request, engine, owners
-        self.placement, self.health = placement, health
-        self.reporter, self.upstreams, self.in_flight = reporter, upstreams, in_flight
-        self.clock = upstreams.clock
-        self.admitted_at = self.clock.seconds()
-        self.id = reporter.next_request_id()
-        self.method = request.method.decode("latin-1")
-        self.path = request.path.decode("latin-1")
+    ``inference`` None follows each request's route; False forwards in one pass without reading
+    a model (the ingress: the originating node already routed). ``bad_gateway_code`` is the
+    ``code`` every 502 the proxy answers carries (the ingress's backend error). ``health``
+    hears what inference dispatches learn of their nodes (None: nothing)."""
+
+    engine: Engine
+    owners: IOwners
+    placement: IPlacement
+    health: IHealth | None
+    reporter: Reporter
+    upstreams: Upstreams
+    in_flight: set
+    inference: bool | None = None
+    bad_gateway_code: str | None = None
+
+
+@implementer(IConductor)
+class Exchange:
+    """A client request's whole life in one facade, its one conductor: it admits, runs the
+    loop (dispatch.py) and takes its answer, owns the committed stream (stream.py) and hears
+    from it and from the client's request, and ends once, letting go of its parts."""
+
+    def __init__(self, request: BoundedRequest, wiring: Wiring, route=UNCLASSIFIED) -> None:
+        self.request, self.wiring = request, wiring
+        self.admitted_at = wiring.upstreams.clock.seconds()
+        self.id = wiring.reporter.next_request_id()
         self.route = (
-            engine.classify(request.method, request.path) if route is UNCLASSIFIED else route
+            wiring.engine.classify(request.method, request.path) if route is UNCLASSIFIED else route
         )
+        inference = wiring.inference
         self.inference = (
             self.route is not None and self.route.is_inference if inference is None else inference
         )
-        self.bad_gateway_code = bad_gateway_code
         # The model the body named, as the client spelled it: for the admin listener's recent
         # requests, including those answered before a workload existed (no owner, busy).
         self.model: str | None = None
         self.workload: Workload | None = None
-        self.dispatch: Dispatch | None = None
-        #: The committed body on its way to the client, from the commit on.
-        self.stream: Stream | None = None
-        self.phase = Phase.ADMITTING
-        self.target = ""
-        self.node_id: str | None = None
-        self.dispatched_at: float | None = None
         #: The request's routing, made at admission by the facade's placement.
         self.ticket: ITicket = PASS
+        self.dispatch: Dispatch | None = None
+        #: The committed body on its way to the client, from the commit to the end.
+        self.stream: Stream | None = None
+        self.phase = Phase.ADMITTING
+
+    @property
+    def method(self) -> str:
+        return self.request.method.decode("latin-1")
+
+    @property
+    def path(self) -> str:
+        return self.request.path.decode("latin-1")
 
     # Admission.
 
@@ -156,34 +160,38 @@ class Exchange:
         content = self.request.content
         assert content is not None  # twisted.web has the whole body before it renders
         body = content.read()
-        data = read_body(body) if self.inference else None
+        wiring, inference = self.wiring, self.inference
+        data = read_body(body) if inference else None
         model = self.model = requested_model(data)
-        wanted = None if model is None else self.engine.normalize_model(model)
+        wanted = None if model is None else wiring.engine.normalize_model(model)
         no_candidate = Reason.NO_CANDIDATE if model is None else Reason.NO_OWNER
-        candidates = self.owners.candidates(wanted)
+        candidates = wiring.owners.candidates(wanted)
         if not candidates:
             self._answer(Answer(502, no_candidate))
             return
-        held = None if wanted is None else self.owners.busy_for(wanted)
+        held = None if wanted is None else wiring.owners.busy_for(wanted)
         if held is not None:
             # Engines that just said they are full get no new work for a moment
             # (docs/decisions.md#busy-hold).
             self._answer(Answer(503, Reason.ALL_OWNERS_BUSY, retry_after=retry_after(held)))
             return
-        if wanted is not None and self.placement.refuses(candidates, wanted):
+        placement = wiring.placement
+        if wanted is not None and placement.refuses(candidates, wanted):
             # Late binding: every owner is full and the queue has no room left.
             self._answer(Answer(503, Reason.ALL_OWNERS_BUSY, retry_after=1))
             return
-        ticket = self.ticket = self.placement.ticket(
+        request = self.request
+        ticket = self.ticket = placement.ticket(
             wanted,
             len(body),
-            self.request.requestHeaders,
+            request.requestHeaders,
             data,
             self.path,
-            reserve=model is not None and self.inference,
+            reserve=model is not None and inference,
         )
+        reporter = wiring.reporter
         if model is not None:
-            self.workload = self.reporter.new_workload(model, self.admitted_at)
+            self.workload = reporter.new_workload(model, self.admitted_at)
             self.workload.admitted()
         log.debug(
             "request {id} admitted: {method} {path} model={model} job={job}",
@@ -192,41 +200,60 @@ class Exchange:
             path=self.path,
             model=model,
             job=self.workload.id if self.workload else None,
-            engine=self.engine.id,
+            engine=wiring.engine.id,
         )
-        self.in_flight.add(self)
-        self.request.notifyFinish().addCallbacks(self._request_finished, self._client_gone)
-        upstreams = self.upstreams
+        wiring.in_flight.add(self)
+        request.conduct(self)
+        upstreams = wiring.upstreams
         sent = UpstreamRequest(
-            method=self.request.method,
-            target=self.request.uri,
+            method=request.method,
+            target=request.uri,
             headers=upstreams.loop_guard.stamp(
-                end_to_end(self.request.requestHeaders, drop=(b"host", b"content-length"))
+                end_to_end(request.requestHeaders, drop=(b"host", b"content-length"))
             ),
             body=body,
-            inference=self.inference,
-            retryable=retryable_status(self.inference),
+            inference=inference,
+            retryable=retryable_status(inference),
             response_timeout=upstreams.bounds.response_timeout,
         )
-        self.dispatch = Dispatch(
+        dispatch = self.dispatch = Dispatch(
             Job(
                 request=sent,
-                owners=self.owners,
+                owners=wiring.owners,
                 upstreams=upstreams,
                 model=wanted,
                 created_at=self.admitted_at,
                 no_candidate=no_candidate,
+                reporter=reporter,
+                id=self.id,
                 ticket=ticket,
-                health=self.health,
-            ),
-            observer=self,
+                health=wiring.health if inference else None,
+                workload=self.workload,
+            )
         )
         self._enter(Phase.DISPATCHING)
-        self.dispatch.run(self._dispatched, self.crashed, candidates)
+        dispatch.run(candidates).addCallbacks(self._dispatched, self.crashed)
 
     @property
     def ended(self) -> bool:
         return self.phase is ENDED
+
+    @property
+    def node_id(self) -> str | None:
+        """The node serving the request: set at the commit."""
+        stream = self.stream
+        return stream.node_id if stream is not None else None
+
+    def target(self) -> str:
+        """Where the request went: the committed address, else the latest dispatch's node."""
+        stream = self.stream
+        if stream is not None:
+            committed = stream.committed
+            return host_port(committed.address, committed.node.port)
+        node = self.dispatch.node if self.dispatch is not None else None
+        if node is None:
+            return ""
+        return host_port(node.addresses[0] if node.addresses else "", node.port)
 
     def view(self) -> InFlightView:
         """What the admin listener shows of this request while it is in flight: the node
@@ -245,29 +272,7 @@ class Exchange:
             raise InvalidPhase(f"request {self.id}: {self.phase.value} -> {phase.value}")
         self.phase = phase
 
-    # Dispatch observer (workload events, docs/references.md#workload-lifecycle).
-
-    def dispatched(self, node: Node) -> None:
-        self.dispatched_at = self.clock.seconds()
-        self.target = host_port(node.addresses[0] if node.addresses else "", node.port)
-        log.debug(
-            "request {id} dispatch {n} to node {node}",
-            id=self.id,
-            n=self.dispatch.dispatches if self.dispatch else 0,
-            node=node.id,
-            engine=self.engine.id,
-        )
-        if self.workload is not None:
-            self.workload.dispatched(node.id)
-
-    def cleared(self) -> None:
-        if self.workload is not None:
-            self.workload.cleared()
-
-    def attempt_ended(self, outcome) -> None:
-        self.reporter.dispatch_ended(outcome)
-
-    # Outcome of the loop.
+    # The loop's answer.
 
     def _dispatched(self, result: Committed | Answer | Gone) -> None:
         try:
@@ -288,8 +293,9 @@ class Exchange:
             self._commit(result)
 
     def _answer(self, answer: Answer) -> None:
-        if answer.status == 502 and self.bad_gateway_code is not None:
-            answer = attrs.evolve(answer, code=self.bad_gateway_code)
+        code = self.wiring.bad_gateway_code
+        if answer.status == 502 and code is not None:
+            answer = attrs.evolve(answer, code=code)
         self._end(FAILED, answer.reason, answer.detail, status=answer.status)
         if not self.request.finished and not getattr(self.request, "client_gone", False):
             send_error(
@@ -304,16 +310,17 @@ class Exchange:
         """The first byte (or a non-retried answer's headers) made this node ours
         (docs/references.md#first-byte-commit)."""
         self._enter(Phase.STREAMING)
+        wiring = self.wiring
         # From here the stream owns the relay and the reservation the commit handed over: a
         # crash below still aborts the one and releases the other.
         stream = self.stream = Stream(
             self.request,
             committed,
-            clock=self.clock,
+            clock=wiring.upstreams.clock,
             terminal=self.route.terminal if self.route else None,
-            idle_limit=self.upstreams.bounds.stream_idle,
-            activity=self.reporter.activity_on,
-            report=self._streamed,
+            idle_limit=wiring.upstreams.bounds.stream_idle,
+            activity=wiring.reporter.activity_on,
+            conductor=self,
         )
         response, node = committed.response, committed.node
         log.debug(
@@ -321,20 +328,20 @@ class Exchange:
             id=self.id,
             node=node.id,
             status=response.code,
-            engine=self.engine.id,
+            engine=wiring.engine.id,
         )
-        self.node_id = node.id
-        self.target = host_port(committed.address, node.port)
         if self.workload is not None:
             self.workload.started(node.id)
-        self.reporter.request_started(self.id, self.method, self.path, self.target, node.id)
+        wiring.reporter.request_started(self.id, self.method, self.path, self.target(), node.id)
         request = self.request
         request.setResponseCode(response.code, response.phrase)
         request.defaultContentType = None
         copy_end_to_end(response.headers, request.responseHeaders)
         stream.start()
 
-    def _streamed(self, event: StreamEvent) -> None:
+    # What the parts below tell (IConductor).
+
+    def streamed(self, event: StreamEvent) -> None:
         """What the committed stream reports: the request's end follows from it."""
         happened = event.happened
         if happened is Happened.UPSTREAM_DONE:
@@ -347,7 +354,7 @@ class Exchange:
                 id=self.id,
                 node=self.node_id,
                 seconds=seconds,
-                engine=self.engine.id,
+                engine=self.wiring.engine.id,
             )
         elif happened is Happened.CLIENT_STALLED:
             self._client_stalled()
@@ -355,12 +362,33 @@ class Exchange:
             assert event.failure is not None
             self.crashed(event.failure)
 
+    def response_finished(self) -> None:
+        """The backstop: a response that ended without reporting still reports, once."""
+        if not self.ended:
+            log.error(
+                "request {id} finished without an outcome", id=self.id, engine=self.wiring.engine.id
+            )
+            if self.dispatch is not None:
+                self.dispatch.stop(Reason.BACKSTOP)
+            self._end(FAILED, Reason.BACKSTOP, status=500)
+
+    def client_gone(self) -> None:
+        if self.ended:
+            return
+        if self.stream is not None and self.stream.delivered_terminal():
+            self.stream.abort()
+            self._end_committed()
+            return
+        self._stop_upstream(Reason.CLIENT_GONE)
+        self._end(CANCELLED, Reason.CLIENT_GONE)
+
     def _end_committed(self) -> None:
         stream = self.stream
         assert stream is not None
         code = stream.status
         stats = None
-        if code < 400 and self.reporter.listening:
+        wiring = self.wiring
+        if code < 400 and wiring.reporter.listening:
             try:
                 stats = stream.measure(self.admitted_at)
             except Exception:
@@ -368,24 +396,16 @@ class Exchange:
                 log.failure(
                     "could not measure the response of request {id}",
                     id=self.id,
-                    engine=self.engine.id,
+                    engine=wiring.engine.id,
                 )
-        if code < 400 and self.dispatched_at is not None:
-            self.ticket.measured(
-                stream.node_id, self.clock.seconds() - self.dispatched_at, stream.figures
-            )
+        dispatched_at = self.dispatch.dispatched_at if self.dispatch is not None else None
+        if code < 400 and dispatched_at is not None:
+            elapsed = wiring.upstreams.clock.seconds() - dispatched_at
+            self.ticket.measured(stream.node_id, elapsed, stream.figures)
         if 200 <= code < 300:
             self._end(COMPLETED, None, status=code, stats=stats, note=stream.idle_note)
         else:
             self._end(FAILED, Reason.UPSTREAM_STATUS, str(code), status=code, stats=stats)
-
-    def _request_finished(self, _) -> None:
-        """The backstop: a response that ended without reporting still reports, once."""
-        if not self.ended:
-            log.error("request {id} finished without an outcome", id=self.id, engine=self.engine.id)
-            if self.dispatch is not None:
-                self.dispatch.stop(Reason.BACKSTOP)
-            self._end(FAILED, Reason.BACKSTOP, status=500)
 
     # The client side going away.
 
@@ -398,16 +418,6 @@ class Exchange:
         self._end(CANCELLED, Reason.CLIENT_GONE)
         if transport is not None:
             transport.abortConnection()
-
-    def _client_gone(self, failure: Failure | None) -> None:
-        if self.ended:
-            return
-        if self.stream is not None and self.stream.delivered_terminal():
-            self.stream.abort()
-            self._end_committed()
-            return
-        self._stop_upstream(Reason.CLIENT_GONE)
-        self._end(CANCELLED, Reason.CLIENT_GONE)
 
     def _client_transport(self) -> ITCPTransport | None:
         """The client's connection, to abort (its transport aborts; ``ITransport`` cannot)."""
@@ -438,12 +448,9 @@ class Exchange:
             failure,
             method=self.method,
             path=self.path,
-            engine=self.engine.id,
+            engine=self.wiring.engine.id,
         )
-        if self.dispatch is not None:
-            self.dispatch.stop(Reason.BACKSTOP)
-        if self.stream is not None:
-            self.stream.abort()
+        self._stop_upstream(Reason.BACKSTOP)
         self._end(FAILED, Reason.BACKSTOP, status=500)
         answer_internal_error(self.request)
 
@@ -465,11 +472,12 @@ class Exchange:
         if self.ended:
             return
         # A slot this end frees goes to a waiting request once the end is done, in this turn.
-        self.placement.hold_offers()
+        placement = self.wiring.placement
+        placement.hold_offers()
         try:
             self._ended(state, reason, detail, status, stats, note)
         finally:
-            self.placement.offer_held()
+            placement.offer_held()
 
     def _ended(
         self,
@@ -482,41 +490,48 @@ class Exchange:
     ) -> None:
         error = reason.says(detail) if reason is not None else None
         self._enter(Phase.ENDED)
+        wiring = self.wiring
         stream = self.stream
         if stream is not None:
             stream.stop()
-        self.in_flight.discard(self)
+        wiring.in_flight.discard(self)
+        engine = wiring.engine.id
         log.debug(
             "request {id} ended {state} ({error})",
             id=self.id,
             state=state,
             error=error or "ok",
-            engine=self.engine.id,
+            engine=engine,
         )
         if self.workload is not None:
             self.workload.terminal(state, error, stats)
         first_byte_at = stream.first_byte_at if stream is not None else None
         ttfb = None if first_byte_at is None else first_byte_at - self.admitted_at
         status = status if status is not None else 499
-        duration = self.clock.seconds() - self.admitted_at
-        self.reporter.request_finished(
+        duration = wiring.upstreams.clock.seconds() - self.admitted_at
+        node_id, target = self.node_id, self.target()
+        # A finished conductor lets go of its stream, which names it: nothing of the request
+        # is left in a reference cycle (docs/decisions.md#no-cycles).
+        self.stream = None
+        reporter = wiring.reporter
+        reporter.request_finished(
             self.id,
             self.method,
             self.path,
-            self.target,
+            target,
             status,
             duration,
-            node_id=self.node_id,
+            node_id=node_id,
             ttfb=ttfb,
             error=error or note,
         )
-        if self.reporter.recorder is not None:
-            self.reporter.request_ended(
+        if reporter.recorder is not None:
+            reporter.request_ended(
                 route=route_class(self.route),
                 outcome=state,
                 status=status,
                 duration=duration,
-                node=self.node_id,
+                node=node_id,
                 model=self.model,
                 reason=reason,
                 ttfb=ttfb,

@@ -9,8 +9,8 @@ committed relay streams into, and it owns what the commit handed over: the relay
 reservation.
 
 It decides nothing about the request's outcome. Whatever happens to the stream is reported
-through the one callback, as a :class:`StreamEvent`; the exchange decides how the request
-ends and then stops the stream, once.
+to its conductor (``IConductor.streamed``), as a :class:`StreamEvent`; the exchange decides
+how the request ends, stops the stream once, and lets go of it.
 """
 
 from __future__ import annotations
@@ -19,16 +19,17 @@ import enum
 from typing import Callable, cast
 
 import attrs
-from twisted.internet.interfaces import IPushProducer, IReactorTime
+from twisted.internet.interfaces import IDelayedCall, IPushProducer, IReactorTime
 from twisted.python.failure import Failure
 from twisted.web.server import Request
 from zope.interface import implementer
 
 from ..body.tokens import BodyObserver, Figures
 from ..core import constants
-from ..core.interfaces import IBodySink
+from ..core.interfaces import IBodySink, IConductor
+from ..core.timers import cancel_pending
 from ..core.twisted_workarounds import channel_paused
-from ..http.relay import ClientWatch, StreamIdle, StreamIdleTimeout, clean_end
+from ..http.relay import StreamIdle, StreamIdleTimeout, clean_end
 from .attempt import Committed
 
 
@@ -55,22 +56,18 @@ class StreamEvent:
     failure: Failure | None = None
 
 
-def _unheard(event: StreamEvent) -> None:
-    pass
-
-
-def _unheard_stall() -> None:
-    pass
-
-
-@implementer(IBodySink)
+@implementer(IBodySink, IPushProducer)
 class Stream:
     """The committed body streaming from ``committed``'s relay into ``request``.
 
     ``terminal`` is the route's terminal frame rule (None: no rule); ``idle_limit`` 0 keeps
     a silent upstream open (the spec's behaviour); ``activity`` reports bytes from the node and
     answers the time before which reporting again is moot (docs/references.md#node-activity);
-    ``report`` hears every :class:`StreamEvent`.
+    ``conductor`` hears every :class:`StreamEvent`.
+
+    It is also the producer registered with the client connection: a client that stops
+    reading pauses the upstream socket (backpressure) and starts the dead-client deadline;
+    resuming stops it (docs/references.md#dead-client-deadline).
     """
 
     def __init__(
@@ -82,11 +79,11 @@ class Stream:
         terminal: str | None,
         idle_limit: float,
         activity: Callable[[str], float],
-        report: Callable[[StreamEvent], None],
+        conductor: IConductor,
     ) -> None:
         self.request, self.committed, self.clock = request, committed, clock
         self.node_id = committed.node.id
-        self.activity, self.report = activity, report
+        self.activity, self.conductor = activity, conductor
         response = committed.response
         self.status: int = response.code
         self.observer: BodyObserver | None = None
@@ -102,26 +99,47 @@ class Stream:
         self.idle_limit = idle_limit
         self.stopped = False
         # A response body's transport is its producer (``IResponse.deliverBody``).
-        self.watch = ClientWatch(
-            cast(IPushProducer, committed.relay.transport),
-            clock,
-            self._client_stalled,
-            constants.DEAD_CLIENT_WRITE_DEADLINE,
-        )
+        self.upstream = cast(IPushProducer, committed.relay.transport)
+        #: The dead-client deadline, running while the client takes nothing.
+        self.timer: IDelayedCall | None = None
         self.idle: StreamIdle | None = None
 
     def start(self) -> None:
         """Register with the client connection and take the body, held bytes first."""
-        request, watch = self.request, self.watch
-        request.registerProducer(watch, True)
+        request = self.request
+        request.registerProducer(self, True)
         if self.idle_limit > 0:
             self.idle = StreamIdle(
-                self.clock, self.idle_limit, lambda: watch.timer is not None, self._upstream_idle
+                self.clock, self.idle_limit, self._client_paused, self._upstream_idle
             )
         self.committed.relay.attach(self)
         if not self.stopped and channel_paused(request):
             # The channel does not pause a producer registered while it is itself paused.
-            watch.pauseProducing()
+            self.pauseProducing()
+
+    # The producer the client connection sees.
+
+    def pauseProducing(self) -> None:
+        self.upstream.pauseProducing()
+        if self.timer is None and not self.stopped:
+            self.timer = self.clock.callLater(
+                constants.DEAD_CLIENT_WRITE_DEADLINE, self._client_stalled
+            )
+
+    def resumeProducing(self) -> None:
+        self.stop_timer()
+        self.upstream.resumeProducing()
+
+    def stopProducing(self) -> None:
+        self.stop_timer()
+        self.upstream.stopProducing()
+
+    def stop_timer(self) -> None:
+        cancel_pending(self.timer)
+        self.timer = None
+
+    def _client_paused(self) -> bool:
+        return self.timer is not None
 
     # The sink the committed relay streams into.
 
@@ -144,7 +162,7 @@ class Stream:
                 # (docs/references.md#node-activity): until then a chunk costs only this comparison.
                 self.activity_due = self.activity(self.node_id)
         except Exception:
-            self.report(StreamEvent(Happened.CRASHED, Failure()))
+            self.conductor.streamed(StreamEvent(Happened.CRASHED, Failure()))
 
     def upstream_done(self, reason: Failure) -> None:
         """The body ended; cleanly or not, a committed request is the caller's
@@ -154,7 +172,7 @@ class Stream:
         self.request.unregisterProducer()
         if self.first_byte_at is None:
             self.first_byte_at = self.clock.seconds()
-        self.report(StreamEvent(Happened.UPSTREAM_DONE, reason))
+        self.conductor.streamed(StreamEvent(Happened.UPSTREAM_DONE, reason))
         if clean_end(reason):
             self.request.finish()
         else:
@@ -187,31 +205,31 @@ class Stream:
 
     def abort(self) -> None:
         """Stop the upstream: the request ends without the rest of this body."""
-        self.watch.stop_timer()
+        self.stop_timer()
         self.committed.relay.abort()
 
     def stop(self) -> None:
         """The request ended: no timer of the stream stays, no chunk is relayed any more, and
         the reservation the commit handed over is released (idempotent)."""
         self.stopped = True
-        self.watch.stop_timer()
+        self.stop_timer()
         if self.idle is not None:
-            self.idle.stop()
+            # The idle deadline is the stream's part: stopped, it is let go of (it names the
+            # stream: docs/decisions.md#no-cycles).
+            idle, self.idle = self.idle, None
+            idle.stop()
         if self.committed.reservation is not None:
             self.committed.reservation.release()
-        # A stopped stream reports nothing more: it lets go of its owner, and its watch of
-        # it (docs/decisions.md#no-cycles).
-        self.report = _unheard
-        self.watch.on_dead = _unheard_stall
 
     def _client_stalled(self) -> None:
-        self.report(StreamEvent(Happened.CLIENT_STALLED))
+        self.timer = None
+        self.conductor.streamed(StreamEvent(Happened.CLIENT_STALLED))
 
     def _upstream_idle(self) -> None:
         """A committed engine went silent: close it; the client sees a truncated body and
         the workload stays completed (docs/references.md#caller-promise), with the note on
         ``proxy/request``."""
         self.idle_note = f"upstream sent nothing for {self.idle_limit:g}s after commit"
-        self.report(StreamEvent(Happened.UPSTREAM_IDLE))
+        self.conductor.streamed(StreamEvent(Happened.UPSTREAM_IDLE))
         self.committed.relay.abort()
         self.upstream_done(Failure(StreamIdleTimeout(self.idle_note)))

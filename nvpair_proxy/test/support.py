@@ -13,10 +13,15 @@ from twisted.internet.task import Clock
 from twisted.internet.testing import EventLoggingObserver, MemoryReactorClock, StringTransport
 from twisted.logger import globalLogPublisher
 from twisted.python.failure import Failure
+from twisted.web.http_headers import Headers
+from zope.interface import implementer
 
 from nvpair_proxy.core import logs
+from nvpair_proxy.core.interfaces import IAttemptSink
 from nvpair_proxy.lan.apikeys import KeyStore, LanGate, parse_cidrs
-from nvpair_proxy.testing import processes
+from nvpair_proxy.nodes.discovery import Node
+from nvpair_proxy.request.attempt import AddressMemory, Attempt, UpstreamRequest
+from nvpair_proxy.testing import FakeAgent, processes
 
 KEY = "k" * 24 + "-._~+/=0123"  # 35 characters of the LAN keys' alphabet
 
@@ -205,3 +210,35 @@ def broker_channel(test, args: list[str] | tuple[str, ...] = ()) -> processes.Br
     link = processes.BrokerChannel(workdir, args)
     test.addCleanup(link.close)
     return link
+
+
+@implementer(IAttemptSink)
+class Outcomes(list):
+    """The loop an attempt reports to, recording each outcome: never the final attempt."""
+
+    def is_final(self) -> bool:
+        return False
+
+    def attempt_ended(self, outcome) -> None:
+        self.append(outcome)
+
+
+def attempt(agent: FakeAgent, clock: Clock, sink: Outcomes | None = None) -> Attempt:
+    node = Node(id="a", name="a", port=11434, addresses=("10.0.0.1",))
+    request = UpstreamRequest(
+        method=b"POST",
+        target=b"/api/chat",
+        headers=Headers(),
+        body=b"{}",
+        inference=True,
+        retryable=lambda status: status >= 500,
+        response_timeout=60,
+    )
+    return Attempt(
+        agent=agent,
+        clock=clock,
+        addresses=AddressMemory(),
+        node=node,
+        request=request,
+        sink=Outcomes() if sink is None else sink,
+    )

@@ -14,7 +14,7 @@ from __future__ import annotations
 from treq.testing import RequestTraversalAgent
 from twisted.internet.defer import CancelledError
 from twisted.internet.error import ConnectError, ConnectionRefusedError
-from twisted.internet.interfaces import IReactorTime
+from twisted.internet.interfaces import IPushProducer, IReactorTime
 from twisted.internet.task import Clock
 from twisted.internet.testing import MemoryReactorClock
 from twisted.python.failure import Failure
@@ -30,11 +30,13 @@ from zope.interface.verify import verifyObject
 
 from nvpair_proxy.admin.recorder import Recorder
 from nvpair_proxy.core.interfaces import (
+    IAttemptSink,
     IBodySink,
-    IDispatchObserver,
+    IConductor,
     IEmitter,
     IHealth,
     IOwners,
+    IPeek,
     IPlacement,
     IRequestRecorder,
     IStatusSource,
@@ -47,14 +49,13 @@ from nvpair_proxy.http.relay import clean_end
 from nvpair_proxy.http.requestbody import BytesProducer
 from nvpair_proxy.nodes.discovery import Node
 from nvpair_proxy.process.service import ProcessService
-from nvpair_proxy.request.dispatch import SILENT
 from nvpair_proxy.request.events import LogEmitter
 from nvpair_proxy.routing.affinity import AffinityTable
 from nvpair_proxy.routing.reservations import ReservationMap
 from nvpair_proxy.routing.router import Router
 from nvpair_proxy.routing.slotqueue import SlotQueue
 from nvpair_proxy.routing.tickets import PASS, Brokered, Direct, LateBinding, Standalone
-from nvpair_proxy.test.support import Collect, Wire
+from nvpair_proxy.test.support import Collect, Outcomes, Wire, attempt
 from nvpair_proxy.test.world import ENGINES, World, WorldStatus
 from nvpair_proxy.testing import FakeAgent, FakeResponse, RecordingEmitter
 
@@ -112,8 +113,12 @@ class Interfaces(SynchronousTestCase):
             (ITicket, Standalone(router, ReservationMap()).make("m", b"key", 10)),
             (IReactorTime, Clock()),
             (IBodySink, committed.stream),
-            (IDispatchObserver, exchange),
-            (IDispatchObserver, SILENT),
+            (IPushProducer, committed.stream),
+            (IConductor, exchange),
+            (IConductor, committed),
+            (IAttemptSink, committed.dispatch),
+            (IAttemptSink, Outcomes()),
+            (IPeek, attempt(FakeAgent(), Clock())),
             (IRequestRecorder, Recorder()),
             (IStatusSource, ProcessService(MemoryReactorClock())),
             (IStatusSource, WorldStatus(World())),

@@ -592,18 +592,18 @@ class RobustnessTests(WorldTestCase):
         self.assertEqual(dict(w.reservations.reservations), {})
 
     def test_a_bug_inside_the_loop_ends_that_request_with_500_and_one_terminal(self):
-        from nvpair_proxy.request.exchange import Exchange
+        from nvpair_proxy.request.dispatch import Dispatch
 
         calls = []
-        original = Exchange.dispatched
+        original = Dispatch._dispatched
 
-        def dispatched(exchange, node):
+        def dispatched(dispatch, node, now):
             calls.append(node.id)
             if len(calls) == 2:
                 raise RuntimeError("bug")
-            original(exchange, node)
+            original(dispatch, node, now)
 
-        self.patch(Exchange, "dispatched", dispatched)
+        self.patch(Dispatch, "_dispatched", dispatched)
         w = self.world()
         w.add("a"), w.add("b", addresses=("10.0.0.2",))
         client = w.chat()

@@ -88,7 +88,7 @@ LAYERS = (
     ),
     ("standalone", ("engineaccess", "nodesfile")),
     # The request path, top to bottom.
-    ("request", ("attempt", "dispatch", "events", "stream", "exchange")),
+    ("request", ("events", "attempt", "dispatch", "stream", "exchange")),
     ("fleet", ("inventory", "cors", "fleet", "truthpoller")),
     ("lan", ("apikeys",)),
     ("cluster", ("trust", "admission")),

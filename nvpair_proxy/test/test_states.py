@@ -7,9 +7,7 @@ import itertools
 
 from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
-from twisted.web.http_headers import Headers
 
-from nvpair_proxy.nodes.discovery import Node
 from nvpair_proxy.request.attempt import (
     CANCELLED,
     COMMITTED,
@@ -17,49 +15,26 @@ from nvpair_proxy.request.attempt import (
     FAILED,
     PEEKING,
     TRANSITIONS,
-    AddressMemory,
-    Attempt,
     AttemptFailure,
     Committed,
     InvalidTransition,
     State,
-    UpstreamRequest,
 )
 from nvpair_proxy.request.exchange import PHASES, InvalidPhase, Phase
+from nvpair_proxy.test.support import Outcomes, attempt
 from nvpair_proxy.test.world import WorldTestCase
 from nvpair_proxy.testing import FakeAgent
 
 NDJSON = {"Content-Type": "application/x-ndjson"}
 
 
-def attempt(agent: FakeAgent, clock: Clock) -> Attempt:
-    node = Node(id="a", name="a", port=11434, addresses=("10.0.0.1",))
-    request = UpstreamRequest(
-        method=b"POST",
-        target=b"/api/chat",
-        headers=Headers(),
-        body=b"{}",
-        inference=True,
-        retryable=lambda status: status >= 500,
-        response_timeout=60,
-    )
-    return Attempt(
-        agent=agent,
-        clock=clock,
-        addresses=AddressMemory(),
-        node=node,
-        request=request,
-        final=lambda: False,
-    )
-
-
 def peeking():
     """An attempt whose NDJSON headers arrived and no body byte yet: (attempt, clock, its
     outcomes, the upstream response)."""
     agent, clock = FakeAgent(), Clock()
-    a = attempt(agent, clock)
-    outcomes: list = []
-    a.start(outcomes.append)
+    outcomes = Outcomes()
+    a = attempt(agent, clock, outcomes)
+    a.start()
     return a, clock, outcomes, agent.last.respond(200, NDJSON)
 
 

@@ -1,5 +1,5 @@
 """The committed stream: built at commit, it owns what the commit handed over (the relay and
-the reservation) and reports to the exchange through one callback."""
+the reservation) and reports to its conductor, the exchange, through one declared sink."""
 
 from __future__ import annotations
 
@@ -47,10 +47,11 @@ class CommitHandsOverTheReservation(WorldTestCase):
         w, client, upstream, exchange = self.committed()
         stream = exchange.stream
         client.pause()  # the dead-client deadline starts
-        self.assertIsNotNone(stream.watch.timer)
+        self.assertIsNotNone(stream.timer)
         exchange.shutdown()
         self.assertTrue(stream.stopped)
-        self.assertIsNone(stream.watch.timer)
+        self.assertIsNone(stream.timer)
+        self.assertIsNone(exchange.stream, "the ended exchange lets go of its stream")
         written = stream.bytes_written
         stream.write(b'{"done":true}\n')
         self.assertEqual(stream.bytes_written, written)
@@ -63,13 +64,13 @@ class OneCallback(WorldTestCase):
         upstream.write(b'{"done":false}\n')
         stream = exchange.stream
         seen = []
-        report = stream.report
+        report = exchange.streamed
 
         def spy(event):
             seen.append((event.happened, stream.request.finished, exchange.ended))
             report(event)
 
-        stream.report = spy
+        self.patch(exchange, "streamed", spy)
         upstream.write(b'{"done":true}\n')
         upstream.finish()
         self.assertEqual(seen, [(Happened.UPSTREAM_DONE, False, False)])

@@ -251,34 +251,56 @@ class QueueBudgetTests(WorldTestCase):
 
 class NoCycleTests(WorldTestCase):
     """A finished request leaves no reference cycle (docs/decisions.md#no-cycles): its
-    exchange, loop, attempt, stream and relay are freed as their last reference goes, not by
+    exchange, loop, attempts, stream and relay are freed as their last reference goes, not by
     the garbage collector, whose collections a request's cyclic garbage would trigger and
-    feed (5 % of a proxied request's CPU in process)."""
+    feed (5 % of a proxied request's CPU in process). No part swaps in a null callable at its
+    end: the parts below the exchange point up only through a fired Deferred or a declared
+    sink, and each owner lets go of a part whose work ended."""
 
-    def test_a_finished_request_is_freed_with_the_collector_off(self):
-        import gc
+    def parts_at_the_end(self) -> list[list]:
+        """Weak references to each ended request's exchange, loop, job, stream, relay,
+        workload and attempts, taken as it ends."""
         import weakref
 
         from nvpair_proxy.request import exchange as exchange_module
+        from nvpair_proxy.request.attempt import Attempt
 
-        w, through, _, _ = through_the_client(self)
+        attempts: list = []
+        start = Attempt.start
+
+        def starting(attempt):
+            attempts.append(weakref.ref(attempt))
+            start(attempt)
+
+        self.patch(Attempt, "start", starting)
         ended: list = []
         original = exchange_module.Exchange._ended
 
         def recording(exchange, *args):
-            stream = exchange.stream
-            parts = [
-                exchange,
-                exchange.dispatch,
-                stream,
-                stream.committed.relay,
-                stream.watch,
-                exchange.workload,
-            ]
-            ended.append([weakref.ref(part) for part in parts if part is not None])
+            stream, dispatch = exchange.stream, exchange.dispatch
+            parts = [exchange, dispatch, dispatch.job, exchange.workload, stream]
+            if stream is not None:
+                parts.append(stream.committed.relay)
+            ended.append([weakref.ref(part) for part in parts if part is not None] + attempts)
+            attempts.clear()
             original(exchange, *args)
 
         self.patch(exchange_module.Exchange, "_ended", recording)
+        return ended
+
+    def assert_freed(self, refs: list, parts: int) -> None:
+        alive = [type(ref()).__name__ for ref in refs if ref() is not None]
+        self.assertEqual((len(refs), alive), (parts, []))
+
+    def collector_off(self) -> None:
+        import gc
+
+        self.addCleanup(gc.enable)
+        gc.disable()
+
+    def test_a_finished_request_is_freed_with_the_collector_off(self):
+        w, through, _, _ = through_the_client(self)
+        ended = self.parts_at_the_end()
 
         def proxied():
             client = through()
@@ -286,9 +308,33 @@ class NoCycleTests(WorldTestCase):
             client.disconnect()
 
         proxied()  # warm: the first request dials; the next reuses that connection
-        self.addCleanup(gc.enable)
-        gc.disable()
+        self.collector_off()
         proxied()
         self.assertEqual(len(ended), 2)
-        alive = [type(ref()).__name__ for ref in ended[1] if ref() is not None]
-        self.assertEqual((len(ended[1]), alive), (6, []))
+        # exchange, loop, job, workload, stream, relay and the one attempt
+        self.assert_freed(ended[1], 7)
+
+    def test_a_client_that_leaves_mid_stream_leaves_nothing_behind(self):
+        w, _, wires, reactor = through_the_client(self)
+        ended = self.parts_at_the_end()
+        self.collector_off()
+        client = w.chat()
+        wire = Wire(reactor)
+        wire.reply(NDJSON_STREAM[: NDJSON_STREAM.index(b"33\r\n")])  # headers, one chunk
+        client.disconnect()
+        wire.close()  # the aborted upstream connection's end
+        self.assertEqual((len(ended), w.facade.in_flight), (1, set()))
+        self.assert_freed(ended[0], 7)
+
+    def test_a_request_that_failed_over_leaves_nothing_behind(self):
+        w, _, wires, reactor = through_the_client(self)
+        w.add("b", addresses=("10.0.0.2",))
+        ended = self.parts_at_the_end()
+        self.collector_off()
+        client = w.chat()
+        Wire(reactor).reply(b"HTTP/1.1 503 Busy\r\nContent-Length: 0\r\n\r\n")
+        Wire(reactor).reply(NDJSON_STREAM)
+        self.assertEqual(client.response().status, 200)
+        client.disconnect()
+        # exchange, loop, job, workload, stream, relay and both attempts
+        self.assert_freed(ended[0], 8)
