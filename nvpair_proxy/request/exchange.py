@@ -1,10 +1,12 @@
 """One client request through a facade, top to bottom (docs/references.md#request-path).
 
-admit (classify, name the model, filter to owners: none is a local 502) -> dispatch (the loop
-in dispatch.py) -> commit (status, headers, the spliced first byte) -> stream with
-backpressure (stream.py, which reports back here) -> end. Every way a request can end funnels
-into ``_end``, which runs once: it is the one place the outcome is decided and reported, and
-it stops the stream, which releases the reservation the commit handed over.
+The exchange is the request's one conductor (docs/architecture.md#request-path): admit
+(classify, name the model, filter to owners: none is a local 502) -> the ticket -> run the
+loop (dispatch.py, whose ``run`` answers with a Deferred) -> commit (status, headers, the
+spliced first byte) -> stream with backpressure (stream.py, which reports here through
+``IConductor``) -> end. Every way a request can end funnels into ``_end``, which runs once: it
+is the one place the outcome is decided and reported, and it stops the stream (which releases
+the reservation the commit handed over) and lets go of it.
 """
 
 from __future__ import annotations

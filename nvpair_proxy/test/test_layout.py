@@ -624,3 +624,61 @@ class SeamTests(SynchronousTestCase):
         ):
             self.assertIsNotNone(MODE_CHECK.search(line), line)
         self.assertIsNone(MODE_CHECK.search("if self.reservation is not None:"))
+
+
+def instance_attributes(source: str, class_name: str) -> set[str]:
+    """Every ``self.<name>`` a class's methods assign (plain, annotated, tuple or augmented)."""
+    (cls,) = (
+        node
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.ClassDef) and node.name == class_name
+    )
+    names = set()
+    for node in ast.walk(cls):
+        targets: list = []
+        if isinstance(node, ast.Assign):
+            targets = list(node.targets)
+        elif isinstance(node, (ast.AnnAssign, ast.AugAssign)):
+            targets = [node.target]
+        while targets:
+            target = targets.pop()
+            if isinstance(target, ast.Tuple):
+                targets.extend(target.elts)
+            elif (
+                isinstance(target, ast.Attribute)
+                and isinstance(target.value, ast.Name)
+                and target.value.id == "self"
+            ):
+                names.add(target.attr)
+    return names
+
+
+# The request's conductor and its loop hold what a request needs and no more: what is the
+# same for every request of a facade is one Wiring or Job value, what a part knows is asked
+# of the part (issue 33).
+CONDUCTOR_ATTRIBUTES = {("request.exchange", "Exchange"): 12, ("request.dispatch", "Dispatch"): 12}
+
+
+class ConductorTests(SynchronousTestCase):
+    def test_the_conductor_and_its_loop_hold_at_most_twelve_attributes(self):
+        sizes = {
+            name: len(instance_attributes(source_of(module), name))
+            for (module, name) in CONDUCTOR_ATTRIBUTES
+        }
+        self.assertEqual(
+            {name: n for name, n in sizes.items() if n > 12}, {}, "group what is fixed per facade"
+        )
+        self.assertGreater(min(sizes.values()), 5, "the scan sees their attributes")
+
+    def test_the_scan_counts_every_kind_of_assignment(self):
+        source = """
+class C:
+    def __init__(self):
+        self.a, (self.b, self.c) = 1, (2, 3)
+        self.d: int = 4
+        other.e = 5
+    def later(self):
+        self.f += 1
+        self.a = 2
+"""
+        self.assertEqual(instance_attributes(source, "C"), {"a", "b", "c", "d", "f"})
