@@ -116,8 +116,9 @@ class ProxyCollector(Collector):
         )
         yield _histogram(
             "queue_wait_seconds",
-            "Time a request waited in the queue for a free slot (standalone late binding).",
-            ["engine"],
+            "Time a request waited in the queue for a free slot (standalone late binding), "
+            "by its priority (normal, or batch: X-NVPAIR-Priority).",
+            ["engine", "priority"],
             recorder.queue_wait,
         )
         yield _counter(
@@ -191,6 +192,12 @@ class ProxyCollector(Collector):
             "Requests waiting in the queue for a free slot (standalone late binding).",
             ["engine"],
             {engine: r.queued for engine, r in routing.items()},
+        )
+        yield _gauge(
+            "queue_clients",
+            "Clients with a request waiting in the queue (fair share takes turns across them).",
+            ["engine"],
+            {engine: r.clients_waiting for engine, r in routing.items()},
         )
         slots = {}
         for engine, r in routing.items():

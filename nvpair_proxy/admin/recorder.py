@@ -109,7 +109,7 @@ class Recorder:
         self.completion_tokens: Counter = Counter()  # (engine, node)
         self.ttfb: dict[tuple[str, str], Histogram] = {}  # (engine, node)
         self.duration: dict[tuple[str, str], Histogram] = {}  # (engine, route)
-        self.queue_wait: dict[tuple[str], Histogram] = {}  # (engine,)
+        self.queue_wait: dict[tuple[str, str], Histogram] = {}  # (engine, priority)
         self.affinity: Counter = Counter()  # (engine, hit|spill|miss|none)
         self.last_request: dict[str, float] = {}  # node -> when a request on it last ended
         self.recent: deque[RequestEnded] = deque(maxlen=recent)
@@ -140,8 +140,8 @@ class Recorder:
             ended = attrs.evolve(ended, model=ended.model[:MODEL_SHOWN] + "…")
         self.recent.append(ended)
 
-    def queue_left(self, engine: str, waited: float) -> None:
-        self._histogram(self.queue_wait, (engine,), QUEUE_WAIT_BUCKETS).observe(waited)
+    def queue_left(self, engine: str, waited: float, priority: str = "normal") -> None:
+        self._histogram(self.queue_wait, (engine, priority), QUEUE_WAIT_BUCKETS).observe(waited)
 
     def dispatch_ended(self, engine: str, outcome) -> None:
         result = COMMITTED if isinstance(outcome, Committed) else outcome.kind.value

@@ -106,6 +106,9 @@ def engine_status(facade: FacadeView, recorder: Recorder) -> dict:
         # Standalone late binding: the requests waiting for a free slot, the longest wait.
         "queued": routing.queued,
         "oldest_wait_s": None if routing.oldest_wait is None else round(routing.oldest_wait, 3),
+        # Fair share: how many clients wait (never who), and batch work still yielding.
+        "clients_waiting": routing.clients_waiting,
+        "batch_waiting": routing.batch_waiting,
         # Affinity: conversations remembered (null when it is off).
         "affinity_keys": None
         if routing.affinity_keys is None

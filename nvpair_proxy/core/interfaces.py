@@ -93,11 +93,14 @@ class IPlacement(Interface):
     def refuses(nodes: list, model: str | None) -> bool:
         """Whether a new request would wait and the queue has no room for it (the busy 503)."""
 
-    def ticket(model: str | None, size: int, headers, body, path: str, reserve: bool):
+    def ticket(model: str | None, size: int, request, body, reserve: bool):
         """An admitted request's ``ITicket``: ``model`` normalized (None: none named),
-        ``size`` its body's bytes, ``headers``, ``body`` (the parsed JSON, or None) and
-        ``path`` what its conversation's key is read from, ``reserve`` whether it holds a
-        claim on the nodes it goes to (a workload's inference request)."""
+        ``size`` its body's bytes, ``request`` (its headers and path) and ``body`` (the parsed
+        JSON, or None) what its conversation's key and its client are read from, ``reserve``
+        whether it holds a claim on the nodes it goes to (a workload's inference request)."""
+
+    def retry_after(nodes: list, model: str | None) -> int:
+        """Seconds a refused request should wait before it comes back (its Retry-After)."""
 
     def hold_offers() -> None:
         """A request's end begins: slots it frees wait for ``offer_held``."""
@@ -130,6 +133,9 @@ class ITicket(Interface):
 
     def release() -> None:
         """Hold nothing: the claim released, out of the queue (it backs off, waits or ends)."""
+
+    def retry_after() -> int:
+        """Seconds a request that waited out its deadline should wait before it comes back."""
 
     def committed(node_id: str, status: int):
         """The node committed with ``status``: the claim (a Reservation, or None) is handed
@@ -213,7 +219,7 @@ class IRequestRecorder(Interface):
     def dispatch_ended(engine: str, outcome) -> None:
         """One dispatch of the facade ``engine`` ended: ``Committed`` or ``Failed``."""
 
-    def queue_left(engine: str, waited: float) -> None:
+    def queue_left(engine: str, waited: float, priority: str) -> None:
         """A request left the facade ``engine``'s queue after ``waited`` seconds (late
         binding): dispatched, at its deadline, or gone."""
 

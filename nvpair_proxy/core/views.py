@@ -50,6 +50,10 @@ class RoutingView:
     #: Late binding: the requests waiting for a free slot, and the longest wait's seconds.
     queued: int = 0
     oldest_wait: float | None = None
+    #: Fair share: how many clients have a request waiting (never who), and how many
+    #: waiting requests are batch work still yielding to the rest.
+    clients_waiting: int = 0
+    batch_waiting: int = 0
     #: Affinity: the conversations remembered per node (None: affinity is off).
     affinity_keys: tuple[tuple[str, int], ...] | None = None
 

@@ -138,7 +138,11 @@ def make_facade(
         waited = (
             None
             if recorder is None
-            else (lambda waiter, seconds: recorder.queue_left(engine.id, seconds))
+            else (
+                lambda waiter, seconds: recorder.queue_left(
+                    engine.id, seconds, "batch" if waiter.batch else "normal"
+                )
+            )
         )
         queue = SlotQueue(clock, policy.queue_depth, on_leave=waited)
     table = AffinityTable() if policy.affinity else None

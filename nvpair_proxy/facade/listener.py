@@ -18,7 +18,7 @@ from twisted.internet.protocol import Protocol, ServerFactory, connectionDone
 from twisted.protocols.policies import WrappingFactory
 from twisted.python.failure import Failure
 from twisted.web.resource import Resource
-from twisted.web.server import NOT_DONE_YET, Request
+from twisted.web.server import NOT_DONE_YET
 
 from ..core.acceptguard import listen_tcp
 from ..core.constants import SERVER_HEADER_READ_TIMEOUT
@@ -26,8 +26,9 @@ from ..core.logs import logger
 from ..core.timers import cancel_pending
 from ..core.validate import is_loopback
 from ..http.answers import send_error
-from ..http.server import BoundedChannel, BoundedSite, Rejected
+from ..http.server import BoundedChannel, BoundedRequest, BoundedSite, Rejected
 from ..lan.apikeys import LanGate, Verdict, answer_for
+from ..routing.clients import client_of
 
 TLS_HANDSHAKE = 0x16
 
@@ -46,13 +47,14 @@ class LoopbackOnly(Resource):
         super().__init__()
         self.on_rejected, self.lan, self.serve = on_rejected, lan, serve
 
-    def render(self, request: Request):
+    def render(self, request: BoundedRequest):
         verdict = Verdict.LOOPBACK_ONLY
         if self.lan is not None:
             verdict = self.lan.decide(request.getClientAddress().host, request.requestHeaders)
         refusal = answer_for(verdict)
         if refusal is None:  # only a LanGate lets a LAN peer through
             assert self.lan is not None and self.serve is not None
+            request.client_digest = client_of(request)  # named by its key, which goes now
             self.lan.admit(request.requestHeaders)
             return self.serve.render(request)
         status, reason, text, challenge = refusal

@@ -253,6 +253,9 @@ class BoundedRequest(Request):
         self._received = 0
         self._rejected = False
         self._conductor: IConductor | None = None
+        #: The digest naming the client for fair share, when something read it before the
+        #: request reached its facade (the LAN key gate, which removes the key it admitted).
+        self.client_digest: bytes | None = None
 
     def conduct(self, conductor: IConductor) -> None:
         """Tell ``conductor`` how this request's response ends."""

@@ -31,6 +31,7 @@ from ..core.files import FileWatch
 from ..core.logs import logger
 from ..core.validate import ip_of
 from ..http.answers import LOOPBACK_ONLY, SOURCE_NOT_ALLOWED, UNAUTHORIZED, Reason
+from ..http.credentials import CREDENTIAL_HEADERS, presented
 
 log = logger()
 
@@ -47,7 +48,6 @@ MAX_SOURCES = 4096
 
 CHALLENGE = b'Bearer realm="nvpair-proxy"'
 CHALLENGE_REJECTED = b'Bearer realm="nvpair-proxy", error="invalid_token"'
-CREDENTIAL_HEADERS = (b"authorization", b"x-api-key")
 
 
 class KeysError(ValueError):
@@ -186,19 +186,6 @@ class Verdict(enum.Enum):
     NOT_ALLOWED = "not-allowed"  # outside the source allowlist
     MISSING = "missing"  # no key presented
     REJECTED = "rejected"  # a key presented, none valid
-
-
-def presented(headers: Headers) -> list[bytes]:
-    """Every key a request presents: Bearer credentials and X-Api-Key values."""
-    keys = []
-    for value in headers.getRawHeaders(b"authorization", []):
-        scheme, _, token = value.strip().partition(b" ")
-        if scheme.lower() == b"bearer" and token.strip():
-            keys.append(token.strip())
-    for value in headers.getRawHeaders(b"x-api-key", []):
-        if value.strip():
-            keys.append(value.strip())
-    return keys
 
 
 def parse_cidrs(text: str) -> list[ipaddress.IPv4Network | ipaddress.IPv6Network]:

@@ -370,7 +370,8 @@ class Dispatch:
 
     def _expired(self) -> None:
         self._state = Loop.RUNNING
-        self._guarded(self._finish, Answer(503, Reason.NO_FREE_SLOT, retry_after=1))
+        retry = self.job.ticket.retry_after()
+        self._guarded(self._finish, Answer(503, Reason.NO_FREE_SLOT, retry_after=retry))
 
     def _back_off(self) -> None:
         """Wait before the next round; also paces the wait for an owner

@@ -28,6 +28,7 @@ from ..http.hopbyhop import copy_end_to_end, end_to_end
 from ..http.server import BoundedRequest
 from ..nodes.discovery import host_port
 from ..nodes.engines import Engine
+from ..routing.clients import PRIORITY_HEADER
 from ..routing.router import retry_after
 from ..routing.tickets import PASS
 from .attempt import Committed, UpstreamRequest
@@ -64,6 +65,10 @@ def requested_model(body: bytes | dict | None) -> str | None:
         return None
     return model
 
+
+# Request headers that end here: the framing this hop sets again, and the proxy's own
+# priority (docs/decisions.md#fair-share).
+NOT_FORWARDED = (b"host", b"content-length", PRIORITY_HEADER)
 
 # "The caller did not classify the request": the route may be None (unlisted), so None
 # cannot say it.
@@ -180,16 +185,12 @@ class Exchange:
         placement = wiring.placement
         if wanted is not None and placement.refuses(candidates, wanted):
             # Late binding: every owner is full and the queue has no room left.
-            self._answer(Answer(503, Reason.ALL_OWNERS_BUSY, retry_after=1))
+            retry = placement.retry_after(candidates, wanted)
+            self._answer(Answer(503, Reason.ALL_OWNERS_BUSY, retry_after=retry))
             return
         request = self.request
         ticket = self.ticket = placement.ticket(
-            wanted,
-            len(body),
-            request.requestHeaders,
-            data,
-            self.path,
-            reserve=model is not None and inference,
+            wanted, len(body), request, data, reserve=model is not None and inference
         )
         reporter = wiring.reporter
         if model is not None:
@@ -211,7 +212,7 @@ class Exchange:
             method=request.method,
             target=request.uri,
             headers=upstreams.loop_guard.stamp(
-                end_to_end(request.requestHeaders, drop=(b"host", b"content-length"))
+                end_to_end(request.requestHeaders, drop=NOT_FORWARDED)
             ),
             body=body,
             inference=inference,

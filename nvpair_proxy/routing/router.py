@@ -37,6 +37,7 @@ from ..nodes.engines import Engine
 from ..nodes.selection import order, owners
 from .affinity import AffinityTable
 from .enginetruth import EngineTruth
+from .fairshare import Contention
 from .placement import Standing, rank_key, standing
 from .rates import NodeRates
 from .reservations import ReservationMap
@@ -83,6 +84,8 @@ class Router:
     #: Called whenever a slot may have freed: an engine's report changed, or (standalone) one
     #: of our dispatches on a node of this fleet ended or moved away.
     on_freed: list[Callable[[], None]] = attrs.Factory(list)
+    #: Which nodes lately ran work we did not send (fair share reads it).
+    contention: Contention = attrs.Factory(Contention)
     _truth: dict[str, EngineTruth] = attrs.Factory(dict)
     _ended_since_read: dict[str, int] = attrs.Factory(dict)
     _last_traffic: float | None = None
@@ -171,11 +174,13 @@ class Router:
     def set_truth(self, node_id: str, truth: EngineTruth | None) -> None:
         """A node's latest read; None forgets it (the engine reports nothing). A read that
         shows a free slot lets a waiting request go (within one poll of the slot freeing)."""
-        self._ended_since_read.pop(node_id, None)
+        ended = self._ended_since_read.pop(node_id, 0)
         if truth is None:
             self._truth.pop(node_id, None)
+            self.contention.forget(node_id)
         else:
             self._truth[node_id] = truth
+            self.contention.read(node_id, truth, self._ours(node_id), ended, self.clock.seconds())
         for freed in self.on_freed:
             freed()
 
@@ -335,6 +340,8 @@ class Router:
             engines=self._engine_views(routable) if self.scheduling else (),  # not a request's
             queued=len(queue) if queue is not None else 0,
             oldest_wait=None if oldest is None else now - oldest,
+            clients_waiting=queue.clients() if queue is not None else 0,
+            batch_waiting=queue.batch_waiting() if queue is not None else 0,
             affinity_keys=None
             if self.affinity is None
             else tuple(sorted(self.affinity.keys_per_node(now).items())),

@@ -19,12 +19,15 @@ from __future__ import annotations
 from typing import Any, Callable, Sequence
 
 import attrs
-from twisted.web.http_headers import Headers
 from zope.interface import implementer
 
 from ..core.interfaces import IPlacement, ITicket
+from ..http.server import BoundedRequest
 from ..nodes.discovery import Node
 from .affinity import AffinityTable, affinity_key
+from .clients import client_of, is_batch
+from .fairshare import RETRY_MIN, hold_for
+from .fairshare import retry_after as fair_retry_after
 from .rates import RATE_READ_INTERVAL, PromptReading
 from .reservations import Reservation, ReservationMap
 from .router import Router
@@ -79,6 +82,9 @@ class PassTicket:
     def wait(self, plan: Wait, deadline: float, wake, expire) -> None:
         raise AssertionError("a request that reserves nothing never waits")
 
+    def retry_after(self) -> int:
+        return RETRY_MIN
+
     def release(self) -> None:
         """Nothing is held."""
 
@@ -114,9 +120,12 @@ class Direct:
         return False
 
     def ticket(
-        self, model: str | None, size: int, headers: Headers, body: Any, path: str, reserve: bool
+        self, model: str | None, size: int, request: BoundedRequest, body: Any, reserve: bool
     ) -> ITicket:
         return PASS
+
+    def retry_after(self, nodes: Sequence[Node], model: str | None) -> int:
+        return RETRY_MIN
 
     def hold_offers(self) -> None:
         """Nothing waits, so nothing is offered."""
@@ -162,6 +171,10 @@ class ReservedTicket:
     def wait(self, plan: Wait, deadline: float, wake, expire) -> None:
         raise AssertionError("the broker's candidates never make a request wait")
 
+    def retry_after(self) -> int:
+        """Nothing waits under the broker: come back in a second."""
+        return RETRY_MIN
+
     def release(self) -> None:
         if self.reservation is not None:
             self.reservation.release()
@@ -189,8 +202,8 @@ class Conversations:
     def __init__(self, table: AffinityTable, clock) -> None:
         self.table, self.clock = table, clock
 
-    def key(self, headers: Headers, body: Any, model: str, path: str) -> bytes | None:
-        return affinity_key(headers, body, model, path)
+    def key(self, request: BoundedRequest, body: Any, model: str) -> bytes | None:
+        return affinity_key(request.requestHeaders, body, model, request.path.decode("latin-1"))
 
     def node_for(self, key: bytes | None) -> str | None:
         """The node that last committed ``key``'s conversation, None when none."""
@@ -208,7 +221,7 @@ class Conversations:
 class NoConversations:
     """Affinity off: no request has a key, and nothing is looked up or remembered."""
 
-    def key(self, headers: Headers, body: Any, model: str, path: str) -> None:
+    def key(self, request: BoundedRequest, body: Any, model: str) -> None:
         return None
 
     def node_for(self, key: bytes | None) -> None:
@@ -245,20 +258,26 @@ class Brokered:
         return False
 
     def ticket(
-        self, model: str | None, size: int, headers: Headers, body: Any, path: str, reserve: bool
+        self, model: str | None, size: int, request: BoundedRequest, body: Any, reserve: bool
     ) -> ITicket:
         self.router.admitted()
         if not reserve or model is None:
             return self.unreserved(size)
         # Never logged, nor anything derived from it (routing/affinity.py).
-        return self.make(model, self.conversations.key(headers, body, model, path), size)
+        return self.make(model, self.conversations.key(request, body, model), size, request)
 
-    def make(self, model: str, key: bytes | None, size: int) -> ITicket:
+    def make(
+        self, model: str, key: bytes | None, size: int, request: BoundedRequest | None = None
+    ) -> ITicket:
         return ReservedTicket(self, model, key)
 
     def unreserved(self, size: int) -> ITicket:
         """The ticket of a request that reserves nothing (no workload)."""
         return PASS
+
+    def retry_after(self, nodes: Sequence[Node], model: str | None) -> int:
+        """The cluster's scheduler decides when there is room: come back in a second."""
+        return RETRY_MIN
 
     def hold_offers(self) -> None:
         """Nothing waits, so nothing is offered."""
@@ -296,15 +315,31 @@ class StandaloneTicket(ReservedTicket):
 
     placement: "Standalone"
 
-    def __init__(self, placement: "Standalone", model: str, key: bytes | None, size: int) -> None:
+    def __init__(
+        self,
+        placement: "Standalone",
+        model: str,
+        key: bytes | None,
+        size: int,
+        request: BoundedRequest | None = None,
+    ) -> None:
         super().__init__(placement, model, key)
         self.size = size
+        #: Who the request is and whether it is batch work: read only if it waits.
+        self.request = request
         self.waiter: Waiter | None = None
         #: A request waits for its conversation's node at most once (the spill rule's bound).
         self.waited_for_affine = False
+        #: Its hold ran out (fair share): it goes to an owner even when every one is full,
+        #: to wait in that engine's own queue.
+        self.forced = False
 
     def place(self, candidates: list[Node], ahead: bool) -> Plan:
         placement = self.placement
+        if self.forced:
+            self.forced = False
+            nodes, self.reservation = placement.place(candidates, None)
+            return nodes
         if placement.all_full(candidates, self.model):
             return Wait(ahead=ahead)
         # Asked at every round: another request of the conversation may have moved it.
@@ -323,14 +358,20 @@ class StandaloneTicket(ReservedTicket):
         self.release()
 
         def woken() -> None:
-            self.waiter = None
+            waiter, self.waiter = self.waiter, None
+            self.forced = waiter is not None and waiter.forced
             wake()
 
         def expired() -> None:
             self.waiter = None
             expire()
 
-        self.waiter = self.placement.wait(self.model, deadline, woken, expired, plan)
+        self.waiter = self.placement.wait(self.model, deadline, woken, expired, plan, self.request)
+
+    def retry_after(self) -> int:
+        """When a request that waited out its deadline should come back."""
+        placement = self.placement
+        return placement.retry_after(placement.router.candidates(self.model), self.model)
 
     def release(self) -> None:
         super().release()
@@ -398,8 +439,10 @@ class Standalone(Brokered):
         # measured.
         self.meter: RateMeter | NoMeter = NO_METER if affinity is None else RateMeter(router)
 
-    def make(self, model: str, key: bytes | None, size: int) -> ITicket:
-        return StandaloneTicket(self, model, key, size)
+    def make(
+        self, model: str, key: bytes | None, size: int, request: BoundedRequest | None = None
+    ) -> ITicket:
+        return StandaloneTicket(self, model, key, size, request)
 
     def unreserved(self, size: int) -> ITicket:
         """A request without a workload reserves nothing, yet its end on a node is measured
@@ -417,7 +460,13 @@ class Standalone(Brokered):
         return None
 
     def wait(
-        self, model: str, deadline: float, wake: Callable[[], None], expire, plan: Wait
+        self,
+        model: str,
+        deadline: float,
+        wake: Callable[[], None],
+        expire,
+        plan: Wait,
+        request: BoundedRequest | None,
     ) -> Waiter:
         raise AssertionError("without late binding nothing waits")
 
@@ -473,10 +522,15 @@ class LateBinding(Standalone):
     ) -> None:
         super().__init__(router, reservations, affinity)
         self.queue = queue
+        # The hold and a busy answer's Retry-After read the owners' service times too, so
+        # they are measured with or without affinity (docs/decisions.md#fair-share).
+        self.meter = RateMeter(router)
         self._offer: Any = None
         #: While a request's end runs (``hold_offers``): a slot it frees is offered when it is done.
         self._holding = 0
         self._offer_due = False
+        #: The contention changes this placement last looked at (``_offer_slots``).
+        self._shared_seen = router.contention.changes
         # A slot frees when any of our dispatches ends, whichever facade made it, and when a
         # read of an engine shows one free (the router says which); for a waiter whose patience
         # ran out, any slot will do.
@@ -513,9 +567,22 @@ class LateBinding(Standalone):
         return super().fail_over(remaining, model)
 
     def wait(
-        self, model: str, deadline: float, wake: Callable[[], None], expire, plan: Wait
+        self,
+        model: str,
+        deadline: float,
+        wake: Callable[[], None],
+        expire,
+        plan: Wait,
+        request: BoundedRequest | None,
     ) -> Waiter:
         now = self.clock.seconds()
+        router = self.router
+        owners = router.candidates(model)
+        hold_until = None
+        if plan.prefer is None and router.contention.shared([n.id for n in owners], now):
+            # Others work on these owners: wait for a slot we see free only so long, then
+            # join the engine's own queue (docs/decisions.md#fair-share).
+            hold_until = now + hold_for(self._services(owners))
         waiter = self.queue.add(
             Waiter(
                 model=model,
@@ -526,14 +593,33 @@ class LateBinding(Standalone):
                 ahead=plan.ahead,
                 prefer=plan.prefer,
                 patience_until=None if plan.patience is None else now + plan.patience,
+                client=b"" if request is None else client_of(request),
+                batch=request is not None and not plan.ahead and is_batch(request),
+                hold_until=hold_until,
             )
         )
         # A slot may have freed while nobody waited (a failover's own reservation, released
         # as it joins): the offer that would have followed it is made now. Usually every
         # owner is still full, as the request just found, and nothing is scheduled.
-        if not self.all_full(self.router.candidates(model), model):
+        if not self.all_full(owners, model):
             self._offer_soon()
         return waiter
+
+    def retry_after(self, nodes: Sequence[Node], model: str | None) -> int:
+        """The work queued ahead, served at the owners' measured rate: how long a refused
+        request should wait before it comes back (1 s when nothing is measured yet)."""
+        if model is None:
+            return RETRY_MIN
+        services = self._services(nodes)
+        slots = sum(s.total or 1 for s in self.router.standings(nodes, model))
+        service = sum(services) / len(services) if services else None
+        return fair_retry_after(self.queue.ahead_of(model), slots, service)
+
+    def _services(self, nodes: Sequence[Node]) -> list[float]:
+        rates = self.router.rates
+        return [
+            r.service for n in nodes if (r := rates.get(n.id)) is not None and r.service is not None
+        ]
 
     def unwait(self, waiter: Waiter) -> None:
         self.queue.remove(waiter)
@@ -565,10 +651,30 @@ class LateBinding(Standalone):
     def _offer_slots(self) -> None:
         self._offer = None
         queue = self.queue
+        contention = self.router.contention
+        if contention.changes != self._shared_seen:
+            self._shared_seen = contention.changes
+            self._hold_waiting()
         for model in queue.models():
             while not self.all_full(self.router.candidates(model), model):
                 if not queue.wake_first(model, self._may_go):
                     break
+            # Those whose hold ran out go even to a full owner, into its engine's queue, while
+            # another's work is still there (else they wait for a slot as any other).
+            owners = self.router.candidates(model)
+            if self.router.contention.shared([n.id for n in owners], self.clock.seconds()):
+                while queue.wake_first(model, _forced):
+                    pass
+
+    def _hold_waiting(self) -> None:
+        """A node was found shared: requests already waiting for its models get the bounded
+        hold too, counted from when each began to wait (docs/decisions.md#fair-share)."""
+        router = self.router
+        now = self.clock.seconds()
+        for model in self.queue.models():
+            owners = router.candidates(model)
+            if router.contention.shared([n.id for n in owners], now):
+                self.queue.hold(model, hold_for(self._services(owners)))
 
     def _may_go(self, waiter: Waiter) -> bool:
         """A waiter for its preferred node goes when that node is free (or no longer one it
@@ -625,3 +731,7 @@ class LateBinding(Standalone):
         if expected >= reread:
             return None
         return affine, min(rates.service, reread)
+
+
+def _forced(waiter: Waiter) -> bool:
+    return waiter.forced

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import subprocess
 import tempfile
 
@@ -173,6 +174,15 @@ class = "models"
 upstream_path = "/v1/models"
 envelope = "openai"
 """
+
+
+def read_answer(sock: socket.socket) -> bytes:
+    """Everything a blocking socket receives until the far end closes, then closed."""
+    with sock:
+        parts = []
+        while chunk := sock.recv(65536):
+            parts.append(chunk)
+    return b"".join(parts)
 
 
 # The real processes (nvpair_proxy.testing.processes), bound to a test: stopped at its end.

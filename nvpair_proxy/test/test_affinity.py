@@ -480,8 +480,9 @@ class TicketTests(WorldTestCase):
         self.assertEqual(client.response().status, 200)
         self.assertEqual(w.facade.router.rates["a"].service, 0.25)
 
-    def test_without_affinity_nothing_is_measured(self):
-        w = self.world(scheduling=True, queue_depth=10)
+    def test_without_affinity_or_late_binding_nothing_is_measured(self):
+        # Late binding reads the service times too (docs/decisions.md#fair-share).
+        w = self.world(scheduling=True)
         w.add("a")
         client = w.send("GET", "/api/version")
         w.agent.last.respond(200, {"Content-Type": "application/json"}, b"{}", finish=True)
@@ -498,7 +499,9 @@ class TicketTests(WorldTestCase):
             def committed(self, node_id, status):
                 raise RuntimeError("a bug in the ticket")
 
-        w.facade.placement.make = lambda model, key, size: Broken(w.facade.placement, model, key)
+        w.facade.placement.make = lambda model, key, size, request: Broken(
+            w.facade.placement, model, key
+        )
         self.addCleanup(self.flushLoggedErrors, RuntimeError)
         client = w.chat()
         upstream = w.agent.last.respond(200, NDJSON)

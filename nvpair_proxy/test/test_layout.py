@@ -68,6 +68,7 @@ LAYERS = (
             "keypair",
             "answers",
             "server",
+            "credentials",
         ),
     ),
     ("body", ("frames", "tokens")),
@@ -79,6 +80,8 @@ LAYERS = (
             "reservations",
             "enginetruth",
             "placement",
+            "fairshare",
+            "clients",
             "slotqueue",
             "affinity",
             "rates",
@@ -121,6 +124,7 @@ NO_TWISTED = (
     "routing.enginetruth",
     "routing.placement",
     "routing.rates",
+    "routing.fairshare",
 )
 
 

@@ -18,7 +18,7 @@ from twisted.internet.testing import MemoryReactorClock
 from twisted.trial.unittest import SynchronousTestCase
 
 from nvpair_proxy.http.client import Client
-from nvpair_proxy.test.support import Wire, start_fleet, start_standalone
+from nvpair_proxy.test.support import Wire, read_answer, start_fleet, start_standalone
 from nvpair_proxy.test.world import WorldTestCase
 from nvpair_proxy.testing.processes import DEADLINE, free_port, nodes_toml
 
@@ -153,12 +153,7 @@ def _post(port: int, path: str, body: dict) -> socket.socket:
     return sock
 
 
-def _answer(sock: socket.socket) -> bytes:
-    with sock:
-        parts = []
-        while chunk := sock.recv(65536):
-            parts.append(chunk)
-    return b"".join(parts)
+_answer = read_answer
 
 
 def _get(port: int, path: str) -> bytes:
