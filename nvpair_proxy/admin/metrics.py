@@ -124,8 +124,9 @@ class ProxyCollector(Collector):
         yield _counter(
             "affinity",
             "Inference requests by how affinity placed them: hit (served "
-            "by the conversation's node), spill (passed over), miss (a new or "
-            "expired conversation), none (no conversation).",
+            "by the conversation's node), evicted (served there, but its engine had "
+            "lost the conversation: it reused less than half of the last prompt), spill "
+            "(passed over), miss (a new or expired conversation), none (no conversation).",
             ["engine", "result"],
             recorder.affinity,
         )

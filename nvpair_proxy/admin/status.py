@@ -197,6 +197,9 @@ def engine_report(report: EngineView) -> dict:
         "prompt_bytes_per_token": None
         if report.bytes_per_token is None
         else round(report.bytes_per_token, 2),
+        "prompt_reused_share": None
+        if report.reused_share is None
+        else round(report.reused_share, 3),
     }
 
 

@@ -153,6 +153,9 @@ class Figures:
     #: ``prompt_n + cache_n``, else the count ``prompt`` reads. Placement weighs a body's bytes
     #: by it; ``promptTokens`` keeps the wire's reading (``prompt``).
     prompt_seen: int | None = None
+    #: Prompt tokens the engine took from its cache instead of reading (llama.cpp
+    #: ``timings.cache_n``); None when it does not say, which is never "none cached".
+    prompt_cached: int | None = None
 
 
 _USAGE_KEYS = ("prompt_tokens", "completion_tokens", "input_tokens", "output_tokens")
@@ -238,6 +241,7 @@ def read_figures(tail: bytes | bytearray) -> Figures:
         prompt_rate=prompt_rate,
         prompt_read=prompt_read,
         prompt_seen=prompt_seen,
+        prompt_cached=_count(timings.get("cache_n")),
     )
 
 

@@ -137,9 +137,10 @@ class ITicket(Interface):
     def retry_after() -> int:
         """Seconds a request that waited out its deadline should wait before it comes back."""
 
-    def committed(node_id: str, status: int):
-        """The node committed with ``status``: the claim (a Reservation, or None) is handed
-        over to the stream, which releases it at the end."""
+    def committed(node_id: str, status: int, head: bytes):
+        """The node committed with ``status`` and the answer's first bytes ``head`` (where a
+        Responses answer names itself): the claim (a Reservation, or None) is handed over to
+        the stream, which releases it at the end."""
 
     def measured(node_id: str, seconds: float, figures) -> None:
         """A committed request below 400 ended ``seconds`` after its dispatch to the node;

@@ -78,6 +78,9 @@ class EngineView:
     service: float | None = None
     prompt_rate: float | None = None
     bytes_per_token: float | None = None
+    #: The share of its conversations' prompt tokens its engine took from its cache, as the
+    #: engine said (llama.cpp); None until one said.
+    reused_share: float | None = None
 
 
 @attrs.frozen

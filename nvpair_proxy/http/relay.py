@@ -81,6 +81,10 @@ class BodyRelay(Protocol):
             self._paused = False
             self._upstream().resumeProducing()
 
+    def head(self) -> bytes:
+        """The first chunk while it is held (before a sink attaches), else nothing."""
+        return self._held[0] if self._held else b""
+
     def abort(self) -> None:
         if self.transport is not None and self._ended is None:
             self._upstream().stopProducing()

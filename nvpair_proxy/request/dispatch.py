@@ -407,7 +407,9 @@ class Dispatch:
         if isinstance(result, Committed):
             # The claim goes with the commit: the stream holds the node until it ends.
             try:
-                reservation = self.job.ticket.committed(result.node.id, result.response.code)
+                reservation = self.job.ticket.committed(
+                    result.node.id, result.response.code, result.relay.head()
+                )
             except Exception:
                 result.relay.abort()  # a bug: nobody will read the body (request-containment)
                 raise

@@ -15,6 +15,7 @@ context costs no more than a short one.
 from __future__ import annotations
 
 import hashlib
+import re
 from collections import OrderedDict
 from typing import Any, Iterable, Iterator, Mapping
 
@@ -98,6 +99,32 @@ def _head_of_messages(messages: list, system: Any) -> list[bytes] | None:
     return None
 
 
+# A Responses answer's id: the first ``"id"`` of its head, the response's own in both the
+# ``response.created`` event of a stream and a whole JSON answer.
+_RESPONSE_ID = re.compile(rb'"id"\s*:\s*"([^"\\]{1,256})"')
+#: How much of an answer's head is searched for its id.
+RESPONSE_HEAD = 4096
+
+
+def response_key(model: str, response_id: bytes) -> bytes:
+    """The table key of an OpenAI Responses answer's id (a digest: never the id)."""
+    return _digest(b"response", model, (response_id,))
+
+
+def previous_response(body: Any) -> bytes | None:
+    """The ``previous_response_id`` a Responses request continues, or None."""
+    named = body.get("previous_response_id") if isinstance(body, dict) else None
+    if isinstance(named, str) and named.strip():
+        return named.strip()[:NAME_LIMIT].encode("utf-8", "replace")
+    return None
+
+
+def response_id_in(head: bytes) -> bytes | None:
+    """The id a Responses answer gives itself in its first bytes, or None."""
+    found = _RESPONSE_ID.search(head[:RESPONSE_HEAD])
+    return found.group(1) if found else None
+
+
 def session_of(headers: Headers, body: Mapping[str, Any]) -> bytes | None:
     """The session the client names: a header, else the body's ``prompt_cache_key``."""
     for name in SESSION_HEADERS:
@@ -153,6 +180,12 @@ class AffinityTable:
     max_keys: int = MAX_KEYS
     idle_expiry: float = IDLE_EXPIRY
     _entries: "OrderedDict[bytes, tuple[str, float]]" = attrs.Factory(OrderedDict)
+    #: Keys whose last hit found the node's engine had evicted them: still sent there when it
+    #: is free, but never waited for (the spill rule).
+    _evicted: set[bytes] = attrs.Factory(set)
+    #: The prompt tokens each key's last answer said its engine saw (the next hit should
+    #: reuse about that many).
+    _prompts: dict[bytes, int] = attrs.Factory(dict)
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -164,20 +197,44 @@ class AffinityTable:
             return None
         node, used = entry
         if now - used > self.idle_expiry:
-            del self._entries[key]
+            self._forget(key)
             return None
         return node
 
     def committed(self, key: bytes, node_id: str, now: float) -> None:
         self._entries[key] = (node_id, now)
         self._entries.move_to_end(key)
+        self._evicted.discard(key)
         while len(self._entries) > self.max_keys:
-            self._entries.popitem(last=False)
+            self._forget(next(iter(self._entries)))
+
+    def _forget(self, key: bytes) -> None:
+        del self._entries[key]
+        self._evicted.discard(key)
+        self._prompts.pop(key, None)
+
+    def evicted(self, key: bytes) -> None:
+        """The key's last hit read (nearly) its whole context again: its node's cache does not
+        keep it, so waiting for that node is no longer worth it."""
+        if key in self._entries:
+            self._evicted.add(key)
+
+    def is_evicted(self, key: bytes) -> bool:
+        return key in self._evicted
+
+    def prompt_seen(self, key: bytes, tokens: int) -> int | None:
+        """Remember that ``key``'s last answer saw ``tokens`` prompt tokens; the count its
+        previous answer saw, None when none did."""
+        if key not in self._entries:
+            return None
+        before = self._prompts.get(key)
+        self._prompts[key] = tokens
+        return before
 
     def forget_nodes_except(self, nodes: set[str]) -> None:
         """A node that left the fleet leaves the table."""
         for key in [k for k, (node, _) in self._entries.items() if node not in nodes]:
-            del self._entries[key]
+            self._forget(key)
 
     def keys_per_node(self, now: float) -> dict[str, int]:
         """How many live keys point at each node."""

@@ -16,6 +16,7 @@ the request ended; neither holds routing state of its own.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, Callable, Sequence
 
 import attrs
@@ -24,11 +25,17 @@ from zope.interface import implementer
 from ..core.interfaces import IPlacement, ITicket
 from ..http.server import BoundedRequest
 from ..nodes.discovery import Node
-from .affinity import AffinityTable, affinity_key
+from .affinity import (
+    AffinityTable,
+    affinity_key,
+    previous_response,
+    response_id_in,
+    response_key,
+)
 from .clients import client_of, is_batch
 from .fairshare import RETRY_MIN, hold_for
 from .fairshare import retry_after as fair_retry_after
-from .rates import RATE_READ_INTERVAL, PromptReading
+from .rates import MIN_PROMPT_TOKENS, RATE_READ_INTERVAL, PromptReading
 from .reservations import Reservation, ReservationMap
 from .router import Router
 from .slotqueue import SlotQueue, Waiter
@@ -88,7 +95,7 @@ class PassTicket:
     def release(self) -> None:
         """Nothing is held."""
 
-    def committed(self, node_id: str, status: int) -> Reservation | None:
+    def committed(self, node_id: str, status: int, head: bytes = b"") -> Reservation | None:
         return None
 
     def measured(self, node_id: str, seconds: float, figures: Callable[[], Any]) -> None:
@@ -140,6 +147,12 @@ class ReservedTicket:
     moved with each dispatch, handed over at the commit, released when it backs off, waits or
     ends."""
 
+    #: The key names a previous Responses answer (``previous_response_id``): its node is the
+    #: one that holds that answer's state, so the request goes there while it is an owner.
+    pinned = False
+    #: An OpenAI Responses request: its answer's id is learned at the commit.
+    responses = False
+
     def __init__(self, placement: "Brokered", model: str, key: bytes | None) -> None:
         self.placement, self.model, self.key = placement, model, key
         self.reservation: Reservation | None = None
@@ -180,12 +193,16 @@ class ReservedTicket:
             self.reservation.release()
             self.reservation = None
 
-    def committed(self, node_id: str, status: int) -> Reservation | None:
-        """The node committed: its cache holds the conversation now, and the claim goes with
-        the commit (the stream holds the node until it ends)."""
+    def committed(self, node_id: str, status: int, head: bytes = b"") -> Reservation | None:
+        """The node committed: its cache holds the conversation now (and a Responses answer's
+        state, named by the id in its ``head``), and the claim goes with the commit (the
+        stream holds the node until it ends)."""
         key = self.key
         if key is not None and status < 400:
-            self.placement.conversations.committed(key, node_id)
+            conversations = self.placement.conversations
+            conversations.committed(key, node_id)
+            if self.responses:
+                conversations.responded(self.model, head, node_id)
         if self.affine is not None:
             self.affinity = "hit" if node_id == self.affine else "spill"
         reservation, self.reservation = self.reservation, None
@@ -205,6 +222,18 @@ class Conversations:
     def key(self, request: BoundedRequest, body: Any, model: str) -> bytes | None:
         return affinity_key(request.requestHeaders, body, model, request.path.decode("latin-1"))
 
+    def previous(self, body: Any, model: str) -> bytes | None:
+        """The key of the Responses answer the request continues, None when it names none."""
+        named = previous_response(body)
+        return None if named is None else response_key(model, named)
+
+    def responded(self, model: str, head: bytes, node_id: str) -> None:
+        """A Responses answer committed on ``node_id``: its id, read from its head, points
+        there (a digest, never the id)."""
+        named = response_id_in(head)
+        if named is not None:
+            self.table.committed(response_key(model, named), node_id, self.clock.seconds())
+
     def node_for(self, key: bytes | None) -> str | None:
         """The node that last committed ``key``'s conversation, None when none."""
         return None if key is None else self.table.node_for(key, self.clock.seconds())
@@ -217,12 +246,32 @@ class Conversations:
     def committed(self, key: bytes, node_id: str) -> None:
         self.table.committed(key, node_id, self.clock.seconds())
 
+    def evicted(self, key: bytes | None) -> bool:
+        return key is not None and self.table.is_evicted(key)
+
+    def answered(self, key: bytes, seen: int, cached: int, hit: bool) -> bool:
+        """A committed answer of ``key``'s conversation said its engine saw ``seen`` prompt
+        tokens and took ``cached`` from its cache. True for a ``hit`` whose node's cache had
+        lost the conversation (it reused less than half of what the previous answer saw),
+        which the table then remembers (docs/decisions.md#affinity)."""
+        before = self.table.prompt_seen(key, seen)
+        if not hit or before is None or cached * 2 >= before:
+            return False
+        self.table.evicted(key)
+        return True
+
 
 class NoConversations:
     """Affinity off: no request has a key, and nothing is looked up or remembered."""
 
     def key(self, request: BoundedRequest, body: Any, model: str) -> None:
         return None
+
+    def previous(self, body: Any, model: str) -> None:
+        return None
+
+    def responded(self, model: str, head: bytes, node_id: str) -> None:
+        pass
 
     def node_for(self, key: bytes | None) -> None:
         return None
@@ -232,6 +281,12 @@ class NoConversations:
 
     def committed(self, key: bytes, node_id: str) -> None:
         pass
+
+    def evicted(self, key: bytes | None) -> bool:
+        return False
+
+    def answered(self, key: bytes, seen: int, cached: int, hit: bool) -> bool:
+        return False
 
 
 NO_CONVERSATIONS = NoConversations()
@@ -264,11 +319,17 @@ class Brokered:
         if not reserve or model is None:
             return self.unreserved(size)
         # Never logged, nor anything derived from it (routing/affinity.py).
-        return self.make(model, self.conversations.key(request, body, model), size, request)
+        conversations = self.conversations
+        previous = conversations.previous(body, model)
+        key = conversations.key(request, body, model) if previous is None else previous
+        ticket = self.make(model, key, size, request)
+        ticket.pinned = previous is not None
+        ticket.responses = request.path.endswith(b"/responses")
+        return ticket
 
     def make(
         self, model: str, key: bytes | None, size: int, request: BoundedRequest | None = None
-    ) -> ITicket:
+    ) -> ReservedTicket:
         return ReservedTicket(self, model, key)
 
     def unreserved(self, size: int) -> ITicket:
@@ -343,8 +404,19 @@ class StandaloneTicket(ReservedTicket):
         if placement.all_full(candidates, self.model):
             return Wait(ahead=ahead)
         # Asked at every round: another request of the conversation may have moved it.
-        affine = placement.conversations.node_for(self.key)
-        if affine is not None and not self.waited_for_affine:
+        conversations = placement.conversations
+        affine = conversations.node_for(self.key)
+        if self.pinned and affine is not None and any(n.id == affine for n in candidates):
+            # A previous answer's state lives on its node: there, waiting while it is full.
+            if placement.all_full([n for n in candidates if n.id == affine], self.model):
+                return Wait(ahead=ahead, prefer=affine)
+            nodes, self.reservation = placement.place(candidates, affine)
+            return nodes
+        if (
+            affine is not None
+            and not self.waited_for_affine
+            and not conversations.evicted(self.key)
+        ):
             waiting = placement.affinity_wait(candidates, self.model, affine, self.size)
             if waiting is not None:
                 self.waited_for_affine = True
@@ -382,8 +454,21 @@ class StandaloneTicket(ReservedTicket):
     def measured(self, node_id: str, seconds: float, figures: Callable[[], Any]) -> None:
         """A committed request below 400 ended on ``node_id``, ``seconds`` after its
         dispatch: the node's time to serve one, and (at most once a second per node) the
-        prompt figures its response's tail said."""
-        self.placement.measured(node_id, seconds, figures, self.size)
+        prompt figures its response's tail said. A conversation's answer is read each time:
+        what its engine reused checks a hit, and counts toward the node's share reused."""
+        placement = self.placement
+        if self.key is not None:
+            read = figures()
+            figures = partial(_same, read)
+            seen, cached = read.prompt_seen, read.prompt_cached
+            if seen and cached is not None and seen >= MIN_PROMPT_TOKENS:
+                rates = placement.router.rates_of(node_id)
+                if rates is not None:
+                    rates.reused(seen, cached)
+                hit = self.affinity == "hit"
+                if placement.conversations.answered(self.key, seen, cached, hit):
+                    self.affinity = "evicted"
+        placement.measured(node_id, seconds, figures, self.size)
 
 
 class RateMeter:
@@ -441,7 +526,7 @@ class Standalone(Brokered):
 
     def make(
         self, model: str, key: bytes | None, size: int, request: BoundedRequest | None = None
-    ) -> ITicket:
+    ) -> ReservedTicket:
         return StandaloneTicket(self, model, key, size, request)
 
     def unreserved(self, size: int) -> ITicket:
@@ -735,3 +820,7 @@ class LateBinding(Standalone):
 
 def _forced(waiter: Waiter) -> bool:
     return waiter.forced
+
+
+def _same(value: Any) -> Any:
+    return value

@@ -1142,6 +1142,7 @@ class SchedulerStatusTests(WorldTestCase):
                 "service_s": None,
                 "prompt_tokens_per_second": None,
                 "prompt_bytes_per_token": None,
+                "prompt_reused_share": None,
             },
         )
         self.assertEqual(
@@ -1156,6 +1157,7 @@ class SchedulerStatusTests(WorldTestCase):
                 "service_s": None,
                 "prompt_tokens_per_second": None,
                 "prompt_bytes_per_token": None,
+                "prompt_reused_share": None,
             },
         )
         samples = scraped(view)

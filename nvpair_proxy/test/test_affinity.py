@@ -162,7 +162,7 @@ class TableTests(SynchronousTestCase):
         self.assertEqual(table.keys_per_node(0), {"b": 1})
 
 
-class PlacementTests(WorldTestCase):
+class FleetTestCase(WorldTestCase):
     def fleet(self, *nodes: str, recorder=None, **kwargs):
         w = self.world(scheduling=True, queue_depth=100, affinity=True, recorder=recorder, **kwargs)
         for node in nodes:
@@ -186,6 +186,8 @@ class PlacementTests(WorldTestCase):
             request.respond(200, NDJSON, json.dumps(tail).encode() + b"\n", finish=True)
         return node, client
 
+
+class PlacementTests(FleetTestCase):
     def test_a_conversation_sticks_to_its_node_when_loads_are_equal(self):
         w = self.fleet("a", "b", "c")
         first, _ = self.turn(w, chat("file one"))
@@ -496,7 +498,7 @@ class TicketTests(WorldTestCase):
         w.add("a")
 
         class Broken(ReservedTicket):
-            def committed(self, node_id, status):
+            def committed(self, node_id, status, head=b""):
                 raise RuntimeError("a bug in the ticket")
 
         w.facade.placement.make = lambda model, key, size, request: Broken(
@@ -532,3 +534,138 @@ class TicketTests(WorldTestCase):
         self.assertIsInstance(made(Policy()).placement, Direct)
         for policy in (Policy(ranking=True), Policy(queue_depth=10)):
             self.assertRaises(ValueError, made, policy)
+
+
+class EvictedTests(FleetTestCase):
+    """A hit is checked against what the engine says it reused (issue 35, item 2)."""
+
+    def timings(self, seen: int, cached: int) -> dict:
+        return {"timings": {"prompt_n": seen - cached, "cache_n": cached, "predicted_n": 2}}
+
+    def third_turn_then_a_full(self, third_cached: int):
+        """A conversation on a (turns read 1000, then 1100 of which 1000 cached, then 1200 of
+        which ``third_cached``), then a full and b free, with rates that make waiting for a
+        worth it: the fourth turn's node (None while it waits) and the recorder."""
+        recorder = Recorder()
+        w = self.fleet("a", "b", recorder=recorder)
+        self.turn(w, chat(LONG), timings=self.timings(1000, 0))  # a miss: read it all
+        self.assertEqual(self.turn(w, chat(LONG, "next"), timings=self.timings(1100, 1000))[0], "a")
+        third = self.timings(1200, third_cached)
+        self.assertEqual(self.turn(w, chat(LONG, "next", "then"), timings=third)[0], "a")
+        for node in ("a", "b"):
+            rates = w.facade.router.rates_of(node)
+            rates.service, rates.prompt_rate, rates.bytes_per_token = 0.6, 10.0, 4.0
+        self.tell(w, "a", total=1)
+        self.tell(w, "b", total=1)
+        self.turn(w, chat("other"), answer=False)
+        self.assertEqual(node_of(w.agent.last), "a")
+        before = len(w.agent.requests)
+        client = w.send("POST", "/api/chat", chat(LONG, "next", "then", "more"))
+        went = node_of(w.agent.last) if len(w.agent.requests) > before else None
+        w.agent.requests[before - 1].respond(200, NDJSON, DONE, finish=True)
+        w.clock.advance(0)
+        w.agent.last.respond(200, NDJSON, DONE, finish=True)
+        self.assertEqual(client.response().status, 200)
+        return w, went, recorder
+
+    def test_a_hit_whose_engine_read_it_all_again_is_evicted_and_not_waited_for(self):
+        w, went, recorder = self.third_turn_then_a_full(third_cached=0)
+        self.assertEqual(went, "b", "a wait for a would buy nothing: b at once")
+        counts = {r: n for (e, r), n in recorder.affinity.items()}
+        self.assertEqual((counts["miss"], counts["evicted"]), (2, 1))
+        view = next(v for v in w.facade.router.view().engines if v.node == "a")
+        self.assertEqual(view.reused_share, 1000 / 3300)
+
+    def test_a_hit_that_reused_its_context_is_still_waited_for(self):
+        w, went, recorder = self.third_turn_then_a_full(third_cached=1100)
+        self.assertIsNone(went, "it waited for a")
+        self.assertNotIn("evicted", {r for (e, r) in recorder.affinity})
+
+    def test_an_engine_that_does_not_say_leaves_a_hit_a_hit(self):
+        recorder = Recorder()
+        w = self.fleet("a", recorder=recorder)
+        self.turn(w, chat(LONG), timings=self.timings(1000, 0))
+        self.turn(w, chat(LONG, "next"))  # no timings: unknown, never a miss
+        self.turn(w, chat(LONG, "next", "then"), timings={"prompt_eval_count": 900})
+        self.assertEqual({r: n for (e, r), n in recorder.affinity.items()}, {"miss": 1, "hit": 2})
+        view = w.facade.router.view().engines[0]
+        self.assertEqual(view.reused_share, 0.0)
+
+    def test_a_spill_that_reads_it_all_is_no_eviction(self):
+        recorder = Recorder()
+        w = self.fleet("a", "b", recorder=recorder)
+        self.turn(w, chat(LONG), timings=self.timings(1000, 0))
+        w.facade.router.answered("a", 503)  # a is held: the next turn spills to b
+        node, _ = self.turn(w, chat(LONG, "next"), timings=self.timings(1100, 0))
+        self.assertEqual(node, "b")
+        self.assertEqual({r: n for (e, r), n in recorder.affinity.items()}, {"miss": 1, "spill": 1})
+        w.clock.advance(31)
+
+
+SSE = {"Content-Type": "text/event-stream"}
+
+
+def responses_head(response_id: str) -> bytes:
+    created = {"type": "response.created", "response": {"id": response_id, "object": "response"}}
+    return b"event: response.created\ndata: " + json.dumps(created).encode() + b"\n\n"
+
+
+class PreviousResponseTests(FleetTestCase):
+    """A Responses request that continues an answer goes to the node holding that answer's
+    state (issue 35, item 4): another node would not know it (LM Studio keeps it server-side)."""
+
+    def respond(self, w, response_id: str, finish: bool = True):
+        upstream = w.agent.last.respond(200, SSE)
+        upstream.write(responses_head(response_id))
+        if finish:
+            upstream.write(b'event: response.completed\ndata: {"type":"response.completed"}\n\n')
+            upstream.finish()
+        return upstream
+
+    def ask(self, w, text: str = "hi", **fields):
+        body = {"model": "llama3", "input": text, "stream": True, **fields}
+        return w.send("POST", "/v1/responses", body)
+
+    def test_a_follow_up_goes_to_the_node_that_made_the_answer_it_continues(self):
+        w = self.fleet("a", "b")
+        first = self.ask(w)
+        self.assertEqual(node_of(w.agent.last), "a")
+        self.respond(w, "resp_one")
+        self.assertEqual(first.response().status, 200)
+        busy, _ = self.turn(w, chat("other"), answer=False)  # a runs one now, b none
+        self.assertEqual(busy, "a")
+        follow = self.ask(w, "and then?", previous_response_id="resp_one")
+        self.assertEqual(node_of(w.agent.last), "a", "not b, the less loaded")
+        self.respond(w, "resp_two")
+        self.assertEqual(follow.response().status, 200)
+        fresh = self.ask(w, "something else")  # no previous: placed by load
+        self.assertEqual(node_of(w.agent.last), "b")
+        self.respond(w, "resp_three")
+        self.assertEqual(fresh.response().status, 200)
+        w.agent.requests[1].respond(200, NDJSON, DONE, finish=True)
+
+    def test_a_follow_up_waits_for_its_full_node_rather_than_go_elsewhere(self):
+        w = self.fleet("a", "b")
+        self.ask(w)
+        self.respond(w, "resp_one")
+        self.tell(w, "a", total=1)
+        self.tell(w, "b", total=1)
+        self.turn(w, chat("other"), answer=False)
+        self.assertEqual(node_of(w.agent.last), "a")
+        follow = self.ask(w, "and then?", previous_response_id="resp_one")
+        self.assertEqual(len(w.agent.requests), 2, "it waits, though b is free")
+        w.agent.requests[1].respond(200, NDJSON, DONE, finish=True)
+        w.clock.advance(0)
+        self.assertEqual(node_of(w.agent.last), "a")
+        self.respond(w, "resp_two")
+        self.assertEqual(follow.response().status, 200)
+
+    def test_a_follow_up_whose_node_left_is_placed_as_any_other(self):
+        w = self.fleet("a", "b")
+        self.ask(w)
+        self.respond(w, "resp_one")
+        w.remove("a")
+        follow = self.ask(w, "and then?", previous_response_id="resp_one")
+        self.assertEqual(node_of(w.agent.last), "b")
+        self.respond(w, "resp_two")
+        self.assertEqual(follow.response().status, 200)
