@@ -126,7 +126,8 @@ class ProxyCollector(Collector):
             "Inference requests by how affinity placed them: hit (served "
             "by the conversation's node), evicted (served there, but its engine had "
             "lost the conversation: it reused less than half of the last prompt), spill "
-            "(passed over), miss (a new or expired conversation), none (no conversation).",
+            "(passed over), head (a new conversation sent where its long head was served), "
+            "miss (a new or expired conversation), none (no conversation).",
             ["engine", "result"],
             recorder.affinity,
         )

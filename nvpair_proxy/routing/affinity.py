@@ -15,6 +15,7 @@ context costs no more than a short one.
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 from collections import OrderedDict
 from typing import Any, Iterable, Iterator, Mapping
@@ -123,6 +124,63 @@ def response_id_in(head: bytes) -> bytes | None:
     """The id a Responses answer gives itself in its first bytes, or None."""
     found = _RESPONSE_ID.search(head[:RESPONSE_HEAD])
     return found.group(1) if found else None
+
+
+#: A shared head shorter than this (bytes of system prompt and tools) is not worth an entry:
+#: reading it again costs little.
+MIN_HEAD = 2048
+#: How much of the first user message extends a head at its second boundary.
+HEAD_START = 1024
+
+
+def _system_of(body: Mapping[str, Any]) -> bytes:
+    """A conversation's system prompt (Anthropic's field, Responses' instructions, or a first
+    system or developer message)."""
+    for field in ("system", "instructions"):
+        if body.get(field):
+            return b"".join(_text(body[field]))
+    messages = body.get("messages")
+    if isinstance(messages, list) and messages and isinstance(messages[0], dict):
+        if messages[0].get("role") in ("system", "developer"):
+            return b"".join(_text(messages[0].get("content")))
+    return b""
+
+
+def _first_user(body: Mapping[str, Any]) -> bytes:
+    given = body.get("messages", body.get("input"))
+    if isinstance(given, str):
+        return given[:HEAD_START].encode("utf-8", "replace")
+    if isinstance(given, list):
+        for message in given:
+            if isinstance(message, dict) and message.get("role") == "user":
+                return b"".join(_text(message.get("content"), HEAD_START))
+    return b""
+
+
+def head_keys(body: Any, model: str) -> tuple[bytes, ...]:
+    """The digests of a conversation's shared head, the longest first: its system prompt and
+    tool definitions with the start of its first user message, then without it. Empty when
+    the head is shorter than ``MIN_HEAD`` (or there is no conversation). Sessions of one agent
+    harness share the first; a parent's sub-agents share both."""
+    if not isinstance(body, dict):
+        return ()
+    system = _system_of(body)
+    tools = body.get("tools")
+    described = json.dumps(tools, sort_keys=True)[:HASHED].encode() if tools else b""
+    if len(system) + len(described) < MIN_HEAD:
+        return ()
+    base = _digest(b"head", model, (system, described))
+    # The longer head extends the shorter's digest: its bytes are hashed once.
+    return (_digest(b"head+", model, (base, _first_user(body))), base)
+
+
+def head_size(body: Any) -> int:
+    """The bytes of a conversation's shared head (system prompt and tools), to weigh its
+    re-read by."""
+    if not isinstance(body, dict):
+        return 0
+    tools = body.get("tools")
+    return len(_system_of(body)) + (len(json.dumps(tools)) if tools else 0)
 
 
 def session_of(headers: Headers, body: Mapping[str, Any]) -> bytes | None:

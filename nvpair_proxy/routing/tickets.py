@@ -28,6 +28,8 @@ from ..nodes.discovery import Node
 from .affinity import (
     AffinityTable,
     affinity_key,
+    head_keys,
+    head_size,
     previous_response,
     response_id_in,
     response_key,
@@ -152,6 +154,12 @@ class ReservedTicket:
     pinned = False
     #: An OpenAI Responses request: its answer's id is learned at the commit.
     responses = False
+    #: A new conversation's shared head (affinity.head_keys), longest first, and its bytes:
+    #: it goes to a node that served that head lately, whose engine may still hold it.
+    heads: tuple[bytes, ...] = ()
+    head_size = 0
+    #: The node that served the head when the request was placed there, None when not.
+    head_node: str | None = None
 
     def __init__(self, placement: "Brokered", model: str, key: bytes | None) -> None:
         self.placement, self.model, self.key = placement, model, key
@@ -203,6 +211,10 @@ class ReservedTicket:
             conversations.committed(key, node_id)
             if self.responses:
                 conversations.responded(self.model, head, node_id)
+            if self.heads:
+                conversations.served_head(self.heads, node_id)
+                if node_id == self.head_node:
+                    self.affinity = "head"
         if self.affine is not None:
             self.affinity = "hit" if node_id == self.affine else "spill"
         reservation, self.reservation = self.reservation, None
@@ -221,6 +233,24 @@ class Conversations:
 
     def key(self, request: BoundedRequest, body: Any, model: str) -> bytes | None:
         return affinity_key(request.requestHeaders, body, model, request.path.decode("latin-1"))
+
+    def heads(self, body: Any, model: str) -> tuple[tuple[bytes, ...], int]:
+        """A new conversation's head digests and the head's bytes."""
+        return head_keys(body, model), head_size(body)
+
+    def head_node(self, heads: tuple[bytes, ...]) -> str | None:
+        """The node that lately served the longest of ``heads``, None when none did."""
+        now = self.clock.seconds()
+        for digest in heads:
+            node = self.table.node_for(digest, now)
+            if node is not None:
+                return node
+        return None
+
+    def served_head(self, heads: tuple[bytes, ...], node_id: str) -> None:
+        now = self.clock.seconds()
+        for digest in heads:
+            self.table.committed(digest, node_id, now)
 
     def previous(self, body: Any, model: str) -> bytes | None:
         """The key of the Responses answer the request continues, None when it names none."""
@@ -266,6 +296,15 @@ class NoConversations:
 
     def key(self, request: BoundedRequest, body: Any, model: str) -> None:
         return None
+
+    def heads(self, body: Any, model: str) -> tuple[tuple[bytes, ...], int]:
+        return (), 0
+
+    def head_node(self, heads: tuple[bytes, ...]) -> None:
+        return None
+
+    def served_head(self, heads: tuple[bytes, ...], node_id: str) -> None:
+        pass
 
     def previous(self, body: Any, model: str) -> None:
         return None
@@ -325,6 +364,9 @@ class Brokered:
         ticket = self.make(model, key, size, request)
         ticket.pinned = previous is not None
         ticket.responses = request.path.endswith(b"/responses")
+        if key is not None and ticket.affine is None and previous is None:
+            # A new conversation (the usual first turn): its head may be known elsewhere.
+            ticket.heads, ticket.head_size = conversations.heads(body, model)
         return ticket
 
     def make(
@@ -401,8 +443,6 @@ class StandaloneTicket(ReservedTicket):
             self.forced = False
             nodes, self.reservation = placement.place(candidates, None)
             return nodes
-        if placement.all_full(candidates, self.model):
-            return Wait(ahead=ahead)
         # Asked at every round: another request of the conversation may have moved it.
         conversations = placement.conversations
         affine = conversations.node_for(self.key)
@@ -412,12 +452,20 @@ class StandaloneTicket(ReservedTicket):
                 return Wait(ahead=ahead, prefer=affine)
             nodes, self.reservation = placement.place(candidates, affine)
             return nodes
+        if placement.all_full(candidates, self.model):
+            return Wait(ahead=ahead)
+        size = self.size
+        if affine is None and self.heads:
+            # A new conversation whose head a node served lately: there, as its own node
+            # would be, weighing only the head's re-read (docs/decisions.md#affinity).
+            affine = self.head_node = conversations.head_node(self.heads)
+            size = self.head_size
         if (
             affine is not None
             and not self.waited_for_affine
             and not conversations.evicted(self.key)
         ):
-            waiting = placement.affinity_wait(candidates, self.model, affine, self.size)
+            waiting = placement.affinity_wait(candidates, self.model, affine, size)
             if waiting is not None:
                 self.waited_for_affine = True
                 return Wait(ahead=ahead, prefer=waiting[0], patience=waiting[1])

@@ -669,3 +669,77 @@ class PreviousResponseTests(FleetTestCase):
         self.assertEqual(node_of(w.agent.last), "b")
         self.respond(w, "resp_two")
         self.assertEqual(follow.response().status, 200)
+
+
+AGENT = "You are a coding agent. " + "Follow the repository's rules. " * 120  # ~3.6 KiB
+TOOLS = [{"type": "function", "function": {"name": "read", "parameters": {"type": "object"}}}]
+
+
+def session(first: str, *later: str, system: str = AGENT) -> dict:
+    return dict(chat(first, *later, system=system), tools=TOOLS)
+
+
+class SharedHeadTests(FleetTestCase):
+    """A new conversation whose long head a node served lately goes there (issue 35, item 5):
+    another session of the same agent harness, or a sub-agent of a conversation."""
+
+    def busy_a(self, w) -> None:
+        """a runs a request of another conversation now: b is the less loaded."""
+        node, _ = self.turn(w, chat("unrelated"), answer=False)
+        self.assertEqual(node, "a")
+
+    def test_a_new_session_of_a_known_head_goes_to_the_node_that_served_it(self):
+        recorder = Recorder()
+        w = self.fleet("a", "b", recorder=recorder)
+        self.assertEqual(self.turn(w, session("first task"))[0], "a")
+        self.busy_a(w)
+        node, client = self.turn(w, session("second task"))
+        self.assertEqual(node, "a", "not b, the less loaded")
+        self.assertEqual(client.response().status, 200)
+        counts = {r: n for (e, r), n in recorder.affinity.items()}
+        self.assertEqual((counts["head"], counts["miss"]), (1, 1))
+        w.agent.requests[1].respond(200, NDJSON, DONE, finish=True)
+
+    def test_a_sub_agent_goes_where_its_parent_is(self):
+        w = self.fleet("a", "b", "c")
+        self.assertEqual(self.turn(w, session("other work"))[0], "a")  # a knows the short head
+        w.clock.advance(1)
+        self.assertEqual(self.turn(w, session("parent task", system=AGENT + "!"))[0], "a")
+        self.busy_a(w)
+        # Children repeat their parent's system prompt, tools and first message, then their own.
+        child = session("parent task", "child: look at x", system=AGENT + "!")
+        node, _ = self.turn(
+            w,
+            dict(
+                child,
+                messages=child["messages"][:2] + [{"role": "user", "content": "child: look at x"}],
+            ),
+        )
+        self.assertEqual(node, "a")
+        w.agent.requests[2].respond(200, NDJSON, DONE, finish=True)
+
+    def test_a_short_head_is_placed_by_load(self):
+        w = self.fleet("a", "b")
+        self.turn(w, session("first task", system="be brief"))
+        self.busy_a(w)
+        self.assertEqual(self.turn(w, dict(chat("second task"), tools=TOOLS))[0], "b")
+        w.agent.requests[1].respond(200, NDJSON, DONE, finish=True)
+
+    def test_a_full_head_node_is_waited_for_only_when_rereading_the_head_costs_more(self):
+        for prompt_rate, expected in ((10.0, None), (100_000.0, "b")):
+            w = self.fleet("a", "b")
+            self.turn(w, session("first task"))
+            for node in ("a", "b"):
+                rates = w.facade.router.rates_of(node)
+                rates.service, rates.prompt_rate, rates.bytes_per_token = 0.6, prompt_rate, 4.0
+            self.tell(w, "a", total=1)
+            self.tell(w, "b", total=1)
+            self.busy_a(w)
+            before = len(w.agent.requests)
+            client = w.send("POST", "/api/chat", session("second task"))
+            went = node_of(w.agent.last) if len(w.agent.requests) > before else None
+            self.assertEqual(went, expected, prompt_rate)
+            w.agent.requests[before - 1].respond(200, NDJSON, DONE, finish=True)
+            w.clock.advance(0)
+            w.agent.last.respond(200, NDJSON, DONE, finish=True)
+            self.assertEqual(client.response().status, 200)
