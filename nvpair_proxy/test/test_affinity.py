@@ -743,3 +743,40 @@ class SharedHeadTests(FleetTestCase):
             w.clock.advance(0)
             w.agent.last.respond(200, NDJSON, DONE, finish=True)
             self.assertEqual(client.response().status, 200)
+
+
+class SubAgentTests(FleetTestCase):
+    """Sub-agents go where their parent is (issue 35, item 4), by the names the real clients
+    send (captured from Claude Code 2.1.337 and Codex CLI 0.169.0 on loopback): each names
+    its root session in every request, its sub-agents' included, beside a per-agent or
+    per-thread id that a child gets new."""
+
+    def test_children_of_a_session_go_to_its_node_whatever_their_own_ids(self):
+        cases = {
+            "claude code": (
+                {"x-claude-code-session-id": "7c1f0f2e-root"},
+                {"x-claude-code-agent-id": "a6887620fc923b34e"},
+            ),
+            "codex": (
+                {"session-id": "0199-root", "thread-id": "0199-root"},
+                {
+                    "thread-id": "0199-child",
+                    "x-codex-parent-thread-id": "0199-root",
+                    "x-openai-subagent": "collab_spawn",
+                },
+            ),
+        }
+        for harness, (parent, child) in cases.items():
+            w = self.fleet("a", "b")
+            first = w.send("POST", "/api/chat", chat("parent task"), headers=parent)
+            self.assertEqual(node_of(w.agent.last), "a", harness)
+            w.agent.last.respond(200, NDJSON, DONE, finish=True)
+            self.assertEqual(first.response().status, 200)
+            self.turn(w, chat("unrelated"), answer=False)  # a is the more loaded now
+            spawned = w.send(
+                "POST", "/api/chat", chat("child: look at x"), headers={**parent, **child}
+            )
+            self.assertEqual(node_of(w.agent.last), "a", harness)
+            w.agent.last.respond(200, NDJSON, DONE, finish=True)
+            self.assertEqual(spawned.response().status, 200)
+            w.agent.requests[1].respond(200, NDJSON, DONE, finish=True)
