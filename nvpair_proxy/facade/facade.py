@@ -145,7 +145,7 @@ def make_facade(
             )
         )
         queue = SlotQueue(clock, policy.queue_depth, on_leave=waited)
-    table = AffinityTable() if policy.affinity else None
+    table = AffinityTable(spill_keeps=policy.spill_keeps) if policy.affinity else None
     router = Router(
         engine=engine,
         clock=clock,

@@ -119,6 +119,9 @@ class Config:
     #: Affinity: on by default in standalone mode (``--no-affinity``), opt-in under the
     #: broker (``--affinity``), where it only breaks the chooser's ties.
     affinity: bool = False
+    #: Affinity: a spilled conversation stays bound to its node before (``keep``) or moves
+    #: to the node it spilled to (``move``, the default).
+    affinity_spill: str = "move"
 
     @property
     def standalone(self) -> bool:
@@ -133,7 +136,8 @@ class Options(usage.Options):
         "[--state-dir DIR] [--api-keys-file FILE] [--allowed-cidrs LIST] "
         "[--admin HOST:PORT] [--log-format text|json] [--access-log] [--version] "
         "[--engine ENGINE[:PORT]]... [--nodes FILE] [--engines-dir DIR] "
-        "[--queue-depth N] [--no-late-binding] [--no-affinity] [--affinity]"
+        "[--queue-depth N] [--no-late-binding] [--no-affinity] [--affinity] "
+        "[--affinity-spill move|keep]"
     )
     longdesc = (
         "Broker mode (default): JSON-RPC on stdin/stdout or --ipc. Standalone mode: any "
@@ -208,6 +212,14 @@ class Options(usage.Options):
             str(constants.QUEUE_DEPTH),
             "Standalone: requests one facade keeps waiting for a free slot; one more gets the "
             "busy 503.",
+        ],
+        [
+            "affinity-spill",
+            None,
+            "move",
+            "Standalone: where a conversation that spilled to another node is bound after: "
+            "move (to that node) or keep (its node before, so short congestion does not "
+            "migrate it).",
         ],
     ]
     optFlags = [
@@ -317,6 +329,9 @@ class Options(usage.Options):
                 "--affinity turns it on)"
             )
         affinity = bool(self["affinity"]) if not facades else not self["no-affinity"]
+        spill = str(self["affinity-spill"]).strip()
+        if spill not in ("move", "keep"):
+            raise ValueError(f"--affinity-spill must be move or keep (got {spill!r})")
         return Config(
             engines=self.engines,
             log_level=level,
@@ -337,6 +352,7 @@ class Options(usage.Options):
             late_binding=not self["no-late-binding"],
             queue_depth=queue_depth,
             affinity=affinity,
+            affinity_spill=spill,
         )
 
     def _lan_keys(self, state_dir: str) -> tuple[str | None, str, tuple[Network, ...]]:

@@ -51,6 +51,7 @@ def policy_of(config: Config) -> Policy:
         ranking=config.standalone,
         queue_depth=config.queue_depth if late else None,
         affinity=config.affinity,
+        spill_keeps=config.affinity_spill == "keep",
     )
 
 

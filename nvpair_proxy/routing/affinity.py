@@ -237,6 +237,8 @@ class AffinityTable:
 
     max_keys: int = MAX_KEYS
     idle_expiry: float = IDLE_EXPIRY
+    #: A conversation that spilled stays bound to its node before (``--affinity-spill keep``).
+    spill_keeps: bool = False
     _entries: "OrderedDict[bytes, tuple[str, float]]" = attrs.Factory(OrderedDict)
     #: Keys whose last hit found the node's engine had evicted them: still sent there when it
     #: is free, but never waited for (the spill rule).
@@ -259,10 +261,14 @@ class AffinityTable:
             return None
         return node
 
-    def committed(self, key: bytes, node_id: str, now: float) -> None:
+    def committed(self, key: bytes, node_id: str, now: float, spilled: bool = False) -> None:
+        entry = self._entries.get(key)
+        if spilled and self.spill_keeps and entry is not None:
+            node_id = entry[0]  # short congestion does not migrate it
+        else:
+            self._evicted.discard(key)
         self._entries[key] = (node_id, now)
         self._entries.move_to_end(key)
-        self._evicted.discard(key)
         while len(self._entries) > self.max_keys:
             self._forget(next(iter(self._entries)))
 

@@ -55,6 +55,8 @@ class Policy:
     queue_depth: int | None = None
     #: Send a conversation back to the node that holds its cache.
     affinity: bool = False
+    #: A conversation that spilled stays bound to its node before (``--affinity-spill keep``).
+    spill_keeps: bool = False
 
 
 @attrs.frozen
@@ -208,7 +210,7 @@ class ReservedTicket:
         key = self.key
         if key is not None and status < 400:
             conversations = self.placement.conversations
-            conversations.committed(key, node_id)
+            conversations.committed(key, node_id, spilled=self.affine not in (None, node_id))
             if self.responses:
                 conversations.responded(self.model, head, node_id)
             if self.heads:
@@ -273,8 +275,8 @@ class Conversations:
         until its commit says hit, spill."""
         return "none" if key is None else "miss" if affine is None else "spill"
 
-    def committed(self, key: bytes, node_id: str) -> None:
-        self.table.committed(key, node_id, self.clock.seconds())
+    def committed(self, key: bytes, node_id: str, spilled: bool = False) -> None:
+        self.table.committed(key, node_id, self.clock.seconds(), spilled)
 
     def evicted(self, key: bytes | None) -> bool:
         return key is not None and self.table.is_evicted(key)
@@ -318,7 +320,7 @@ class NoConversations:
     def label(self, key: bytes | None, affine: str | None) -> None:
         return None
 
-    def committed(self, key: bytes, node_id: str) -> None:
+    def committed(self, key: bytes, node_id: str, spilled: bool = False) -> None:
         pass
 
     def evicted(self, key: bytes | None) -> bool:

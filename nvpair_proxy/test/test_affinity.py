@@ -780,3 +780,17 @@ class SubAgentTests(FleetTestCase):
             w.agent.last.respond(200, NDJSON, DONE, finish=True)
             self.assertEqual(spawned.response().status, 200)
             w.agent.requests[1].respond(200, NDJSON, DONE, finish=True)
+
+
+class SpillBindingTests(FleetTestCase):
+    """``--affinity-spill``: after a spill the conversation is bound to the node it spilled to
+    (move, the default) or stays bound to its node before (keep)."""
+
+    def test_a_spilled_conversation_moves_or_keeps_its_binding(self):
+        for keeps, expected in ((False, "b"), (True, "a")):
+            w = self.fleet("a", "b", spill_keeps=keeps)
+            self.assertEqual(self.turn(w, chat("one"))[0], "a")
+            w.facade.router.answered("a", 503)  # held: the next turn spills
+            self.assertEqual(self.turn(w, chat("one", "next"))[0], "b")
+            w.clock.advance(31)  # the hold is over: both are free again
+            self.assertEqual(self.turn(w, chat("one", "next", "then"))[0], expected, keeps)

@@ -419,6 +419,25 @@ class SchedulerFlagTests(SynchronousTestCase):
             )
 
 
+class SpillFlagTests(SynchronousTestCase):
+    """--affinity-spill: a spilled conversation moves its binding (default) or keeps it."""
+
+    def config(self, *args: str):
+        options = Options()
+        options.parseOptions(["--engine", "ollama", *args])
+        return options.config
+
+    def test_move_or_keep_and_one_line_otherwise(self) -> None:
+        self.assertEqual(self.config().affinity_spill, "move")
+        self.assertEqual(self.config("--affinity-spill", "keep").affinity_spill, "keep")
+        with self.assertRaises(SystemExit) as raised:
+            self.config("--affinity-spill", "stay")
+        self.assertEqual(
+            str(raised.exception),
+            "nvpair-proxy: --affinity-spill must be move or keep (got 'stay')",
+        )
+
+
 class AffinityFlagTests(SynchronousTestCase):
     """Affinity: on in standalone mode unless --no-affinity; opt-in under the broker."""
 

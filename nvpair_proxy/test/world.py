@@ -134,6 +134,7 @@ class World:
         scheduling: bool = False,
         queue_depth: int | None = None,
         affinity: bool = False,
+        spill_keeps: bool = False,
     ) -> None:
         """``scheduling`` and ``queue_depth`` are standalone placement and late binding."""
         self.engine = ENGINES[engine]
@@ -152,7 +153,12 @@ class World:
             bounds=Bounds(response_timeout=response_timeout),
             reservations=self.reservations,
             recorder=recorder,
-            policy=Policy(ranking=scheduling, queue_depth=queue_depth, affinity=affinity),
+            policy=Policy(
+                ranking=scheduling,
+                queue_depth=queue_depth,
+                affinity=affinity,
+                spill_keeps=spill_keeps,
+            ),
         )
         self.site = facade_site(self.facade, reactor=self.site_clock)
         self.factory = DemuxFactory(self.site, lan=lan)
