@@ -300,7 +300,7 @@ class Exchange:
         if answer.status == 502 and code is not None:
             answer = attrs.evolve(answer, code=code)
         self._end(FAILED, answer.reason, answer.detail, status=answer.status)
-        if not self.request.finished and not getattr(self.request, "client_gone", False):
+        if not self.request.finished and not self.request.client_gone:
             send_error(
                 self.request,
                 answer.status,

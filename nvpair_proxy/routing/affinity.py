@@ -157,30 +157,24 @@ def _first_user(body: Mapping[str, Any]) -> bytes:
     return b""
 
 
-def head_keys(body: Any, model: str) -> tuple[bytes, ...]:
-    """The digests of a conversation's shared head, the longest first: its system prompt and
-    tool definitions with the start of its first user message, then without it. Empty when
-    the head is shorter than ``MIN_HEAD`` (or there is no conversation). Sessions of one agent
-    harness share the first; a parent's sub-agents share both."""
+def shared_head(body: Any, model: str) -> tuple[tuple[bytes, ...], int]:
+    """A conversation's shared head: its digests, the longest first (its system prompt and
+    tool definitions with the start of its first user message, then without it), and its
+    bytes (system prompt and tools), to weigh its re-read by. No digests when the head is
+    shorter than ``MIN_HEAD`` (or there is no conversation). Sessions of one agent harness
+    share the shorter; a parent's sub-agents share both."""
     if not isinstance(body, dict):
-        return ()
+        return (), 0
     system = _system_of(body)
     tools = body.get("tools")
-    described = json.dumps(tools, sort_keys=True)[:HASHED].encode() if tools else b""
-    if len(system) + len(described) < MIN_HEAD:
-        return ()
-    base = _digest(b"head", model, (system, described))
+    described = json.dumps(tools, sort_keys=True) if tools else ""
+    size = len(system) + len(described)
+    hashed = described[:HASHED].encode()
+    if len(system) + len(hashed) < MIN_HEAD:
+        return (), size
+    base = _digest(b"head", model, (system, hashed))
     # The longer head extends the shorter's digest: its bytes are hashed once.
-    return (_digest(b"head+", model, (base, _first_user(body))), base)
-
-
-def head_size(body: Any) -> int:
-    """The bytes of a conversation's shared head (system prompt and tools), to weigh its
-    re-read by."""
-    if not isinstance(body, dict):
-        return 0
-    tools = body.get("tools")
-    return len(_system_of(body)) + (len(json.dumps(tools)) if tools else 0)
+    return (_digest(b"head+", model, (base, _first_user(body))), base), size
 
 
 def session_of(headers: Headers, body: Mapping[str, Any]) -> bytes | None:

@@ -28,11 +28,10 @@ from ..nodes.discovery import Node
 from .affinity import (
     AffinityTable,
     affinity_key,
-    head_keys,
-    head_size,
     previous_response,
     response_id_in,
     response_key,
+    shared_head,
 )
 from .clients import client_of, is_batch
 from .fairshare import RETRY_MIN, hold_for
@@ -156,7 +155,7 @@ class ReservedTicket:
     pinned = False
     #: An OpenAI Responses request: its answer's id is learned at the commit.
     responses = False
-    #: A new conversation's shared head (affinity.head_keys), longest first, and its bytes:
+    #: A new conversation's shared head (affinity.shared_head), longest first, and its bytes:
     #: it goes to a node that served that head lately, whose engine may still hold it.
     heads: tuple[bytes, ...] = ()
     head_size = 0
@@ -238,7 +237,7 @@ class Conversations:
 
     def heads(self, body: Any, model: str) -> tuple[tuple[bytes, ...], int]:
         """A new conversation's head digests and the head's bytes."""
-        return head_keys(body, model), head_size(body)
+        return shared_head(body, model)
 
     def head_node(self, heads: tuple[bytes, ...]) -> str | None:
         """The node that lately served the longest of ``heads``, None when none did."""
@@ -791,12 +790,11 @@ class LateBinding(Standalone):
             self._shared_seen = contention.changes
             self._hold_waiting()
         for model in queue.models():
-            while not self.all_full(self.router.candidates(model), model):
-                if not queue.wake_first(model, self._may_go):
-                    break
+            owners = self.router.candidates(model)
+            while not self.all_full(owners, model) and queue.wake_first(model, self._may_go):
+                owners = self.router.candidates(model)  # ordered again: one slot was taken
             # Those whose hold ran out go even to a full owner, into its engine's queue, while
             # another's work is still there (else they wait for a slot as any other).
-            owners = self.router.candidates(model)
             if self.router.contention.shared([n.id for n in owners], self.clock.seconds()):
                 while queue.wake_first(model, _forced):
                     pass

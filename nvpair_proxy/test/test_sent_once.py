@@ -153,9 +153,6 @@ def _post(port: int, path: str, body: dict) -> socket.socket:
     return sock
 
 
-_answer = read_answer
-
-
 def _get(port: int, path: str) -> bytes:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=DEADLINE) as answer:
         return answer.read()
@@ -186,7 +183,7 @@ class SentOnceProcessTests(SynchronousTestCase):
         )
         chat = {"model": "m", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
         sockets = [_post(port, "/v1/chat/completions", chat) for _ in range(5)]
-        answers = [_answer(sock) for sock in sockets]
+        answers = [read_answer(sock) for sock in sockets]
         self.assertEqual([a.split(b"\r\n", 1)[0] for a in answers], [b"HTTP/1.1 200 OK"] * 5)
         self.assertTrue(all(b"data: [DONE]" in a for a in answers))
         state = json.loads(_get(fleet["gpu-c"], "/_sim/state"))
@@ -207,7 +204,7 @@ class SentOnceProcessTests(SynchronousTestCase):
         pull = {"model": "llama3", "stream": False}
         # The simulated Ollama has no /api/pull: its 404 is passed through, and the connection
         # it came on stays in the proxy's pool.
-        first = _answer(_post(port, "/api/pull", pull))
+        first = read_answer(_post(port, "/api/pull", pull))
         self.assertTrue(first.startswith(b"HTTP/1.1 404 "), first)
         fault = urllib.request.Request(
             f"http://127.0.0.1:{fleet['gpu-a']}/_sim/fault",
@@ -215,7 +212,7 @@ class SentOnceProcessTests(SynchronousTestCase):
             method="POST",
         )
         urllib.request.urlopen(fault, timeout=DEADLINE).close()
-        answer = _answer(_post(port, "/api/pull", pull))
+        answer = read_answer(_post(port, "/api/pull", pull))
         head, _, body = answer.partition(b"\r\n\r\n")
         self.assertTrue(head.startswith(b"HTTP/1.1 502 "), head)
         self.assertTrue(json.loads(body)["error"].startswith("upstream error: "), body)
