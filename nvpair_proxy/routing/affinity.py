@@ -289,6 +289,10 @@ class AffinityTable:
         self._prompts[key] = tokens
         return before
 
+    def prompt_of(self, key: bytes) -> int | None:
+        """The prompt tokens ``key``'s last answer saw, None when none said."""
+        return self._prompts.get(key)
+
     def forget_nodes_except(self, nodes: set[str]) -> None:
         """A node that left the fleet leaves the table."""
         for key in [k for k, (node, _) in self._entries.items() if node not in nodes]:

@@ -1,6 +1,7 @@
 """What a node's recent requests say about it, for the spill rule of affinity
-(docs/decisions.md#affinity): how long one request takes there, how fast its engine reads a
-prompt, and how many bytes of a request body make one prompt token.
+(docs/decisions.md#affinity): how long one request takes there, how much of that is not
+reading its prompt, how fast its engine reads a prompt, how many bytes of a request body make
+one prompt token, and when we last sent it one.
 
 Each figure is a moving average, fed at most once a second per node (``RATE_READ_INTERVAL``)
 from a completed response's tail, so its cost is O(nodes) a second, never a parse per request.
@@ -56,6 +57,13 @@ class NodeRates:
     service: float | None = None
     prompt_rate: float | None = None
     bytes_per_token: float | None = None
+    #: Seconds a request spends there beyond reading its prompt anew (generating, the
+    #: engine's fixed cost): what a waiting turn that hits its cache costs besides its new
+    #: tokens. None until a reading said how many tokens it read.
+    tail: float | None = None
+    #: When we last dispatched a request there (None: never): how far the request in its
+    #: slot has come.
+    dispatched_at: float | None = None
     #: When a response's tail was last read for these (None: never).
     rate_read_at: float | None = None
     #: Prompt tokens of the conversations' requests whose engine said what it reused, and
@@ -66,10 +74,14 @@ class NodeRates:
     def served(self, seconds: float) -> None:
         self.service = _moved(self.service, seconds)
 
-    def rate_read(self, reading: PromptReading, now: float) -> None:
+    def rate_read(self, reading: PromptReading, now: float, seconds: float | None = None) -> None:
+        """``seconds``: the request's time from dispatch to end, whose part beyond reading
+        its prompt is the node's tail."""
         self.rate_read_at = now
         if reading.rate and (reading.read is None or reading.read >= MIN_PROMPT_TOKENS):
             self.prompt_rate = _moved(self.prompt_rate, reading.rate)
+        if reading.rate and reading.read is not None and seconds is not None:
+            self.tail = _moved(self.tail, max(0.0, seconds - reading.read / reading.rate))
         if reading.seen is not None and reading.seen >= MIN_PROMPT_TOKENS and reading.size > 0:
             self.bytes_per_token = _moved(self.bytes_per_token, reading.size / reading.seen)
 
@@ -85,6 +97,23 @@ class NodeRates:
     def tokens(self, size: int) -> float:
         """The prompt tokens a body of ``size`` bytes is expected to hold."""
         return size / (self.bytes_per_token or BYTES_PER_TOKEN)
+
+    def residual(self, now: float, unseen: bool) -> float:
+        """Seconds until its slot is expected to free: its time to serve one less how long
+        our last dispatch there has run; the whole time to serve one when work we did not
+        send holds it (``unseen``: its age is unknown). With several slots the last dispatch
+        is the youngest, so this errs long. Only asked once ``service`` is measured."""
+        service = self.service or 0.0
+        if unseen or self.dispatched_at is None:
+            return service
+        return max(0.0, service - (now - self.dispatched_at))
+
+    def cost(self, tokens: float) -> float:
+        """Seconds a request that reads ``tokens`` anew is expected to hold a slot there: the
+        tokens at its prompt rate, plus its tail (its whole time to serve one until a tail
+        is measured). Only asked once ``prompt_rate`` and ``service`` are measured."""
+        tail = self.tail if self.tail is not None else self.service or 0.0
+        return tokens / (self.prompt_rate or 1.0) + tail
 
 
 def _moved(average: float | None, value: float) -> float:

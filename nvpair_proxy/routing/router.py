@@ -180,7 +180,7 @@ class Router:
             self.contention.forget(node_id)
         else:
             self._truth[node_id] = truth
-            self.contention.read(node_id, truth, self._ours(node_id), ended, self.clock.seconds())
+            self.contention.read(node_id, truth, self.ours(node_id), ended, self.clock.seconds())
         for freed in self.on_freed:
             freed()
 
@@ -233,7 +233,7 @@ class Router:
         """Each node's slots, busy count and warmth for ``model``, as placement weighs them."""
         truth, ended = self._truth, self._ended_since_read
         return [
-            standing(node, model, truth.get(node.id), self._ours(node.id), ended.get(node.id, 0))
+            standing(node, model, truth.get(node.id), self.ours(node.id), ended.get(node.id, 0))
             for node in nodes
         ]
 
@@ -250,14 +250,15 @@ class Router:
                 bool(held) and self._is_held(node_id, now),
                 bool(cooling) and self._is_cooling(node_id, now),
                 rank_key(
-                    node, model, truth.get(node_id), self._ours(node_id), ended.get(node_id, 0)
+                    node, model, truth.get(node_id), self.ours(node_id), ended.get(node_id, 0)
                 ),
                 node_id,
             )
 
         return sorted(nodes, key=key)
 
-    def _ours(self, node_id: str) -> int:
+    def ours(self, node_id: str) -> int:
+        """Our dispatches in flight to ``node_id`` now."""
         return int(self.reservations.load(node_id))
 
     def rates_of(self, node_id: str) -> NodeRates | None:
@@ -360,7 +361,7 @@ class Router:
                     node=node.id,
                     slots_total=item.total,
                     busy=item.busy,
-                    ours=self._ours(node.id),
+                    ours=self.ours(node.id),
                     reported_busy=None if slots is None else slots.busy,
                     warm=warm,
                     read_age=None if truth is None else now - truth.read_at,

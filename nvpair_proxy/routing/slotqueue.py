@@ -41,6 +41,8 @@ class Waiter:
     #: ``patience_until``; then it takes any (docs/decisions.md#affinity).
     prefer: str | None = None
     patience_until: float | None = None
+    #: Seconds it is expected to hold a slot of ``prefer`` once there.
+    work: float = 0.0
     #: Fair share (docs/decisions.md#fair-share): the digest naming its client, whose turn it
     #: waits for, and whether it yields to every other request (``batch``, until it aged).
     client: bytes = attrs.field(default=b"", repr=False)
@@ -259,9 +261,11 @@ class SlotQueue:
         if due is not None:
             self._arm(due)
 
-    def waiting_for(self, node_id: str) -> int:
-        """How many waiters wait for ``node_id`` in particular."""
-        return sum(1 for line in self._lines.values() for w in line if w.prefer == node_id)
+    def work_for(self, node_id: str) -> float:
+        """The seconds of work the waiters for ``node_id`` in particular are expected to
+        hold its slots (the spill rule's queue ahead). O(waiters), asked only when a
+        conversation's node is full while another owner is free."""
+        return sum(w.work for line in self._lines.values() for w in line if w.prefer == node_id)
 
     def close(self) -> None:
         cancel_pending(self._timer)

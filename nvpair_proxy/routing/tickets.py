@@ -68,6 +68,9 @@ class Wait:
     #: The node it waits for while another is free, and for how long at most (affinity).
     prefer: str | None = None
     patience: float | None = None
+    #: Seconds it is expected to hold a slot of ``prefer``: what it adds to the work ahead of
+    #: the next request that weighs waiting for that node (the spill rule).
+    work: float = 0.0
 
 
 #: What a round (``place``) or the next dispatch (``next``) answers: the nodes in the order
@@ -280,6 +283,11 @@ class Conversations:
     def evicted(self, key: bytes | None) -> bool:
         return key is not None and self.table.is_evicted(key)
 
+    def prompt_of(self, key: bytes | None) -> int | None:
+        """The prompt tokens ``key``'s last answer saw (what its node's engine keeps of
+        it), None when its engine did not say."""
+        return None if key is None else self.table.prompt_of(key)
+
     def answered(self, key: bytes, seen: int, cached: int, hit: bool) -> bool:
         """A committed answer of ``key``'s conversation said its engine saw ``seen`` prompt
         tokens and took ``cached`` from its cache. True for a ``hit`` whose node's cache had
@@ -324,6 +332,9 @@ class NoConversations:
 
     def evicted(self, key: bytes | None) -> bool:
         return False
+
+    def prompt_of(self, key: bytes | None) -> None:
+        return None
 
     def answered(self, key: bytes, seen: int, cached: int, hit: bool) -> bool:
         return False
@@ -455,21 +466,25 @@ class StandaloneTicket(ReservedTicket):
             return nodes
         if placement.all_full(candidates, self.model):
             return Wait(ahead=ahead)
-        size = self.size
+        kept = kept_size = None
         if affine is None and self.heads:
             # A new conversation whose head a node served lately: there, as its own node
-            # would be, weighing only the head's re-read (docs/decisions.md#affinity).
+            # would be, where it reads anew all but the head (docs/decisions.md#affinity).
             affine = self.head_node = conversations.head_node(self.heads)
-            size = self.head_size
+            kept_size = self.head_size
+        elif affine is not None:
+            kept = conversations.prompt_of(self.key)
         if (
             affine is not None
             and not self.waited_for_affine
             and not conversations.evicted(self.key)
         ):
-            waiting = placement.affinity_wait(candidates, self.model, affine, size)
+            waiting = placement.affinity_wait(
+                candidates, self.model, affine, self.size, kept, kept_size
+            )
             if waiting is not None:
                 self.waited_for_affine = True
-                return Wait(ahead=ahead, prefer=waiting[0], patience=waiting[1])
+                return attrs.evolve(waiting, ahead=ahead)
         nodes, self.reservation = placement.place(candidates, affine)
         return nodes
 
@@ -543,14 +558,24 @@ class RateMeter:
                     rate=read.prompt_rate, read=read.prompt_read, seen=read.prompt_seen, size=size
                 ),
                 now,
+                seconds,
             )
         rates.served(seconds)
+
+    def dispatched(self, node_id: str) -> None:
+        """A request was placed on ``node_id`` now: how far the one in its slot has come."""
+        rates = self.router.rates_of(node_id)
+        if rates is not None:
+            rates.dispatched_at = self.clock.seconds()
 
 
 class NoMeter:
     """Without affinity nothing reads the rates, so nothing is measured."""
 
     def measured(self, node_id: str, seconds: float, figures: Callable[[], Any], size: int) -> None:
+        pass
+
+    def dispatched(self, node_id: str) -> None:
         pass
 
 
@@ -588,8 +613,14 @@ class Standalone(Brokered):
         return False
 
     def affinity_wait(
-        self, nodes: Sequence[Node], model: str, affine: str, size: int
-    ) -> tuple[str, float] | None:
+        self,
+        nodes: Sequence[Node],
+        model: str,
+        affine: str,
+        size: int,
+        kept: float | None = None,
+        kept_size: int | None = None,
+    ) -> Wait | None:
         """Whether to wait for the conversation's node: never, here (nothing waits)."""
         return None
 
@@ -617,6 +648,7 @@ class Standalone(Brokered):
             return nodes, None
         if affine is not None and nodes[0].id != affine and self._free_for(affine, nodes):
             nodes.sort(key=lambda n: n.id != affine)
+        self.meter.dispatched(nodes[0].id)
         return nodes, self.reservations.reserve(nodes[0].id)
 
     def fail_over(self, remaining: Sequence[Node], model: str) -> Plan:
@@ -727,6 +759,7 @@ class LateBinding(Standalone):
                 ahead=plan.ahead,
                 prefer=plan.prefer,
                 patience_until=None if plan.patience is None else now + plan.patience,
+                work=plan.work,
                 client=b"" if request is None else client_of(request),
                 batch=request is not None and not plan.ahead and is_batch(request),
                 hold_until=hold_until,
@@ -825,12 +858,27 @@ class LateBinding(Standalone):
         )
 
     def affinity_wait(
-        self, nodes: Sequence[Node], model: str, affine: str, size: int
-    ) -> tuple[str, float] | None:
+        self,
+        nodes: Sequence[Node],
+        model: str,
+        affine: str,
+        size: int,
+        kept: float | None = None,
+        kept_size: int | None = None,
+    ) -> Wait | None:
         """The spill rule (docs/decisions.md#affinity): when the conversation's node is full
-        while another owner is free, wait for it (its id and how long at most) if that is
-        expected to cost less than reading the context again elsewhere; None to go elsewhere
-        now (or when there is nothing to decide)."""
+        while another owner is free, wait for it if the work ahead of this request there is
+        expected to cost less than the extra it would read elsewhere; None to go elsewhere
+        now (or when there is nothing to decide).
+
+        The work ahead: what is left of the request in its slot (its time to serve one less
+        how long it has run), then the uncached work of the requests already waiting for it,
+        each at the node's prompt rate plus its tail, over its slots. The extra wait
+        tolerated: the whole body read at the free owners' best prompt rate, less the part
+        its node would read anew anyway (the tokens past what it keeps: ``kept`` tokens, as
+        the conversation's last answer saw them, or the tokens of ``kept_size`` bytes of a
+        shared head; all of it when neither is known). Both come from the rates the nodes
+        already measure, so the rule calibrates itself to the engines and the workload."""
         if nodes and nodes[0].id == affine:
             # The usual case: ranked first, which (every owner not being full, as the request
             # just found) means free, or held or cooling, where it goes or is passed over
@@ -854,16 +902,24 @@ class LateBinding(Standalone):
         ]
         if not free:
             return None
-        expected = rates.service * (1 + self.queue.waiting_for(affine)) / max(1, mine.total or 1)
+        tokens = rates.tokens(size)
+        if kept is None:
+            kept = tokens if kept_size is None else rates.tokens(kept_size)
+        anew = max(0.0, tokens - kept)
         elsewhere = [
             r.prompt_rate
             for s in free
             if (r := router.rates.get(s.node_id)) is not None and r.prompt_rate
         ]
-        reread = rates.tokens(size) / max(elsewhere or [rates.prompt_rate])
-        if expected >= reread:
+        tolerated = tokens / max(elsewhere or [rates.prompt_rate]) - anew / rates.prompt_rate
+        slots = max(1, mine.total or 1)
+        ahead = (
+            rates.residual(now, unseen=mine.busy > router.ours(affine))
+            + self.queue.work_for(affine) / slots
+        )
+        if ahead >= tolerated:
             return None
-        return affine, min(rates.service, reread)
+        return Wait(ahead=False, prefer=affine, patience=tolerated, work=rates.cost(anew))
 
 
 def _forced(waiter: Waiter) -> bool:

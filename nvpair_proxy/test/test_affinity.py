@@ -12,6 +12,7 @@ from twisted.web.http_headers import Headers
 from nvpair_proxy.admin.recorder import Recorder
 from nvpair_proxy.routing.affinity import HASHED, AffinityTable, affinity_key
 from nvpair_proxy.routing.enginetruth import EngineTruth, Slots
+from nvpair_proxy.routing.rates import NodeRates, PromptReading
 
 from .support import LogCapture
 from .world import ENGINES, NDJSON, WorldTestCase
@@ -289,21 +290,46 @@ class PlacementTests(FleetTestCase):
         w.agent.last.respond(200, NDJSON, DONE, finish=True)
         self.assertEqual(client.response().status, 200)
 
-    def test_the_wait_for_a_full_node_never_outlasts_its_time_to_serve_one_request(self):
+    def test_the_wait_for_a_full_node_never_outlasts_the_reread_it_saves(self):
+        """At a measured byte a token and 3,000 tokens a second, reading the conversation
+        again elsewhere costs its body's bytes / 3,000 s: that is how long it waits for a,
+        and then it goes to b."""
         w = self.sticky("a", "b", first=LONG)
-        self.measured(w, prompt_per_second=1.0)
+        self.measured(w, prompt_per_second=3000.0, bytes_per_token=1.0)
         self.tell(w, "a", total=1)
         self.tell(w, "b", total=1)
         self.turn(w, chat("other"), answer=False)
-        client = w.send("POST", "/api/chat", chat(LONG, "next"))
+        body = chat(LONG, "next")
+        reread = len(json.dumps(body)) / 3000.0
+        client = w.send("POST", "/api/chat", body)
         self.assertEqual(len(w.agent.requests), 3)
-        w.clock.advance(0.55)
-        self.assertEqual(len(w.agent.requests), 3)
-        w.clock.advance(0.1)  # a's measured time to serve one is 0.6 s: then it goes to b
+        w.clock.advance(reread - 0.05)
+        self.assertEqual(len(w.agent.requests), 3, "still waiting for a")
+        w.clock.advance(0.1)
         self.assertEqual(node_of(w.agent.last), "b")
         w.agent.last.respond(200, NDJSON, DONE, finish=True)
         self.assertEqual(client.response().status, 200)
         w.agent.requests[2].respond(200, NDJSON, DONE, finish=True)
+
+    def test_the_request_in_its_slot_costs_only_what_is_left_of_it(self):
+        """Calibrated at agent pace: a re-read elsewhere costs 0.34 s and a's time to serve
+        one is 0.6 s. Just after the blocker went to a the turn spills (0.6 s ahead); 0.4 s
+        later only 0.2 s of it is expected to be left, and the turn waits for a."""
+        for ran, expected in ((0.0, "b"), (0.4, "a")):
+            w = self.sticky("a", "b", first=LONG)
+            self.measured(w, prompt_per_second=3000.0, bytes_per_token=4.0)
+            self.tell(w, "a", total=1)
+            self.tell(w, "b", total=1)
+            self.turn(w, chat("other"), answer=False)
+            w.clock.advance(ran)
+            client = w.send("POST", "/api/chat", chat(LONG, "next"))
+            went_at_once = len(w.agent.requests) == 4
+            w.agent.requests[2].respond(200, NDJSON, DONE, finish=True)  # the blocker
+            w.clock.advance(0)
+            self.assertEqual(went_at_once, expected == "b", ran)
+            self.assertEqual(node_of(w.agent.last), expected, ran)
+            w.agent.last.respond(200, NDJSON, DONE, finish=True)
+            self.assertEqual(client.response().status, 200)
 
     def test_a_short_turn_spills_when_rereading_is_cheaper_than_waiting(self):
         w = self.sticky("a", "b")
@@ -431,6 +457,56 @@ class PlacementTests(FleetTestCase):
             self.assertNotIn(digest.hex(), text)
             self.assertNotIn(repr(digest), text)
         self.assertNotIn("cache-key-7", text)
+
+
+class CalibrationTests(FleetTestCase):
+    """The spill rule at agent pace (docs/decisions.md#affinity): the work ahead on the
+    conversation's node is what is left of the request in its slot plus the uncached work of
+    those already waiting for it, each from the node's measured rates."""
+
+    def test_a_node_teaches_its_tail_beyond_reading_the_prompt(self):
+        rates = NodeRates()
+        rates.rate_read(PromptReading(rate=1000.0, read=500, seen=2000, size=8000), 0.0, 2.0)
+        self.assertEqual(rates.tail, 1.5, "2 s served, 0.5 s of it reading 500 tokens")
+        rates.rate_read(PromptReading(rate=1000.0, read=None, seen=2000, size=8000), 1.0, 9.0)
+        self.assertEqual(rates.tail, 1.5, "a reading that does not say what it read: no tail")
+        rates.served(2.0)
+        self.assertEqual(rates.cost(1000), 1.0 + 1.5)
+        rates.tail = None
+        self.assertEqual(rates.cost(1000), 1.0 + 2.0, "no tail yet: its whole time to serve one")
+
+    def test_what_is_left_of_the_request_in_a_slot(self):
+        rates = NodeRates(service=3.0, dispatched_at=10.0)
+        self.assertEqual(rates.residual(11.0, unseen=False), 2.0)
+        self.assertEqual(rates.residual(20.0, unseen=False), 0.0)
+        self.assertEqual(rates.residual(11.0, unseen=True), 3.0, "work we did not send")
+
+    def test_turns_waiting_ahead_cost_their_uncached_work_not_a_whole_service_each(self):
+        """Two conversations live on a; its slot runs a request just sent (1 s to serve
+        one). X's next turn waits for a and is expected to hold it 0.1 s (its tail: it
+        reads nothing anew). Y's turn then has 1.1 s ahead of it, less than the 1.5 s a
+        re-read elsewhere costs, and waits too (counting X as a whole time to serve one, 2 s,
+        it would have spilled)."""
+        w = self.fleet("a", "b")
+        x, y = "x" + "z" * 4000, "y" + "z" * 4000
+        for first in (x, y):
+            self.assertEqual(self.turn(w, chat(first))[0], "a")
+        rates = w.facade.router.rates_of("a")
+        tokens = len(json.dumps(chat(x, "next")))
+        rates.service, rates.tail, rates.bytes_per_token = 1.0, 0.1, 1.0
+        rates.prompt_rate = tokens / 1.5
+        self.tell(w, "a", total=1)
+        self.tell(w, "b", total=1)
+        self.assertEqual(self.turn(w, chat("other"), answer=False)[0], "a")
+        clients = [w.send("POST", "/api/chat", chat(first, "next")) for first in (x, y)]
+        self.assertEqual(len(w.agent.requests), 3, "both wait for a while b is free")
+        for _ in clients:
+            w.agent.last.respond(200, NDJSON, DONE, finish=True)
+            w.clock.advance(0)
+            self.assertEqual(node_of(w.agent.last), "a")
+        w.agent.last.respond(200, NDJSON, DONE, finish=True)
+        self.assertEqual([c.response().status for c in clients], [200, 200])
+        self.assertEqual([node_of(r) for r in w.agent.requests], ["a"] * 5)
 
 
 class BrokerAffinityTests(WorldTestCase):

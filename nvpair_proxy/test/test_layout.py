@@ -557,7 +557,7 @@ ROUTER_ON_THE_REQUEST_PATH = (
     "_held_last",
     "standings",
     "ranked",
-    "_ours",
+    "ours",
     "busy_for",
     "answered",
     "first_byte",
