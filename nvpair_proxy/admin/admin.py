@@ -90,12 +90,14 @@ class AdminResource(Resource):
         return self._plain(request, 404, "not found: try /, /status, /metrics or /healthz")
 
     def _healthz(self, request: Request) -> bytes:
-        """200 while the process serves; 503 while it stops, or (broker mode) while the
-        link to the broker is down."""
+        """200 while the process serves; 503 while it drains or stops, or (broker mode)
+        while the link to the broker is down."""
         view = self.view
         snapshot = view.snapshot()
         if not snapshot.running:
             return self._plain(request, 503, "stopping")
+        if snapshot.draining:
+            return self._plain(request, 503, "draining")
         if view.link_up(snapshot) is False:
             return self._plain(request, 503, "broker link down")
         return self._plain(request, 200, "ok")

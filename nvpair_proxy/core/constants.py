@@ -49,6 +49,11 @@ POOL_IDLE_TIMEOUT = 90.0
 #: 64 were new handshakes (bench/overhead --cluster). Engines keep 256 (no handshake to save).
 PEER_MAX_IDLE = 64
 FACADE_SHUTDOWN_GRACE = 3.0
+#: Standalone: seconds a SIGTERM lets admitted requests finish before it cancels what remains
+#: (``--drain-timeout``; docs/operations.md#restarts). Broker mode drains only when told to.
+DRAIN_TIMEOUT = 60.0
+#: How often a drain looks whether every facade's requests and connections are done.
+DRAIN_CHECK_INTERVAL = 0.1
 
 # node/activity throttle per node (docs/references.md#node-activity).
 ACTIVITY_INTERVAL = 2.0

@@ -121,3 +121,5 @@ class ProcessSnapshot:
     streamed: Mapping[str, float]
     link_up: bool | None = None
     cluster_pins: int | None = None
+    #: A graceful stop is under way (docs/operations.md#restarts): /healthz answers 503.
+    draining: bool = False

@@ -113,18 +113,24 @@ class FacadeService(MultiService):
         the system for one) and the alias port, when one is bound. Asked for every request
         in broker mode (the local backend's self check), so the bound port is read from the
         kernel once per listening port, not each time."""
-        listening, bound = self._bound
-        if listening is not self.listening:
-            listening, bound = self._bound = (self.listening, self.listening.getHost().port)
+        bound = self.bound_port()
         if self.alias_port and self.alias_port != bound:
             return frozenset((bound, self.alias_port))
         return frozenset((bound,))
+
+    def bound_port(self) -> int:
+        """The primary port as bound, read from the kernel once per listening port (and so
+        still known once a drain has closed it)."""
+        listening, bound = self._bound
+        if listening is not self.listening:
+            listening, bound = self._bound = (self.listening, self.listening.getHost().port)
+        return bound
 
     def view(self) -> FacadeView:
         """The facade as the admin listener shows it: on its port as bound, with the slots
         the broker last relayed."""
         slots = self.slots.describe() if self.slots is not None else None
-        return self.facade.view(port=self.listening.getHost().port, slots=slots)
+        return self.facade.view(port=self.bound_port(), slots=slots)
 
     @property
     def ports(self) -> list:
@@ -161,6 +167,17 @@ class FacadeService(MultiService):
         old, self.listening, self.port = self.listening, listening, port
         old.stopListening()
         self.facade.router.recheck_self()
+
+    def drain(self) -> None:
+        """Stop accepting on every port (the successor of a hot handoff keeps them open),
+        close idle connections and let the busy ones finish (docs/operations.md#restarts)."""
+        for listening in self.ports:
+            listening.stopListening()
+        self.factory.drain()
+
+    def drained(self) -> bool:
+        """Nothing admitted is left (queued requests included), and no connection is open."""
+        return not self.facade.in_flight and not self.factory.connections
 
     def stopService(self) -> Deferred:
         """Stop accepting, cancel in-flight requests (each reported cancelled), then give the

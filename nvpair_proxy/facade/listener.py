@@ -78,13 +78,24 @@ class _Demux(Protocol):
     def __init__(self, factory: "DemuxFactory", addr: IAddress | None) -> None:
         self.factory, self.addr = factory, addr
         self.inner: Protocol | None = None
+        #: The HTTP channel the first byte chose (under TLS, the one the TLS layer wraps).
+        self.channel: BoundedChannel | None = None
         self.timer = None
 
     def connectionMade(self) -> None:
+        self.factory.connections.add(self)
         # Until a request line arrives (after a TLS handshake, if any): one header read.
         self.timer = self.factory.clock.callLater(
             SERVER_HEADER_READ_TIMEOUT, self.transport.abortConnection
         )
+
+    def drain(self) -> None:
+        """The process drains: a connection that has sent nothing yet is closed; one that
+        has, is served what it asks, then closed."""
+        if self.channel is None:
+            self.transport.loseConnection()
+        else:
+            self.channel.drain()
 
     def _stop_timer(self) -> None:
         cancel_pending(self.timer)
@@ -93,9 +104,11 @@ class _Demux(Protocol):
     def dataReceived(self, data: bytes) -> None:
         if self.inner is None:
             try:
-                inner = self.factory.choose(data[0], self.addr, self._stop_timer)
+                inner, self.channel = self.factory.choose(data[0], self.addr, self._stop_timer)
                 if inner is not None:
                     inner.makeConnection(self.transport)
+                    if self.factory.draining and self.channel is not None:
+                        self.channel.draining = True
             except Exception:
                 log.failure("could not accept a connection from {peer}", peer=self.addr)
                 inner = None
@@ -107,6 +120,7 @@ class _Demux(Protocol):
         self.inner.dataReceived(data)
 
     def connectionLost(self, reason: Failure = connectionDone) -> None:
+        self.factory.connections.discard(self)
         self._stop_timer()
         if self.inner is not None:
             self.inner.connectionLost(reason)
@@ -131,19 +145,29 @@ class DemuxFactory(ServerFactory):
         self.clock = site.reactor
         self.gate = _gate_site(site, lan)
         self.tls = tls
+        #: Every open connection, so a drain can close the idle ones and finish the others.
+        self.connections: set[_Demux] = set()
+        self.draining = False
 
     def buildProtocol(self, addr: IAddress | None) -> Protocol:
         return _Demux(self, addr)
 
+    def drain(self) -> None:
+        """The process stops gracefully (docs/operations.md#restarts): idle connections
+        close now, busy ones after their answers."""
+        self.draining = True
+        for connection in list(self.connections):
+            connection.drain()
+
     def choose(
         self, first: int, addr: IAddress | None, request_line_seen: Callable[[], None]
-    ) -> Protocol | None:
-        """The protocol for a connection whose first byte is ``first``; its HTTP channel
-        calls ``request_line_seen`` at its first request line."""
+    ) -> tuple[Protocol | None, BoundedChannel | None]:
+        """The protocol for a connection whose first byte is ``first``, and its HTTP
+        channel, which calls ``request_line_seen`` at its first request line."""
         if first == TLS_HANDSHAKE:
             tls = self.tls()
             if tls is None:
-                return None
+                return None, None
             protocol = tls.buildProtocol(addr)
             # The TLS layer wraps the ingress's channel, which its BoundedSite built.
             channel = cast(BoundedChannel, protocol.wrappedProtocol)
@@ -152,7 +176,7 @@ class DemuxFactory(ServerFactory):
         else:
             protocol = channel = self.gate.buildProtocol(addr)
         channel.expect_request_line(request_line_seen)
-        return protocol
+        return protocol, channel
 
 
 def _gate_site(site: BoundedSite, lan: LanGate | None) -> BoundedSite:

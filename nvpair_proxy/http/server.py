@@ -97,6 +97,8 @@ class BoundedChannel(HTTPChannel):
         self._framing_line = False
         self._host: IAddress | None = None
         self._peer: IAddress | None = None
+        #: The process drains (``drain``): each request is answered with Connection: close.
+        self.draining = False
 
     def getHost(self) -> IAddress:
         """This connection's local address, read once: twisted.web asks for it with every
@@ -176,8 +178,26 @@ class BoundedChannel(HTTPChannel):
             return False
         return super().headerReceived(line)
 
+    def drain(self) -> None:
+        """The process is stopping gracefully: close the connection now when it is idle
+        between requests, else once the request it serves (and any it already read) has
+        been answered, each answer saying ``Connection: close`` if its head is not sent yet
+        (docs/operations.md#restarts)."""
+        self.draining = True
+        if not self.requests and self._between_requests:
+            self.transport.loseConnection()
+            return
+        self.persistent = False
+        for request in self.requests:
+            if not request.startedWriting:
+                request.responseHeaders.setRawHeaders(b"Connection", [b"close"])
+
     def checkPersistence(self, request: Request, version: bytes) -> bool:
-        """Twisted's, but ``Connection`` read as the comma-separated list it is."""
+        """Twisted's, but ``Connection`` read as the comma-separated list it is; none while
+        the process drains."""
+        if self.draining:
+            request.responseHeaders.setRawHeaders(b"Connection", [b"close"])
+            return False
         tokens = {
             token.strip().lower()
             for value in request.requestHeaders.getRawHeaders(b"connection", ())

@@ -7,6 +7,7 @@ import os
 import signal
 import socket
 import sys
+from typing import Callable
 
 from twisted.application.service import Service
 from twisted.internet.defer import Deferred, succeed
@@ -31,20 +32,40 @@ def stop_once(reactor) -> None:
         pass
 
 
-def stop_on_signals(reactor) -> None:
+def stop_on_signals(reactor, drain: Callable[[], bool] | None = None) -> None:
     """SIGTERM and SIGINT are orderly stops here (docs/references.md#shutdown-order: exit 0).
 
     The reactor's own handlers remember the signal, and twistd re-raises it once shutdown
     has finished, so the process would die by signal (status 143) after a clean shutdown.
-    Ours, installed once the reactor's are (it is running), only stop the reactor.
+    Ours, installed once the reactor's are (it is running), only stop the reactor; the first
+    one asks ``drain`` to stop gracefully instead (docs/operations.md#restarts), which
+    answers False when there is nothing to drain for, and a second one stops at once.
     """
+    signalled = []
 
     def stop(number: int, frame) -> None:
-        log.info("received {signal}, shutting down", signal=signal.Signals(number).name)
+        name = signal.Signals(number).name
+        signalled.append(name)
+        if len(signalled) == 1 and drain is not None:
+            reactor.callFromThread(_drain_or_stop, reactor, drain, name)
+            return
+        log.info("received {signal}, shutting down", signal=name)
         reactor.callFromThread(stop_once, reactor)
 
     for number in (signal.SIGTERM, signal.SIGINT):
         signal.signal(number, stop)
+
+
+def _drain_or_stop(reactor, drain: Callable[[], bool], name: str) -> None:
+    if drain():
+        log.info(
+            "received {signal}, draining: admitted requests finish, new connections go "
+            "elsewhere; a second {signal} stops at once",
+            signal=name,
+        )
+        return
+    log.info("received {signal}, shutting down", signal=name)
+    stop_once(reactor)
 
 
 def claim_stdout() -> int:

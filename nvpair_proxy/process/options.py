@@ -69,8 +69,9 @@ def admin_address(text: str) -> tuple[str, int]:
     return str(address), port
 
 
-def parse_keepalive(text: str) -> float:
-    """A keepalive period: a duration of at most an hour (0 turns keepalive off)."""
+def parse_within_an_hour(text: str) -> float:
+    """A duration of at most an hour: a keepalive period (0 turns keepalive off), a drain
+    timeout (0 stops at once)."""
     value = parse_duration(text)
     if value > 3600:
         raise ValueError(f"at most 1h (got {text.strip()!r})")
@@ -122,6 +123,9 @@ class Config:
     #: Affinity: a spilled conversation stays bound to its node before (``keep``) or moves
     #: to the node it spilled to (``move``, the default).
     affinity_spill: str = "move"
+    #: Seconds a SIGTERM lets admitted requests finish (0: cancel them at once, as the broker
+    #: protocol has it; docs/operations.md#restarts).
+    drain_timeout: float = 0.0
 
     @property
     def standalone(self) -> bool:
@@ -137,7 +141,7 @@ class Options(usage.Options):
         "[--admin HOST:PORT] [--log-format text|json] [--access-log] [--version] "
         "[--engine ENGINE[:PORT]]... [--nodes FILE] [--engines-dir DIR] "
         "[--queue-depth N] [--no-late-binding] [--no-affinity] [--affinity] "
-        "[--affinity-spill move|keep]"
+        "[--affinity-spill move|keep] [--drain-timeout DURATION]"
     )
     longdesc = (
         "Broker mode (default): JSON-RPC on stdin/stdout or --ipc. Standalone mode: any "
@@ -212,6 +216,14 @@ class Options(usage.Options):
             str(constants.QUEUE_DEPTH),
             "Standalone: requests one facade keeps waiting for a free slot; one more gets the "
             "busy 503.",
+        ],
+        [
+            "drain-timeout",
+            None,
+            None,
+            "On SIGTERM stop accepting and let admitted requests finish for at most this long, "
+            f"then cancel the rest (default {constants.DRAIN_TIMEOUT:g}s standalone; 0 in broker "
+            "mode, where the broker's shutdown always cancels at once; 0 stops at once).",
         ],
         [
             "affinity-spill",
@@ -294,7 +306,7 @@ class Options(usage.Options):
             "upstream-keepalive",
             "NVPAIR_PROXY_UPSTREAM_KEEPALIVE",
             str(constants.UPSTREAM_KEEPALIVE),
-            parse_keepalive,
+            parse_within_an_hour,
         )
         admin = None if self["admin"] is None else admin_address(self["admin"])
         if self["log-format"] not in LOG_FORMATS:
@@ -332,6 +344,12 @@ class Options(usage.Options):
         spill = str(self["affinity-spill"]).strip()
         if spill not in ("move", "keep"):
             raise ValueError(f"--affinity-spill must be move or keep (got {spill!r})")
+        drain_timeout = self._parsed(
+            "drain-timeout",
+            "NVPAIR_PROXY_DRAIN_TIMEOUT",
+            str(constants.DRAIN_TIMEOUT) if facades else "0",
+            parse_within_an_hour,
+        )
         return Config(
             engines=self.engines,
             log_level=level,
@@ -353,6 +371,7 @@ class Options(usage.Options):
             queue_depth=queue_depth,
             affinity=affinity,
             affinity_spill=spill,
+            drain_timeout=drain_timeout,
         )
 
     def _lan_keys(self, state_dir: str) -> tuple[str | None, str, tuple[Network, ...]]:

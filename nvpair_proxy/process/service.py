@@ -73,6 +73,9 @@ class ProcessService(MultiService):
 
     runtime: "Runtime | None" = None
     facades: "Facades | None" = None
+    #: Seconds a SIGTERM lets admitted requests finish (``--drain-timeout``); 0 stops at once.
+    drain_timeout: float = 0.0
+    draining = False
     # Set by makeService: offered to twistd's application as its log observer (logformat.py).
     offer_log_observer = None
 
@@ -96,16 +99,55 @@ class ProcessService(MultiService):
         expects pings only from a service that is up."""
         if not self.running:
             return
-        stop_on_signals(self.reactor)
+        stop_on_signals(self.reactor, self.drain)
         freeze_heap()
         sdnotify.notify("READY=1")
         pinging = sdnotify.watchdog(self.reactor)
         if pinging is not None:
             pinging.setServiceParent(self)
 
+    def drain(self) -> bool:
+        """Begin a graceful stop (docs/operations.md#restarts): every facade stops accepting
+        and closes its idle connections, ``/healthz`` answers 503, and admitted requests
+        (queued ones included) go on until none is left or ``drain_timeout`` has passed; then
+        the reactor stops, which cancels what remains, each with its one terminal event.
+        False, starting nothing, when there is no drain to do (a zero timeout, a drain
+        already under way, a process not serving): the caller stops at once."""
+        if self.draining or not self.running or self.drain_timeout <= 0 or self.facades is None:
+            return False
+        self.draining = True
+        sdnotify.notify("STOPPING=1")
+        services = list(self.facades)
+        for service in services:
+            service.drain()
+        reactor = self.reactor
+        began = reactor.seconds()
+        deadline = began + self.drain_timeout
+
+        def check() -> None:
+            left = sum(len(service.facade.in_flight) for service in services)
+            if left == 0 and all(service.drained() for service in services):
+                log.info("drained in {seconds:.1f}s", seconds=reactor.seconds() - began)
+            elif reactor.seconds() >= deadline:
+                log.warn(
+                    "drain timeout ({timeout:g}s): cancelling {left} requests",
+                    timeout=self.drain_timeout,
+                    left=left,
+                )
+            else:
+                reactor.callLater(
+                    min(constants.DRAIN_CHECK_INTERVAL, deadline - reactor.seconds()), check
+                )
+                return
+            stop_once(reactor)
+
+        check()
+        return True
+
     def stopService(self) -> Deferred:
         Service.stopService(self)
-        sdnotify.notify("STOPPING=1")
+        if not self.draining:
+            sdnotify.notify("STOPPING=1")
         stopped = succeed(None)
         for child in reversed(list(self)):
             stopped.addBoth(self._stop_next, child)
@@ -131,6 +173,7 @@ class ProcessService(MultiService):
             streamed=streamed,
             link_up=link.is_up() if isinstance(link, LinkService) else None,
             cluster_pins=facades.cluster_pins() if facades is not None else None,
+            draining=self.draining,
         )
 
     @staticmethod
@@ -282,6 +325,7 @@ def add_admin(root: ProcessService, runtime: Runtime, config: Config, reactor, m
 def standalone_tree(config: Config, reactor) -> ProcessService:
     """Facades from ``--engine``, fleet from ``--nodes``; events to the log."""
     root = ProcessService(reactor)
+    root.drain_timeout = config.drain_timeout
     runtime = Runtime.build(config, reactor, LogEmitter())
     RuntimeService(runtime).setServiceParent(root)
     add_admin(root, runtime, config, reactor, "standalone")
@@ -305,6 +349,7 @@ def broker_tree(config: Config, reactor) -> ProcessService:
     from ..broker.broker import Broker
 
     root = ProcessService(reactor)
+    root.drain_timeout = config.drain_timeout
     broker: Broker  # made last, from the link and the facades; the link calls it later
     link = LinkService(reactor, config.ipc, lambda method, params: broker.dispatch(method, params))
     directory = peer_agents = None

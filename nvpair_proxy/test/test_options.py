@@ -468,3 +468,22 @@ class AffinityFlagTests(SynchronousTestCase):
             with self.assertRaises(SystemExit) as raised:
                 self.config(*args)
             self.assertEqual(str(raised.exception), line)
+
+
+class DrainFlagTests(SynchronousTestCase):
+    """--drain-timeout: 60 s in standalone mode, 0 under the broker unless given."""
+
+    def config(self, *args: str):
+        options = Options()
+        options.parseOptions(list(args))
+        return options.config
+
+    def test_defaults_by_mode_and_one_line_for_a_bad_value(self) -> None:
+        self.assertEqual(self.config("--engine", "ollama").drain_timeout, 60.0)
+        self.assertEqual(self.config().drain_timeout, 0.0)
+        self.assertEqual(self.config("--drain-timeout", "2m").drain_timeout, 120.0)
+        self.assertEqual(self.config("--engine", "ollama", "--drain-timeout", "0").drain_timeout, 0)
+        for bad, why in (("soon", "not a duration: 'soon'"), ("2h", "at most 1h (got '2h')")):
+            with self.assertRaises(SystemExit) as raised:
+                self.config("--drain-timeout", bad)
+            self.assertIn(f"nvpair-proxy: --drain-timeout: {why}", str(raised.exception))

@@ -303,7 +303,9 @@ class TreeTests(SynchronousTestCase):
         self.notified: list[str] = []
         self.signals: list[object] = []
         self.patch(sdnotify, "notify", lambda state, environ=None: self.notified.append(state))
-        self.patch(service, "stop_on_signals", self.signals.append)
+        self.patch(
+            service, "stop_on_signals", lambda reactor, drain=None: self.signals.append(reactor)
+        )
         self.patch(service, "freeze_heap", lambda: self.notified.append("heap frozen"))
         self.addCleanup(logs.set_level, logs.level_name())
 

@@ -258,10 +258,10 @@ class PinnedTLSTests(TestCase):
         # Real peers are not loopback: from a LAN address a handshake still goes to the TLS
         # ingress (the pin decides), and only plaintext meets the key gate.
         peer = IPv4Address("TCP", "192.168.1.20", 40000)
-        tls = self.factory.choose(0x16, peer, lambda: None)
+        tls, _ = self.factory.choose(0x16, peer, lambda: None)
         self.assertIsInstance(tls, TLSMemoryBIOProtocol)
         self.assertIsInstance(tls.wrappedProtocol.site.resource, IngressResource)
-        plain = self.factory.choose(ord("P"), peer, lambda: None)
+        plain, _ = self.factory.choose(ord("P"), peer, lambda: None)
         self.assertNotIsInstance(plain, TLSMemoryBIOProtocol)
         self.assertIs(plain.site.resource.lan, gate)
 

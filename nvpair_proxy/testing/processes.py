@@ -47,18 +47,23 @@ def free_port() -> int:
 
 
 def stop(*procs: subprocess.Popen | None) -> None:
-    """SIGTERM each child still running, SIGKILL one that has not exited 10 s later; close the
-    pipes of every one."""
+    """SIGTERM each child still running; a second SIGTERM to one still draining 5 s later
+    (a proxy then stops at once, docs/operations.md#restarts), SIGKILL to one that has not
+    exited 10 s after that; close the pipes of every one."""
     for proc in procs:
         if proc is None:
             continue
         if proc.poll() is None:
             proc.terminate()
             try:
-                proc.wait(timeout=10)
+                proc.wait(timeout=5)
             except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+                proc.terminate()
+                try:
+                    proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
         for stream in (proc.stdin, proc.stdout, proc.stderr):
             if stream is not None:
                 stream.close()
