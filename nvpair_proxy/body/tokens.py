@@ -154,11 +154,20 @@ class Figures:
     #: by it; ``promptTokens`` keeps the wire's reading (``prompt``).
     prompt_seen: int | None = None
     #: Prompt tokens the engine took from its cache instead of reading (llama.cpp
-    #: ``timings.cache_n``); None when it does not say, which is never "none cached".
+    #: ``timings.cache_n``, Anthropic Messages ``usage.cache_read_input_tokens``, which
+    #: llama.cpp's ``/v1/messages`` reports in ``message_start``); None when it does not say,
+    #: which is never "none cached".
     prompt_cached: int | None = None
 
 
-_USAGE_KEYS = ("prompt_tokens", "completion_tokens", "input_tokens", "output_tokens")
+_USAGE_KEYS = (
+    "prompt_tokens",
+    "completion_tokens",
+    "input_tokens",
+    "output_tokens",
+    "cache_read_input_tokens",
+    "cache_creation_input_tokens",
+)
 _TIMINGS_KEYS = ("prompt_n", "predicted_n", "predicted_per_second", "prompt_per_second", "cache_n")
 
 
@@ -227,11 +236,18 @@ def read_figures(tail: bytes | bytearray) -> Figures:
     if prompt_rate is None and evaluated and (duration := _last_int(_PROMPT_EVAL_DURATION, text)):
         prompt_rate = evaluated / (duration / 1e9)
     prompt_read = prompt_n if prompt_n is not None else evaluated
+    prompt_cached = _count(timings.get("cache_n"))
     prompt_seen: int | None
-    if whole is not None:
+    cache_read = usage.get("cache_read_input_tokens")
+    if prompt_n is None and cache_read is not None and "input_tokens" in usage:
+        # Anthropic Messages (llama.cpp's /v1/messages says nothing in timings):
+        # input_tokens are those read anew, beside what the cache gave and what it stored.
+        prompt_read = usage["input_tokens"] + usage.get("cache_creation_input_tokens", 0)
+        prompt_seen, prompt_cached = prompt_read + cache_read, cache_read
+    elif whole is not None:
         prompt_seen = whole
     elif prompt_n is not None:
-        prompt_seen = prompt_n + (_count(timings.get("cache_n")) or 0)
+        prompt_seen = prompt_n + (prompt_cached or 0)
     else:
         prompt_seen = prompt
     return Figures(
@@ -241,7 +257,7 @@ def read_figures(tail: bytes | bytearray) -> Figures:
         prompt_rate=prompt_rate,
         prompt_read=prompt_read,
         prompt_seen=prompt_seen,
-        prompt_cached=_count(timings.get("cache_n")),
+        prompt_cached=prompt_cached,
     )
 
 

@@ -159,6 +159,18 @@ class BinTests(SynchronousTestCase):
             "arguments (see --help)",
         )
 
+    def test_install_agent_clients_helps_and_refuses_arguments_before_installing(self):
+        for flag in ("--help", "-h"):
+            out = self.assertHelp(
+                self.wrapper("install-agent-clients") + [flag],
+                "usage: bin/install-agent-clients [-h]",
+            )
+            self.assertIn("@anthropic-ai/claude-code@2.1.337", out)
+        self.assertRefused(
+            self.wrapper("install-agent-clients") + ["--bogus"],
+            "bin/install-agent-clients: unknown flag --bogus; it takes no arguments (see --help)",
+        )
+
     # bin/nvpair-proxy: the existing implementation's Go-style flags
 
     def test_nvpair_proxy_help_prints_the_usage(self):

@@ -624,6 +624,39 @@ class PromptFiguresTests(SynchronousTestCase):
             (figures.prompt_read, figures.prompt_seen, figures.prompt_rate), (300, 300, 200.0)
         )
 
+    def test_an_anthropic_stream_says_what_its_cache_gave_in_message_start(self):
+        """llama.cpp's /v1/messages (what Claude Code speaks) has no timings: the cache's
+        share is in message_start's usage, as llama.cpp 11434 sends it."""
+        start = {
+            "type": "message_start",
+            "message": {
+                "usage": {"cache_read_input_tokens": 21579, "input_tokens": 36, "output_tokens": 0}
+            },
+        }
+        delta = {"type": "message_delta", "usage": {"output_tokens": 3}}
+        tail = (
+            f"event: message_start\ndata: {json.dumps(start)}\n\n"
+            f"event: message_delta\ndata: {json.dumps(delta)}\n\n"
+        ).encode()
+        figures = tokens.read_figures(tail)
+        self.assertEqual(
+            (figures.prompt, figures.prompt_read, figures.prompt_seen, figures.prompt_cached),
+            (36, 36, 21615, 21579),
+            "promptTokens keeps the wire's input_tokens; placement sees the whole prompt",
+        )
+        self.assertEqual(figures.completion, 3)
+
+    def test_a_cache_write_is_read_anew(self):
+        usage = {
+            "input_tokens": 10,
+            "cache_creation_input_tokens": 90,
+            "cache_read_input_tokens": 0,
+        }
+        figures = tokens.read_figures(json.dumps({"usage": usage}).encode())
+        self.assertEqual(
+            (figures.prompt_read, figures.prompt_seen, figures.prompt_cached), (100, 100, 0)
+        )
+
     def test_nothing_reported_is_none(self):
         figures = tokens.read_figures(b'{"done":true}')
         self.assertEqual((figures.prompt_read, figures.prompt_seen), (None, None))
