@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from importlib import resources
+from typing import Callable
 
 from prometheus_client.registry import CollectorRegistry
 from twisted.application.service import Service
@@ -124,9 +125,13 @@ class AdminService(Service):
         address: tuple[str, int],
         reactor,
         mode: str,
+        listen: Callable[[int, BoundedSite, str], IListeningPort] | None = None,
     ) -> None:
         self.source, self.recorder, self.address, self.reactor = source, recorder, address, reactor
         self.mode = mode
+        #: ``listen(port, site, host)``, when not this module's own (standalone mode: one that
+        #: serves the socket a predecessor or systemd handed over).
+        self.listen = listen
         self.listening: IListeningPort | None = None
         self.view: ProcessView | None = None
 
@@ -145,7 +150,10 @@ class AdminService(Service):
         )
         host, port = self.address
         try:
-            self.listening = listen_tcp(self.reactor, port, site, host, "admin")
+            if self.listen is not None:
+                self.listening = self.listen(port, site, host)
+            else:
+                self.listening = listen_tcp(self.reactor, port, site, host, "admin")
         except CannotListenError as exc:
             raise SystemExit(
                 f"nvpair-proxy: --admin: cannot listen on {host} port {port}: {exc.socketError}"
@@ -161,6 +169,14 @@ class AdminService(Service):
         host = self.listening.getHost()
         assert isinstance(host, (IPv4Address, IPv6Address))  # listenTCP's, either family
         return f"http://{host_port(host.host, host.port)}/"
+
+    def hand_over(self) -> None:
+        """A successor serves this listening socket now (a hot handoff): stop accepting on
+        it, and leave it open until the process exits. Closing it as Twisted closes a port
+        it bound (``shutdown`` first) would shut the successor's copy of the socket too."""
+        if self.listening is not None:
+            self.listening.stopReading()  # type: ignore[attr-defined]  # a tcp.Port's
+            self.listening = None
 
     def stopService(self) -> Deferred[None] | None:
         super().stopService()

@@ -26,7 +26,6 @@ from twisted.logger import (
     textFileLogObserver,
 )
 from twisted.python.components import Componentized
-from twisted.python.logfile import LogFile
 
 from .logs import COMPONENT, PREDICATE
 
@@ -79,7 +78,11 @@ def destination(twistd: Mapping, log_format: str) -> ILogObserver:
     if path == "-" or (not path and twistd.get("nodaemon")):
         out = sys.stdout
     else:
-        out = LogFile.fromFullPath(path or "twistd.log")
+        # Opened to append (O_APPEND), not as twistd's LogFile (which writes at its own offset
+        # and rotates at 1 MB): a hot handoff's successor logs to the same file while its
+        # predecessor drains, and each line must land after the other's
+        # (docs/operations.md#restarts). Rotate with logrotate.
+        out = open(path or "twistd.log", "a", buffering=1, encoding="utf-8")
     if log_format == "json":
         return FileLogObserver(out, json_line)
     return textFileLogObserver(out)

@@ -100,6 +100,8 @@ class FacadeService(MultiService):
             poller.setServiceParent(self)
         self.aliases: list = []
         self.alias_port: int | None = None
+        #: A successor serves these ports now (``drain``): they are left open at the stop.
+        self.handed_over = False
         # The listening port whose bound port ``own_ports`` read last, and that port.
         self._bound: tuple[object, int] = (None, 0)
         # The local engine's parallel slots as the broker last relayed them
@@ -168,11 +170,18 @@ class FacadeService(MultiService):
         old.stopListening()
         self.facade.router.recheck_self()
 
-    def drain(self) -> None:
-        """Stop accepting on every port (the successor of a hot handoff keeps them open),
-        close idle connections and let the busy ones finish (docs/operations.md#restarts)."""
+    def drain(self, handed_over: bool = False) -> None:
+        """Stop accepting on every port, close idle connections and let the busy ones finish
+        (docs/operations.md#restarts). When a successor serves the same listening sockets
+        (``handed_over``), they are only no longer read, and left open until the process
+        exits: Twisted closes a port it bound with ``shutdown`` first, which would shut the
+        successor's copy of the socket too."""
         for listening in self.ports:
-            listening.stopListening()
+            if handed_over:
+                listening.stopReading()
+            else:
+                listening.stopListening()
+        self.handed_over = handed_over
         self.factory.drain()
 
     def drained(self) -> bool:
@@ -185,7 +194,11 @@ class FacadeService(MultiService):
         after this, by the runtime, because in-flight requests hold its connections until they are
         cancelled."""
         Service.stopService(self)
-        closing = [maybeDeferred(listening.stopListening) for listening in self.ports]
+        closing = [
+            maybeDeferred(listening.stopListening)
+            for listening in self.ports
+            if not self.handed_over
+        ]
         self.facade.shutdown()
         closing.append(maybeDeferred(self.prober.stopService))
         if self.poller is not None:
@@ -225,9 +238,11 @@ class Facades(MultiService):
         should_probe: Callable[[Node], bool],
         local_backend: LocalBackend = lambda: None,
         is_local: Callable[[str], bool] = is_local_address,
+        listen: Callable | None = None,
     ) -> FacadeService:
         """A facade bound on ``port`` (CannotListenError when it cannot be), not yet started:
-        ``add`` starts it, so a caller can announce it first."""
+        ``add`` starts it, so a caller can announce it first. ``listen`` replaces the
+        facades' own (standalone mode: one that serves an inherited socket)."""
         facade = self.make_facade(engine)
         factory = listener_factory(
             facade, self.directory if self.admission else None, local_backend, self.lan
@@ -235,7 +250,7 @@ class Facades(MultiService):
         service = FacadeService(
             facade,
             factory,
-            self.listen,
+            listen or self.listen,
             self.make_prober(facade, should_probe),
             self.clock,
             port,

@@ -90,11 +90,11 @@ class _Demux(Protocol):
         )
 
     def drain(self) -> None:
-        """The process drains: a connection that has sent nothing yet is closed; one that
-        has, is served what it asks, then closed."""
-        if self.channel is None:
-            self.transport.loseConnection()
-        else:
+        """The process drains: a connection is served what it asks, then closed. One just
+        accepted, that has sent nothing yet, is a client about to ask (it connected before
+        the port closed): its first request is served too (``dataReceived`` marks its channel
+        draining), within the header deadline that bounds any connection's first request."""
+        if self.channel is not None:
             self.channel.drain()
 
     def _stop_timer(self) -> None:

@@ -23,6 +23,7 @@ addition, each after the one before it has finished:
 from __future__ import annotations
 
 import gc
+import signal
 from typing import Callable
 
 import attrs
@@ -35,8 +36,10 @@ from zope.interface import implementer
 from ..admin.recorder import Recorder
 from ..cluster.trust import ClusterDirectory, PeerAgents, trust_watch
 from ..core import constants, sdnotify
+from ..core.acceptguard import listen_tcp
 from ..core.interfaces import IStatusSource
 from ..core.logs import logger
+from ..core.validate import is_loopback
 from ..core.views import ProcessSnapshot
 from ..core.warnonce import WarnOnce
 from ..facade.facadeservice import Facades, listen_on
@@ -46,9 +49,11 @@ from ..nodes.selfcheck import self_reason
 from ..request.events import LogEmitter
 from ..standalone.engineaccess import EngineAgents
 from ..standalone.nodesfile import ConfiguredNodes, NodesFileError, NodesFileWatcher, tls_configs
+from .handoff import Handoff, take_over_notify
 from .link import LinkService, stop_on_signals, stop_once
 from .options import Config
 from .runtime import Runtime, RuntimeService
+from .sockets import Inherited, adopt, adopting, inherited_sockets
 
 log = logger()
 
@@ -76,6 +81,8 @@ class ProcessService(MultiService):
     #: Seconds a SIGTERM lets admitted requests finish (``--drain-timeout``); 0 stops at once.
     drain_timeout: float = 0.0
     draining = False
+    #: Standalone mode: SIGHUP hands the listening sockets to a successor (handoff.py).
+    handoff: Handoff | None = None
     # Set by makeService: offered to twistd's application as its log observer (logformat.py).
     offer_log_observer = None
 
@@ -100,13 +107,46 @@ class ProcessService(MultiService):
         if not self.running:
             return
         stop_on_signals(self.reactor, self.drain)
+        handoff = self.handoff
+        if handoff is not None:
+            signal.signal(
+                signal.SIGHUP, lambda number, frame: self.reactor.callFromThread(handoff.start)
+            )
         freeze_heap()
         sdnotify.notify("READY=1")
+        take_over_notify()
         pinging = sdnotify.watchdog(self.reactor)
         if pinging is not None:
             pinging.setServiceParent(self)
 
-    def drain(self) -> bool:
+    def listening_sockets(self) -> list[tuple[str, int]]:
+        """What a successor inherits (handoff.py): each facade's listening socket by its
+        engine id, and the admin listener's as ``admin``."""
+        named = [(service.name, service.listening.fileno()) for service in self.facades or ()]
+        admin = self._admin()
+        if admin is not None and admin.listening is not None:
+            named.append(("admin", admin.listening.fileno()))
+        return named
+
+    def _admin(self):
+        try:
+            return self.getServiceNamed("admin")
+        except KeyError:
+            return None
+
+    def handed_over(self) -> None:
+        """The successor is ready and serves the same sockets: this process stops accepting
+        on all of them, the admin listener's too, and drains (at once without a drain
+        timeout) without telling systemd it stops: the service goes on in the successor."""
+        admin = self._admin()
+        if admin is not None:
+            admin.hand_over()
+        if not self.drain(handoff=True):
+            for service in self.facades or ():
+                service.drain(handed_over=True)
+            stop_once(self.reactor)
+
+    def drain(self, handoff: bool = False) -> bool:
         """Begin a graceful stop (docs/operations.md#restarts): every facade stops accepting
         and closes its idle connections, ``/healthz`` answers 503, and admitted requests
         (queued ones included) go on until none is left or ``drain_timeout`` has passed; then
@@ -116,10 +156,11 @@ class ProcessService(MultiService):
         if self.draining or not self.running or self.drain_timeout <= 0 or self.facades is None:
             return False
         self.draining = True
-        sdnotify.notify("STOPPING=1")
+        if not handoff:
+            sdnotify.notify("STOPPING=1")
         services = list(self.facades)
         for service in services:
-            service.drain()
+            service.drain(handed_over=handoff)
         reactor = self.reactor
         began = reactor.seconds()
         deadline = began + self.drain_timeout
@@ -146,7 +187,7 @@ class ProcessService(MultiService):
 
     def stopService(self) -> Deferred:
         Service.stopService(self)
-        if not self.draining:
+        if not self.draining and (self.handoff is None or not self.handoff.handed_over):
             sdnotify.notify("STOPPING=1")
         stopped = succeed(None)
         for child in reversed(list(self)):
@@ -219,10 +260,18 @@ class Standalone(MultiService):
     name = "standalone"  # type: ignore[assignment]  # Twisted leaves Service.name untyped (None)
 
     def __init__(
-        self, config: Config, reactor, facades: Facades, engine_agents: EngineAgents | None = None
+        self,
+        config: Config,
+        reactor,
+        facades: Facades,
+        engine_agents: EngineAgents | None = None,
+        inherited: Inherited | None = None,
     ) -> None:
         super().__init__()
         self.config, self.facades, self.engine_agents = config, facades, engine_agents
+        self.reactor = reactor
+        #: Listening sockets handed over (socket activation, a hot handoff), by role.
+        self.inherited = inherited or Inherited()
         self.probed: frozenset = frozenset()
         # The nodes last warned about as this proxy, per (engine, node): one warning per
         # change, not one per reload of an unchanged file.
@@ -238,17 +287,27 @@ class Standalone(MultiService):
         for engine_id, port in config.facades:
             try:
                 service = self.facades.open(
-                    config.engines[engine_id], port, should_probe=self._probes(engine_id)
+                    config.engines[engine_id],
+                    port,
+                    should_probe=self._probes(engine_id),
+                    listen=adopting(self.reactor, self.inherited, engine_id, self.facades.listen),
                 )
             except CannotListenError as exc:
                 raise SystemExit(
                     f"nvpair-proxy: {engine_id}: cannot listen on port {port}: {exc.socketError}"
                 ) from None
+            except ValueError as exc:
+                raise SystemExit(f"nvpair-proxy: {exc}") from None
             self.facades.add(service)
             log.info(
                 "{engine} facade listening on port {port}",
                 engine=engine_id,
                 port=service.listening.getHost().port,
+            )
+        for role in self.inherited.unused():
+            raise SystemExit(
+                f"nvpair-proxy: an inherited socket is named {role!r}, which no --engine "
+                f"or --admin of this command line serves"
             )
         if self.watcher is not None:
             try:
@@ -309,9 +368,17 @@ def lan_gate(config: Config, reactor):
     )
 
 
-def add_admin(root: ProcessService, runtime: Runtime, config: Config, reactor, mode: str) -> None:
+def add_admin(
+    root: ProcessService,
+    runtime: Runtime,
+    config: Config,
+    reactor,
+    mode: str,
+    inherited: Inherited | None = None,
+) -> None:
     """The admin listener (docs/references.md#admin-listener), when ``--admin`` asks for it: it
-    reads the tree's snapshots and the runtime's recorder (made whenever ``--admin`` is given)."""
+    reads the tree's snapshots and the runtime's recorder (made whenever ``--admin`` is given),
+    on the socket inherited for ``admin`` when there is one."""
     if config.admin is not None:
         recorder = runtime.recorder
         assert isinstance(recorder, Recorder)
@@ -319,16 +386,24 @@ def add_admin(root: ProcessService, runtime: Runtime, config: Config, reactor, m
         # serves no --admin (0.9 MiB resident, measured at import).
         from ..admin.admin import AdminService
 
-        AdminService(root, recorder, config.admin, reactor, mode).setServiceParent(root)
+        listen = None
+        if inherited is not None:
+
+            def bind(port: int, site, host: str):
+                return listen_tcp(reactor, port, site, host, "admin")
+
+            listen = admin_listen(reactor, inherited, bind)
+        AdminService(root, recorder, config.admin, reactor, mode, listen).setServiceParent(root)
 
 
 def standalone_tree(config: Config, reactor) -> ProcessService:
     """Facades from ``--engine``, fleet from ``--nodes``; events to the log."""
     root = ProcessService(reactor)
     root.drain_timeout = config.drain_timeout
+    inherited = handed_over()
     runtime = Runtime.build(config, reactor, LogEmitter())
     RuntimeService(runtime).setServiceParent(root)
-    add_admin(root, runtime, config, reactor, "standalone")
+    add_admin(root, runtime, config, reactor, "standalone", inherited)
     facades = Facades(
         make_facade=runtime.facade,
         listen=listen_on(reactor),
@@ -337,7 +412,8 @@ def standalone_tree(config: Config, reactor) -> ProcessService:
         lan=lan_gate(config, reactor),
         make_poller=runtime.poller,
     )
-    Standalone(config, reactor, facades, runtime.engine_agents).setServiceParent(root)
+    Standalone(config, reactor, facades, runtime.engine_agents, inherited).setServiceParent(root)
+    root.handoff = Handoff(reactor, root.listening_sockets, root.handed_over)
     facades.setServiceParent(root)
     root.runtime, root.facades = runtime, facades
     return root
@@ -348,6 +424,11 @@ def broker_tree(config: Config, reactor) -> ProcessService:
     # Imported here: a standalone process never loads the broker's methods (0.4 MiB).
     from ..broker.broker import Broker
 
+    if handed_over():
+        raise SystemExit(
+            "nvpair-proxy: inherited listening sockets (LISTEN_FDS) are for standalone mode "
+            "(--engine); the broker opens facades itself"
+        )
     root = ProcessService(reactor)
     root.drain_timeout = config.drain_timeout
     broker: Broker  # made last, from the link and the facades; the link calls it later
@@ -389,6 +470,38 @@ def broker_tree(config: Config, reactor) -> ProcessService:
     )
     root.runtime, root.facades = runtime, facades
     return root
+
+
+def handed_over() -> Inherited:
+    """The listening sockets systemd or a predecessor handed this process; a set that cannot
+    be used stops start-up with one line."""
+    try:
+        return inherited_sockets()
+    except ValueError as exc:
+        raise SystemExit(f"nvpair-proxy: {exc}") from None
+
+
+def admin_listen(reactor, inherited: Inherited, bind: Callable) -> Callable:
+    """The admin listener's ``listen(port, site, host)``: the socket inherited for
+    ``admin``, which must be on a loopback address as ``--admin`` must, else ``bind``."""
+
+    def listen(port: int, site, host: str):
+        fd = inherited.take("admin")
+        if fd is None:
+            return bind(port, site, host)
+        try:
+            listening = adopt(reactor, fd, site, "admin")
+        except ValueError as exc:
+            raise SystemExit(f"nvpair-proxy: {exc}") from None
+        if not is_loopback(listening.getHost().host):
+            listening.stopListening()
+            raise SystemExit(
+                "nvpair-proxy: the inherited admin socket is not on a loopback address; "
+                "the admin listener serves this machine only"
+            )
+        return listening
+
+    return listen
 
 
 def build_service(config: Config):

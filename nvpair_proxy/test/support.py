@@ -7,6 +7,7 @@ import shutil
 import socket
 import subprocess
 import tempfile
+from collections.abc import Sequence
 
 from twisted.internet import error as ierror
 from twisted.internet.protocol import Protocol
@@ -199,14 +200,17 @@ def start_fleet(test, fleet_toml: str) -> dict[str, int]:
     return ports
 
 
-def start_standalone(test, args: list[str], logfile: str | None = None) -> subprocess.Popen:
+def start_standalone(
+    test, args: list[str], logfile: str | None = None, inherit: Sequence[tuple[str, int]] = ()
+) -> subprocess.Popen:
     """twistd nvpair-proxy standalone, once it reported READY=1. With ``logfile`` twistd logs
-    there at debug, so workload events can be read back."""
+    there at debug, so workload events can be read back; ``inherit`` hands it listening
+    sockets, (role, descriptor) each, as systemd's socket activation does."""
     workdir = tempfile.mkdtemp(prefix="nvp-")  # short: the notification socket lives there
     test.addCleanup(shutil.rmtree, workdir, True)
     level = ["--log-level", "debug"] if logfile else []
     try:
-        proc = processes.spawn_proxy(workdir, level + list(args), logfile)
+        proc = processes.spawn_proxy(workdir, level + list(args), logfile, inherit=inherit)
     except processes.StartFailed as failed:
         test.fail(str(failed))
     test.addCleanup(processes.stop, proc)

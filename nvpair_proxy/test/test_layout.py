@@ -99,7 +99,10 @@ LAYERS = (
     ("admin", ("recorder", "status", "metrics", "admin")),
     # The broker's link and methods; the process and its wiring last.
     ("broker", ("rpc", "aliases", "ports", "broker")),
-    ("process", ("options", "vitals", "runtime", "link", "service", "tap", "cli")),
+    (
+        "process",
+        ("options", "vitals", "runtime", "link", "sockets", "handoff", "service", "tap", "cli"),
+    ),
 )
 ORDER = tuple(f"{layer}.{module}" for layer, modules in LAYERS for module in modules)
 NOT_PRODUCT = ("test", "testing", "engine_files")

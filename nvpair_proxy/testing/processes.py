@@ -28,6 +28,20 @@ SIMFLEET = [sys.executable, "-m", "nvpair_proxy.testing.simfleet"]
 
 _T = TypeVar("_T")
 
+# What systemd does before it runs a socket-activated service: the descriptors given before
+# ``--`` become 3, 4, ... and LISTEN_PID names the process, which exec keeps.
+_ACTIVATE = """
+import fcntl, os, sys
+at = sys.argv.index("--")
+given = [fcntl.fcntl(int(fd), fcntl.F_DUPFD, 100) for fd in sys.argv[1:at]]
+for target, fd in enumerate(given, 3):
+    os.dup2(fd, target)
+for fd in given + [int(fd) for fd in sys.argv[1:at] if int(fd) >= 3 + len(given)]:
+    os.close(fd)
+os.environ["LISTEN_PID"] = str(os.getpid())
+os.execv(sys.argv[at + 1], sys.argv[at + 1 :])
+"""
+
 
 class Readable(Protocol):
     """What LineReader reads: anything with a file descriptor (a pipe, a socket's file)."""
@@ -86,6 +100,17 @@ def spawn_fleet(
     return proc, {k: int(v) for k, v in (item.split("=") for item in line.split(":", 1)[1].split())}
 
 
+def activated(inherit: Sequence[tuple[str, int]]) -> tuple[list[str], dict[str, str]]:
+    """What runs a command with ``inherit``'s listening sockets handed over as systemd's
+    socket activation hands them, (role, descriptor) each: the launcher to put before the
+    command (run it with ``pass_fds`` of those descriptors) and the environment it needs."""
+    if not inherit:
+        return [], {}
+    launcher = [sys.executable, "-c", _ACTIVATE, *(str(fd) for _, fd in inherit), "--"]
+    names = ":".join(role for role, _ in inherit)
+    return launcher, {"LISTEN_FDS": str(len(inherit)), "LISTEN_FDNAMES": names}
+
+
 def spawn_proxy(
     workdir: str,
     args: Sequence[str],
@@ -95,27 +120,33 @@ def spawn_proxy(
     stderr: int | None = subprocess.PIPE,
     cwd: str | None = None,
     env: Mapping[str, str] | None = None,
+    inherit: Sequence[tuple[str, int]] = (),
 ) -> subprocess.Popen:
     """``twistd nvpair-proxy`` (standalone unless ``args`` say otherwise) with its state under
     ``workdir``, once it sent READY=1. ``workdir`` holds the notification socket, so its path
     must be short (a mkdtemp in /tmp is). With ``logfile`` twistd logs there; ``env`` adds to
-    the environment (a benchmark's ``PYTHONPATH`` of another checkout)."""
+    the environment (a benchmark's ``PYTHONPATH`` of another checkout). ``inherit`` hands it
+    listening sockets as systemd's socket activation does: (role, descriptor) each."""
     notify_path = os.path.join(workdir, "notify")
     notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     notify.bind(notify_path)
     notify.settimeout(DEADLINE)
     logging = ["--logfile", logfile] if logfile else []
+    launcher, activation = activated(inherit)
+    extra = dict(env or {}, NOTIFY_SOCKET=notify_path, **activation)
     try:
         proc = subprocess.Popen(
-            TWISTD
+            launcher
+            + TWISTD
             + ["-n", "--pidfile="]
             + logging
             + ["nvpair-proxy", "--state-dir", os.path.join(workdir, "state")]
             + list(args),
-            env=dict(os.environ, **(env or {}), NOTIFY_SOCKET=notify_path),
+            env=dict(os.environ, **extra),
             cwd=cwd,
             stdout=stdout,
             stderr=stderr,
+            pass_fds=tuple(fd for _, fd in inherit),
         )
         try:
             message = notify.recv(64)
