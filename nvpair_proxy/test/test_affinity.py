@@ -858,6 +858,32 @@ class SubAgentTests(FleetTestCase):
             w.agent.requests[1].respond(200, NDJSON, DONE, finish=True)
 
 
+class ForkTests(FleetTestCase):
+    """A child that shares its parent's whole context under a session id of its own: Claude
+    Code's ``--fork-session`` and ``fork`` sub-agents, Codex's ``exec fork`` (captured:
+    nothing links the new id to the old one). It goes where its parent is, by the head they
+    share, though its id is new."""
+
+    def test_a_fork_under_a_new_session_id_goes_where_its_parent_is(self):
+        for harness, header in (
+            ("claude code", "x-claude-code-session-id"),
+            ("codex", "session-id"),
+        ):
+            w = self.fleet("a", "b")
+            parent = session("parent task")
+            sent = w.send("POST", "/api/chat", parent, headers={header: "root-0001"})
+            self.assertEqual(node_of(w.agent.last), "a", harness)
+            w.agent.last.respond(200, NDJSON, DONE, finish=True)
+            self.assertEqual(sent.response().status, 200)
+            self.assertEqual(self.turn(w, chat("unrelated"), answer=False)[0], "a")
+            fork = session("parent task", "and now the fork's own question")
+            forked = w.send("POST", "/api/chat", fork, headers={header: "fork-0002"})
+            self.assertEqual(node_of(w.agent.last), "a", f"{harness}: not b, the less loaded")
+            w.agent.last.respond(200, NDJSON, DONE, finish=True)
+            self.assertEqual(forked.response().status, 200)
+            w.agent.requests[1].respond(200, NDJSON, DONE, finish=True)
+
+
 class SpillBindingTests(FleetTestCase):
     """``--affinity-spill``: after a spill the conversation is bound to the node it spilled to
     (move, the default) or stays bound to its node before (keep)."""

@@ -414,3 +414,35 @@ class RestartSoakTests(SynchronousTestCase):
         answered = re.search(r"(\d+) short chats and (\d+) long streams answered", out)
         self.assertIsNotNone(answered)
         self.assertGreater(int(answered.group(2)), 0, "no stream ran through the restarts")
+
+
+class BadSuccessorProcessTests(SynchronousTestCase):
+    def test_a_successor_that_cannot_start_leaves_the_old_process_serving(self):
+        """The nodes file went missing before the reload: the successor stops at start-up,
+        and the old process says why in one line and serves on."""
+        ports = start_fleet(self, FLEET.format(tokens=2, delay=0))
+        nodes = os.path.abspath(self.mktemp())
+        with open(nodes, "w") as handle:
+            handle.write(nodes_toml([("gpu", "ollama", ports["gpu"], ["llama3:latest"])]))
+        port = free_port()
+        log = os.path.abspath(self.mktemp())
+        proxy = start_standalone(
+            self, ["--engine", f"ollama:{port}", "--nodes", nodes], logfile=log
+        )
+        os.remove(nodes)
+        proxy.send_signal(signal.SIGHUP)
+
+        def failed() -> str | None:
+            with open(log, encoding="utf-8") as handle:
+                lines = [line for line in handle if "hot handoff failed" in line]
+            return lines[0] if lines else None
+
+        line = processes.wait_until(log, failed, 60)
+        self.assertIsNotNone(line, "no handoff failure was logged")
+        self.assertIn("hot handoff failed: it exited before it was ready", line)
+        self.assertIn("this process keeps serving", line)
+        self.assertIsNone(proxy.poll())
+        client = socket.create_connection(("127.0.0.1", port), timeout=30)
+        chat_over(client)
+        self.assertTrue(read_until_closed_or_answered(client).startswith(b"HTTP/1.1 200 "))
+        client.close()
