@@ -51,6 +51,27 @@ EXHAUSTED = {
 }
 
 
+#: Where the soft limit is raised to when the hard one is unlimited: the kernel's default
+#: ``fs.nr_open``, the most a process may open.
+NOFILE_CEILING = 1 << 20
+
+
+def raise_descriptor_limit(rlimit=resource) -> tuple[int, int]:
+    """Raise the soft ``RLIMIT_NOFILE`` to the hard limit (docs/decisions.md#descriptor-limit):
+    a default soft limit of 1,024 is a few hundred streams, each holding a client's and an
+    engine's descriptor. (before, after); after is before when it could not be raised. The
+    guard reads the limit each time (``descriptor_limit``), so its thresholds follow."""
+    soft, hard = rlimit.getrlimit(rlimit.RLIMIT_NOFILE)
+    target = hard if hard != rlimit.RLIM_INFINITY else NOFILE_CEILING
+    if soft == rlimit.RLIM_INFINITY or soft >= target:
+        return soft, soft
+    try:
+        rlimit.setrlimit(rlimit.RLIMIT_NOFILE, (target, hard))
+    except (ValueError, OSError):
+        return soft, soft
+    return soft, target
+
+
 def descriptor_limit() -> int:
     """The process's soft ``RLIMIT_NOFILE``, read each time (``prlimit`` can change it)."""
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)

@@ -206,6 +206,11 @@ class NodeSet:
     def routable(self) -> list[Node]:
         return list(self._routable_now().values())
 
+    def routable_map(self) -> Mapping[str, Node]:
+        """The routable nodes by id: the same mapping between changes to the set (a plain
+        admission), which is how the rank index knows to start again (rankindex.py)."""
+        return self._routable_now()
+
     def _routable_now(self) -> dict[str, Node]:
         state = None if self.admit_state is None else self.admit_state()
         if self._routable is not None and state == self._routable_state:

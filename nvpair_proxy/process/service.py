@@ -36,7 +36,7 @@ from zope.interface import implementer
 from ..admin.recorder import Recorder
 from ..cluster.trust import ClusterDirectory, PeerAgents, trust_watch
 from ..core import constants, sdnotify
-from ..core.acceptguard import listen_tcp
+from ..core.acceptguard import listen_tcp, raise_descriptor_limit
 from ..core.interfaces import IStatusSource
 from ..core.logs import logger
 from ..core.validate import is_loopback
@@ -506,6 +506,13 @@ def admin_listen(reactor, inherited: Inherited, bind: Callable) -> Callable:
 
 def build_service(config: Config):
     from twisted.internet import reactor
+
+    before, after = raise_descriptor_limit()
+    log.info(
+        "descriptors: at most {limit} open (soft RLIMIT_NOFILE{raised})",
+        limit=after,
+        raised=f", raised from {before}" if after != before else "",
+    )
 
     if config.standalone:
         return standalone_tree(config, reactor)

@@ -106,6 +106,8 @@ class ReservationMap:
     #: Told the node of every claim that ends or moves away: a slot there is free again
     #: (standalone placement lets a waiting request go at once).
     on_release: list[Callable[[str], None]] = attrs.field(factory=list, init=False)
+    #: Told the node of every claim that starts or moves there (standalone ranking moves it).
+    on_count: list[Callable[[str], None]] = attrs.field(factory=list, init=False)
 
     @property
     def generation(self) -> int:
@@ -207,6 +209,8 @@ class ReservationMap:
 
     def _count(self, node_id: str) -> None:
         self._held[node_id] = self._held.get(node_id, 0) + 1
+        for listener in self.on_count:
+            listener(node_id)
 
     def _transfer(self, reservation: Reservation, node_id: str) -> None:
         self._release(reservation)

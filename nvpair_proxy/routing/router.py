@@ -39,6 +39,7 @@ from .affinity import AffinityTable
 from .enginetruth import EngineTruth
 from .fairshare import Contention
 from .placement import Standing, rank_key, standing
+from .rankindex import RankIndex
 from .rates import NodeRates
 from .reservations import ReservationMap
 from .slotqueue import SlotQueue
@@ -90,6 +91,10 @@ class Router:
     _ended_since_read: dict[str, int] = attrs.Factory(dict)
     _last_traffic: float | None = None
     _order: Callable[[list[Node], str | None], list[Node]] = attrs.field(init=False)
+    #: Standalone: each model's owners kept in rank order (rankindex.py); None under the
+    #: broker, whose scheduler orders.
+    index: RankIndex | None = attrs.field(default=None, init=False)
+    _index_generation: int = attrs.field(default=0, init=False)
 
     def __attrs_post_init__(self) -> None:
         # Chosen once: standalone ranks by what the engines report; the broker's order stands
@@ -98,6 +103,10 @@ class Router:
         if self.scheduling:
             # Any of our dispatches ending frees a slot at once, whichever facade made it.
             self.reservations.on_release.append(self._released)
+            self.index = RankIndex(self._rank_key)
+            # One of ours starting on a node moves it in the ranking; one ending does in
+            # ``_released``, after its end is counted.
+            self.reservations.on_count.append(self.index.touch)
 
     # The node set.
 
@@ -181,6 +190,8 @@ class Router:
         else:
             self._truth[node_id] = truth
             self.contention.read(node_id, truth, self.ours(node_id), ended, self.clock.seconds())
+        if self.index is not None:
+            self.index.touch(node_id)
         for freed in self.on_freed:
             freed()
 
@@ -216,10 +227,33 @@ class Router:
         """The owners of ``model`` (normalized; None: every routable node) in the order a
         round tries them: pin, priority, id (standalone: ranked by what the engines report),
         then cooling nodes, then held ones last."""
+        index = self.index
+        if index is not None and model is not None:
+            generation = self.reservations.generation
+            if generation != self._index_generation:
+                # A scheduler snapshot replaced every claim (never in standalone mode).
+                self._index_generation = generation
+                index.reset()
+            return self._held_last(index.ranked(self.nodes.routable_map(), model), model)
         nodes = self.routable()
         if model is not None:
             nodes = owners(nodes, model)
         return self._order(order(nodes, self._pin, self.priority()), model)
+
+    def _rank_key(self, node: Node, model: str) -> tuple:
+        """``node``'s standing for ``model`` as ``ranked`` weighs it (held and cooling aside),
+        its id last: the rank index's key."""
+        node_id = node.id
+        return (
+            *rank_key(
+                node,
+                model,
+                self._truth.get(node_id),
+                self.ours(node_id),
+                self._ended_since_read.get(node_id, 0),
+            ),
+            node_id,
+        )
 
     def _held_last(self, ordered: list[Node], model: str | None) -> list[Node]:
         if not self._held and not self._cooling:
@@ -276,6 +310,8 @@ class Router:
         if node_id not in self.nodes:
             return
         self._ended_since_read[node_id] = self._ended_since_read.get(node_id, 0) + 1
+        if self.index is not None:
+            self.index.touch(node_id)
         for freed in self.on_freed:
             freed()
 

@@ -20,7 +20,12 @@ from twisted.internet.task import Clock
 from twisted.logger import Logger
 from twisted.trial.unittest import SynchronousTestCase
 
-from nvpair_proxy.core.acceptguard import AcceptGuard, Clients, GuardedSocket
+from nvpair_proxy.core.acceptguard import (
+    AcceptGuard,
+    Clients,
+    GuardedSocket,
+    raise_descriptor_limit,
+)
 from nvpair_proxy.core.constants import ACCEPT_LOG_INTERVAL, ACCEPT_PAUSE, ACCEPT_RESERVE
 from nvpair_proxy.test.support import start_standalone
 from nvpair_proxy.testing.processes import free_port, nodes_toml, status_of
@@ -467,3 +472,58 @@ class AtTheLimitTests(SynchronousTestCase):
             f"{self.condition_count} condition lines",
             file=sys.stderr,
         )
+
+
+class FakeRlimit:
+    """What ``raise_descriptor_limit`` asks of the ``resource`` module."""
+
+    RLIMIT_NOFILE = 7
+    RLIM_INFINITY = -1
+
+    def __init__(self, soft: int, hard: int, refuse: bool = False) -> None:
+        self.limits, self.refuse = (soft, hard), refuse
+
+    def getrlimit(self, which: int) -> tuple[int, int]:
+        assert which == self.RLIMIT_NOFILE
+        return self.limits
+
+    def setrlimit(self, which: int, limits: tuple[int, int]) -> None:
+        if self.refuse:
+            raise ValueError("not allowed")
+        self.limits = limits
+
+
+class RaiseLimitTests(SynchronousTestCase):
+    def test_the_soft_limit_goes_up_to_the_hard_one(self) -> None:
+        rlimit = FakeRlimit(1024, 65536)
+        self.assertEqual(raise_descriptor_limit(rlimit), (1024, 65536))
+        self.assertEqual(rlimit.limits, (65536, 65536))
+
+    def test_an_unlimited_hard_limit_raises_it_to_the_kernels_ceiling(self) -> None:
+        rlimit = FakeRlimit(1024, FakeRlimit.RLIM_INFINITY)
+        self.assertEqual(raise_descriptor_limit(rlimit), (1024, 1 << 20))
+
+    def test_a_limit_already_at_the_top_or_that_cannot_move_stays(self) -> None:
+        self.assertEqual(raise_descriptor_limit(FakeRlimit(4096, 4096)), (4096, 4096))
+        refused = FakeRlimit(1024, 65536, refuse=True)
+        self.assertEqual(raise_descriptor_limit(refused), (1024, 1024))
+        self.assertEqual(refused.limits, (1024, 65536))
+
+
+class RaisedAtStartTests(SynchronousTestCase):
+    def test_the_proxy_starts_at_its_hard_limit_and_says_so_once(self) -> None:
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        low = min(soft, 512)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (low, hard))
+        log = os.path.abspath(self.mktemp())
+        try:
+            proc = start_standalone(self, ["--engine", f"ollama:{free_port()}"], logfile=log)
+        finally:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        with open(f"/proc/{proc.pid}/limits", encoding="ascii") as handle:
+            line = next(row for row in handle if row.startswith("Max open files"))
+        self.assertEqual(line.split()[3:5], [str(hard), str(hard)])
+        with open(log, encoding="utf-8") as handle:
+            said = [row for row in handle if "descriptors: at most" in row]
+        self.assertEqual(len(said), 1)
+        self.assertIn(f"at most {hard} open (soft RLIMIT_NOFILE, raised from {low})", said[0])

@@ -85,6 +85,7 @@ LAYERS = (
             "slotqueue",
             "affinity",
             "rates",
+            "rankindex",
             "router",
             "tickets",
         ),
@@ -128,6 +129,7 @@ NO_TWISTED = (
     "routing.placement",
     "routing.rates",
     "routing.fairshare",
+    "routing.rankindex",
 )
 
 
