@@ -81,6 +81,14 @@ TRUTH_TRAFFIC_WINDOW = 60.0
 TRUTH_JITTER = 0.2
 TRUTH_TIMEOUT = 2.0
 TRUTH_MAX_BODY = 1024 * 1024
+# A fleet of more nodes than this is not read whole at the active pace while traffic flows:
+# only the nodes placement needs (the owners of the models requests wait for, the nodes
+# lately running work we did not send) are, and every node at the idle pace
+# (docs/decisions.md#engine-truth).
+TRUTH_ALL_ACTIVE = 32
+# A round's reads are spread over this many slices of its interval, so a large fleet is not
+# asked all at once (a fleet of at most this many nodes is, in one slice).
+TRUTH_SLICES = 10
 # A llama.cpp router runs each model apart: at most this many loaded models' slots are asked
 # per read.
 TRUTH_MAX_MODEL_SLOTS = 8

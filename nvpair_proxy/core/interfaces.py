@@ -43,6 +43,13 @@ class ITruthSink(Interface):
     def last_traffic() -> float | None:
         """Clock seconds of the facade's last admitted request, None before any."""
 
+    def is_routable(node_id: str) -> bool:
+        """Whether the node is still one to ask (and to tell what it said)."""
+
+    def wanted() -> frozenset:
+        """The node ids whose reports placement needs at the active pace now: the owners of
+        the models requests wait for, and the nodes lately running work we did not send."""
+
 
 class IOwners(Interface):
     """Who may serve a request now, and in which order: one facade's node set as the request

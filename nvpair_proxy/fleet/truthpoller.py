@@ -14,6 +14,7 @@ never free.
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Callable
 from urllib.parse import quote
 
@@ -73,6 +74,13 @@ class TruthPoller(Service):
         self._reading: dict[str, Deferred] = {}
         self._warned: dict[str, str] = {}
         self._timer: IDelayedCall | None = None
+        #: The round's nodes still to read, in slices (``_read_slice``), and its timer.
+        self._round: deque[Node] = deque()
+        self._slice_size = 1
+        self._slice_timer: IDelayedCall | None = None
+        #: When every node was last asked (None: never): a large fleet is asked whole at the
+        #: idle pace, and between such rounds only what placement needs (``ITruthSink.wanted``).
+        self._whole_at: float | None = None
 
     @property
     def asks(self) -> bool:
@@ -88,29 +96,60 @@ class TruthPoller(Service):
 
     def stopService(self) -> Deferred | None:
         cancel_pending(self._timer)
-        self._timer = None
+        cancel_pending(self._slice_timer)
+        self._timer = self._slice_timer = None
+        self._round.clear()
         for reading in list(self._reading.values()):
             reading.cancel()
         return super().stopService()
 
+    def busy(self) -> bool:
+        """Whether the facade admitted a request within the traffic window."""
+        last = self.sink.last_traffic()
+        return last is not None and self.clock.seconds() - last < self.window
+
     def interval(self) -> float:
         """Seconds to the next round: short while the facade has traffic, else the idle pace."""
-        last = self.sink.last_traffic()
-        busy = last is not None and self.clock.seconds() - last < self.window
-        return self.active if busy else self.idle
+        return self.active if self.busy() else self.idle
 
     def _schedule(self, base: float) -> None:
         delay = base * (1 + self.jitter * (2 * self.random() - 1))
         self._timer = self.clock.callLater(delay, self.poll)
 
     def poll(self) -> None:
-        """One round: every routable node not still answering the last one is asked."""
+        """One round: the nodes it asks (``chosen``) not still answering the last one, spread
+        over the round's interval in slices."""
         self._timer = None
-        for node in self.sink.routable():
+        interval = self.interval()
+        nodes = self.chosen(self.sink.routable(), interval)
+        cancel_pending(self._slice_timer)
+        self._round = deque(node for node in nodes if node.id not in self._reading)
+        count = len(self._round)
+        slices = constants.TRUTH_SLICES
+        self._slice_size = count if count <= slices else -(-count // slices)
+        self._read_slice(interval / constants.TRUTH_SLICES)
+        if self.running:
+            self._schedule(interval)
+
+    def chosen(self, nodes: list[Node], interval: float) -> list[Node]:
+        """A round's nodes: all of them, unless a large fleet's facade is busy, which asks
+        every node at the idle pace and, between, only those placement needs now."""
+        now = self.clock.seconds()
+        whole = self._whole_at is None or now - self._whole_at >= self.idle * (1 - self.jitter)
+        if len(nodes) <= constants.TRUTH_ALL_ACTIVE or interval >= self.idle or whole:
+            self._whole_at = now
+            return nodes
+        wanted = self.sink.wanted()
+        return [node for node in nodes if node.id in wanted] if wanted else []
+
+    def _read_slice(self, gap: float) -> None:
+        self._slice_timer = None
+        for _ in range(min(self._slice_size, len(self._round))):
+            node = self._round.popleft()
             if node.id not in self._reading:
                 self.read(node)
-        if self.running:
-            self._schedule(self.interval())
+        if self._round and self.running:
+            self._slice_timer = self.clock.callLater(gap, self._read_slice, gap)
 
     def read(self, node: Node) -> Deferred:
         reading = self._read(node)
@@ -147,7 +186,7 @@ class TruthPoller(Service):
                 said="nothing" if truth is None else "slots and models",
                 engine=self.engine.id,
             )
-        if node.id in {n.id for n in self.sink.routable()}:
+        if self.sink.is_routable(node.id):
             self.sink.set_truth(node.id, truth)
 
     @inlineCallbacks

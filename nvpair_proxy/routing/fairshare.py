@@ -66,6 +66,10 @@ class Contention:
     def forget(self, node_id: str) -> None:
         self._seen.pop(node_id, None)
 
+    def recent(self, now: float) -> list[str]:
+        """The nodes that showed another's work within ``memory``."""
+        return [node_id for node_id, at in self._seen.items() if now - at < self.memory]
+
 
 def hold_for(services: list[float]) -> float:
     """How long a request waits for a slot we see free before it joins an engine's queue:

@@ -195,6 +195,16 @@ class Router:
         for freed in self.on_freed:
             freed()
 
+    def wanted(self) -> frozenset[str]:
+        """ITruthSink: the owners of every model requests wait for, and the nodes lately
+        running work we did not send (fair share watches them); asked once a round, so
+        O(nodes) a second at most, never per request."""
+        ids = set(self.contention.recent(self.clock.seconds()))
+        if self.queue is not None and len(self.queue):
+            for model in self.queue.models():
+                ids.update(node.id for node in self.candidates(model))
+        return frozenset(ids)
+
     def truth_of(self, node_id: str) -> EngineTruth | None:
         return self._truth.get(node_id)
 

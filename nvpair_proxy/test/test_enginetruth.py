@@ -296,3 +296,140 @@ class PollerTests(SynchronousTestCase):
         poller.stopService()
         self.assertTrue(self.agent.requests[0].cancelled)
         self.assertEqual(self.clock.getDelayedCalls(), [])
+
+
+JSON = {"Content-Type": "application/json"}
+
+
+def never() -> None:
+    raise AssertionError("a waiter that is never woken nor expired here")
+
+
+class FleetSink:
+    """An ``ITruthSink`` over a fleet of ``count`` Ollama nodes: busy or not, and the nodes
+    placement wants read (what a router's queue and contention would say)."""
+
+    def __init__(self, clock: Clock, count: int) -> None:
+        engine = ENGINES["ollama"]
+        self.clock = clock
+        self.nodes = [
+            make_node(engine, id=f"n{i:03d}", port=1000 + i, addresses=["127.0.0.1"], models=["m"])
+            for i in range(count)
+        ]
+        self.traffic: float | None = None
+        self.wanting: frozenset[str] = frozenset()
+        self.told: list[str] = []
+
+    def routable(self):
+        return list(self.nodes)
+
+    def set_truth(self, node_id, truth) -> None:
+        self.told.append(node_id)
+
+    def last_traffic(self):
+        return self.traffic
+
+    def is_routable(self, node_id: str) -> bool:
+        return True
+
+    def wanted(self) -> frozenset[str]:
+        return self.wanting
+
+
+class LargeFleetPollerTests(SynchronousTestCase):
+    """At scale (docs/decisions.md#engine-truth): a round's reads are spread over its
+    interval, and a busy facade of more than 32 nodes reads at the active pace only the nodes
+    placement needs, every node at the idle pace."""
+
+    def setUp(self):
+        self.clock = Clock()
+        self.agent = FakeAgent()
+
+    def poller(self, count: int) -> tuple[TruthPoller, FleetSink]:
+        sink = FleetSink(self.clock, count)
+        poller = TruthPoller(
+            ENGINES["ollama"], sink, lambda node: self.agent, self.clock, random=lambda: 0.5
+        )
+        poller.startService()
+        self.addCleanup(poller.stopService)
+        return poller, sink
+
+    def answer_all(self) -> None:
+        for request in [r for r in self.agent.requests if r.pending]:
+            request.respond(
+                200, {"Content-Type": "application/json"}, b'{"models":[]}', finish=True
+            )
+
+    def test_a_round_of_100_nodes_is_spread_over_its_interval(self):
+        poller, sink = self.poller(100)
+        sink.traffic = 0.0
+        self.clock.advance(1)
+        self.assertEqual(len(self.agent.requests), 10, "a tenth of the fleet at once, not all")
+        for step in range(1, 10):
+            self.answer_all()
+            self.clock.advance(0.1)
+            self.assertEqual(len(self.agent.requests), 10 * (step + 1))
+        self.answer_all()
+        self.assertEqual(len({r.uri for r in self.agent.requests}), 100, "each node once")
+
+    def test_a_busy_large_fleet_reads_what_placement_needs_and_the_rest_at_the_idle_pace(self):
+        poller, sink = self.poller(100)
+        sink.traffic = 0.0
+        self.clock.advance(1)
+        for _ in range(10):
+            self.answer_all()
+            self.clock.advance(0.1)
+        self.answer_all()
+        self.assertEqual(len(self.agent.requests), 100, "the first round asks every node")
+        sink.wanting = frozenset({"n005", "n042"})
+        for second in range(5):
+            sink.traffic = self.clock.seconds()
+            self.clock.advance(1)
+            self.answer_all()
+        self.assertEqual(len(self.agent.requests), 100 + 2 * 5, "only the two it needs")
+        self.assertEqual(
+            {r.uri for r in self.agent.requests[100:]},
+            {b"http://127.0.0.1:1005/api/ps", b"http://127.0.0.1:1042/api/ps"},
+        )
+        for _ in range(40):  # past the idle pace since the first round: every node again
+            sink.traffic = self.clock.seconds()
+            self.clock.advance(0.1)
+            self.answer_all()
+        self.assertGreaterEqual(len(self.agent.requests), 100 + 2 * 5 + 100)
+
+    def test_a_small_fleet_is_read_whole_every_second_while_busy(self):
+        poller, sink = self.poller(3)
+        for second in range(4):
+            sink.traffic = self.clock.seconds()
+            self.clock.advance(1)
+            self.answer_all()
+        self.assertEqual(len(self.agent.requests), 3 * 4)
+
+
+class WantedTests(SynchronousTestCase):
+    def test_the_owners_of_what_waits_and_the_nodes_running_others_work(self):
+        from nvpair_proxy.routing.reservations import ReservationMap
+        from nvpair_proxy.routing.slotqueue import SlotQueue, Waiter
+
+        clock = Clock()
+        engine = ENGINES["ollama"]
+        queue = SlotQueue(clock, depth=10)
+        router = Router(
+            engine=engine,
+            clock=clock,
+            reservations=ReservationMap(),
+            scheduling=True,
+            queue=queue,
+        )
+        for node_id, models in (("a", ["m"]), ("b", ["m"]), ("c", ["other"]), ("d", ["x"])):
+            router.put_manual(
+                make_node(engine, id=node_id, port=1, addresses=["127.0.0.1"], models=models)
+            )
+        self.assertEqual(router.wanted(), frozenset())
+        queue.add(
+            Waiter(model="m:latest", deadline=600, since=0, wake=lambda: None, expire=lambda: None)
+        )
+        self.assertEqual(router.wanted(), frozenset({"a", "b"}))
+        router.set_truth("d", EngineTruth(read_at=0, slots=Slots(1, 1)))  # none of it ours
+        self.assertEqual(router.wanted(), frozenset({"a", "b", "d"}))
+        queue.close()
