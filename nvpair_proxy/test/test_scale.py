@@ -19,6 +19,8 @@ MODEL = "llama3:latest"
 #: Node keys computed per request once the index is built: the node the request went to,
 #: when its dispatch starts and when it ends (one for each), and slack for an engine report.
 KEYS_PER_REQUEST = 4
+#: Routable checks per request (a lookup by id each).
+LOOKUPS_PER_REQUEST = 4
 
 
 class PlacementWorkTests(WorldTestCase):
@@ -30,8 +32,15 @@ class PlacementWorkTests(WorldTestCase):
 
     def counting(self):
         """Count the node keys placement computes and the owner checks it makes."""
-        counts = {"keys": 0, "owner checks": 0}
+        counts = {"keys": 0, "owner checks": 0, "routable lookups": 0}
         rank_key, advertises = router_module.rank_key, discovery.Node.advertises
+        is_routable = router_module.Router.is_routable
+
+        def counted_lookup(router, node_id):
+            counts["routable lookups"] += 1
+            return is_routable(router, node_id)
+
+        self.patch(router_module.Router, "is_routable", counted_lookup)
 
         def counted_key(*args, **kwargs):
             counts["keys"] += 1
@@ -59,11 +68,14 @@ class PlacementWorkTests(WorldTestCase):
         counts = self.counting()
         self.chat(w, 0)  # the first request for the model builds its ranking: every owner
         self.assertLessEqual(counts["keys"], NODES + KEYS_PER_REQUEST)
-        counts.update(keys=0, **{"owner checks": 0})
+        counts.update(keys=0, **{"owner checks": 0, "routable lookups": 0})
         for n in range(1, REQUESTS + 1):
             self.chat(w, n)
         self.assertLessEqual(counts["keys"], KEYS_PER_REQUEST * REQUESTS, counts)
         self.assertEqual(counts["owner checks"], 0, "the owners were filtered per request")
+        # The dispatch asks whether the node it goes to is still routable, and a watch or a
+        # report may ask once more; never each remaining owner.
+        self.assertLessEqual(counts["routable lookups"], LOOKUPS_PER_REQUEST * REQUESTS, counts)
 
     def test_the_ranking_is_the_one_a_sort_gives_as_standings_change(self):
         """Whatever moved, the kept order equals sorting every owner now."""
