@@ -37,6 +37,7 @@ from .affinity import (
 from .clients import client_of, is_batch
 from .fairshare import RETRY_MIN, hold_for
 from .fairshare import retry_after as fair_retry_after
+from .placement import Standing
 from .rates import MIN_PROMPT_TOKENS, RATE_READ_INTERVAL, PromptReading
 from .reservations import Reservation, ReservationMap
 from .router import Router
@@ -889,8 +890,15 @@ class LateBinding(Standalone):
             return None
         router = self.router
         now = self.clock.seconds()
-        node = next((n for n in nodes if n.id == affine), None)
-        if node is None or router.is_held(affine, now) or router.is_cooling(affine, now):
+        # Looked up by id, not searched for among the owners: at scale this is every turn of
+        # a conversation whose node is not ranked first (docs/decisions.md#rank-index).
+        node = router.nodes.get(affine)
+        if (
+            node is None
+            or not node.advertises(model)
+            or router.is_held(affine, now)
+            or router.is_cooling(affine, now)
+        ):
             return None
         mine = router.standings([node], model)[0]
         if not mine.full:
@@ -898,11 +906,7 @@ class LateBinding(Standalone):
         rates = router.rates.get(affine)
         if rates is None or rates.prompt_rate is None or rates.service is None:
             return None  # nothing measured: never wait for it
-        free = [
-            s
-            for s in router.standings([n for n in nodes if n.id != affine], model)
-            if not s.full and not router.is_held(s.node_id, now)
-        ]
+        free = self._free_besides(affine, nodes, model, now)
         if not free:
             return None
         tokens = rates.tokens(size)
@@ -924,8 +928,29 @@ class LateBinding(Standalone):
             return None
         return Wait(ahead=False, prefer=affine, patience=tolerated, work=rates.cost(anew))
 
+    def _free_besides(
+        self, affine: str, nodes: Sequence[Node], model: str, now: float
+    ) -> list[Standing]:
+        """The free owners other than ``affine``, at most ``FREE_WEIGHED``: ``nodes`` are
+        ranked, free before full, so the walk stops at the first full one."""
+        router = self.router
+        free: list[Standing] = []
+        for node in nodes:
+            if node.id == affine:
+                continue
+            standing = router.standings([node], model)[0]
+            if standing.full:
+                break
+            if not router.is_held(node.id, now):
+                free.append(standing)
+                if len(free) >= FREE_WEIGHED:
+                    break
+        return free
+
 
 _NODE_ID = attrgetter("id")
+#: How many free owners the spill rule weighs for the best prompt rate elsewhere.
+FREE_WEIGHED = 8
 
 
 def _forced(waiter: Waiter) -> bool:
