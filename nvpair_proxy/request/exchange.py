@@ -167,6 +167,10 @@ class Exchange:
         content = self.request.content
         assert content is not None  # twisted.web has the whole body before it renders
         body = content.read()
+        # The bytes are all that is kept: a request that waits in the queue would otherwise
+        # hold its body twice, in this buffer too (docs/performance.md#scale).
+        content.close()
+        self.request.content = None
         wiring, inference = self.wiring, self.inference
         data = read_body(body) if inference else None
         model = self.model = requested_model(data)
