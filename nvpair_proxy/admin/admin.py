@@ -176,6 +176,8 @@ class AdminService(Service):
         it bound (``shutdown`` first) would shut the successor's copy of the socket too."""
         if self.listening is not None:
             self.listening.stopReading()  # type: ignore[attr-defined]  # a tcp.Port's
+            # What the accept guard reads before it resumes a paused port (acceptguard.guard).
+            self.listening.disconnecting = True  # type: ignore[attr-defined]
             self.listening = None
 
     def stopService(self) -> Deferred[None] | None:

@@ -179,6 +179,9 @@ class FacadeService(MultiService):
         for listening in self.ports:
             if handed_over:
                 listening.stopReading()
+                # What the accept guard reads before it resumes a paused port: this one
+                # must stay stopped (acceptguard.guard).
+                listening.disconnecting = True
             else:
                 listening.stopListening()
         self.handed_over = handed_over
