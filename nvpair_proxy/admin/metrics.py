@@ -122,6 +122,15 @@ class ProxyCollector(Collector):
             recorder.queue_wait,
         )
         yield _counter(
+            "placements",
+            "Committed requests of a workload by why they went where they did: pinned (a "
+            "previous answer's node, or node/select), affine, head or spill (affinity), "
+            "failover, queued (waited for a slot), free, warm or least-busy (standalone "
+            "ranking), priority (the scheduler's order).",
+            ["engine", "reason"],
+            recorder.placements,
+        )
+        yield _counter(
             "affinity",
             "Inference requests by how affinity placed them: hit (served "
             "by the conversation's node), evicted (served there, but its engine had "

@@ -111,6 +111,7 @@ class Recorder:
         self.duration: dict[tuple[str, str], Histogram] = {}  # (engine, route)
         self.queue_wait: dict[tuple[str, str], Histogram] = {}  # (engine, priority)
         self.affinity: Counter = Counter()  # (engine, hit|spill|miss|none)
+        self.placements: Counter = Counter()  # (engine, reason)
         self.last_request: dict[str, float] = {}  # node -> when a request on it last ended
         self.recent: deque[RequestEnded] = deque(maxlen=recent)
 
@@ -122,6 +123,8 @@ class Recorder:
             self.reasons[engine, why] += 1
         if ended.affinity is not None:
             self.affinity[engine, ended.affinity] += 1
+        if ended.placement is not None:
+            self.placements[engine, ended.placement] += 1
         if ended.dispatches > 1:
             self.failovers[engine] += ended.dispatches - 1
         self._histogram(self.duration, (engine, ended.route), DURATION_BUCKETS).observe(

@@ -222,6 +222,8 @@ def recent_status(recorder: Recorder) -> list[dict]:
                 "dispatches": ended.dispatches,
                 "prompt_tokens": stats.get("promptTokens"),
                 "completion_tokens": stats.get("completionTokens"),
+                "placement": ended.placement,
+                "waited_ms": ms(ended.waited) if ended.placement is not None else None,
             }
         )
     return out

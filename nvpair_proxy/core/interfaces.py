@@ -121,8 +121,9 @@ class ITicket(Interface):
     conversation's key, its claim on a node, its place in the queue, what its end teaches.
     The dispatch loop asks it where to go; the exchange tells it how the request ended."""
 
-    affinity = Attribute(
-        "How affinity placed the request (none, miss, hit, spill: a metrics label), None off."
+    placed = Attribute(
+        "How the request was placed (tickets.Placed): how affinity placed it (a metrics "
+        "label, None when off), why it went where it did, and how long it waited."
     )
 
     def place(candidates: list, ahead: bool):

@@ -57,6 +57,8 @@ class Facade:
     placement: IPlacement = attrs.Factory(Direct)
     in_flight: set = attrs.Factory(set)
     stopping: bool = False
+    #: Answers say why they went where they did (``--placement-header``).
+    placement_header: bool = False
 
     @property
     def clock(self) -> IReactorTime:
@@ -77,6 +79,7 @@ class Facade:
             reporter=self.reporter,
             upstreams=self.upstreams,
             in_flight=self.in_flight,
+            placement_header=self.placement_header,
         )
 
     @property
@@ -158,6 +161,7 @@ def make_facade(
         engine=engine,
         router=router,
         placement=placement_for(router, reservations, policy.ranking, queue, table),
+        placement_header=policy.placement_header,
         reporter=Reporter(
             engine=engine.id,
             emitter=emitter,

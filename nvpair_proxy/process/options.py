@@ -126,6 +126,8 @@ class Config:
     #: Seconds a SIGTERM lets admitted requests finish (0: cancel them at once, as the broker
     #: protocol has it; docs/operations.md#restarts).
     drain_timeout: float = 0.0
+    #: Answers carry ``X-NVPAIR-Placement`` (``--placement-header``; node ids may be private).
+    placement_header: bool = False
 
     @property
     def standalone(self) -> bool:
@@ -141,7 +143,7 @@ class Options(usage.Options):
         "[--admin HOST:PORT] [--log-format text|json] [--access-log] [--version] "
         "[--engine ENGINE[:PORT]]... [--nodes FILE] [--engines-dir DIR] "
         "[--queue-depth N] [--no-late-binding] [--no-affinity] [--affinity] "
-        "[--affinity-spill move|keep] [--drain-timeout DURATION]"
+        "[--affinity-spill move|keep] [--drain-timeout DURATION] [--placement-header]"
     )
     longdesc = (
         "Broker mode (default): JSON-RPC on stdin/stdout or --ipc. Standalone mode: any "
@@ -240,6 +242,12 @@ class Options(usage.Options):
             None,
             "Log one line per HTTP request (method, path without query, "
             "status, size; never bodies).",
+        ],
+        [
+            "placement-header",
+            None,
+            "Answers say why they went where they did: X-NVPAIR-Placement: <reason>; "
+            "node=<id>; waited=<ms> (off by default: node ids may be private).",
         ],
         [
             "no-late-binding",
@@ -372,6 +380,7 @@ class Options(usage.Options):
             affinity=affinity,
             affinity_spill=spill,
             drain_timeout=drain_timeout,
+            placement_header=bool(self["placement-header"]),
         )
 
     def _lan_keys(self, state_dir: str) -> tuple[str | None, str, tuple[Network, ...]]:

@@ -52,6 +52,7 @@ def policy_of(config: Config) -> Policy:
         queue_depth=config.queue_depth if late else None,
         affinity=config.affinity,
         spill_keeps=config.affinity_spill == "keep",
+        placement_header=config.placement_header,
     )
 
 

@@ -299,6 +299,10 @@ class RequestEnded:
     stats: dict | None = None
     #: How affinity placed it (``hit``, ``spill``, ``miss``, ``none``); None when it is off.
     affinity: str | None = None
+    #: Why it went where it did (docs/operations.md#placement); None when nothing was placed.
+    placement: str | None = None
+    #: Seconds it waited in the facade's queue.
+    waited: float = 0.0
 
 
 @attrs.define(eq=False)

@@ -104,6 +104,10 @@ class InvalidPhase(RuntimeError):
     (docs/references.md#request-containment)."""
 
 
+#: The opt-in header that says why a request went where it did.
+PLACEMENT_HEADER = b"X-NVPAIR-Placement"
+
+
 @attrs.frozen
 class Wiring:
     """What every request of one facade works with, made once when the facade is: its engine,
@@ -123,6 +127,8 @@ class Wiring:
     in_flight: set
     inference: bool | None = None
     bad_gateway_code: str | None = None
+    #: Answers say why they went where they did (``--placement-header``).
+    placement_header: bool = False
 
 
 @implementer(IConductor)
@@ -344,6 +350,15 @@ class Exchange:
         request.setResponseCode(response.code, response.phrase)
         request.defaultContentType = None
         copy_end_to_end(response.headers, request.responseHeaders)
+        if wiring.placement_header:
+            placed = self.ticket.placed
+            if placed.reason is not None:
+                # Opt-in (``--placement-header``): node ids may be private
+                # (docs/operations.md#placement).
+                request.responseHeaders.setRawHeaders(
+                    PLACEMENT_HEADER,
+                    [f"{placed.reason}; node={node.id}; waited={round(placed.waited * 1000)}"],
+                )
         stream.start()
 
     # What the parts below tell (IConductor).
@@ -533,6 +548,7 @@ class Exchange:
             error=error or note,
         )
         if reporter.recorder is not None:
+            placed = self.ticket.placed
             reporter.request_ended(
                 route=route_class(self.route),
                 outcome=state,
@@ -544,5 +560,7 @@ class Exchange:
                 ttfb=ttfb,
                 stats=stats,
                 dispatches=self.dispatch.dispatches if self.dispatch else 0,
-                affinity=self.ticket.affinity,
+                affinity=placed.affinity,
+                placement=placed.reason,
+                waited=placed.waited,
             )

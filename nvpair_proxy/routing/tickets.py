@@ -58,6 +58,8 @@ class Policy:
     affinity: bool = False
     #: A conversation that spilled stays bound to its node before (``--affinity-spill keep``).
     spill_keeps: bool = False
+    #: Answers say why they went where they did (``--placement-header``).
+    placement_header: bool = False
 
 
 @attrs.frozen
@@ -80,6 +82,22 @@ class Wait:
 Plan = list[Node] | Wait
 
 
+@attrs.frozen
+class Placed:
+    """How a request was placed, for the admin listener and the placement header."""
+
+    #: How affinity placed it (none, miss, hit, head, spill, evicted), None when it is off.
+    affinity: str | None = None
+    #: Why it went where it did (``ReservedTicket.placement_reason``), None when nothing
+    #: was placed (no workload) or it never committed.
+    reason: str | None = None
+    #: Seconds it waited in the facade's queue.
+    waited: float = 0.0
+
+
+NOT_PLACED = Placed()
+
+
 @implementer(ITicket)
 class PassTicket:
     """The ticket of a request that reserves nothing: the candidates are tried as they
@@ -87,6 +105,7 @@ class PassTicket:
     or any request of a ``Direct`` placement)."""
 
     affinity: str | None = None
+    placed = NOT_PLACED
 
     def place(self, candidates: list[Node], ahead: bool) -> Plan:
         return candidates
@@ -166,6 +185,14 @@ class ReservedTicket:
     head_size = 0
     #: The node that served the head when the request was placed there, None when not.
     head_node: str | None = None
+    #: Why it went where it did, once it committed (docs/operations.md#placement): pinned,
+    #: affine, head, spill, failover, queued, free, warm, least-busy or priority.
+    placement_reason: str | None = None
+    #: Seconds it waited in the facade's queue, all its waits together.
+    waited = 0.0
+    #: The node its last round placed first, and why that one (``IPlacement.why``).
+    _first: str | None = None
+    _ranked = "priority"
 
     def __init__(self, placement: "Brokered", model: str, key: bytes | None) -> None:
         self.placement, self.model, self.key = placement, model, key
@@ -175,10 +202,21 @@ class ReservedTicket:
         #: How affinity placed it (a metrics label): none, miss, hit or spill; None when off.
         self.affinity: str | None = placement.conversations.label(key, self.affine)
 
+    @property
+    def placed(self) -> Placed:
+        return Placed(self.affinity, self.placement_reason, self.waited)
+
     def place(self, candidates: list[Node], ahead: bool) -> Plan:
         # Asked at every round: another request of the conversation may have moved it.
         affine = self.placement.conversations.node_for(self.key)
         nodes, self.reservation = self.placement.place(candidates, affine)
+        return self._placed(nodes)
+
+    def _placed(self, nodes: list[Node]) -> list[Node]:
+        """A round placed ``nodes`` first to last: remember which went first, and why."""
+        if nodes:
+            self._first = nodes[0].id
+            self._ranked = self.placement.why(nodes, self.model)
         return nodes
 
     def next(self, queue: list[Node], failed: bool) -> Node | Wait:
@@ -223,8 +261,22 @@ class ReservedTicket:
                     self.affinity = "head"
         if self.affine is not None:
             self.affinity = "hit" if node_id == self.affine else "spill"
+        self.placement_reason = self._reason(node_id)
         reservation, self.reservation = self.reservation, None
         return reservation
+
+    def _reason(self, node_id: str) -> str:
+        """Why the request committed on ``node_id``: the first that applies of its
+        Responses pin, its conversation (affinity), a failover, a wait, and its rank."""
+        if self.pinned and node_id == self.affine:
+            return "pinned"
+        if self.affinity in _BY_AFFINITY:
+            return _BY_AFFINITY[self.affinity]
+        if node_id != self._first:
+            return "failover"
+        if self.waited:
+            return "queued"
+        return self._ranked
 
     def measured(self, node_id: str, seconds: float, figures: Callable[[], Any]) -> None:
         """The broker's placement learns nothing from a request's end."""
@@ -404,6 +456,10 @@ class Brokered:
 
     # What its tickets ask, over a round's candidates or what is left of them (never none).
 
+    def why(self, nodes: Sequence[Node], model: str | None) -> str:
+        """Why ``nodes[0]`` went first: the ``node/select`` pin, or the scheduler's order."""
+        return "pinned" if self.router.pinned_first(nodes) else "priority"
+
     def place(
         self, nodes: Sequence[Node], affine: str | None
     ) -> tuple[list[Node], Reservation | None]:
@@ -456,7 +512,7 @@ class StandaloneTicket(ReservedTicket):
         if self.forced:
             self.forced = False
             nodes, self.reservation = placement.place(candidates, None)
-            return nodes
+            return self._placed(nodes)
         # Asked at every round: another request of the conversation may have moved it.
         conversations = placement.conversations
         affine = conversations.node_for(self.key)
@@ -465,7 +521,7 @@ class StandaloneTicket(ReservedTicket):
             if placement.all_full([n for n in candidates if n.id == affine], self.model):
                 return Wait(ahead=ahead, prefer=affine)
             nodes, self.reservation = placement.place(candidates, affine)
-            return nodes
+            return self._placed(nodes)
         if placement.all_full(candidates, self.model):
             return Wait(ahead=ahead)
         kept = kept_size = None
@@ -488,20 +544,24 @@ class StandaloneTicket(ReservedTicket):
                 self.waited_for_affine = True
                 return attrs.evolve(waiting, ahead=ahead)
         nodes, self.reservation = placement.place(candidates, affine)
-        return nodes
+        return self._placed(nodes)
 
     def wait(self, plan: Wait, deadline: float, wake, expire) -> None:
         """Wait in the facade's queue, costing no attempt and holding no reservation, until
         a slot frees (``wake``) or the deadline (``expire``)."""
         self.release()
+        clock = self.placement.clock
+        began = clock.seconds()
 
         def woken() -> None:
             waiter, self.waiter = self.waiter, None
             self.forced = waiter is not None and waiter.forced
+            self.waited += clock.seconds() - began
             wake()
 
         def expired() -> None:
             self.waiter = None
+            self.waited += clock.seconds() - began
             expire()
 
         self.waiter = self.placement.wait(self.model, deadline, woken, expired, plan, self.request)
@@ -656,6 +716,14 @@ class Standalone(Brokered):
     def fail_over(self, remaining: Sequence[Node], model: str) -> Plan:
         """The remaining owners, ranked again."""
         return self.router.ranked(remaining, model)
+
+    def why(self, nodes: Sequence[Node], model: str | None) -> str:
+        """Why ``nodes[0]`` ranked first: a known free slot, else its model loaded, else the
+        fewest busy slots (an engine that reports neither ranks by our own count)."""
+        standing = self.router.standings(nodes[:1], model)[0]
+        if standing.total is not None and not standing.full:
+            return "free"
+        return "warm" if standing.warm else "least-busy"
 
     def _lead_with(self, node_id: str, nodes: list[Node]) -> None:
         """Move ``node_id`` first in ``nodes`` when it is among them, neither held nor
@@ -949,6 +1017,8 @@ class LateBinding(Standalone):
 
 
 _NODE_ID = attrgetter("id")
+#: A placement reason from how affinity placed a request.
+_BY_AFFINITY = {"hit": "affine", "head": "head", "spill": "spill"}
 #: How many free owners the spill rule weighs for the best prompt rate elsewhere.
 FREE_WEIGHED = 8
 

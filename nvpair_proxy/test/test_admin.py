@@ -601,6 +601,8 @@ class StatusTests(WorldTestCase):
                 "dispatches": 1,
                 "prompt_tokens": None,
                 "completion_tokens": 2,
+                "placement": "priority",
+                "waited_ms": 0,
             },
         )
 
@@ -753,6 +755,8 @@ class StatusTests(WorldTestCase):
                     "dispatches": 1,
                     "prompt_tokens": 3,
                     "completion_tokens": 2,
+                    "placement": "priority",
+                    "waited_ms": 0,
                 }
             ],
         }
@@ -872,6 +876,7 @@ class StatusTests(WorldTestCase):
                 "TTFB",
                 "duration",
                 "tokens in / out",
+                "placement",
             ],
         )
         self.assertIn('id="engines"', page)

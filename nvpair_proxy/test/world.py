@@ -135,6 +135,7 @@ class World:
         queue_depth: int | None = None,
         affinity: bool = False,
         spill_keeps: bool = False,
+        placement_header: bool = False,
     ) -> None:
         """``scheduling`` and ``queue_depth`` are standalone placement and late binding."""
         self.engine = ENGINES[engine]
@@ -158,6 +159,7 @@ class World:
                 queue_depth=queue_depth,
                 affinity=affinity,
                 spill_keeps=spill_keeps,
+                placement_header=placement_header,
             ),
         )
         self.site = facade_site(self.facade, reactor=self.site_clock)
