@@ -18,6 +18,7 @@ from twisted.internet.address import IPv4Address, IPv6Address
 from twisted.internet.defer import Deferred
 from twisted.internet.error import CannotListenError
 from twisted.internet.interfaces import IListeningPort
+from twisted.internet.task import LoopingCall
 from twisted.web.resource import Resource
 from twisted.web.server import Request
 
@@ -28,6 +29,7 @@ from ..core.logs import logger
 from ..core.validate import is_loopback, split_host_port
 from ..http.server import BoundedSite
 from ..nodes.discovery import host_port
+from .history import HISTORY_INTERVAL
 from .metrics import CONTENT_TYPE_LATEST, registry, scrape
 from .recorder import Recorder
 from .status import ProcessView, status
@@ -134,6 +136,7 @@ class AdminService(Service):
         self.listen = listen
         self.listening: IListeningPort | None = None
         self.view: ProcessView | None = None
+        self._sampling: LoopingCall | None = None
 
     def privilegedStartService(self) -> None:
         view = self.view = ProcessView(
@@ -161,6 +164,23 @@ class AdminService(Service):
         log.info("admin listener on {url}", url=self.url)
         super().privilegedStartService()
 
+    def startService(self) -> None:
+        super().startService()
+        view = self.view
+        assert view is not None  # made in privilegedStartService
+        sampling = self._sampling = LoopingCall(self._sample)
+        sampling.clock = self.reactor
+        sampling.start(HISTORY_INTERVAL, now=False)
+
+    def _sample(self) -> None:
+        """One history sample (history.py): never lets a failure stop the timer."""
+        view = self.view
+        try:
+            if view is not None:
+                view.sample()
+        except Exception:
+            log.failure("sampling the history")
+
     @property
     def url(self) -> str:
         """Where the listener is bound, once it is."""
@@ -182,6 +202,9 @@ class AdminService(Service):
 
     def stopService(self) -> Deferred[None] | None:
         super().stopService()
+        sampling, self._sampling = self._sampling, None
+        if sampling is not None and sampling.running:
+            sampling.stop()
         if self.listening is not None:
             return self.listening.stopListening()
         return None

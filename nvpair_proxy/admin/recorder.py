@@ -38,6 +38,10 @@ COMMITTED = "committed"
 # status's, and ``other`` last.
 REASONS = LABELS
 
+#: First-byte times kept between two history samples at most (a sample's percentiles are
+#: then those of its first 4,096 requests).
+TTFB_WINDOW = 4096
+
 # Seconds. First body byte: from a local engine's first token to a cold model load.
 TTFB_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 # Whole requests: up to the response cap (30 min).
@@ -113,6 +117,8 @@ class Recorder:
         self.affinity: Counter = Counter()  # (engine, hit|spill|miss|none)
         self.placements: Counter = Counter()  # (engine, reason)
         self.last_request: dict[str, float] = {}  # node -> when a request on it last ended
+        #: First-byte times since the history last sampled them (history.py), bounded.
+        self.ttfb_window: list[float] = []
         self.recent: deque[RequestEnded] = deque(maxlen=recent)
 
     def request_ended(self, ended: RequestEnded) -> None:
@@ -134,6 +140,8 @@ class Recorder:
             self.last_request[node] = ended.at
             if ended.ttfb is not None:
                 self._histogram(self.ttfb, (engine, node), TTFB_BUCKETS).observe(ended.ttfb)
+                if len(self.ttfb_window) < TTFB_WINDOW:
+                    self.ttfb_window.append(ended.ttfb)
             stats = ended.stats or {}
             if isinstance(stats.get("promptTokens"), int):
                 self.prompt_tokens[engine, node] += stats["promptTokens"]
@@ -142,6 +150,11 @@ class Recorder:
         if ended.model is not None and len(ended.model) > MODEL_SHOWN:
             ended = attrs.evolve(ended, model=ended.model[:MODEL_SHOWN] + "…")
         self.recent.append(ended)
+
+    def take_ttfbs(self) -> list[float]:
+        """The first-byte times since the last call (history.py)."""
+        taken, self.ttfb_window = self.ttfb_window, []
+        return taken
 
     def queue_left(self, engine: str, waited: float, priority: str = "normal") -> None:
         self._histogram(self.queue_wait, (engine, priority), QUEUE_WAIT_BUCKETS).observe(waited)

@@ -19,6 +19,7 @@ from ..core.interfaces import IStatusSource
 from ..core.views import EngineView, FacadeView, InFlightView, ProcessSnapshot, RoutingView
 from ..nodes.selfcheck import self_reason
 from ..request.events import ms
+from .history import History
 from .recorder import Recorder
 
 STATUS_SCHEMA = 1
@@ -34,6 +35,8 @@ class ProcessView:
     mode: str
     clock: Callable[[], float]
     started: float
+    #: The last fifteen minutes (history.py), sampled by the admin listener's timer.
+    history: History = attrs.Factory(History)
 
     def snapshot(self) -> ProcessSnapshot:
         """The process now; the recorder forgets the nodes that left the fleet since, so a
@@ -41,6 +44,13 @@ class ProcessView:
         snapshot: ProcessSnapshot = self.source.snapshot()
         self.recorder.forget_nodes_except(fleet_ids(snapshot))
         return snapshot
+
+    def sample(self) -> None:
+        """Take the history's next sample (the admin listener's timer, every 10 s)."""
+        self.history.take(self.clock(), self.recorder, self.snapshot())
+
+    def history_status(self) -> dict:
+        return self.history.status()
 
     def link_up(self, snapshot: ProcessSnapshot) -> bool | None:
         """Broker mode: whether the link to the broker is open; None in standalone mode."""
@@ -245,4 +255,5 @@ def status(view: ProcessView) -> dict:
         "engines": [engine_status(facade, recorder) for facade in snapshot.facades],
         "nodes": nodes_status(view, snapshot),
         "recent": recent_status(recorder),
+        "history": view.history_status(),
     }

@@ -415,6 +415,8 @@ class Router:
                     prompt_rate=rates.prompt_rate if rates else None,
                     bytes_per_token=rates.bytes_per_token if rates else None,
                     reused_share=rates.reused_share if rates else None,
+                    prompt_tokens=rates.prompt_tokens if rates else 0,
+                    reused_tokens=rates.reused_tokens if rates else 0,
                 )
             )
         return tuple(views)

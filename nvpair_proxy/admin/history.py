@@ -1,0 +1,96 @@
+"""The last fifteen minutes, in process and bounded (docs/operations.md#history): one sample
+every 10 s of requests a second, time to first byte (median and 90th percentile), requests
+waiting in the queues, the share of prompt tokens the engines reused, and errors by kind.
+``/status`` carries the series and the status page draws them. Plain bookkeeping: no Twisted
+(the admin listener's timer calls ``take``)."""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+
+import attrs
+
+from ..core.views import ProcessSnapshot
+from .recorder import Recorder
+
+#: Seconds between two samples, and how many are kept: fifteen minutes.
+HISTORY_INTERVAL = 10.0
+HISTORY_SAMPLES = 90
+
+
+@attrs.frozen
+class Sample:
+    """One interval, ending ``at``."""
+
+    at: float
+    requests_per_s: float
+    ttft_p50_ms: int | None
+    ttft_p90_ms: int | None
+    queued: int
+    #: Prompt tokens the engines took from their caches over those they were asked to read,
+    #: in this interval (as llama.cpp reports it); None when none said.
+    prompt_reused_share: float | None
+    #: Requests answered with an error in this interval, by kind (the reasons of
+    #: ``nvpair_proxy_request_errors_total``).
+    errors: dict[str, int]
+
+
+def percentile(values: list[float], share: float) -> float | None:
+    """The nearest-rank percentile of ``values``, None without any."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(share * len(ordered)) - 1))]
+
+
+@attrs.define
+class History:
+    """The samples, oldest first, and the totals the next one is measured from."""
+
+    samples: deque = attrs.Factory(lambda: deque(maxlen=HISTORY_SAMPLES))
+    _at: float | None = None
+    _requests: int = 0
+    _errors: Counter = attrs.Factory(Counter)
+    _prompt: tuple[int, int] = (0, 0)
+
+    def take(self, now: float, recorder: Recorder, snapshot: ProcessSnapshot) -> Sample:
+        """Sample the interval that ends ``now``."""
+        requests = sum(recorder.requests.values())
+        errors: Counter = Counter()
+        for (_, reason), count in recorder.reasons.items():
+            errors[reason] += count
+        seen = reused = 0
+        queued = 0
+        for facade in snapshot.facades:
+            queued += facade.routing.queued
+            for engine in facade.routing.engines:
+                seen += engine.prompt_tokens
+                reused += engine.reused_tokens
+        ttfbs = recorder.take_ttfbs()
+        elapsed = HISTORY_INTERVAL if self._at is None else max(now - self._at, 1e-9)
+        new_seen, new_reused = seen - self._prompt[0], reused - self._prompt[1]
+        sample = Sample(
+            at=now,
+            requests_per_s=round(max(0, requests - self._requests) / elapsed, 3),
+            ttft_p50_ms=_ms(percentile(ttfbs, 0.5)),
+            ttft_p90_ms=_ms(percentile(ttfbs, 0.9)),
+            queued=queued,
+            prompt_reused_share=round(new_reused / new_seen, 3) if new_seen > 0 else None,
+            errors={
+                k: n - self._errors[k] for k, n in sorted(errors.items()) if n > self._errors[k]
+            },
+        )
+        self._at, self._requests, self._errors, self._prompt = now, requests, errors, (seen, reused)
+        self.samples.append(sample)
+        return sample
+
+    def status(self) -> dict:
+        """``/status``'s ``history``: the interval and the samples, oldest first."""
+        return {
+            "interval_s": HISTORY_INTERVAL,
+            "samples": [attrs.asdict(sample) for sample in self.samples],
+        }
+
+
+def _ms(seconds: float | None) -> int | None:
+    return None if seconds is None else round(seconds * 1000)
