@@ -14,6 +14,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import demo  # noqa: E402  (bin/demo.py: the fleet, the proxy, HTTP calls)
@@ -64,6 +65,11 @@ def chromium(binary: str, url: str, *extra: str) -> str:
     return result.stdout
 
 
+#: Rounds of traffic, and the seconds between two: the history samples every 10 s.
+ROUNDS = 4
+HISTORY_GAP = 10.5
+
+
 def traffic(facades: dict[str, int]) -> int:
     """Requests through every facade: failovers (gpu-a's Ollama answers 503), a model only
     gpu-c has, a model nobody has (502), streams, model lists."""
@@ -99,10 +105,13 @@ def traffic(facades: dict[str, int]) -> int:
             {"model": "qwen2.5-7b-instruct", "input": "Say hello", "stream": True},
         ),
     ]
-    for _ in range(2):
+    # Four rounds 10.5 s apart, so the history (a sample every 10 s) has points to draw.
+    for round_ in range(ROUNDS):
+        if round_:
+            time.sleep(HISTORY_GAP)
         for engine, method, path, body in sent:
             demo.call(facades[engine], method, path, body)
-    return 2 * len(sent)
+    return ROUNDS * len(sent)
 
 
 def check(dom: str, requests: int) -> list[str]:
@@ -122,6 +131,9 @@ def check(dom: str, requests: int) -> list[str]:
     state = re.search(r'id="state"[^>]*>([^<]*)<', dom)
     if state is None or not state.group(1).startswith("updated "):
         problems.append(f"the page did not render /status ({state and state.group(1)!r})")
+    charts = dom.count('<figure class="chart"')
+    if charts != 5:
+        problems.append(f"the last fifteen minutes show {charts} charts, want 5")
     if "Say hello" in dom:
         problems.append("a prompt reached the page")
     return problems
@@ -161,7 +173,7 @@ def main() -> int:
             return 1
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         chromium(
-            binary, url, f"--screenshot={os.path.abspath(args.out)}", "--window-size=1440,1500"
+            binary, url, f"--screenshot={os.path.abspath(args.out)}", "--window-size=1440,1900"
         )
         print(
             f"status page {url}: 3 nodes and {requests} recent requests shown; "
