@@ -51,15 +51,20 @@ def _openai_models() -> bytes:
     ).encode()
 
 
-def _json_response(body: bytes, content_type: bytes = b"application/json") -> bytes:
-    return b"HTTP/1.1 200 OK\r\nContent-Type: %s\r\nContent-Length: %d\r\n\r\n%s" % (
+def json_response(
+    body: bytes, content_type: bytes = b"application/json", status: bytes = b"200 OK"
+) -> bytes:
+    """A whole HTTP/1.1 answer with a Content-Length (bench/scale_support.py's engine too)."""
+    return b"HTTP/1.1 %s\r\nContent-Type: %s\r\nContent-Length: %d\r\n\r\n%s" % (
+        status,
         content_type,
         len(body),
         body,
     )
 
 
-def _chunk(data: bytes) -> bytes:
+def chunk(data: bytes) -> bytes:
+    """One chunk of a chunked body."""
     return b"%x\r\n%s\r\n" % (len(data), data)
 
 
@@ -84,7 +89,7 @@ def render(path: bytes, stream: bool, tokens: int, model: str):
                     "eval_duration": 1000,
                 }
             ).encode()
-            hit = (_json_response(body), None)
+            hit = (json_response(body), None)
         else:
             parts = [
                 json.dumps(
@@ -118,7 +123,7 @@ def render(path: bytes, stream: bool, tokens: int, model: str):
                 b"HTTP/1.1 200 OK\r\nContent-Type: application/x-ndjson\r\n"
                 b"Transfer-Encoding: chunked\r\n\r\n"
             )
-            hit = (head, [_chunk(p) for p in parts])
+            hit = (head, [chunk(p) for p in parts])
     else:  # /v1/chat/completions
         if not stream:
             body = json.dumps(
@@ -141,7 +146,7 @@ def render(path: bytes, stream: bool, tokens: int, model: str):
                     },
                 }
             ).encode()
-            hit = (_json_response(body), None)
+            hit = (json_response(body), None)
         else:
 
             def event(delta, finish=None, usage=None):
@@ -169,7 +174,7 @@ def render(path: bytes, stream: bool, tokens: int, model: str):
                 b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
                 b"Cache-Control: no-cache\r\nTransfer-Encoding: chunked\r\n\r\n"
             )
-            hit = (head, [_chunk(p) for p in parts])
+            hit = (head, [chunk(p) for p in parts])
     CACHE[key] = hit
     return hit
 
@@ -232,10 +237,10 @@ class Engine(asyncio.Protocol):
     def answer(self, method: bytes, path: bytes, body: bytes) -> None:
         write = self.transport.write
         if method == b"GET" and path == b"/api/tags":
-            write(CACHE.setdefault("tags", _json_response(_tags())))
+            write(CACHE.setdefault("tags", json_response(_tags())))
             return
         if method == b"GET" and path == b"/v1/models":
-            write(CACHE.setdefault("models", _json_response(_openai_models())))
+            write(CACHE.setdefault("models", json_response(_openai_models())))
             return
         if method != b"POST" or path not in (b"/api/chat", b"/v1/chat/completions"):
             write(NOT_FOUND)

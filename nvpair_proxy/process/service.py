@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import gc
 import signal
+from functools import partial
 from typing import Callable
 
 import attrs
@@ -53,7 +54,7 @@ from .handoff import Handoff, take_over_notify
 from .link import LinkService, stop_on_signals, stop_once
 from .options import Config
 from .runtime import Runtime, RuntimeService
-from .sockets import Inherited, adopt, adopting, inherited_sockets
+from .sockets import Inherited, adopting, inherited_sockets
 
 log = logger()
 
@@ -166,14 +167,13 @@ class ProcessService(MultiService):
         deadline = began + self.drain_timeout
 
         def check() -> None:
-            left = sum(len(service.facade.in_flight) for service in services)
-            if left == 0 and all(service.drained() for service in services):
+            if all(service.drained() for service in services):
                 log.info("drained in {seconds:.1f}s", seconds=reactor.seconds() - began)
             elif reactor.seconds() >= deadline:
                 log.warn(
                     "drain timeout ({timeout:g}s): cancelling {left} requests",
                     timeout=self.drain_timeout,
-                    left=left,
+                    left=sum(len(service.facade.in_flight) for service in services),
                 )
             else:
                 reactor.callLater(
@@ -296,8 +296,6 @@ class Standalone(MultiService):
                 raise SystemExit(
                     f"nvpair-proxy: {engine_id}: cannot listen on port {port}: {exc.socketError}"
                 ) from None
-            except ValueError as exc:
-                raise SystemExit(f"nvpair-proxy: {exc}") from None
             self.facades.add(service)
             log.info(
                 "{engine} facade listening on port {port}",
@@ -388,11 +386,8 @@ def add_admin(
 
         listen = None
         if inherited is not None:
-
-            def bind(port: int, site, host: str):
-                return listen_tcp(reactor, port, site, host, "admin")
-
-            listen = admin_listen(reactor, inherited, bind)
+            bind = partial(listen_tcp, reactor, name="admin")
+            listen = adopting(reactor, inherited, "admin", bind, not_loopback)
         AdminService(root, recorder, config.admin, reactor, mode, listen).setServiceParent(root)
 
 
@@ -481,27 +476,15 @@ def handed_over() -> Inherited:
         raise SystemExit(f"nvpair-proxy: {exc}") from None
 
 
-def admin_listen(reactor, inherited: Inherited, bind: Callable) -> Callable:
-    """The admin listener's ``listen(port, site, host)``: the socket inherited for
-    ``admin``, which must be on a loopback address as ``--admin`` must, else ``bind``."""
-
-    def listen(port: int, site, host: str):
-        fd = inherited.take("admin")
-        if fd is None:
-            return bind(port, site, host)
-        try:
-            listening = adopt(reactor, fd, site, "admin")
-        except ValueError as exc:
-            raise SystemExit(f"nvpair-proxy: {exc}") from None
-        if not is_loopback(listening.getHost().host):
-            listening.stopListening()
-            raise SystemExit(
-                "nvpair-proxy: the inherited admin socket is not on a loopback address; "
-                "the admin listener serves this machine only"
-            )
-        return listening
-
-    return listen
+def not_loopback(port) -> str | None:
+    """Why an inherited admin socket is refused: it must be on a loopback address, as
+    ``--admin`` must."""
+    if is_loopback(port.getHost().host):
+        return None
+    return (
+        "the inherited admin socket is not on a loopback address; "
+        "the admin listener serves this machine only"
+    )
 
 
 def build_service(config: Config):

@@ -113,15 +113,31 @@ def adopt(reactor, fd: int, factory, name: str):
     return port
 
 
-def adopting(reactor, inherited: Inherited, name: str, listen: Callable) -> Callable:
+def adopting(
+    reactor,
+    inherited: Inherited,
+    name: str,
+    listen: Callable,
+    refuse: Callable[[object], str | None] = lambda port: None,
+) -> Callable:
     """``listen(port, factory, interface)`` that serves the socket inherited for ``name``
-    the first time it is asked for every address (``"::"``), and binds as ``listen`` does
-    otherwise (no socket was inherited for it, an alias)."""
+    the first time it is asked, and binds as ``listen`` does otherwise (nothing was
+    inherited for it, or it was taken: an alias). An inherited socket that cannot be served,
+    or that ``refuse`` says why not to serve (the adopted port given), stops start-up with
+    one line."""
 
     def listen_or_adopt(port: int, factory, interface: str):
-        fd = inherited.take(name) if interface == "::" else None
+        fd = inherited.take(name)
         if fd is None:
             return listen(port, factory, interface)
-        return adopt(reactor, fd, factory, name)
+        try:
+            adopted = adopt(reactor, fd, factory, name)
+        except ValueError as exc:
+            raise SystemExit(f"nvpair-proxy: {exc}") from None
+        why = refuse(adopted)
+        if why is not None:
+            adopted.stopListening()
+            raise SystemExit(f"nvpair-proxy: {why}")
+        return adopted
 
     return listen_or_adopt
