@@ -48,6 +48,7 @@ from nvpair_proxy.test.support import start_standalone
 from nvpair_proxy.testing.llamaserver import MODEL, cache_dir, cached_model, llama_server_binary
 from nvpair_proxy.testing.processes import (
     free_port,
+    free_ports,
     logged_workloads,
     nodes_toml,
     stop,
@@ -157,7 +158,7 @@ class AgentFleet:
             model = cached_model(AGENT_SHAPE)
         except ImportError:
             unavailable("the gguf package is not installed: no model to serve", opt_in)
-        self.engine_ports = {node: free_port() for node in NODES}
+        self.engine_ports = dict(zip(NODES, free_ports(len(NODES))))
         for node, port in self.engine_ports.items():
             log_path = os.path.abspath(self.mktemp() + f"-engine-{node}.log")
             with open(log_path, "wb") as log:

@@ -20,6 +20,7 @@ from nvpair_proxy.testing.processes import (
     TWISTD,
     BrokerChannel,
     free_port,
+    free_ports,
     logged_workloads,
     nodes_toml,
 )
@@ -88,7 +89,7 @@ class NewerRoutesRealClientTests(SynchronousTestCase):
                 for engine, model in self.MODELS.items()
             ),
         )
-        self.ports = {engine: free_port() for engine in self.MODELS}
+        self.ports = dict(zip(self.MODELS, free_ports(len(self.MODELS))))
         path = self.mktemp() + ".toml"
         with open(path, "w") as handle:
             handle.write(
