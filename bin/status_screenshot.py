@@ -31,7 +31,19 @@ FLAGS = [
     "--disable-sync",
     "--hide-scrollbars",
 ]
-CHAT = [{"role": "user", "content": "Say hello"}]
+#: A system prompt long enough (150 words) for the engines' prompt caches to matter: each
+#: round's chat is the last one's conversation and one more turn, so from the second round
+#: on the nodes' caches hold its head and the page shows what they reused.
+SYSTEM = "You answer briefly and check each step of your reasoning twice. " * 15
+
+
+def conversation(turns: int) -> list[dict]:
+    """A chat of ``turns`` user turns, the system prompt first."""
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Say hello"}]
+    for turn in range(1, turns):
+        messages.append({"role": "assistant", "content": "Hello."})
+        messages.append({"role": "user", "content": f"Say hello again, turn {turn + 1}"})
+    return messages
 
 
 def browser() -> str:
@@ -72,31 +84,45 @@ HISTORY_GAP = 10.5
 
 def traffic(facades: dict[str, int]) -> int:
     """Requests through every facade: failovers (gpu-a's Ollama answers 503), a model only
-    gpu-c has, a model nobody has (502), streams, model lists."""
-    sent = [
-        ("ollama", "POST", "/api/chat", {"model": "llama3", "messages": CHAT}),
+    gpu-c has, a model nobody has (502), streams, model lists; each round's chats one turn
+    longer."""
+    sent = 0
+    # Four rounds 10.5 s apart, so the history (a sample every 10 s) has points to draw.
+    for round_ in range(ROUNDS):
+        if round_:
+            time.sleep(HISTORY_GAP)
+        for engine, method, path, body in requests(conversation(round_ + 1)):
+            demo.call(facades[engine], method, path, body)
+            sent += 1
+    return sent
+
+
+def requests(chat: list[dict]) -> list[tuple[str, str, str, dict | None]]:
+    """One round: (facade, method, path, body)."""
+    return [
+        ("ollama", "POST", "/api/chat", {"model": "llama3", "messages": chat}),
         ("ollama", "POST", "/api/generate", {"model": "llama3", "prompt": "hi", "stream": False}),
-        ("ollama", "POST", "/api/chat", {"model": "mistral", "messages": CHAT}),
-        ("ollama", "POST", "/api/chat", {"model": "no-such-model", "messages": CHAT}),
+        ("ollama", "POST", "/api/chat", {"model": "mistral", "messages": chat}),
+        ("ollama", "POST", "/api/chat", {"model": "no-such-model", "messages": chat}),
         ("ollama", "GET", "/api/tags", None),
         (
             "lmstudio",
             "POST",
             "/v1/chat/completions",
-            {"model": "qwen2.5-7b-instruct", "messages": CHAT, "stream": True},
+            {"model": "qwen2.5-7b-instruct", "messages": chat, "stream": True},
         ),
-        ("lmstudio", "POST", "/v1/chat/completions", {"model": "gemma-3-4b", "messages": CHAT}),
+        ("lmstudio", "POST", "/v1/chat/completions", {"model": "gemma-3-4b", "messages": chat}),
         (
             "llamacpp",
             "POST",
             "/v1/chat/completions",
-            {"model": "phi-3-mini", "messages": CHAT, "stream": True},
+            {"model": "phi-3-mini", "messages": chat, "stream": True},
         ),
         (
             "llamacpp",
             "POST",
             "/v1/messages",
-            {"model": "phi-3-mini", "max_tokens": 64, "messages": CHAT},
+            {"model": "phi-3-mini", "max_tokens": 64, "system": SYSTEM, "messages": chat[1:]},
         ),
         (
             "lmstudio",
@@ -105,13 +131,6 @@ def traffic(facades: dict[str, int]) -> int:
             {"model": "qwen2.5-7b-instruct", "input": "Say hello", "stream": True},
         ),
     ]
-    # Four rounds 10.5 s apart, so the history (a sample every 10 s) has points to draw.
-    for round_ in range(ROUNDS):
-        if round_:
-            time.sleep(HISTORY_GAP)
-        for engine, method, path, body in sent:
-            demo.call(facades[engine], method, path, body)
-    return ROUNDS * len(sent)
 
 
 def check(dom: str, requests: int) -> list[str]:
@@ -126,15 +145,23 @@ def check(dom: str, requests: int) -> list[str]:
         if outcome not in rows:
             problems.append(f"no {outcome} request shown")
     for engine in ("ollama", "lmstudio", "llamacpp"):
-        if f'data-engine="{engine}"' not in dom:
+        if f'class="card" data-engine="{engine}"' not in dom:
             problems.append(f"no counters for {engine}")
+    # One fleet row per node and engine, and the cache truth of the nodes that answered:
+    # llama.cpp's exact, Ollama's estimated.
+    fleet_rows = re.findall(r'<tr data-node="[^"]+" data-engine="(\w+)"', dom)
+    if sorted(set(fleet_rows)) != ["llamacpp", "lmstudio", "ollama"]:
+        problems.append(f"fleet rows name engines {sorted(set(fleet_rows))}")
+    for source in ("exact", "estimated"):
+        if not re.search(r'<td class="num" title="%s; ' % source, dom):
+            problems.append(f"no node shows an {source} share of prompt tokens reused")
     state = re.search(r'id="state"[^>]*>([^<]*)<', dom)
     if state is None or not state.group(1).startswith("updated "):
         problems.append(f"the page did not render /status ({state and state.group(1)!r})")
     charts = dom.count('<figure class="chart"')
     if charts != 5:
         problems.append(f"the last fifteen minutes show {charts} charts, want 5")
-    if "Say hello" in dom:
+    if "Say hello" in dom or "reasoning twice" in dom:
         problems.append("a prompt reached the page")
     return problems
 
@@ -163,7 +190,11 @@ def main() -> int:
     workdir = tempfile.mkdtemp(prefix="nvpair-screenshot-")
     fleet = proc = None
     try:
-        fleet, proc, _, facades, admin = demo.launch(workdir)
+        fleet, proc, fleet_ports, facades, admin = demo.launch(workdir)
+        # Every engine keeps a prompt cache, as bin/demo's affinity part sets one up.
+        cache = {"prompt_cache": 8, "prompt_delay": 0.3, "cached_prompt_delay": 0.02}
+        for sim_id in fleet_ports:
+            demo.sim(fleet_ports, sim_id, "/_sim/fault", cache)
         requests = traffic(facades)
         url = f"http://127.0.0.1:{admin}/"
         problems = check(chromium(binary, url, "--dump-dom"), requests)

@@ -27,8 +27,8 @@ class Sample:
     ttft_p50_ms: int | None
     ttft_p90_ms: int | None
     queued: int
-    #: Prompt tokens the engines took from their caches over those they were asked to read,
-    #: in this interval (as llama.cpp reports it); None when none said.
+    #: Prompt tokens the engines took from their caches over all their prompts' tokens, in
+    #: this interval (cachetruth.py, exact and estimated together); None when none said.
     prompt_reused_share: float | None
     #: Requests answered with an error in this interval, by kind (the reasons of
     #: ``nvpair_proxy_request_errors_total``).
@@ -59,13 +59,9 @@ class History:
         errors: Counter = Counter()
         for (_, reason), count in recorder.reasons.items():
             errors[reason] += count
-        seen = reused = 0
-        queued = 0
-        for facade in snapshot.facades:
-            queued += facade.routing.queued
-            for engine in facade.routing.engines:
-                seen += engine.prompt_tokens
-                reused += engine.reused_tokens
+        queued = sum(facade.routing.queued for facade in snapshot.facades)
+        reused, read = recorder.cache.totals()
+        seen = reused + read
         ttfbs = recorder.take_ttfbs()
         elapsed = HISTORY_INTERVAL if self._at is None else max(now - self._at, 1e-9)
         new_seen, new_reused = seen - self._prompt[0], reused - self._prompt[1]

@@ -146,6 +146,23 @@ class ProxyCollector(Collector):
             ["engine", "node"],
             recorder.prompt_tokens,
         )
+        cache = recorder.cache
+        yield _counter(
+            "prompt_tokens_reused",
+            "Prompt tokens a node's engine took from its prompt cache instead of reading "
+            "them: exact where the engine says (llama.cpp cache_n, Messages "
+            "cache_read_input_tokens), estimated from its prefill time at the node's "
+            "measured reading rate where it does not (Ollama, LM Studio).",
+            ["engine", "node", "source"],
+            cache.reused,
+        )
+        yield _counter(
+            "prompt_tokens_read",
+            "Prompt tokens a node's engine read anew (the rest of the prompt: see "
+            "prompt_tokens_reused).",
+            ["engine", "node", "source"],
+            cache.read,
+        )
         yield _counter(
             "generated_tokens",
             "Generated tokens the engines reported.",

@@ -26,6 +26,7 @@ from ..core.interfaces import IRequestRecorder
 from ..http.answers import LABELS, OTHER, STATUS_LABELS
 from ..request.attempt import Committed
 from ..request.events import Outcome, RequestEnded
+from .cachetruth import CacheTruth
 
 RECENT = 100
 MODEL_SHOWN = 120  # characters of a requested model name kept for the recent table
@@ -117,6 +118,8 @@ class Recorder:
         self.affinity: Counter = Counter()  # (engine, hit|spill|miss|none)
         self.placements: Counter = Counter()  # (engine, reason)
         self.last_request: dict[str, float] = {}  # node -> when a request on it last ended
+        #: What the engines reused of the prompts (docs/operations.md#cache-truth).
+        self.cache = CacheTruth()
         #: First-byte times since the history last sampled them (history.py), bounded.
         self.ttfb_window: list[float] = []
         self.recent: deque[RequestEnded] = deque(maxlen=recent)
@@ -149,6 +152,8 @@ class Recorder:
                 self.completion_tokens[engine, node] += stats["completionTokens"]
         if ended.model is not None and len(ended.model) > MODEL_SHOWN:
             ended = attrs.evolve(ended, model=ended.model[:MODEL_SHOWN] + "…")
+        if ended.prompt is not None and node is not None:
+            self.cache.observe(engine, node, ended.model, ended.prompt)
         self.recent.append(ended)
 
     def take_ttfbs(self) -> list[float]:
@@ -173,6 +178,7 @@ class Recorder:
                 del table[key]
         for node in [n for n in self.last_request if n not in keep]:
             del self.last_request[node]
+        self.cache.forget_nodes_except(keep)
 
     @staticmethod
     def _histogram(table: dict, key: tuple, bounds: tuple[float, ...]) -> Histogram:

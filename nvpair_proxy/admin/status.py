@@ -19,6 +19,7 @@ from ..core.interfaces import IStatusSource
 from ..core.views import EngineView, FacadeView, InFlightView, ProcessSnapshot, RoutingView
 from ..nodes.selfcheck import self_reason
 from ..request.events import ms
+from .cachetruth import CacheTruth
 from .history import History
 from .recorder import Recorder
 
@@ -102,7 +103,7 @@ def _by(counter, engine: str, position: int) -> dict[str, int]:
     return dict(sorted(out.items()))
 
 
-def engine_status(facade: FacadeView, recorder: Recorder) -> dict:
+def engine_status(facade: FacadeView, recorder: Recorder, cache: CacheTruth) -> dict:
     engine, routing = facade.engine, facade.routing
     return {
         "engine": engine,
@@ -129,12 +130,14 @@ def engine_status(facade: FacadeView, recorder: Recorder) -> dict:
         "failovers": recorder.failovers.get(engine, 0),
         "prompt_tokens": sum(_by(recorder.prompt_tokens, engine, 1).values()),
         "completion_tokens": sum(_by(recorder.completion_tokens, engine, 1).values()),
+        # Cache truth: the share of prompt tokens its nodes' engines reused.
+        "prompt_reused_share": cache.engine_share(engine),
         # Broker mode: the local engine's parallel slots from node/set-local-backend.
         "slots": dict(facade.slots) if facade.slots is not None else None,
     }
 
 
-def nodes_status(view: ProcessView, snapshot: ProcessSnapshot) -> list[dict]:
+def nodes_status(view: ProcessView, snapshot: ProcessSnapshot, cache: CacheTruth) -> list[dict]:
     reservations, seen = snapshot.reservations, view.last_activity(snapshot)
     busy: dict[str, int] = {}
     for (_, node), count in in_flight_per_node(snapshot).items():
@@ -185,6 +188,7 @@ def nodes_status(view: ProcessView, snapshot: ProcessSnapshot) -> list[dict]:
                 shown["engine_report"] = engine_report(report)
             if keys is not None:
                 shown["affinity_keys"] = keys.get(node.id, 0)
+            shown["cache"] = cache.node_status(engine, node.id)
             entry["engines"].append(shown)
     return [nodes[node_id] for node_id in sorted(nodes)]
 
@@ -207,9 +211,6 @@ def engine_report(report: EngineView) -> dict:
         "prompt_bytes_per_token": None
         if report.bytes_per_token is None
         else round(report.bytes_per_token, 2),
-        "prompt_reused_share": None
-        if report.reused_share is None
-        else round(report.reused_share, 3),
     }
 
 
@@ -243,6 +244,7 @@ def status(view: ProcessView) -> dict:
     """The ``/status`` document (schema 1, documented in docs/operations.md)."""
     snapshot = view.snapshot()
     recorder, now = view.recorder, view.clock()
+    cache = recorder.cache
     return {
         "schema": STATUS_SCHEMA,
         "version": __version__,
@@ -252,8 +254,8 @@ def status(view: ProcessView) -> dict:
         "broker_link_up": view.link_up(snapshot),
         "cluster_pins": snapshot.cluster_pins,
         "reservations": sum(snapshot.reservations.values()),
-        "engines": [engine_status(facade, recorder) for facade in snapshot.facades],
-        "nodes": nodes_status(view, snapshot),
+        "engines": [engine_status(facade, recorder, cache) for facade in snapshot.facades],
+        "nodes": nodes_status(view, snapshot, cache),
         "recent": recent_status(recorder),
         "history": view.history_status(),
     }

@@ -158,6 +158,10 @@ class Figures:
     #: llama.cpp's ``/v1/messages`` reports in ``message_start``); None when it does not say,
     #: which is never "none cached".
     prompt_cached: int | None = None
+    #: Seconds the engine itself says it spent reading the prompt (llama.cpp
+    #: ``timings.prompt_ms``, Ollama ``prompt_eval_duration``): what the operator's cache
+    #: truth estimates an engine's reuse from when it does not say (docs/operations.md#cache-truth).
+    prompt_seconds: float | None = None
 
 
 _USAGE_KEYS = (
@@ -168,7 +172,14 @@ _USAGE_KEYS = (
     "cache_read_input_tokens",
     "cache_creation_input_tokens",
 )
-_TIMINGS_KEYS = ("prompt_n", "predicted_n", "predicted_per_second", "prompt_per_second", "cache_n")
+_TIMINGS_KEYS = (
+    "prompt_n",
+    "predicted_n",
+    "predicted_per_second",
+    "prompt_per_second",
+    "cache_n",
+    "prompt_ms",
+)
 
 
 def read_figures(tail: bytes | bytearray) -> Figures:
@@ -233,8 +244,13 @@ def read_figures(tail: bytes | bytearray) -> Figures:
     elif (per_second := _rate(timings.get("predicted_per_second"))) is not None:
         rate = per_second
     prompt_rate = _rate(timings.get("prompt_per_second"))
-    if prompt_rate is None and evaluated and (duration := _last_int(_PROMPT_EVAL_DURATION, text)):
-        prompt_rate = evaluated / (duration / 1e9)
+    prompt_seconds = None
+    if (prompt_ms := _rate(timings.get("prompt_ms"))) is not None:
+        prompt_seconds = prompt_ms / 1000
+    elif evaluated is not None and (duration := _last_int(_PROMPT_EVAL_DURATION, text)) is not None:
+        prompt_seconds = duration / 1e9
+        if prompt_rate is None and evaluated and duration:
+            prompt_rate = evaluated / prompt_seconds
     prompt_read = prompt_n if prompt_n is not None else evaluated
     prompt_cached = _count(timings.get("cache_n"))
     prompt_seen: int | None
@@ -258,6 +274,7 @@ def read_figures(tail: bytes | bytearray) -> Figures:
         prompt_read=prompt_read,
         prompt_seen=prompt_seen,
         prompt_cached=prompt_cached,
+        prompt_seconds=prompt_seconds,
     )
 
 
@@ -268,14 +285,17 @@ def measure(
     admitted_at: float,
     first_byte_at: float | None,
     ended_at: float,
+    figures: Figures | None = None,
 ) -> dict[str, Any] | None:
     """The ``stats`` block of the terminal workload event, or ``None`` if nothing was measured.
 
     ``tail`` is the end of the body, ``events`` the stream events counted over all of it.
     Times are seconds on one clock: ``admitted_at`` the workload's admission,
     ``first_byte_at`` the first body byte (``None`` if there was none), ``ended_at`` the end.
+    ``figures``: the tail already read, so a body's tail is parsed once whoever asks.
     """
-    figures = read_figures(tail) if tail else Figures()
+    if figures is None:
+        figures = read_figures(tail) if tail else Figures()
     completion = figures.completion
     estimated = False
     if completion is None and events:
@@ -316,6 +336,9 @@ class BodyObserver:
     def __init__(self, terminal: str | None, content_type: str | bytes | None = None) -> None:
         self._frames = FrameReader(terminal, content_type)
         self.terminal = terminal
+        #: The tail's figures and how many body bytes had been seen when they were read: the
+        #: stats, placement's rates and the cache truth all read one parse of an ended body.
+        self._figures: tuple[int, Figures] | None = None
         self.feed = self._frames.feed  # type: ignore[method-assign]  # bound once: no extra call
 
     def __repr__(self) -> str:
@@ -347,9 +370,14 @@ class BodyObserver:
         return self._frames.terminal_seen
 
     def figures(self) -> Figures:
-        """What the engine reported in the body's tail (placement reads its prompt rate)."""
-        tail = self._frames.tail
-        return read_figures(tail) if tail else Figures()
+        """What the engine reported in the body's tail (placement reads its prompt rate),
+        read once for as long as no byte arrives."""
+        frames = self._frames
+        read = self._figures
+        if read is None or read[0] != frames.bytes_seen:
+            tail = frames.tail
+            read = self._figures = (frames.bytes_seen, read_figures(tail) if tail else Figures())
+        return read[1]
 
     def measure(
         self, *, admitted_at: float, first_byte_at: float | None, ended_at: float
@@ -366,4 +394,5 @@ class BodyObserver:
             admitted_at=admitted_at,
             first_byte_at=first_byte_at,
             ended_at=ended_at,
+            figures=self.figures(),
         )

@@ -78,13 +78,6 @@ class EngineView:
     service: float | None = None
     prompt_rate: float | None = None
     bytes_per_token: float | None = None
-    #: The share of its conversations' prompt tokens its engine took from its cache, as the
-    #: engine said (llama.cpp); None until one said.
-    reused_share: float | None = None
-    #: The prompt tokens behind that share, and how many of them it reused (the history
-    #: samples read their growth).
-    prompt_tokens: int = 0
-    reused_tokens: int = 0
 
 
 @attrs.frozen

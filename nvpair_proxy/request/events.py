@@ -280,6 +280,19 @@ def route_class(route) -> str:
 
 
 @attrs.frozen
+class PromptUse:
+    """How much of a completed request's prompt its engine took from its cache, as its
+    answer said (docs/operations.md#cache-truth): ``seen`` the whole prompt's tokens,
+    ``cached`` those the engine says it reused (None: it does not say), ``prefill`` the
+    seconds it spent reading the prompt, by its own account or, for a stream, from dispatch
+    to the first body byte (None: unknown)."""
+
+    seen: int
+    cached: int | None = None
+    prefill: float | None = None
+
+
+@attrs.frozen
 class RequestEnded:
     """What the admin listener learns of one finished request: operational metadata only
     (docs/references.md#no-content-logging: never a prompt, a body or a credential). Times in
@@ -303,6 +316,8 @@ class RequestEnded:
     placement: str | None = None
     #: Seconds it waited in the facade's queue.
     waited: float = 0.0
+    #: What its engine reused of its prompt (a completed request whose answer said).
+    prompt: PromptUse | None = None
 
 
 @attrs.define(eq=False)

@@ -38,6 +38,7 @@ from .events import (
     COMPLETED,
     FAILED,
     Outcome,
+    PromptUse,
     Reporter,
     Workload,
     route_class,
@@ -425,7 +426,19 @@ class Exchange:
             elapsed = wiring.upstreams.clock.seconds() - dispatched_at
             self.ticket.measured(stream.node_id, elapsed, stream.figures)
         if 200 <= code < 300:
-            self._end(COMPLETED, None, status=code, stats=stats, note=stream.idle_note)
+            prompt = None
+            if wiring.reporter.recorder is not None:
+                try:
+                    prompt = stream.prompt_use(dispatched_at)
+                except Exception:
+                    log.failure(
+                        "could not read the prompt figures of request {id}",
+                        id=self.id,
+                        engine=wiring.engine.id,
+                    )
+            self._end(
+                COMPLETED, None, status=code, stats=stats, note=stream.idle_note, prompt=prompt
+            )
         else:
             self._end(FAILED, Reason.UPSTREAM_STATUS, str(code), status=code, stats=stats)
 
@@ -487,6 +500,7 @@ class Exchange:
         status: int | None = None,
         stats: dict | None = None,
         note: str | None = None,
+        prompt: PromptUse | None = None,
     ) -> None:
         """The one end: ``reason`` (None when it completed) and its detail say why, in its
         text on the wire and by its label in the metrics. ``note`` is said on
@@ -497,7 +511,7 @@ class Exchange:
         placement = self.wiring.placement
         placement.hold_offers()
         try:
-            self._ended(state, reason, detail, status, stats, note)
+            self._ended(state, reason, detail, status, stats, note, prompt)
         finally:
             placement.offer_held()
 
@@ -509,6 +523,7 @@ class Exchange:
         status: int | None,
         stats: dict | None,
         note: str | None,
+        prompt: PromptUse | None = None,
     ) -> None:
         error = reason.says(detail) if reason is not None else None
         self._enter(Phase.ENDED)
@@ -563,4 +578,5 @@ class Exchange:
                 affinity=placed.affinity,
                 placement=placed.reason,
                 waited=placed.waited,
+                prompt=prompt,
             )

@@ -31,6 +31,7 @@ from ..core.timers import cancel_pending
 from ..core.twisted_workarounds import channel_paused
 from ..http.relay import StreamIdle, StreamIdleTimeout, clean_end
 from .attempt import Committed
+from .events import PromptUse
 
 
 class Happened(enum.Enum):
@@ -191,6 +192,26 @@ class Stream:
     def figures(self) -> Figures | None:
         """What the engine reported in the body's tail, None without an observer."""
         return None if self.observer is None else self.observer.figures()
+
+    def prompt_use(self, dispatched_at: float | None) -> PromptUse | None:
+        """What the engine reused of the prompt (docs/operations.md#cache-truth), None when
+        its answer does not say how long the prompt was. Without the engine's own prefill
+        time, a stream's dispatch to first byte stands for it: an engine streams its first
+        token once it has read the prompt; a whole answer's first byte comes after all of
+        it, so it stands for nothing."""
+        figures = self.figures()
+        if figures is None or not figures.prompt_seen:
+            return None
+        prefill = figures.prompt_seconds
+        if (
+            prefill is None
+            and dispatched_at is not None
+            and self.first_byte_at is not None
+            and self.observer is not None
+            and self.observer.events_seen > 1
+        ):
+            prefill = max(0.0, self.first_byte_at - dispatched_at)
+        return PromptUse(seen=figures.prompt_seen, cached=figures.prompt_cached, prefill=prefill)
 
     def measure(self, admitted_at: float) -> dict | None:
         """The terminal event's ``stats`` (docs/references.md#stats-sources), None without an

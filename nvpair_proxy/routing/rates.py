@@ -66,10 +66,6 @@ class NodeRates:
     dispatched_at: float | None = None
     #: When a response's tail was last read for these (None: never).
     rate_read_at: float | None = None
-    #: Prompt tokens of the conversations' requests whose engine said what it reused, and
-    #: how many of them it took from its cache (docs/decisions.md#affinity).
-    prompt_tokens: int = 0
-    reused_tokens: int = 0
 
     def served(self, seconds: float) -> None:
         self.service = _moved(self.service, seconds)
@@ -84,15 +80,6 @@ class NodeRates:
             self.tail = _moved(self.tail, max(0.0, seconds - reading.read / reading.rate))
         if reading.seen is not None and reading.seen >= MIN_PROMPT_TOKENS and reading.size > 0:
             self.bytes_per_token = _moved(self.bytes_per_token, reading.size / reading.seen)
-
-    def reused(self, seen: int, cached: int) -> None:
-        self.prompt_tokens += seen
-        self.reused_tokens += min(cached, seen)
-
-    @property
-    def reused_share(self) -> float | None:
-        """The share of prompt tokens its engine reused, None until one said."""
-        return self.reused_tokens / self.prompt_tokens if self.prompt_tokens else None
 
     def tokens(self, size: int) -> float:
         """The prompt tokens a body of ``size`` bytes is expected to hold."""

@@ -414,9 +414,6 @@ class Router:
                     service=rates.service if rates else None,
                     prompt_rate=rates.prompt_rate if rates else None,
                     bytes_per_token=rates.bytes_per_token if rates else None,
-                    reused_share=rates.reused_share if rates else None,
-                    prompt_tokens=rates.prompt_tokens if rates else 0,
-                    reused_tokens=rates.reused_tokens if rates else 0,
                 )
             )
         return tuple(views)

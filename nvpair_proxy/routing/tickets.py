@@ -581,16 +581,13 @@ class StandaloneTicket(ReservedTicket):
         """A committed request below 400 ended on ``node_id``, ``seconds`` after its
         dispatch: the node's time to serve one, and (at most once a second per node) the
         prompt figures its response's tail said. A conversation's answer is read each time:
-        what its engine reused checks a hit, and counts toward the node's share reused."""
+        what its engine reused checks a hit."""
         placement = self.placement
         if self.key is not None:
             read = figures()
             figures = partial(_same, read)
             seen, cached = read.prompt_seen, read.prompt_cached
             if seen and cached is not None and seen >= MIN_PROMPT_TOKENS:
-                rates = placement.router.rates_of(node_id)
-                if rates is not None:
-                    rates.reused(seen, cached)
                 hit = self.affinity == "hit"
                 if placement.conversations.answered(self.key, seen, cached, hit):
                     self.affinity = "evicted"

@@ -28,7 +28,14 @@ from nvpair_proxy.nodes.selfcheck import self_reason
 from nvpair_proxy.process.options import Options, admin_address
 from nvpair_proxy.request import events
 from nvpair_proxy.test.support import gate
-from nvpair_proxy.test.world import Response, WorldStatus, WorldTestCase, request_bytes, serve_all
+from nvpair_proxy.test.world import (
+    Response,
+    WorldStatus,
+    WorldTestCase,
+    request_bytes,
+    serve_all,
+    view_of,
+)
 from nvpair_proxy.testing import lan, loopback
 
 NDJSON = {"Content-Type": "application/x-ndjson"}
@@ -83,16 +90,6 @@ def dispatch_result(record) -> str:
     if record.response.code >= 500:
         return "refused_status"
     return "no_content" if record.response.transport.stopped else "committed"
-
-
-def view_of(world, recorder: Recorder) -> ProcessView:
-    return ProcessView(
-        source=WorldStatus(world),
-        recorder=recorder,
-        mode="standalone",
-        clock=world.clock.seconds,
-        started=world.clock.seconds(),
-    )
 
 
 def scraped(view: ProcessView) -> dict[tuple[str, tuple], float]:
@@ -551,6 +548,7 @@ class StatusTests(WorldTestCase):
                 "failovers",
                 "prompt_tokens",
                 "completion_tokens",
+                "prompt_reused_share",
                 "slots",
             },
         )
@@ -577,6 +575,7 @@ class StatusTests(WorldTestCase):
                         "port": 11434,
                         "models": ["llama3:latest"],
                         "state": "ready",
+                        "cache": None,
                     }
                 ],
                 "last_activity": 0.0,
@@ -620,7 +619,10 @@ class StatusTests(WorldTestCase):
         w.add("self", addresses=("127.0.0.1",), port=11435)
         done = w.chat()
         w.agent.last.respond(
-            200, NDJSON, body=b'{"done":true,"prompt_eval_count":3,"eval_count":2}\n', finish=True
+            200,
+            NDJSON,
+            body=b'{"done":true,"prompt_eval_count":3,"prompt_eval_duration":9000000,"eval_count":2}\n',
+            finish=True,
         )
         self.assertEqual(done.response().status, 200)
         w.clock.advance(5)
@@ -664,6 +666,8 @@ class StatusTests(WorldTestCase):
                     "failovers": 0,
                     "prompt_tokens": 3,
                     "completion_tokens": 2,
+                    # three tokens, estimated (Ollama): too few to have come from a cache
+                    "prompt_reused_share": 0.0,
                     "slots": None,
                 }
             ],
@@ -678,6 +682,13 @@ class StatusTests(WorldTestCase):
                             "port": 11434,
                             "models": ["llama3:latest"],
                             "state": "ready",
+                            "cache": {
+                                "reused": 0,
+                                "read": 3,
+                                "share": 0.0,
+                                "source": "estimated",
+                                "models": {"llama3": {"reused": 0, "read": 3, "share": 0.0}},
+                            },
                         }
                     ],
                     "last_activity": 5.0,
@@ -696,6 +707,7 @@ class StatusTests(WorldTestCase):
                             "port": 11434,
                             "models": ["llama3:latest"],
                             "state": "held",
+                            "cache": None,
                         }
                     ],
                     "last_activity": None,
@@ -714,6 +726,7 @@ class StatusTests(WorldTestCase):
                             "port": 11434,
                             "models": ["mistral:7b"],
                             "state": "cooling",
+                            "cache": None,
                         }
                     ],
                     "last_activity": None,
@@ -733,6 +746,7 @@ class StatusTests(WorldTestCase):
                             "models": ["llama3:latest"],
                             "state": "excluded",
                             "excluded": self_reason("ollama", 11435),
+                            "cache": None,
                         }
                     ],
                     "last_activity": None,
@@ -864,8 +878,10 @@ class StatusTests(WorldTestCase):
             [
                 "node",
                 "addresses",
-                "engines",
+                "engine",
                 "models",
+                "slots",
+                "prompt reused",
                 "last activity",
                 "reservations",
                 "in flight",
@@ -885,6 +901,12 @@ class StatusTests(WorldTestCase):
         )
         self.assertIn('id="engines"', page)
         self.assertIn('facts.push(["local slots", slotsText(e.slots)])', page)
+        # A fleet of hundreds of nodes scrolls in its box under a header kept in view, one
+        # row per node and engine.
+        self.assertIn('<div class="scroll" id="fleet-box">', page)
+        self.assertRegex(page, r"\.scroll \{[^}]*overflow: auto")
+        self.assertIn("position: sticky", page)
+        self.assertIn('{"data-node": n.id, "data-engine": e.engine', page)
 
     def test_endpoints_and_their_answers(self):
         recorder = Recorder()
@@ -1151,7 +1173,6 @@ class SchedulerStatusTests(WorldTestCase):
                 "service_s": None,
                 "prompt_tokens_per_second": None,
                 "prompt_bytes_per_token": None,
-                "prompt_reused_share": None,
             },
         )
         self.assertEqual(
@@ -1166,7 +1187,6 @@ class SchedulerStatusTests(WorldTestCase):
                 "service_s": None,
                 "prompt_tokens_per_second": None,
                 "prompt_bytes_per_token": None,
-                "prompt_reused_share": None,
             },
         )
         samples = scraped(view)

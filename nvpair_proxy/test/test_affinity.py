@@ -649,8 +649,9 @@ class EvictedTests(FleetTestCase):
         self.assertEqual(went, "b", "a wait for a would buy nothing: b at once")
         counts = {r: n for (e, r), n in recorder.affinity.items()}
         self.assertEqual((counts["miss"], counts["evicted"]), (2, 1))
-        view = next(v for v in w.facade.router.view().engines if v.node == "a")
-        self.assertEqual(view.reused_share, 1000 / 3300)
+        # the cache truth (docs/operations.md#cache-truth) counts the engine's own figures
+        cache = recorder.cache.node_status("ollama", "a")
+        self.assertEqual((cache["reused"], cache["read"], cache["source"]), (1000, 2300, "exact"))
 
     def test_a_hit_that_reused_its_context_is_still_waited_for(self):
         w, went, recorder = self.third_turn_then_a_full(third_cached=1100)
@@ -664,8 +665,8 @@ class EvictedTests(FleetTestCase):
         self.turn(w, chat(LONG, "next"))  # no timings: unknown, never a miss
         self.turn(w, chat(LONG, "next", "then"), timings={"prompt_eval_count": 900})
         self.assertEqual({r: n for (e, r), n in recorder.affinity.items()}, {"miss": 1, "hit": 2})
-        view = w.facade.router.view().engines[0]
-        self.assertEqual(view.reused_share, 0.0)
+        cache = recorder.cache.node_status("ollama", "a")
+        self.assertEqual((cache["reused"], cache["share"]), (0, 0.0))
 
     def test_a_spill_that_reads_it_all_is_no_eviction(self):
         recorder = Recorder()

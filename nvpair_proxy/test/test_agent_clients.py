@@ -308,13 +308,11 @@ class AgentFleet:
             f"{t.label}: node {t.node}, prompt {t.prompt}, anew {t.anew}" for t in turns.values()
         )
         shares = {
-            node["id"]: [
-                e.get("engine_report", {}).get("prompt_reused_share") for e in node["engines"]
-            ]
+            node["id"]: [(e["cache"] or {}).get("share") for e in node["engines"]]
             for node in status(self.admin_port)["nodes"]
         }
         # for the record (trial shows stderr); the proxy's own view of reuse beside it
-        print(f"{self.id()}: {report}; /status prompt_reused_share {shares}", file=sys.stderr)
+        print(f"{self.id()}: {report}; /status cache share {shares}", file=sys.stderr)
         for session in ("s1", "s2"):
             first, second = turns[f"{session}t1"], turns[f"{session}t2"]
             self.assertEqual(second.node, first.node, f"{session}: {first} then {second}")
@@ -326,7 +324,7 @@ class AgentFleet:
         # The proxy read the same from each answer (llama.cpp's Responses timings, its
         # Messages message_start usage): a node's turn 1 read all, its turn 2 almost none.
         for node in NODES:
-            self.assertGreater(shares[node][0] or 0, 0.4, f"/status prompt_reused_share {shares}")
+            self.assertGreater(shares[node][0] or 0, 0.4, f"/status cache share {shares}")
 
     def two_sessions(self) -> None:
         """s1t1 and s2t1 together, then s1t2, then s2t2; the assertions above."""

@@ -14,17 +14,9 @@ from nvpair_proxy.core.interfaces import IStatusSource
 from nvpair_proxy.core.views import EngineView, FacadeView, ProcessSnapshot, RoutingView
 
 
-def snapshot(queued: int = 0, seen: int = 0, reused: int = 0) -> ProcessSnapshot:
+def snapshot(queued: int = 0) -> ProcessSnapshot:
     engine = EngineView(
-        node="a",
-        slots_total=1,
-        busy=0,
-        ours=0,
-        reported_busy=0,
-        warm=None,
-        read_age=None,
-        prompt_tokens=seen,
-        reused_tokens=reused,
+        node="a", slots_total=1, busy=0, ours=0, reported_busy=0, warm=None, read_age=None
     )
     routing = RoutingView(
         pin="", nodes=(), routable=("a",), held=(), cooling=(), engines=(engine,), queued=queued
@@ -39,7 +31,11 @@ class HistoryTests(SynchronousTestCase):
         recorder.requests["llamacpp", "inference", "completed"] = 30
         recorder.reasons["llamacpp", "busy"] = 2
         recorder.ttfb_window = [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0]
-        first = history.take(10.0, recorder, snapshot(queued=4, seen=1000, reused=600))
+        # the cache truth's counts so far (cachetruth.py): exact on one node, estimated on another
+        cache = recorder.cache
+        cache.reused["llamacpp", "a", "exact"], cache.read["llamacpp", "a", "exact"] = 500, 300
+        cache.reused["ollama", "b", "estimated"], cache.read["ollama", "b", "estimated"] = 100, 100
+        first = history.take(10.0, recorder, snapshot(queued=4))
         self.assertEqual(
             (first.requests_per_s, first.ttft_p50_ms, first.ttft_p90_ms, first.queued),
             (3.0, 500, 900, 4),
@@ -48,7 +44,9 @@ class HistoryTests(SynchronousTestCase):
         recorder.requests["llamacpp", "inference", "completed"] = 35
         recorder.reasons["llamacpp", "busy"] = 2
         recorder.reasons["llamacpp", "transport"] = 1
-        second = history.take(20.0, recorder, snapshot(seen=2000, reused=1500))
+        cache.reused["llamacpp", "a", "exact"] += 900
+        cache.read["llamacpp", "a", "exact"] += 100
+        second = history.take(20.0, recorder, snapshot())
         self.assertEqual((second.requests_per_s, second.ttft_p50_ms), (0.5, None))
         self.assertEqual(second.prompt_reused_share, 0.9, "900 of the 1,000 new tokens")
         self.assertEqual(second.errors, {"transport": 1}, "only the interval's")

@@ -97,7 +97,7 @@ LAYERS = (
     ("lan", ("apikeys",)),
     ("cluster", ("trust", "admission")),
     ("facade", ("facade", "listener", "ingress", "facadeservice")),
-    ("admin", ("recorder", "history", "status", "metrics", "admin")),
+    ("admin", ("cachetruth", "recorder", "history", "status", "metrics", "admin")),
     # The broker's link and methods; the process and its wiring last.
     ("broker", ("rpc", "aliases", "ports", "broker")),
     (
@@ -130,6 +130,7 @@ NO_TWISTED = (
     "routing.rates",
     "routing.fairshare",
     "routing.rankindex",
+    "admin.cachetruth",
     "admin.history",
 )
 

@@ -13,6 +13,7 @@ from twisted.internet.testing import StringTransport
 from twisted.trial.unittest import SynchronousTestCase
 from zope.interface import implementer
 
+from nvpair_proxy.admin.status import ProcessView
 from nvpair_proxy.core.interfaces import IStatusSource
 from nvpair_proxy.core.views import ProcessSnapshot
 from nvpair_proxy.facade.facade import facade_site, make_facade
@@ -287,3 +288,14 @@ class WorldStatus:
             reservations=dict(world.reservations.reservations),
             streamed=facade.reporter.activity.last_seen(),
         )
+
+
+def view_of(world: World, recorder) -> ProcessView:
+    """The admin listener's view of ``world`` (standalone mode), with ``recorder``'s counts."""
+    return ProcessView(
+        source=WorldStatus(world),
+        recorder=recorder,
+        mode="standalone",
+        clock=world.clock.seconds,
+        started=world.clock.seconds(),
+    )
