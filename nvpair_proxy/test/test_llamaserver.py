@@ -24,6 +24,7 @@ import json
 import os
 import socket
 import subprocess
+import sys
 import threading
 import time
 import urllib.error
@@ -202,9 +203,10 @@ class RealEngine:
             with open(self.engine_log, "rb") as log:
                 self.fail(f"llama-server did not come up: {log.read()[-2000:]!r}")
 
-    def start_proxy(self, dead_first: bool = False) -> None:
+    def start_proxy(self, dead_first: bool = False, extra: tuple[str, ...] = ()) -> None:
         """The llama.cpp facade over the engine (node "llama"); with ``dead_first`` a node
-        "dead" on a port nobody listens on comes first (nodes are ordered by id)."""
+        "dead" on a port nobody listens on comes first (nodes are ordered by id); ``extra``
+        flags after the rest."""
         entries = [("llama", "llamacpp", self.engine_port, [MODEL])]
         if dead_first:
             entries.insert(0, ("dead", "llamacpp", free_port(), [MODEL]))
@@ -214,7 +216,9 @@ class RealEngine:
             handle.write(nodes_toml(entries))
         self.log = os.path.abspath(self.mktemp() + ".log")
         start_standalone(
-            self, ["--engine", f"llamacpp:{self.facade_port}", "--nodes", nodes], logfile=self.log
+            self,
+            ["--engine", f"llamacpp:{self.facade_port}", "--nodes", nodes, *extra],
+            logfile=self.log,
         )
 
     def slot(self) -> dict:
@@ -317,6 +321,75 @@ class ChatTests(RealEngine, SynchronousTestCase):
                 (usage.prompt_tokens, usage.completion_tokens),
             ]
         )
+
+
+class CacheTruthTests(RealEngine, SynchronousTestCase):
+    """The admin listener's cache truth (docs/operations.md#cache-truth) against the real
+    engine's own figures."""
+
+    def setUp(self):
+        self.start_engine()
+        self.admin_port = free_port()
+        self.start_proxy(extra=("--admin", f"127.0.0.1:{self.admin_port}"))
+
+    def counters(self) -> dict[str, float]:
+        """The reuse counters of node "llama", by metric name."""
+        with urllib.request.urlopen(
+            f"http://127.0.0.1:{self.admin_port}/metrics", timeout=5
+        ) as response:
+            text = response.read().decode()
+        found = {}
+        for line in text.splitlines():
+            if line.startswith("nvpair_proxy_prompt_tokens_re") and 'node="llama"' in line:
+                assert 'source="exact"' in line, line
+                found[line.split("{", 1)[0]] = float(line.rsplit(" ", 1)[1])
+        return found
+
+    def test_the_reuse_counters_are_the_engines_own_figures(self):
+        """Two turns of one conversation, whole then streamed: what llama-server said it
+        reused (``cache_n``) and read (``prompt_n``) is what the counters hold."""
+        opening = "tell me about " + " ".join(f"topic{i}" for i in range(120))
+        turns = [
+            [{"role": "user", "content": opening}],
+            [
+                {"role": "user", "content": opening},
+                {"role": "assistant", "content": "sure"},
+                {"role": "user", "content": "and more"},
+            ],
+        ]
+        said = []
+        for messages, stream in zip(turns, (False, True)):
+            body = {
+                "model": MODEL,
+                "messages": messages,
+                "max_tokens": MAX_TOKENS,
+                "stream": stream,
+            }
+            response = post(self.facade_port, json.dumps(body).encode())
+            self.assertEqual(response.status, 200)
+            if stream:
+                chunks = []
+                for data in sse_events(response):
+                    if data == "[DONE]":
+                        break  # the connection stays open for the next request
+                    chunks.append(json.loads(data))
+                timings = [c["timings"] for c in chunks if "timings" in c][-1]
+            else:
+                timings = json.loads(response.read())["timings"]
+            said.append((timings["cache_n"], timings["prompt_n"]))
+        self.assertGreater(said[1][0], 0, f"the engine reused nothing of turn 1: {said}")
+        want = {
+            "nvpair_proxy_prompt_tokens_reused_total": float(sum(c for c, _ in said)),
+            "nvpair_proxy_prompt_tokens_read_total": float(sum(p for _, p in said)),
+        }
+        # Both ends are logged (their terminal events) in the turn that records them.
+        logged_workloads(self.log, 2)
+        found = self.counters()
+        print(
+            f"{self.id()}: llama-server (cache_n, prompt_n) {said}; /metrics {found}",
+            file=sys.stderr,
+        )
+        self.assertEqual(found, want, f"the engine said (cache_n, prompt_n) {said}")
 
 
 class FailoverTests(RealEngine, SynchronousTestCase):
