@@ -7,9 +7,10 @@ guesses.
 * ``exact``: the engine says what it reused (llama.cpp ``timings.cache_n`` beside
   ``prompt_n``, Anthropic Messages ``cache_read_input_tokens``).
 * ``estimated``: it does not (Ollama, LM Studio). Its answer gives the whole prompt's tokens,
-  and its own prefill time (Ollama ``prompt_eval_duration``) or, for a stream, dispatch to the
-  first body byte. The tokens read anew are taken as that time at the node's cold reading
-  rate (:class:`ColdRate`), capped by the prompt; the rest as reused. An answer with neither
+  and its own prefill time (Ollama ``prompt_eval_duration``, llama.cpp ``prompt_ms``) or, for
+  a stream, dispatch to the first body byte. The tokens read anew are taken as that time at
+  the model's cold reading rate on that node (:class:`ColdRate`), capped by the prompt; the
+  rest as reused. An answer with neither
   a prefill time nor a reuse figure is not counted at all: nothing is guessed from nothing.
 
 Plain bookkeeping fed by the recorder at a request's end: no Twisted, no parse of its own
@@ -18,28 +19,31 @@ Plain bookkeeping fed by the recorder at a request's end: no Twisted, no parse o
 
 from __future__ import annotations
 
-from collections import Counter
+import math
+from collections import Counter, deque
 
 import attrs
 
 from ..request.events import PromptUse
 
-__all__ = ["CacheTruth", "ColdRate", "Split", "EXACT", "ESTIMATED", "SOURCES"]
+__all__ = ["CacheTruth", "ColdRate", "Split", "EXACT", "ESTIMATED", "MIXED", "SOURCES"]
 
 EXACT, ESTIMATED = "exact", "estimated"
 SOURCES = (EXACT, ESTIMATED)
+#: A node whose engine's answers were counted both ways (``/status`` only: the counters
+#: keep each source apart).
+MIXED = "mixed"
 
 #: Prompts shorter than this are counted as read in full when estimated, and teach the cold
 #: rate nothing: their prefill is mostly the engine's fixed cost per request.
 MIN_PROMPT_TOKENS = 64
-#: How far a reading slower than the cold rate moves it down.
-RATE_DOWN = 0.3
-#: How far, at most, one faster reading moves it up: a cache hit reads as a very fast prompt,
-#: so faster readings may only creep (which lets a rate dragged down by a slow outlier, a busy
-#: engine, recover over a few dozen requests).
-RATE_CREEP = 1.02
-#: Models kept apart per node and engine on ``/status``; the rest are summed as OTHER_MODELS,
-#: so what is kept stays bounded whatever names clients send.
+#: The readings a cold rate is taken from: the last ones of that model on that node.
+COLD_WINDOW = 16
+#: From this many readings on, the cold rate passes over the slowest one.
+TRUST_AFTER = 4
+#: Models kept apart per node and engine (on ``/status``, and each with its own cold rate);
+#: the rest are summed as OTHER_MODELS, so what is kept stays bounded whatever names clients
+#: send.
 MODELS_PER_NODE = 16
 OTHER_MODELS = "(other)"
 
@@ -55,35 +59,31 @@ class Split:
 
 @attrs.define
 class ColdRate:
-    """A node's prompt tokens per second when nothing of the prompt is cached: the lower
-    envelope of its whole prompts over their prefill times (a cache hit reads as fast, so
-    only slower readings pull it freely). None until a prompt long enough was read."""
+    """One model's prompt tokens per second on one node when nothing of the prompt is
+    cached, from its last readings (whole prompt over prefill time): the slowest of them,
+    since a cache hit reads as a fast prompt; from TRUST_AFTER readings on the second
+    slowest, so one slow outlier (a model load inside a stream's first byte, an engine busy
+    with other work) is passed over."""
 
-    rate: float | None = None
+    readings: deque = attrs.Factory(lambda: deque(maxlen=COLD_WINDOW))
+
+    @property
+    def rate(self) -> float | None:
+        """None until a prompt long enough was read."""
+        if not self.readings:
+            return None
+        ordered = sorted(self.readings)
+        return ordered[1] if len(ordered) >= TRUST_AFTER else ordered[0]
 
     def read(self, seen: int, prefill: float) -> int:
         """The tokens of a ``seen``-token prompt read anew in ``prefill`` seconds."""
-        if seen < MIN_PROMPT_TOKENS or prefill <= 0:
+        if seen < MIN_PROMPT_TOKENS or not prefill > 0:
             return seen
         apparent = seen / prefill
-        if self.rate is None:
-            self.rate = apparent
-        elif apparent <= self.rate:
-            self.rate += RATE_DOWN * (apparent - self.rate)
-        else:
-            self.rate = min(apparent, self.rate * RATE_CREEP)
-        return min(seen, round(prefill * self.rate))
-
-
-def split(use: PromptUse, cold: ColdRate) -> Split | None:
-    """What ``use`` says was reused and read, None when it cannot say."""
-    if use.cached is not None:
-        cached = min(use.cached, use.seen)
-        return Split(cached, use.seen - cached, EXACT)
-    if use.prefill is None:
-        return None
-    read = cold.read(use.seen, use.prefill)
-    return Split(use.seen - read, read, ESTIMATED)
+        if math.isfinite(apparent):
+            self.readings.append(apparent)
+        rate = self.rate
+        return seen if rate is None else min(seen, round(prefill * rate))
 
 
 @attrs.define
@@ -94,31 +94,43 @@ class CacheTruth:
     read: Counter = attrs.Factory(Counter)
     #: (engine, node) -> model -> [reused, read]
     models: dict[tuple[str, str], dict[str, list[int]]] = attrs.Factory(dict)
-    _cold: dict[tuple[str, str], ColdRate] = attrs.Factory(dict)
+    #: (engine, node, model) -> its cold rate; the models are those of ``models``.
+    _cold: dict[tuple[str, str, str], ColdRate] = attrs.Factory(dict)
+    #: Everything counted since start, nodes since forgotten included: what the history's
+    #: intervals are measured from, so a node leaving never makes one shrink.
+    _totals: list[int] = attrs.Factory(lambda: [0, 0])
 
     def observe(self, engine: str, node: str, model: str | None, use: PromptUse) -> Split | None:
-        """A completed request's answer on ``node`` said ``use``."""
-        key = (engine, node)
-        cold = self._cold.get(key)
-        if cold is None:
-            cold = self._cold[key] = ColdRate()
-        found = split(use, cold)
-        if found is None:
+        """A completed request's answer on ``node`` said ``use``; None when it cannot say
+        what was reused (neither a reuse figure nor a prefill time)."""
+        if use.cached is None and use.prefill is None:
             return None
-        self.reused[engine, node, found.source] += found.reused
-        self.read[engine, node, found.source] += found.read
-        models = self.models.setdefault(key, {})
+        models = self.models.setdefault((engine, node), {})
         name = model or OTHER_MODELS
         if name not in models and len(models) >= MODELS_PER_NODE:
             name = OTHER_MODELS
+        if use.cached is not None:
+            cached = min(use.cached, use.seen)
+            found = Split(cached, use.seen - cached, EXACT)
+        else:
+            assert use.prefill is not None
+            cold = self._cold.get((engine, node, name))
+            if cold is None:
+                cold = self._cold[engine, node, name] = ColdRate()
+            read = cold.read(use.seen, use.prefill)
+            found = Split(use.seen - read, read, ESTIMATED)
+        self.reused[engine, node, found.source] += found.reused
+        self.read[engine, node, found.source] += found.read
         counts = models.setdefault(name, [0, 0])
         counts[0] += found.reused
         counts[1] += found.read
+        self._totals[0] += found.reused
+        self._totals[1] += found.read
         return found
 
     def totals(self) -> tuple[int, int]:
-        """Every token reused and read so far (the history's share is their rise)."""
-        return sum(self.reused.values()), sum(self.read.values())
+        """Every token reused and read since start (the history's share is their rise)."""
+        return self._totals[0], self._totals[1]
 
     def engine_share(self, engine: str) -> float | None:
         """The share of prompt tokens ``engine``'s nodes reused, None before any said."""
@@ -140,7 +152,7 @@ class CacheTruth:
             "reused": total_reused,
             "read": total_read,
             "share": share(total_reused, total_read),
-            "source": next(iter(reused)) if len(reused) == 1 else "mixed",
+            "source": next(iter(reused)) if len(reused) == 1 else MIXED,
             "models": {
                 name: {"reused": counts[0], "read": counts[1], "share": share(*counts)}
                 for name, counts in sorted(models.items())
@@ -149,12 +161,10 @@ class CacheTruth:
 
     def forget_nodes_except(self, keep: set[str]) -> None:
         """Drop the nodes no longer in the fleet (their labels stay bounded by it)."""
-        for table in (self.reused, self.read):
+        tables: tuple[dict, ...] = (self.reused, self.read, self.models, self._cold)
+        for table in tables:
             for key in [k for k in table if k[1] not in keep]:
                 del table[key]
-        for per_node in (self.models, self._cold):
-            for key in [k for k in per_node if k[1] not in keep]:
-                del per_node[key]
 
 
 def share(reused: int, read: int) -> float | None:

@@ -407,9 +407,16 @@ class Reporter:
         return self.activity.touch(node_id)
 
     def request_ended(self, **fields) -> None:
-        """A finished request, with :class:`RequestEnded`'s fields, for the recorder if any."""
+        """A finished request, with :class:`RequestEnded`'s fields, for the recorder if any.
+        What the admin listener keeps is additive: a fault in it is logged and costs the
+        request nothing (its answer still ends)."""
         if self.recorder is not None:
-            self.recorder.request_ended(RequestEnded(engine=self.engine, at=self.clock(), **fields))
+            try:
+                self.recorder.request_ended(
+                    RequestEnded(engine=self.engine, at=self.clock(), **fields)
+                )
+            except Exception:
+                log.failure("could not record the end of a request", engine=self.engine)
 
     def dispatch_ended(self, outcome) -> None:
         """One dispatch's outcome (Committed or Failed), for the recorder if any."""

@@ -12,10 +12,12 @@ from twisted.trial.unittest import SynchronousTestCase
 
 from nvpair_proxy.admin import cachetruth
 from nvpair_proxy.admin.cachetruth import MODELS_PER_NODE, OTHER_MODELS, CacheTruth, ColdRate
+from nvpair_proxy.admin.history import History
 from nvpair_proxy.admin.metrics import registry, scrape
 from nvpair_proxy.admin.recorder import Recorder
 from nvpair_proxy.admin.status import ProcessView, status
 from nvpair_proxy.body import tokens
+from nvpair_proxy.core.views import ProcessSnapshot
 from nvpair_proxy.request.events import PromptUse
 
 from .world import NDJSON, WorldTestCase, view_of
@@ -170,8 +172,8 @@ class ExactTests(WorldTestCase):
 class EstimatedTests(WorldTestCase):
     def test_ollama_reuse_is_estimated_from_its_prefill_time_and_labelled(self):
         """Ollama says the whole prompt and the seconds it spent reading: the first, cold,
-        answer sets the node's rate (1,000 tokens a second); a later one that read 1,100
-        tokens in 0.1 s read about 100 of them anew."""
+        answer sets the model's rate there (1,000 tokens a second); a later one that read
+        1,100 tokens in 0.1 s read 100 of them anew."""
         recorder = Recorder()
         w = self.world(recorder=recorder)
         w.add("a")
@@ -180,21 +182,20 @@ class EstimatedTests(WorldTestCase):
             end = {"done": True, "prompt_eval_count": count, "prompt_eval_duration": nanoseconds}
             w.agent.last.respond(200, NDJSON, json.dumps(end).encode() + b"\n", finish=True)
             self.assertEqual(client.response().status, 200)
-        # the second reading is faster than the rate: it may only creep up, by 2 %
         self.assertEqual(
             reuse_samples(view_of(w, recorder)),
             {
-                ("nvpair_proxy_prompt_tokens_reused_total", "ollama", "a", "estimated"): 998,
-                ("nvpair_proxy_prompt_tokens_read_total", "ollama", "a", "estimated"): 1102,
+                ("nvpair_proxy_prompt_tokens_reused_total", "ollama", "a", "estimated"): 1000,
+                ("nvpair_proxy_prompt_tokens_read_total", "ollama", "a", "estimated"): 1100,
             },
         )
         cache = status(view_of(w, recorder))["nodes"][0]["engines"][0]["cache"]
-        self.assertEqual((cache["source"], cache["share"]), ("estimated", round(998 / 2100, 3)))
+        self.assertEqual((cache["source"], cache["share"]), ("estimated", round(1000 / 2100, 3)))
 
     def test_lm_studio_streams_are_timed_from_dispatch_to_first_byte(self):
         """LM Studio says nothing of its cache or its prefill: a stream's first byte after
         2 s for 2,000 tokens is the cold rate; the next, 2,100 tokens after 0.2 s, read
-        about 204 anew. A whole answer's first byte says nothing: it is not counted."""
+        200 anew. A whole answer's first byte says nothing: it is not counted."""
         recorder = Recorder()
         w = self.world("lmstudio", recorder=recorder)
         w.add("a", models=("m",))
@@ -212,25 +213,54 @@ class EstimatedTests(WorldTestCase):
         whole = {"choices": [], "usage": {"prompt_tokens": 5000, "completion_tokens": 1}}
         w.agent.last.respond(200, JSON, json.dumps(whole).encode(), finish=True)
         self.assertEqual(client.response().status, 200)
-        self.assertEqual(recorder.cache.totals(), (2100 - 204, 2000 + 204))
+        self.assertEqual(recorder.cache.totals(), (1900, 2200))
         self.assertEqual({key[2] for key in recorder.cache.read}, {"estimated"})
 
 
 class ColdRateTests(SynchronousTestCase):
-    def test_slower_readings_pull_it_down_faster_ones_only_creep(self):
+    def test_the_slowest_reading_is_the_cold_rate_and_one_outlier_is_passed_over(self):
         cold = ColdRate()
         self.assertEqual(cold.read(1000, 1.0), 1000, "the first reading is taken as cold")
-        self.assertEqual(cold.read(1000, 2.0), 1000, "a slower one read it all")
-        self.assertAlmostEqual(cold.rate, 1000 + 0.3 * (500 - 1000))
-        rate = cold.rate
-        self.assertEqual(cold.read(1000, 0.01), round(0.01 * rate * 1.02))
-        self.assertAlmostEqual(cold.rate, rate * 1.02)
+        self.assertEqual(cold.read(1000, 0.1), 100, "a hit reads as fast: 900 reused")
+        self.assertEqual(cold.read(1000, 10.0), 1000, "a model load: slower, read in full")
+        self.assertEqual(cold.rate, 100.0, "with three readings, the slowest")
+        # A fourth reading: the load (100 a second) is passed over, the cold rate is 1,000.
+        self.assertEqual(cold.read(1000, 0.5), 500)
+        self.assertEqual(cold.rate, 1000.0)
+        self.assertEqual(cold.read(2000, 0.3), 300)
+
+    def test_its_window_forgets_old_readings(self):
+        cold = ColdRate()
+        cold.read(1000, 10.0)
+        cold.read(1000, 10.0)
+        for _ in range(cachetruth.COLD_WINDOW):
+            cold.read(1000, 1.0)
+        self.assertEqual(cold.rate, 1000.0, "the slow ones left the window")
 
     def test_a_short_prompt_or_no_time_counts_as_read_and_teaches_nothing(self):
         cold = ColdRate()
         self.assertEqual(cold.read(cachetruth.MIN_PROMPT_TOKENS - 1, 0.001), 63)
         self.assertEqual(cold.read(5000, 0.0), 5000)
         self.assertIsNone(cold.rate)
+
+    def test_a_prefill_too_small_to_divide_by_teaches_nothing_and_raises_nothing(self):
+        cold = ColdRate()
+        self.assertEqual(cold.read(1000, 1e-323), 1000, "no rate yet: read in full")
+        self.assertIsNone(cold.rate)
+        cold.read(1000, 1.0)
+        self.assertEqual(cold.read(1000, 1e-323), 0, "all reused, as the engine said")
+
+
+class PerModelTests(SynchronousTestCase):
+    def test_each_model_on_a_node_has_its_own_cold_rate(self):
+        """A small model reads 2,000 tokens in 0.4 s, a large one in 10 s, five times: the
+        small model's next cold prompt is still read in full."""
+        truth = CacheTruth()
+        truth.observe("ollama", "a", "small", PromptUse(seen=2000, prefill=0.4))
+        for _ in range(5):
+            truth.observe("ollama", "a", "large", PromptUse(seen=2000, prefill=10.0))
+        found = truth.observe("ollama", "a", "small", PromptUse(seen=2000, prefill=0.4))
+        self.assertEqual((found.reused, found.read), (0, 2000))
 
 
 class BoundsTests(SynchronousTestCase):
@@ -245,13 +275,50 @@ class BoundsTests(SynchronousTestCase):
     def test_nodes_that_left_the_fleet_are_forgotten(self):
         truth = CacheTruth()
         truth.observe("llamacpp", "a", "m", PromptUse(seen=100, cached=40))
+        truth.observe("ollama", "a", "m", PromptUse(seen=1000, prefill=1.0))
         truth.observe("ollama", "b", "m", PromptUse(seen=100, prefill=0.1))
         truth.forget_nodes_except({"b"})
         self.assertEqual(list(truth.reused), [("ollama", "b", "estimated")])
+        self.assertEqual(list(truth.read), [("ollama", "b", "estimated")])
         self.assertIsNone(truth.node_status("llamacpp", "a"))
+        # node a's cold rate went with it: its first answer back is taken as cold again
+        found = truth.observe("ollama", "a", "m", PromptUse(seen=1000, prefill=0.1))
+        self.assertEqual((found.reused, found.read), (0, 1000))
+        # since start: llama.cpp's 40 reused and 60 read, Ollama's 1,000 + 100 + 1,000 read
+        self.assertEqual(truth.totals(), (40, 2160))
+
+    def test_the_history_never_sees_a_node_leaving_as_a_shrinking_count(self):
+        """A node's counts go with it, but the history's interval is measured from the
+        totals since start: a node that leaves never makes a share negative or above 1."""
+        recorder, history = Recorder(), History()
+        recorder.cache.observe("llamacpp", "a", "m", PromptUse(seen=1000, cached=900))
+        history.take(10.0, recorder, ProcessSnapshot(True, (), {}, {}))
+        recorder.forget_nodes_except({"b"})
+        recorder.cache.observe("llamacpp", "b", "m", PromptUse(seen=1100, cached=0))
+        sample = history.take(20.0, recorder, ProcessSnapshot(True, (), {}, {}))
+        self.assertEqual(sample.prompt_reused_share, 0.0)
 
     def test_an_answer_that_says_neither_is_not_counted(self):
         truth = CacheTruth()
         self.assertIsNone(truth.observe("lmstudio", "a", "m", PromptUse(seen=100)))
         self.assertEqual(truth.totals(), (0, 0))
         self.assertIsNone(truth.node_status("lmstudio", "a"))
+
+
+class ContainmentTests(WorldTestCase):
+    def test_a_fault_in_the_bookkeeping_costs_the_request_nothing(self):
+        """The recorder raises at a request's end: logged, and the client's answer still
+        ends, whole."""
+
+        class Broken(Recorder):
+            def request_ended(self, ended):
+                raise ValueError("bookkeeping bug")
+
+        w = self.world("llamacpp", recorder=Broken())
+        w.add("a", models=("m",))
+        client = w.send("POST", "/v1/chat/completions", chat("m", True))
+        w.agent.last.respond(200, SSE, llamacpp_stream(100, 900), finish=True)
+        response = client.response()
+        self.assertEqual(response.status, 200)
+        self.assertTrue(response.body.endswith(b"data: [DONE]\n\n"), response.body[-40:])
+        self.assertEqual(len(self.flushLoggedErrors(ValueError)), 1)

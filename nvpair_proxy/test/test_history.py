@@ -12,6 +12,7 @@ from nvpair_proxy.admin.history import HISTORY_SAMPLES, History, percentile
 from nvpair_proxy.admin.recorder import Recorder
 from nvpair_proxy.core.interfaces import IStatusSource
 from nvpair_proxy.core.views import EngineView, FacadeView, ProcessSnapshot, RoutingView
+from nvpair_proxy.request.events import PromptUse
 
 
 def snapshot(queued: int = 0) -> ProcessSnapshot:
@@ -33,8 +34,8 @@ class HistoryTests(SynchronousTestCase):
         recorder.ttfb_window = [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0]
         # the cache truth's counts so far (cachetruth.py): exact on one node, estimated on another
         cache = recorder.cache
-        cache.reused["llamacpp", "a", "exact"], cache.read["llamacpp", "a", "exact"] = 500, 300
-        cache.reused["ollama", "b", "estimated"], cache.read["ollama", "b", "estimated"] = 100, 100
+        cache.observe("llamacpp", "a", "m", PromptUse(seen=800, cached=500))
+        cache.observe("llamacpp", "b", "m", PromptUse(seen=200, cached=100))
         first = history.take(10.0, recorder, snapshot(queued=4))
         self.assertEqual(
             (first.requests_per_s, first.ttft_p50_ms, first.ttft_p90_ms, first.queued),
@@ -44,8 +45,7 @@ class HistoryTests(SynchronousTestCase):
         recorder.requests["llamacpp", "inference", "completed"] = 35
         recorder.reasons["llamacpp", "busy"] = 2
         recorder.reasons["llamacpp", "transport"] = 1
-        cache.reused["llamacpp", "a", "exact"] += 900
-        cache.read["llamacpp", "a", "exact"] += 100
+        cache.observe("llamacpp", "a", "m", PromptUse(seen=1000, cached=900))
         second = history.take(20.0, recorder, snapshot())
         self.assertEqual((second.requests_per_s, second.ttft_p50_ms), (0.5, None))
         self.assertEqual(second.prompt_reused_share, 0.9, "900 of the 1,000 new tokens")
