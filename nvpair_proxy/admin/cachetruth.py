@@ -37,10 +37,9 @@ MIXED = "mixed"
 #: Prompts shorter than this are counted as read in full when estimated, and teach the cold
 #: rate nothing: their prefill is mostly the engine's fixed cost per request.
 MIN_PROMPT_TOKENS = 64
-#: The readings a cold rate is taken from: the last ones of that model on that node.
+#: The readings a cold rate is taken from: the last ones of that model on that node, so a
+#: slow outlier is forgotten after this many more.
 COLD_WINDOW = 16
-#: From this many readings on, the cold rate passes over the slowest one.
-TRUST_AFTER = 4
 #: Models kept apart per node and engine (on ``/status``, and each with its own cold rate);
 #: the rest are summed as OTHER_MODELS, so what is kept stays bounded whatever names clients
 #: send.
@@ -60,20 +59,18 @@ class Split:
 @attrs.define
 class ColdRate:
     """One model's prompt tokens per second on one node when nothing of the prompt is
-    cached, from its last readings (whole prompt over prefill time): the slowest of them,
-    since a cache hit reads as a fast prompt; from TRUST_AFTER readings on the second
-    slowest, so one slow outlier (a model load inside a stream's first byte, an engine busy
-    with other work) is passed over."""
+    cached: the slowest of its last COLD_WINDOW readings (whole prompt over prefill time),
+    since a cache hit reads as a fast prompt. Agents read a conversation from scratch once
+    and hit it for many turns after, so one cold reading among many hits must set the rate;
+    the price is that a reading slowed by something else (a model load inside a stream's
+    first byte, an engine busy with other work) sets it too, until it leaves the window."""
 
     readings: deque = attrs.Factory(lambda: deque(maxlen=COLD_WINDOW))
 
     @property
     def rate(self) -> float | None:
         """None until a prompt long enough was read."""
-        if not self.readings:
-            return None
-        ordered = sorted(self.readings)
-        return ordered[1] if len(ordered) >= TRUST_AFTER else ordered[0]
+        return min(self.readings) if self.readings else None
 
     def read(self, seen: int, prefill: float) -> int:
         """The tokens of a ``seen``-token prompt read anew in ``prefill`` seconds."""
