@@ -68,6 +68,35 @@ def chunk(data: bytes) -> bytes:
     return b"%x\r\n%s\r\n" % (len(data), data)
 
 
+#: Every answer's creation time: fixed, so that an answer is rendered once.
+STAMP = "2024-01-01T00:00:00Z"
+#: The head of a chunked NDJSON stream (Ollama's).
+NDJSON_HEAD = (
+    b"HTTP/1.1 200 OK\r\nContent-Type: application/x-ndjson\r\nTransfer-Encoding: chunked\r\n\r\n"
+)
+
+
+def ollama_chat(model: str, content: str, done_tokens: int | None = None) -> bytes:
+    """One Ollama ``/api/chat`` object: a streamed token (``done_tokens`` None), else an
+    answer's last object or a whole answer, with its stats (``done_tokens`` generated)
+    (bench/scale_support.py's engine too)."""
+    answer: dict = {
+        "model": model,
+        "created_at": STAMP,
+        "message": {"role": "assistant", "content": content},
+        "done": done_tokens is not None,
+    }
+    if done_tokens is not None:
+        answer.update(
+            done_reason="stop",
+            total_duration=1000,
+            prompt_eval_count=8,
+            eval_count=done_tokens,
+            eval_duration=1000,
+        )
+    return json.dumps(answer).encode()
+
+
 def render(path: bytes, stream: bool, tokens: int, model: str):
     """(head, [chunk, ...]) for a stream, (whole response, None) otherwise; cached."""
     key = (path, stream, tokens, model)
@@ -76,54 +105,11 @@ def render(path: bytes, stream: bool, tokens: int, model: str):
         return hit
     if path == b"/api/chat":
         if not stream:
-            body = json.dumps(
-                {
-                    "model": model,
-                    "created_at": "2024-01-01T00:00:00Z",
-                    "message": {"role": "assistant", "content": "tok " * tokens},
-                    "done": True,
-                    "done_reason": "stop",
-                    "total_duration": 1000,
-                    "prompt_eval_count": 8,
-                    "eval_count": tokens,
-                    "eval_duration": 1000,
-                }
-            ).encode()
-            hit = (json_response(body), None)
+            hit = (json_response(ollama_chat(model, "tok " * tokens, tokens)), None)
         else:
-            parts = [
-                json.dumps(
-                    {
-                        "model": model,
-                        "created_at": "2024-01-01T00:00:00Z",
-                        "message": {"role": "assistant", "content": "tok "},
-                        "done": False,
-                    }
-                ).encode()
-                + b"\n"
-                for _ in range(tokens)
-            ]
-            parts.append(
-                json.dumps(
-                    {
-                        "model": model,
-                        "created_at": "2024-01-01T00:00:00Z",
-                        "message": {"role": "assistant", "content": ""},
-                        "done": True,
-                        "done_reason": "stop",
-                        "total_duration": 1000,
-                        "prompt_eval_count": 8,
-                        "eval_count": tokens,
-                        "eval_duration": 1000,
-                    }
-                ).encode()
-                + b"\n"
-            )
-            head = (
-                b"HTTP/1.1 200 OK\r\nContent-Type: application/x-ndjson\r\n"
-                b"Transfer-Encoding: chunked\r\n\r\n"
-            )
-            hit = (head, [chunk(p) for p in parts])
+            parts = [ollama_chat(model, "tok ") + b"\n" for _ in range(tokens)]
+            parts.append(ollama_chat(model, "", tokens) + b"\n")
+            hit = (NDJSON_HEAD, [chunk(p) for p in parts])
     else:  # /v1/chat/completions
         if not stream:
             body = json.dumps(

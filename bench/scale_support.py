@@ -1,4 +1,4 @@
-"""bench/scale's fake Ollama fleet and its process probes.
+"""bench/scale's fake Ollama fleet.
 
 Run as ``python bench/scale_support.py engine PORTS MODEL``: one Twisted process listening on
 PORTS ports of 127.0.0.1 (each port a node), raw HTTP/1.1 with keep-alive, answers
@@ -25,49 +25,13 @@ the first held one), ``go`` (start the gated streams; later gated ones start at 
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 
 TICK = 0.05
 PHASES = 20  # ticks a second: a stream's token every PHASES ticks
-CLK_TCK = os.sysconf("SC_CLK_TCK")
-
-
-# -- probes of the proxy process (used by bench/scale) ---------------------------------------
-
-
-def cpu_seconds(pid: int) -> float:
-    """utime + stime of ``pid`` (/proc/<pid>/stat, all its threads), seconds, clock-tick
-    resolution."""
-    with open(f"/proc/{pid}/stat") as handle:
-        fields = handle.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK
-
-
-def sched_seconds(pid: int) -> float:
-    """CPU time run by every thread of ``pid`` (first field of /proc/<pid>/task/*/schedstat),
-    nanosecond resolution: the same time as utime + stime, without the 10 ms ticks."""
-    total = 0
-    for task in os.listdir(f"/proc/{pid}/task"):
-        try:
-            with open(f"/proc/{pid}/task/{task}/schedstat") as handle:
-                total += int(handle.read().split()[0])
-        except (FileNotFoundError, ProcessLookupError):
-            pass
-    return total / 1e9
-
-
-def rss_bytes(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as handle:
-        for line in handle:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no VmRSS for {pid}")
-
-
-def descriptors(pid: int) -> int:
-    return len(os.listdir(f"/proc/{pid}/fd"))
+#: The engine's counters that ``reset`` zeroes.
+COUNTS = ("requests", "streams_started", "streams_done", "streams_lost", "tokens")
 
 
 # -- the fake engine -------------------------------------------------------------------------
@@ -75,16 +39,12 @@ def descriptors(pid: int) -> int:
 
 def _engine(ports: int, model: str) -> None:
     # Run as a script from bench/, whose framing helpers the fake engine of bench/overhead has.
-    from fake_engine import chunk, json_response
+    from fake_engine import NDJSON_HEAD, STAMP, chunk, json_response, ollama_chat
     from twisted.internet import reactor, task
     from twisted.internet.protocol import Factory, Protocol
     from twisted.protocols.basic import LineReceiver
 
-    def response(body: bytes, status: bytes = b"200 OK") -> bytes:
-        return json_response(body, status=status)
-
-    stamp = "2024-01-01T00:00:00Z"
-    ps = response(
+    ps = json_response(
         json.dumps(
             {
                 "models": [
@@ -101,63 +61,23 @@ def _engine(ports: int, model: str) -> None:
             }
         ).encode()
     )
-    tags = response(
+    tags = json_response(
         json.dumps(
             {
                 "models": [
-                    {"name": model, "model": model, "modified_at": stamp, "size": 1, "details": {}}
+                    {"name": model, "model": model, "modified_at": STAMP, "size": 1, "details": {}}
                 ]
             }
         ).encode()
     )
-    whole = response(
-        json.dumps(
-            {
-                "model": model,
-                "created_at": stamp,
-                "message": {"role": "assistant", "content": "tok tok tok tok"},
-                "done": True,
-                "done_reason": "stop",
-                "total_duration": 1000,
-                "prompt_eval_count": 8,
-                "eval_count": 4,
-                "eval_duration": 1000,
-            }
-        ).encode()
-    )
-    stream_head = (
-        b"HTTP/1.1 200 OK\r\nContent-Type: application/x-ndjson\r\n"
-        b"Transfer-Encoding: chunked\r\n\r\n"
-    )
-    token = chunk(
-        json.dumps(
-            {
-                "model": model,
-                "created_at": stamp,
-                "message": {"role": "assistant", "content": "tok "},
-                "done": False,
-            }
-        ).encode()
-        + b"\n"
-    )
+    whole = json_response(ollama_chat(model, "tok tok tok tok", 4))
+    stream_head = NDJSON_HEAD
+    token = chunk(ollama_chat(model, "tok ") + b"\n")
 
     def last(tokens: int) -> bytes:
-        line = json.dumps(
-            {
-                "model": model,
-                "created_at": stamp,
-                "message": {"role": "assistant", "content": ""},
-                "done": True,
-                "done_reason": "stop",
-                "total_duration": 1000,
-                "prompt_eval_count": 8,
-                "eval_count": tokens,
-                "eval_duration": 1000,
-            }
-        ).encode()
-        return chunk(line + b"\n") + b"0\r\n\r\n"
+        return chunk(ollama_chat(model, "", tokens) + b"\n") + b"0\r\n\r\n"
 
-    not_found = response(b'{"error":"not found"}', b"404 Not Found")
+    not_found = json_response(b'{"error":"not found"}', status=b"404 Not Found")
     state = {
         "truth": [],
         "order": [],
@@ -281,19 +201,12 @@ def _engine(ports: int, model: str) -> None:
             elif command == "reset":
                 state["truth"] = []
                 state["order"] = []
-                for key in ("requests", "streams_started", "streams_done", "streams_lost"):
+                for key in COUNTS:
                     state[key] = 0
-                state["tokens"] = 0
-            elif command == "release":
-                held, state["held"] = state["held"], []
-                for proto in held:
-                    if not proto.gone:
-                        proto.transport.write(whole)
-                        proto.finished()
-                answer = {"released": len(held)}
-            elif command == "release1":
-                held = state["held"][:1]
-                del state["held"][:1]
+            elif command in ("release", "release1"):
+                count = 1 if command == "release1" else len(state["held"])
+                held = state["held"][:count]
+                del state["held"][:count]
                 for proto in held:
                     if not proto.gone:
                         proto.transport.write(whole)

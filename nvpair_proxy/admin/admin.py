@@ -23,7 +23,7 @@ from twisted.web.resource import Resource
 from twisted.web.server import Request
 
 from ..core import constants
-from ..core.acceptguard import listen_tcp
+from ..core.acceptguard import listen_tcp, stop_accepting
 from ..core.interfaces import IStatusSource
 from ..core.logs import logger
 from ..core.validate import is_loopback, split_host_port
@@ -192,12 +192,9 @@ class AdminService(Service):
 
     def hand_over(self) -> None:
         """A successor serves this listening socket now (a hot handoff): stop accepting on
-        it, and leave it open until the process exits. Closing it as Twisted closes a port
-        it bound (``shutdown`` first) would shut the successor's copy of the socket too."""
+        it, and leave it open until the process exits (acceptguard.stop_accepting)."""
         if self.listening is not None:
-            self.listening.stopReading()  # type: ignore[attr-defined]  # a tcp.Port's
-            # What the accept guard reads before it resumes a paused port (acceptguard.guard).
-            self.listening.disconnecting = True  # type: ignore[attr-defined]
+            stop_accepting(self.listening)
             self.listening = None
 
     def stopService(self) -> Deferred[None] | None:

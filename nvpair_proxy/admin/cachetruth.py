@@ -140,16 +140,14 @@ class CacheTruth:
         models = self.models.get((engine, node))
         if models is None:
             return None
-        reused = {
-            s: self.reused[engine, node, s] for s in SOURCES if (engine, node, s) in self.read
-        }
-        read = {s: self.read[engine, node, s] for s in reused}
-        total_reused, total_read = sum(reused.values()), sum(read.values())
+        sources = [s for s in SOURCES if (engine, node, s) in self.read]
+        reused = sum(counts[0] for counts in models.values())
+        read = sum(counts[1] for counts in models.values())
         return {
-            "reused": total_reused,
-            "read": total_read,
-            "share": share(total_reused, total_read),
-            "source": next(iter(reused)) if len(reused) == 1 else MIXED,
+            "reused": reused,
+            "read": read,
+            "share": share(reused, read),
+            "source": sources[0] if len(sources) == 1 else MIXED,
             "models": {
                 name: {"reused": counts[0], "read": counts[1], "share": share(*counts)}
                 for name, counts in sorted(models.items())

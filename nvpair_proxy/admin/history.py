@@ -11,6 +11,8 @@ from collections import Counter, deque
 import attrs
 
 from ..core.views import ProcessSnapshot
+from ..request.events import ms
+from .cachetruth import share
 from .recorder import Recorder
 
 #: Seconds between two samples, and how many are kept: fifteen minutes.
@@ -51,6 +53,7 @@ class History:
     _at: float | None = None
     _requests: int = 0
     _errors: Counter = attrs.Factory(Counter)
+    #: The cache truth's totals since start, reused and read, at the last sample.
     _prompt: tuple[int, int] = (0, 0)
 
     def take(self, now: float, recorder: Recorder, snapshot: ProcessSnapshot) -> Sample:
@@ -61,22 +64,20 @@ class History:
             errors[reason] += count
         queued = sum(facade.routing.queued for facade in snapshot.facades)
         reused, read = recorder.cache.totals()
-        seen = reused + read
         ttfbs = recorder.take_ttfbs()
         elapsed = HISTORY_INTERVAL if self._at is None else max(now - self._at, 1e-9)
-        new_seen, new_reused = seen - self._prompt[0], reused - self._prompt[1]
         sample = Sample(
             at=now,
             requests_per_s=round(max(0, requests - self._requests) / elapsed, 3),
-            ttft_p50_ms=_ms(percentile(ttfbs, 0.5)),
-            ttft_p90_ms=_ms(percentile(ttfbs, 0.9)),
+            ttft_p50_ms=ms(percentile(ttfbs, 0.5)),
+            ttft_p90_ms=ms(percentile(ttfbs, 0.9)),
             queued=queued,
-            prompt_reused_share=round(new_reused / new_seen, 3) if new_seen > 0 else None,
+            prompt_reused_share=share(reused - self._prompt[0], read - self._prompt[1]),
             errors={
                 k: n - self._errors[k] for k, n in sorted(errors.items()) if n > self._errors[k]
             },
         )
-        self._at, self._requests, self._errors, self._prompt = now, requests, errors, (seen, reused)
+        self._at, self._requests, self._errors, self._prompt = now, requests, errors, (reused, read)
         self.samples.append(sample)
         return sample
 
@@ -86,7 +87,3 @@ class History:
             "interval_s": HISTORY_INTERVAL,
             "samples": [attrs.asdict(sample) for sample in self.samples],
         }
-
-
-def _ms(seconds: float | None) -> int | None:
-    return None if seconds is None else round(seconds * 1000)

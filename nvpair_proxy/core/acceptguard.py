@@ -72,6 +72,16 @@ def raise_descriptor_limit(rlimit=resource) -> tuple[int, int]:
     return soft, target
 
 
+def stop_accepting(port) -> None:
+    """Stop accepting on a listening ``port`` that a successor serves now (a hot handoff),
+    leaving its socket open until the process exits: Twisted closes a port it bound with
+    ``shutdown`` first, which would shut the successor's copy of the socket too. The guard
+    reads ``disconnecting`` before it resumes a paused port (``guard``): this one stays
+    stopped."""
+    port.stopReading()
+    port.disconnecting = True
+
+
 def descriptor_limit() -> int:
     """The process's soft ``RLIMIT_NOFILE``, read each time (``prlimit`` can change it)."""
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)

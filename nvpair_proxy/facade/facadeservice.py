@@ -21,7 +21,7 @@ from twisted.internet.error import CannotListenError
 from ..cluster.admission import LocalBackend, admit_into
 from ..cluster.trust import ClusterDirectory, tls_ingress
 from ..core import constants
-from ..core.acceptguard import listen_tcp
+from ..core.acceptguard import listen_tcp, stop_accepting
 from ..core.logs import logger
 from ..core.views import FacadeView
 from ..fleet.inventory import Prober
@@ -174,14 +174,10 @@ class FacadeService(MultiService):
         """Stop accepting on every port, close idle connections and let the busy ones finish
         (docs/operations.md#restarts). When a successor serves the same listening sockets
         (``handed_over``), they are only no longer read, and left open until the process
-        exits: Twisted closes a port it bound with ``shutdown`` first, which would shut the
-        successor's copy of the socket too."""
+        exits (acceptguard.stop_accepting)."""
         for listening in self.ports:
             if handed_over:
-                listening.stopReading()
-                # What the accept guard reads before it resumes a paused port: this one
-                # must stay stopped (acceptguard.guard).
-                listening.disconnecting = True
+                stop_accepting(listening)
             else:
                 listening.stopListening()
         self.handed_over = handed_over

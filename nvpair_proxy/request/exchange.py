@@ -409,33 +409,27 @@ class Exchange:
         stream = self.stream
         assert stream is not None
         code = stream.status
-        stats = None
+        stats = prompt = None
         wiring = self.wiring
-        if code < 400 and wiring.reporter.listening:
+        reporter = wiring.reporter
+        dispatched_at = self.dispatch.dispatched_at if self.dispatch is not None else None
+        if code < 400 and reporter.listening:
             try:
                 stats = stream.measure(self.admitted_at)
+                if reporter.recorder is not None:
+                    prompt = stream.prompt_use(dispatched_at)
             except Exception:
-                # Stats are additive; a body the reader cannot measure still completes.
+                # Stats and the cache truth are additive; a body the reader cannot measure
+                # still completes.
                 log.failure(
                     "could not measure the response of request {id}",
                     id=self.id,
                     engine=wiring.engine.id,
                 )
-        dispatched_at = self.dispatch.dispatched_at if self.dispatch is not None else None
         if code < 400 and dispatched_at is not None:
             elapsed = wiring.upstreams.clock.seconds() - dispatched_at
             self.ticket.measured(stream.node_id, elapsed, stream.figures)
         if 200 <= code < 300:
-            prompt = None
-            if wiring.reporter.recorder is not None:
-                try:
-                    prompt = stream.prompt_use(dispatched_at)
-                except Exception:
-                    log.failure(
-                        "could not read the prompt figures of request {id}",
-                        id=self.id,
-                        engine=wiring.engine.id,
-                    )
             self._end(
                 COMPLETED, None, status=code, stats=stats, note=stream.idle_note, prompt=prompt
             )
@@ -523,7 +517,7 @@ class Exchange:
         status: int | None,
         stats: dict | None,
         note: str | None,
-        prompt: PromptUse | None = None,
+        prompt: PromptUse | None,
     ) -> None:
         error = reason.says(detail) if reason is not None else None
         self._enter(Phase.ENDED)

@@ -36,18 +36,21 @@ class _Owners:
         self.nodes: list[Node] = [node for _, node in entries]
         self.key_of: dict[str, Key] = {node.id: key for key, node in entries}
 
-    def move(self, node_id: str, key: Key) -> None:
-        old = self.key_of[node_id]
-        if old == key:
+    def at(self, node_id: str) -> int | None:
+        """Where ``node_id`` stands now (a bisect by its key), None when it is no owner."""
+        key = self.key_of.get(node_id)
+        return None if key is None else bisect_left(self.keys, key)
+
+    def move(self, at: int, key: Key) -> None:
+        """Move the node standing ``at`` to where ``key`` puts it."""
+        if self.keys[at] == key:
             return
-        at = bisect_left(self.keys, old)
-        node = self.nodes[at]
+        node = self.nodes.pop(at)
         del self.keys[at]
-        del self.nodes[at]
         to = bisect_left(self.keys, key)
         self.keys.insert(to, key)
         self.nodes.insert(to, node)
-        self.key_of[node_id] = key
+        self.key_of[node.id] = key
 
 
 def _first(entry: tuple[Key, Node]) -> Key:
@@ -83,10 +86,10 @@ class RankIndex:
         """Something ``key`` reads changed for ``node_id``: move it where it belongs now, in
         every model it owns."""
         for model, owners in self._models.items():
-            if node_id in owners.key_of:
-                node = owners.nodes[bisect_left(owners.keys, owners.key_of[node_id])]
+            at = owners.at(node_id)
+            if at is not None:
                 self.keyed += 1
-                owners.move(node_id, self.key(node, model))
+                owners.move(at, self.key(owners.nodes[at], model))
 
     def reset(self) -> None:
         """Start again at the next read (what every key reads may have changed)."""

@@ -250,7 +250,7 @@ class Router:
             nodes = owners(nodes, model)
         return self._order(order(nodes, self._pin, self.priority()), model)
 
-    def _rank_key(self, node: Node, model: str) -> tuple:
+    def _rank_key(self, node: Node, model: str | None) -> tuple:
         """``node``'s standing for ``model`` as ``ranked`` weighs it (held and cooling aside),
         its id last: the rank index's key."""
         node_id = node.id
@@ -285,7 +285,7 @@ class Router:
         """Free before full, warm before cold, fewer busy, node id; held and cooling last."""
         if len(nodes) < 2:
             return list(nodes)  # nothing to weigh: one owner is the usual standalone case
-        truth, ended, held, cooling = self._truth, self._ended_since_read, self._held, self._cooling
+        held, cooling = self._held, self._cooling
         now = self.clock.seconds()
 
         def key(node: Node) -> tuple:
@@ -293,10 +293,7 @@ class Router:
             return (
                 bool(held) and self._is_held(node_id, now),
                 bool(cooling) and self._is_cooling(node_id, now),
-                rank_key(
-                    node, model, truth.get(node_id), self.ours(node_id), ended.get(node_id, 0)
-                ),
-                node_id,
+                self._rank_key(node, model),
             )
 
         return sorted(nodes, key=key)
