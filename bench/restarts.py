@@ -33,7 +33,6 @@ import random
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -65,13 +64,6 @@ token_delay = 0.05
 """
 # Every process's successor names itself here once its predecessor hands over.
 HANDED = re.compile(r"handed over to pid (\d+); draining")
-
-
-def listening() -> socket.socket:
-    sock = socket.socket()
-    sock.bind((HOST, 0))
-    sock.listen(1024)
-    return sock
 
 
 class Load:
@@ -199,7 +191,7 @@ def run_restarts(restarts: int, seconds: float, clients: int, seed: int, keep: b
                 ]
             )
         )
-    facade, admin = listening(), listening()
+    facade, admin = processes.listening_socket(), processes.listening_socket()
     inherit = [("ollama", facade.fileno()), ("admin", admin.fileno())]
     args = ["--engine", "ollama:0", "--nodes", nodes, "--admin", f"{HOST}:0"]
     args += ["--drain-timeout", DRAIN, "--log-level", "debug"]

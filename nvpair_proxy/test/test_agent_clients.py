@@ -45,14 +45,21 @@ import attrs
 from twisted.trial.unittest import SkipTest, SynchronousTestCase
 
 from nvpair_proxy.test.support import start_standalone
-from nvpair_proxy.testing.llamaserver import MODEL, cache_dir, cached_model, llama_server_binary
+from nvpair_proxy.testing.llamaserver import (
+    MODEL,
+    cache_dir,
+    cached_model,
+    llama_server_binary,
+    serve,
+)
 from nvpair_proxy.testing.processes import (
+    StartFailed,
     free_port,
     free_ports,
     logged_workloads,
+    metrics,
     nodes_toml,
     stop,
-    wait_until,
 )
 from nvpair_proxy.testing.tinymodel import TINY
 
@@ -103,26 +110,6 @@ def agent_binary(name: str, variable: str, version: str) -> str:
     return path
 
 
-def metrics(port: int) -> dict[str, float]:
-    """A Prometheus text page as {series: value}."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
-        text = response.read().decode()
-    values = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            series, _, value = line.rpartition(" ")
-            values[series] = float(value)
-    return values
-
-
-def healthy(port: int) -> bool:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as response:
-            return response.status == 200
-    except OSError:
-        return False
-
-
 def status(port: int) -> dict:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/status", timeout=10) as response:
         return json.loads(response.read())
@@ -161,24 +148,12 @@ class AgentFleet:
         self.engine_ports = dict(zip(NODES, free_ports(len(NODES))))
         for node, port in self.engine_ports.items():
             log_path = os.path.abspath(self.mktemp() + f"-engine-{node}.log")
-            with open(log_path, "wb") as log:
-                engine = subprocess.Popen(
-                    [binary, "--model", model, "--alias", MODEL, "--host", "127.0.0.1"]
-                    + ["--port", str(port), "--ctx-size", str(AGENT_SHAPE.context)]
-                    + ["--parallel", "1", "--threads", "1", "--threads-http", "8"]
-                    + ["--seed", "7", "--n-predict", str(PREDICT), "--grammar", GRAMMAR]
-                    + ["--metrics"],
-                    stdin=subprocess.DEVNULL,
-                    stdout=log,
-                    stderr=log,
-                )
+            extra = ["--n-predict", str(PREDICT), "--grammar", GRAMMAR, "--metrics"]
+            try:
+                engine = serve(binary, model, port, log_path, AGENT_SHAPE.context, extra)
+            except StartFailed as failed:
+                self.fail(f"{node}: {failed}")
             self.addCleanup(stop, engine)
-            if (
-                not wait_until(log_path, lambda: engine.poll() is not None or healthy(port))
-                or engine.poll() is not None
-            ):
-                with open(log_path, "rb") as log:
-                    self.fail(f"llama-server {node} did not come up: {log.read()[-2000:]!r}")
         self.facade_port, self.admin_port = free_port(), free_port()
         nodes = self.mktemp() + ".toml"
         with open(nodes, "w") as handle:

@@ -24,9 +24,9 @@ from twisted.trial.unittest import SynchronousTestCase
 
 from nvpair_proxy.process.handoff import HANDOFF_NOTIFY, Handoff, successor_argv, take_over_notify
 from nvpair_proxy.process.sockets import inherited_sockets
-from nvpair_proxy.test.support import LogCapture, start_fleet, start_standalone
+from nvpair_proxy.test.support import LogCapture, read_answer, start_fleet, start_standalone
 from nvpair_proxy.testing import processes
-from nvpair_proxy.testing.processes import free_port, nodes_toml
+from nvpair_proxy.testing.processes import free_port, listening_socket, nodes_toml
 
 NEVER_READY = (
     "hot handoff failed: it did not report READY=1 within 30s; " + "this process keeps serving"
@@ -213,25 +213,11 @@ FLEET = (
 CHAT = {"model": "llama3", "messages": [{"role": "user", "content": "hi"}]}
 
 
-def listening_socket() -> socket.socket:
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    sock.listen(64)
-    return sock
-
-
 def chat_over(sock: socket.socket, stream: bool = False) -> None:
     body = json.dumps(dict(CHAT, stream=stream)).encode()
     sock.sendall(
         b"POST /api/chat HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
     )
-
-
-def read_until_closed(sock: socket.socket) -> bytes:
-    data = b""
-    while chunk := sock.recv(65536):
-        data += chunk
-    return data
 
 
 def http_get(port: int, path: str) -> tuple[int, bytes]:
@@ -342,7 +328,7 @@ class HandoffProcessTests(SynchronousTestCase):
         self.assertIsNotNone(found, "no successor was started")
         successor = int(found.group(1))
         self.addCleanup(kill, successor)
-        tail = read_until_closed(stream)
+        tail = read_answer(stream)
         self.assertIn(b'"done":true', tail, "the stream was cut")
         self.assertIn(f"handed over to pid {successor}; draining", text)
         self.assertEqual(http_get(admin, "/healthz"), (200, b"ok\n"))

@@ -23,7 +23,6 @@ import http.client
 import json
 import os
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -33,11 +32,13 @@ import urllib.request
 from twisted.trial.unittest import SkipTest, SynchronousTestCase
 
 from nvpair_proxy.test.support import start_standalone
-from nvpair_proxy.testing.llamaserver import CONTEXT, MODEL, llama_server_binary
+from nvpair_proxy.testing.llamaserver import CONTEXT, MODEL, llama_server_binary, serve
 from nvpair_proxy.testing.processes import (
     DEADLINE,
+    StartFailed,
     free_port,
     logged_workloads,
+    metrics,
     nodes_toml,
     stop,
     wait_until,
@@ -90,14 +91,6 @@ def read_text(path: str) -> str:
 def _get_json(port: int, path: str, timeout: float = 5.0):
     with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=timeout) as response:
         return json.loads(response.read())
-
-
-def _healthy(port: int) -> bool:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as response:
-            return response.status == 200
-    except (OSError, urllib.error.URLError):
-        return False
 
 
 def chat_body(max_tokens: int, stream: bool, **extra) -> bytes:
@@ -163,45 +156,11 @@ class RealEngine:
         model_path = tiny_model(self)
         self.engine_port = free_port()
         self.engine_log = os.path.abspath(self.mktemp() + "-engine.log")
-        with open(self.engine_log, "wb") as log:
-            # --threads-http: the holder, the queued request, /slots polls and the proxy's idle
-            # keep-alive connections each occupy an HTTP thread (the default is 3 here).
-            engine = subprocess.Popen(
-                [
-                    binary,
-                    "--model",
-                    model_path,
-                    "--alias",
-                    MODEL,
-                    "--host",
-                    "127.0.0.1",
-                    "--port",
-                    str(self.engine_port),
-                    "--ctx-size",
-                    str(CONTEXT),
-                    "--parallel",
-                    "1",
-                    "--threads",
-                    "1",
-                    "--threads-http",
-                    "8",
-                    "--seed",
-                    "7",
-                ],
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=log,
-            )
+        try:
+            engine = serve(binary, model_path, self.engine_port, self.engine_log, CONTEXT)
+        except StartFailed as failed:
+            self.fail(str(failed))
         self.addCleanup(stop, engine)
-        # llama-server logs as it loads; its health is asked again at each line it writes.
-        if (
-            not wait_until(
-                self.engine_log, lambda: engine.poll() is not None or _healthy(self.engine_port)
-            )
-            or engine.poll() is not None
-        ):
-            with open(self.engine_log, "rb") as log:
-                self.fail(f"llama-server did not come up: {log.read()[-2000:]!r}")
 
     def start_proxy(self, dead_first: bool = False, extra: tuple[str, ...] = ()) -> None:
         """The llama.cpp facade over the engine (node "llama"); with ``dead_first`` a node
@@ -334,15 +293,11 @@ class CacheTruthTests(RealEngine, SynchronousTestCase):
 
     def counters(self) -> dict[str, float]:
         """The reuse counters of node "llama", by metric name."""
-        with urllib.request.urlopen(
-            f"http://127.0.0.1:{self.admin_port}/metrics", timeout=5
-        ) as response:
-            text = response.read().decode()
         found = {}
-        for line in text.splitlines():
-            if line.startswith("nvpair_proxy_prompt_tokens_re") and 'node="llama"' in line:
-                assert 'source="exact"' in line, line
-                found[line.split("{", 1)[0]] = float(line.rsplit(" ", 1)[1])
+        for series, value in metrics(self.admin_port).items():
+            if series.startswith("nvpair_proxy_prompt_tokens_re") and 'node="llama"' in series:
+                assert 'source="exact"' in series, series
+                found[series.split("{", 1)[0]] = value
         return found
 
     def test_the_reuse_counters_are_the_engines_own_figures(self):

@@ -9,14 +9,26 @@ import hashlib
 import importlib
 import os
 import shutil
+import subprocess
 import tempfile
+import urllib.request
+from collections.abc import Sequence
 
+from .processes import StartFailed, stop, wait_until
 from .tinymodel import CONTEXT, TINY, Shape, write_tiny_llama
 
 # The alias llama-server serves the tiny model under (``--alias``), the model every request names.
 MODEL = "nvpair-tiny"
 
-__all__ = ["CONTEXT", "MODEL", "cache_dir", "cached_model", "llama_server_binary"]
+__all__ = [
+    "CONTEXT",
+    "MODEL",
+    "cache_dir",
+    "cached_model",
+    "healthy",
+    "llama_server_binary",
+    "serve",
+]
 
 
 def cache_dir() -> str:
@@ -64,3 +76,42 @@ def cached_model(shape: Shape = TINY, seed: int = 7) -> str:
         if os.path.exists(temporary):
             os.unlink(temporary)
     return path
+
+
+def healthy(port: int) -> bool:
+    """Whether the llama-server on ``port`` answers ``/health`` with 200 (loaded)."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as response:
+            return response.status == 200
+    except OSError:
+        return False
+
+
+def serve(
+    binary: str, model: str, port: int, log_path: str, context: int, extra: Sequence[str] = ()
+) -> subprocess.Popen:
+    """A llama-server on 127.0.0.1:``port`` serving ``model`` as ``MODEL`` (one slot, one
+    thread, seed 7, ``extra`` flags after), logging to ``log_path``, once it is healthy; the
+    caller stops it. StartFailed, with its log's tail, when it exits or never gets healthy
+    within the deadline (it is stopped then). ``--threads-http 8``: a held request, a queued
+    one, ``/slots`` polls and the proxy's idle keep-alive connections each occupy an HTTP
+    thread (the default is 3 here)."""
+    with open(log_path, "wb") as log:
+        engine = subprocess.Popen(
+            [binary, "--model", model, "--alias", MODEL, "--host", "127.0.0.1"]
+            + ["--port", str(port), "--ctx-size", str(context), "--parallel", "1"]
+            + ["--threads", "1", "--threads-http", "8", "--seed", "7", *extra],
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=log,
+        )
+    # llama-server logs as it loads; its health is asked again at each line it writes.
+    if (
+        not wait_until(log_path, lambda: engine.poll() is not None or healthy(port))
+        or engine.poll() is not None
+    ):
+        stop(engine)
+        with open(log_path, "rb") as log:
+            tail = log.read()[-2000:]
+        raise StartFailed(f"llama-server on port {port} did not come up: {tail!r}")
+    return engine

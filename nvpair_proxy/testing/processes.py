@@ -18,6 +18,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Protocol, TypeVar
 
@@ -68,6 +69,15 @@ def free_ports(count: int) -> list[int]:
     finally:
         for sock in socks:
             sock.close()
+
+
+def listening_socket(backlog: int = 1024) -> socket.socket:
+    """A listening socket on a free loopback port: what systemd holds for a socket-activated
+    service, to hand a proxy (``spawn_proxy(inherit=...)``)."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(backlog)
+    return sock
 
 
 def stop(*procs: subprocess.Popen | None) -> None:
@@ -370,6 +380,19 @@ def drain(sock: socket.socket, timeout: float = 10.0) -> tuple[bytes, bool]:
             return received, True
         received += chunk
     return received, False
+
+
+def metrics(port: int) -> dict[str, float]:
+    """The Prometheus text page on 127.0.0.1:``port`` (a proxy's admin listener, a
+    llama-server's ``--metrics``) as {series: value}."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    values = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            series, _, value = line.rpartition(" ")
+            values[series] = float(value)
+    return values
 
 
 def status_of(received: bytes) -> int | None:
