@@ -162,10 +162,19 @@ class Handoff:
         process, self.process = self.process, None
         self._close()
         if process is not None:
-            try:
-                process.signalProcess(signal.SIGKILL)
-            except Exception:
-                pass  # it ended meanwhile
+            _kill(process)
+
+    def stop(self) -> None:
+        """The process stops while a successor starts (``systemctl stop`` during a reload):
+        the successor is killed, as the stop was asked of the service, and the notification
+        socket's folder goes with it rather than being left in the temporary directory."""
+        process, self.process = self.process, None
+        self._close()
+        if process is not None:
+            log.info(
+                "stopping: the successor that was starting (pid {pid}) is killed", pid=process.pid
+            )
+            _kill(process)
 
     def _close(self) -> None:
         cancel_pending(self._timer)
@@ -176,3 +185,10 @@ class Handoff:
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
             self._dir = None
+
+
+def _kill(process) -> None:
+    try:
+        process.signalProcess(signal.SIGKILL)
+    except Exception:
+        pass  # it ended meanwhile

@@ -187,6 +187,8 @@ class ProcessService(MultiService):
 
     def stopService(self) -> Deferred:
         Service.stopService(self)
+        if self.handoff is not None:
+            self.handoff.stop()
         if not self.draining and (self.handoff is None or not self.handoff.handed_over):
             sdnotify.notify("STOPPING=1")
         stopped = succeed(None)

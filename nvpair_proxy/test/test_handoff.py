@@ -129,6 +129,7 @@ class HandoffTests(SynchronousTestCase):
             argv=["/bin/sh", "-c", "x"],
             environ=self.environ,
         )
+        self.addCleanup(self.handoff.stop)
 
     def test_the_successor_inherits_each_socket_by_role_and_reports_to_us(self):
         self.assertTrue(self.handoff.start())
@@ -182,6 +183,20 @@ class HandoffTests(SynchronousTestCase):
             ],
         )
         self.assertEqual(self.reactor.getDelayedCalls(), [])
+
+    def test_a_stop_while_a_successor_starts_kills_it_and_leaves_no_folder(self):
+        self.handoff.start()
+        process = self.handoff.process
+        folder = os.path.dirname(self.reactor.ports[0].path)
+        self.assertTrue(os.path.isdir(folder))
+        self.handoff.stop()
+        self.assertEqual(process.signals, [signal.SIGKILL])
+        self.assertFalse(os.path.exists(folder))
+        self.assertFalse(self.reactor.ports[0].open)
+        self.assertEqual(self.reactor.getDelayedCalls(), [], "the 30 s timer is gone")
+        self.assertEqual(self.drained, [])
+        self.handoff.stop()
+        self.assertEqual(process.signals, [signal.SIGKILL], "a second stop does nothing")
 
     def test_the_successor_is_this_command_line_again_with_its_own_pid(self):
         argv = successor_argv(["-c", "--logfile", "x", "nvpair-proxy", "--engine", "ollama"], "py")

@@ -144,6 +144,18 @@ class OwnPortsTests(SynchronousTestCase):
         self.assertEqual(asked, [41000, 42000])
 
 
+class StartingHandoff:
+    """A hot handoff whose successor is still starting: records that it was stopped."""
+
+    handed_over = False
+
+    def __init__(self, stops: list[str]) -> None:
+        self.stops = stops
+
+    def stop(self) -> None:
+        self.stops.append("successor stopped")
+
+
 class StopOrderTests(SynchronousTestCase):
     """Protocol 1: stop accepting, cancel in-flight requests, the grace, the pool last; the
     order is the tree's (children stop in reverse order of addition, one after another)."""
@@ -180,6 +192,13 @@ class StopOrderTests(SynchronousTestCase):
         self.assertEqual(self.steps.done, ["stop listening", "cancel in flight", "pool closed"])
         self.successResultOf(stopped)
         self.assertEqual(self.clock.getDelayedCalls(), [])
+
+    def test_a_stop_during_a_hot_handoff_stops_the_starting_successor(self):
+        root = self.tree(closes=None)
+        stops: list[str] = []
+        root.handoff = StartingHandoff(stops)  # type: ignore[assignment]
+        self.successResultOf(root.stopService())
+        self.assertEqual(stops, ["successor stopped"])
 
     def test_ports_that_close_at_once_do_not_wait_for_the_grace(self):
         root = self.tree(closes=None)
