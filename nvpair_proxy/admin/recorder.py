@@ -43,11 +43,12 @@ REASONS = LABELS
 #: then those of its first 4,096 requests).
 TTFB_WINDOW = 4096
 
-# Seconds. First body byte: from a local engine's first token to a cold model load.
+# Seconds, each family at most 16 buckets. First body byte: from a local engine's first
+# token to a cold model load or a long context on a small GPU (minutes).
 TTFB_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
-# Whole requests: up to the response cap (30 min).
 # Waiting in the queue for a free slot (late binding): up to the job deadline (10 min).
 QUEUE_WAIT_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+# Whole requests: up to the response cap (30 min).
 DURATION_BUCKETS = (
     0.05,
     0.1,

@@ -7,8 +7,10 @@ import shutil
 import socket
 import subprocess
 import tempfile
+from collections import Counter
 from collections.abc import Sequence
 
+from prometheus_client.parser import text_string_to_metric_families
 from twisted.internet import error as ierror
 from twisted.internet.protocol import Protocol
 from twisted.internet.task import Clock
@@ -18,6 +20,8 @@ from twisted.python.failure import Failure
 from twisted.web.http_headers import Headers
 from zope.interface import implementer
 
+from nvpair_proxy.admin.metrics import registry, scrape
+from nvpair_proxy.admin.status import ProcessView
 from nvpair_proxy.core import logs
 from nvpair_proxy.core.interfaces import IAttemptSink
 from nvpair_proxy.lan.apikeys import KeyStore, LanGate, parse_cidrs
@@ -256,3 +260,30 @@ def attempt(agent: FakeAgent, clock: Clock, sink: Outcomes | None = None) -> Att
         request=request,
         sink=Outcomes() if sink is None else sink,
     )
+
+
+def scraped(view: ProcessView) -> dict[tuple[str, tuple], float]:
+    """Every sample of a scrape, by name and sorted labels."""
+    samples = {}
+    for family in text_string_to_metric_families(scrape(registry(view)).decode()):
+        for sample in family.samples:
+            samples[sample.name, tuple(sorted(sample.labels.items()))] = sample.value
+    return samples
+
+
+def total(samples: dict, name: str, **labels) -> float:
+    return sum(
+        value
+        for (sample, key), value in samples.items()
+        if sample == name and all((k, v) in key for k, v in labels.items())
+    )
+
+
+def by_labels(samples: dict, name: str, *labels: str) -> Counter:
+    """One family's samples summed by some of its labels (one label: its value as the key)."""
+    out: Counter = Counter()
+    for (sample, key), value in samples.items():
+        if sample == name:
+            values = tuple(dict(key)[label] for label in labels)
+            out[values if len(values) > 1 else values[0]] += value
+    return out

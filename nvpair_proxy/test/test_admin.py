@@ -8,7 +8,6 @@ import re
 from collections import Counter
 
 import attrs
-from prometheus_client.parser import text_string_to_metric_families
 from twisted.internet.address import IPv4Address
 from twisted.internet.task import Clock
 from twisted.internet.testing import StringTransport
@@ -27,7 +26,7 @@ from nvpair_proxy.http.server import BoundedSite
 from nvpair_proxy.nodes.selfcheck import self_reason
 from nvpair_proxy.process.options import Options, admin_address
 from nvpair_proxy.request import events
-from nvpair_proxy.test.support import gate
+from nvpair_proxy.test.support import by_labels, gate, scraped, total
 from nvpair_proxy.test.world import (
     Response,
     WorldStatus,
@@ -90,33 +89,6 @@ def dispatch_result(record) -> str:
     if record.response.code >= 500:
         return "refused_status"
     return "no_content" if record.response.transport.stopped else "committed"
-
-
-def scraped(view: ProcessView) -> dict[tuple[str, tuple], float]:
-    """Every sample of a scrape, by name and sorted labels."""
-    samples = {}
-    for family in text_string_to_metric_families(scrape(registry(view)).decode()):
-        for sample in family.samples:
-            samples[sample.name, tuple(sorted(sample.labels.items()))] = sample.value
-    return samples
-
-
-def total(samples: dict, name: str, **labels) -> float:
-    return sum(
-        value
-        for (sample, key), value in samples.items()
-        if sample == name and all((k, v) in key for k, v in labels.items())
-    )
-
-
-def by_labels(samples: dict, name: str, *labels: str) -> Counter:
-    """One family's samples summed by some of its labels (one label: its value as the key)."""
-    out: Counter = Counter()
-    for (sample, key), value in samples.items():
-        if sample == name:
-            values = tuple(dict(key)[label] for label in labels)
-            out[values if len(values) > 1 else values[0]] += value
-    return out
 
 
 def admin_get(
@@ -335,6 +307,26 @@ class ScenarioTests(WorldTestCase):
             self.assertIn(name, allowed)
         for forbidden in ("llama3", "/api/", "127.0.0.1", "nope", MARKER):
             self.assertNotIn(forbidden, text)
+
+    def test_latency_buckets_reach_the_cases_that_hurt_and_stay_few(self):
+        """A cold load or a long context on a small GPU takes minutes to its first byte: a
+        histogram whose buckets stop at seconds flattens exactly those in histogram_quantile."""
+        w, recorder = self.scenario()
+        recorder.queue_left("ollama", 250.0)
+        samples = scraped(view_of(w, recorder))
+        for family in ("ttfb_seconds", "request_duration_seconds", "queue_wait_seconds"):
+            bounds = sorted(
+                {
+                    float(dict(key)["le"])
+                    for (name, key), _ in samples.items()
+                    if name == f"nvpair_proxy_{family}_bucket"
+                }
+            )
+            self.assertEqual(bounds[-1], float("inf"), family)
+            self.assertGreaterEqual(bounds[-2], 300.0, family)
+            self.assertLessEqual(len(bounds), 16, family)
+        self.assertEqual(total(samples, "nvpair_proxy_queue_wait_seconds_bucket", le="120.0"), 0)
+        self.assertEqual(total(samples, "nvpair_proxy_queue_wait_seconds_bucket", le="300.0"), 1)
 
     def test_a_node_that_left_the_fleet_leaves_the_scrape(self):
         w, recorder = self.scenario()

@@ -4,6 +4,7 @@ back to the node holding its cache unless the spill rule says otherwise."""
 from __future__ import annotations
 
 import json
+from collections import Counter
 
 from twisted.logger import formatEvent
 from twisted.trial.unittest import SynchronousTestCase
@@ -14,8 +15,8 @@ from nvpair_proxy.routing.affinity import HASHED, AffinityTable, affinity_key
 from nvpair_proxy.routing.enginetruth import EngineTruth, Slots
 from nvpair_proxy.routing.rates import NodeRates, PromptReading
 
-from .support import LogCapture
-from .world import ENGINES, NDJSON, WorldTestCase
+from .support import LogCapture, by_labels, scraped
+from .world import ENGINES, NDJSON, WorldTestCase, view_of
 
 ADDRESS = {"a": "10.0.0.1", "b": "10.0.0.2", "c": "10.0.0.3"}
 NODE_OF = {address: node for node, address in ADDRESS.items()}
@@ -897,3 +898,34 @@ class SpillBindingTests(FleetTestCase):
             self.assertEqual(self.turn(w, chat("one", "next"))[0], "b")
             w.clock.advance(31)  # the hold is over: both are free again
             self.assertEqual(self.turn(w, chat("one", "next", "then"))[0], expected, keeps)
+
+
+class ScrapedReasonTests(FleetTestCase):
+    """The reasons affinity gives, as an operator reads them: counted by reason on /metrics."""
+
+    def placements(self, w, recorder) -> Counter:
+        return by_labels(scraped(view_of(w, recorder)), "nvpair_proxy_placements_total", "reason")
+
+    def test_a_spill_says_spill_on_the_scrape(self):
+        recorder = Recorder()
+        w = self.fleet("a", "b", recorder=recorder)
+        self.assertEqual(self.turn(w, chat("one"))[0], "a")
+        w.facade.router.answered("a", 503)  # its node is held: the next turn spills
+        node, client = self.turn(w, chat("one", "next"))
+        self.assertEqual((node, client.response().status), ("b", 200))
+        self.assertEqual([ended.placement for ended in recorder.recent], ["least-busy", "spill"])
+        self.assertEqual(self.placements(w, recorder), {"least-busy": 1, "spill": 1})
+
+    def test_a_new_session_sent_to_its_heads_node_says_head_on_the_scrape(self):
+        recorder = Recorder()
+        w = self.fleet("a", "b", recorder=recorder)
+        self.assertEqual(self.turn(w, session("first task"))[0], "a")
+        busy, _ = self.turn(w, chat("unrelated"), answer=False)
+        self.assertEqual(busy, "a")
+        node, client = self.turn(w, session("second task"))
+        self.assertEqual((node, client.response().status), ("a", 200))
+        w.agent.requests[1].respond(200, NDJSON, DONE, finish=True)
+        self.assertEqual(
+            [ended.placement for ended in recorder.recent], ["least-busy", "head", "least-busy"]
+        )
+        self.assertEqual(self.placements(w, recorder), {"least-busy": 2, "head": 1})
