@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import socket
 import subprocess
 import sys
 import urllib.error
@@ -412,6 +414,67 @@ class BrokerProcessTests(SynchronousTestCase):
             terminal["params"]["workloadInfo"]["error"], "request cancelled before completion"
         )
         self.assertEqual(link.proc.wait(timeout=30), 0)
+
+
+class BrokerDrainTests(SynchronousTestCase):
+    """Broker mode keeps protocol 1 (a SIGTERM cancels at once) unless ``--drain-timeout`` is
+    given: then a SIGTERM lets admitted requests finish, and the broker's ``shutdown`` still
+    cancels at once (docs/operations.md#restarts)."""
+
+    def streaming(self) -> tuple[BrokerChannel, socket.socket]:
+        """A proxy with a drain timeout whose one stream has begun and runs for 2 s more."""
+        fleet = start_fleet(
+            self,
+            '[[node]]\nid = "gpu"\ndialect = "ollama"\nmodels = ["llama3:latest"]\n'
+            "tokens = 20\ntoken_delay = 0.1\n",
+        )
+        link = broker_channel(self, ["--drain-timeout", "30s"])
+        port = free_port()
+        self.assertIn(
+            "result",
+            link.call(
+                "facade/enable", {"engine": "ollama", "port": port, "ignorePersistedPort": True}
+            ),
+        )
+        link.call(
+            "ollama:node/add-manual",
+            {"id": "gpu", "port": fleet["gpu"], "addresses": ["127.0.0.1"], "models": ["llama3"]},
+        )
+        body = json.dumps({"model": "llama3", "messages": []}).encode()
+        client = socket.create_connection(("127.0.0.1", port), timeout=30)
+        self.addCleanup(client.close)
+        client.sendall(
+            b"POST /api/chat HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s"
+            % (len(body), body)
+        )
+        link.wait(lambda m: m.get("method") == "workload:started")
+        return link, client
+
+    def test_sigterm_lets_the_stream_finish_then_exits_zero(self):
+        link, client = self.streaming()
+        link.proc.send_signal(signal.SIGTERM)
+        received = b""
+        while chunk := client.recv(65536):
+            received += chunk
+            if received.endswith(b"0\r\n\r\n"):
+                break
+        self.assertIn(b'"done":true', received, "the whole stream, to its last line")
+        link.wait(lambda m: m.get("method") == "workload:completed")
+        self.assertEqual(link.proc.wait(timeout=30), 0)
+        terminal = [m["method"] for m in link.lines if m.get("method") in TERMINAL]
+        self.assertEqual(terminal, ["workload:completed"])
+
+    def test_shutdown_still_cancels_at_once(self):
+        link, _ = self.streaming()
+        link.send("shutdown")
+        terminal = link.wait(lambda m: m.get("method") == "workload:errored")
+        self.assertEqual(
+            terminal["params"]["workloadInfo"]["error"], "request cancelled before completion"
+        )
+        self.assertEqual(link.proc.wait(timeout=30), 0)
+
+
+TERMINAL = ("workload:completed", "workload:errored")
 
 
 class StandaloneSignalTests(SynchronousTestCase):
