@@ -11,7 +11,7 @@ from twisted.trial.unittest import SynchronousTestCase
 from twisted.web.http_headers import Headers
 
 from nvpair_proxy.admin.recorder import Recorder
-from nvpair_proxy.routing.affinity import HASHED, AffinityTable, affinity_key
+from nvpair_proxy.routing.affinity import HASHED, MAX_KEYS, AffinityTable, affinity_key
 from nvpair_proxy.routing.enginetruth import EngineTruth, Slots
 from nvpair_proxy.routing.rates import NodeRates, PromptReading
 
@@ -721,6 +721,26 @@ class PreviousResponseTests(FleetTestCase):
         self.respond(w, "resp_three")
         self.assertEqual(fresh.response().status, 200)
         w.agent.requests[1].respond(200, NDJSON, DONE, finish=True)
+
+    def test_a_response_id_is_kept_as_a_digest_in_the_bounded_table_and_never_logged(self):
+        logs = LogCapture(self, level="debug")
+        w = self.fleet("a", "b")
+        self.ask(w)
+        self.respond(w, "resp_secret_one")
+        follow = self.ask(w, "and then?", previous_response_id="resp_secret_one")
+        self.assertEqual(node_of(w.agent.last), "a")
+        self.respond(w, "resp_secret_two")
+        self.assertEqual(follow.response().status, 200)
+        table = w.facade.router.affinity
+        keys = list(table._entries)  # the table's own keys, as the test reads them
+        self.assertTrue(keys)
+        self.assertFalse([k for k in keys if b"resp_secret" in k], "digests, not ids")
+        self.assertEqual(table.max_keys, MAX_KEYS, "the one bound every key shares")
+        text = "\n".join(formatEvent(event) + repr(event) for event in logs.events)
+        self.assertTrue(text)
+        self.assertNotIn("resp_secret", text)
+        for key in keys:
+            self.assertNotIn(key.hex(), text)
 
     def test_a_follow_up_waits_for_its_full_node_rather_than_go_elsewhere(self):
         w = self.fleet("a", "b")

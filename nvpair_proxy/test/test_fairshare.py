@@ -15,6 +15,7 @@ from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 from twisted.web.http_headers import Headers
 
+from nvpair_proxy.admin.recorder import Recorder
 from nvpair_proxy.http.answers import Reason
 from nvpair_proxy.routing.enginetruth import EngineTruth, Slots
 from nvpair_proxy.routing.fairshare import (
@@ -26,8 +27,15 @@ from nvpair_proxy.routing.fairshare import (
     retry_after,
 )
 from nvpair_proxy.routing.slotqueue import SlotQueue, Waiter
-from nvpair_proxy.test.support import LogCapture, read_answer, start_fleet, start_standalone
-from nvpair_proxy.test.world import WorldStatus, WorldTestCase
+from nvpair_proxy.test.support import (
+    LogCapture,
+    read_answer,
+    scraped,
+    start_fleet,
+    start_standalone,
+    total,
+)
+from nvpair_proxy.test.world import WorldStatus, WorldTestCase, view_of
 from nvpair_proxy.testing.processes import DEADLINE, free_port, nodes_toml
 
 NDJSON = {"Content-Type": "application/x-ndjson"}
@@ -292,7 +300,10 @@ class OneProxyTurnTests(LateBindingWorld):
         first, stream = self.busy(w)
         flood = [self.chat(w, "ann") for _ in range(3)]
         quiet = self.chat(w, "bob")
+        view = view_of(w, Recorder())
+        self.assertEqual(total(scraped(view), "nvpair_proxy_queue_clients", engine="ollama"), 2)
         went = self.serve_all(w, stream, 4)
+        self.assertEqual(total(scraped(view), "nvpair_proxy_queue_clients", engine="ollama"), 0)
         # ann's first waiter and bob's had never had a turn: the earlier goes; then bob,
         # whose client was served longest ago, before ann's other two.
         self.assertEqual(went, ["ann", "bob", "ann", "ann"])

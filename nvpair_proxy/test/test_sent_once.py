@@ -104,6 +104,29 @@ class SentOnceTests(WorldTestCase):
             "the engine got the second pull once; nothing was dialled again",
         )
 
+    def test_a_pull_read_and_dropped_goes_to_the_next_candidate_and_never_back(self):
+        w, engine = self.world_with_client()
+        w.add("a", addresses=("10.0.0.1",))
+        w.add("b", addresses=("10.0.0.2",))
+        first = w.send("POST", "/api/pull", PULL)
+        engine.read(0)
+        engine.wires[0].reply(PULLED)
+        self.assertEqual(first.response().status, 200)
+        second = w.send("POST", "/api/pull", PULL)
+        self.assertTrue(engine.read(0).startswith(b"POST /api/pull "), "on a's pooled one")
+        engine.wires[0].close(ierror.ConnectionLost)  # a read it, then dropped it unanswered
+        w.clock.advance(0)
+        self.assertTrue(engine.read(1).startswith(b"POST /api/pull "), "then b")
+        engine.wires[1].reply(PULLED)
+        self.assertEqual(second.response().status, 200)
+        dialled = [host for host, *_ in w.agent.reactor.tcpClients]
+        self.assertEqual(dialled, ["10.0.0.1", "10.0.0.2"], "a was not dialled again")
+        self.assertEqual(
+            (engine.requests(0), engine.requests(1)),
+            (2, 1),
+            "each candidate got the second pull at most once",
+        )
+
     def test_a_fifth_attempt_read_and_dropped_ends_502_after_exactly_5_dispatches(self):
         w, engine = self.world_with_client()
         w.add("a")
