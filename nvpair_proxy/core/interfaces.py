@@ -135,9 +135,9 @@ class ITicket(Interface):
         in the round, ``failed``, the remaining owners ordered again), its claim moved there;
         or a ``tickets.Wait``."""
 
-    def wait(plan, deadline: float, wake, expire) -> None:
+    def wait(plan, deadline: float, sink) -> None:
         """Wait in the facade's queue as ``plan`` (a ``Wait``) says, holding no claim, until
-        ``wake`` (a slot freed) or ``expire`` (``deadline`` passed), each called at most once."""
+        a slot frees or ``deadline`` passes: ``sink`` (an ``IWaitSink``) is told which, once."""
 
     def release() -> None:
         """Hold nothing: the claim released, out of the queue (it backs off, waits or ends)."""
@@ -201,6 +201,17 @@ class IAttemptSink(Interface):
 
     def attempt_ended(outcome) -> None:
         """The attempt ended, once: ``attempt.Committed`` or ``attempt.Failed``."""
+
+
+class IWaitSink(Interface):
+    """What a request's ticket tells the loop that put it in the queue: the one seam between
+    them, so the queue holds no bare callback of the loop (docs/decisions.md#no-cycles)."""
+
+    def slot_freed() -> None:
+        """A slot freed for the waiting request: the loop runs its next round."""
+
+    def queue_deadline() -> None:
+        """The request waited in the queue until its deadline: the loop answers 503."""
 
 
 class IConductor(Interface):

@@ -21,7 +21,7 @@ from twisted.web.iweb import IAgent
 from zope.interface import implementer
 
 from ..core import constants
-from ..core.interfaces import IAttemptSink, IHealth, IOwners, ITicket
+from ..core.interfaces import IAttemptSink, IHealth, IOwners, ITicket, IWaitSink
 from ..core.logs import logger
 from ..core.timers import cancel_pending
 from ..http.answers import Reason
@@ -169,7 +169,7 @@ class Loop(enum.Enum):
     DONE = "done"
 
 
-@implementer(IAttemptSink)
+@implementer(IAttemptSink, IWaitSink)
 class Dispatch:
     """One request's loop. ``run`` answers with a Deferred of Committed, Answer or Gone, fired
     once; a bug in the loop fails it.
@@ -366,13 +366,15 @@ class Dispatch:
         self._queue = []
         self._clear()
         self._state = Loop.QUEUED
-        self.job.ticket.wait(plan, self.deadline, wake=self._woken, expire=self._expired)
+        self.job.ticket.wait(plan, self.deadline, self)
 
-    def _woken(self) -> None:
+    def slot_freed(self) -> None:
+        """IWaitSink: a slot freed for this request while it waited in the queue."""
         self._state = Loop.RUNNING
         self._guarded(self._round)
 
-    def _expired(self) -> None:
+    def queue_deadline(self) -> None:
+        """IWaitSink: its deadline passed while it waited in the queue."""
         self._state = Loop.RUNNING
         retry = self.job.ticket.retry_after()
         self._guarded(self._finish, Answer(503, Reason.NO_FREE_SLOT, retry_after=retry))

@@ -22,7 +22,7 @@ from typing import Any, Callable, Sequence
 import attrs
 from zope.interface import implementer
 
-from ..core.interfaces import IPlacement, ITicket
+from ..core.interfaces import IPlacement, ITicket, IWaitSink
 from ..http.server import BoundedRequest
 from ..nodes.discovery import Node
 from .affinity import (
@@ -112,7 +112,7 @@ class PassTicket:
     def next(self, queue: list[Node], failed: bool) -> Node | Wait:
         return queue.pop(0)
 
-    def wait(self, plan: Wait, deadline: float, wake, expire) -> None:
+    def wait(self, plan: Wait, deadline: float, sink: IWaitSink) -> None:
         raise AssertionError("a request that reserves nothing never waits")
 
     def retry_after(self) -> int:
@@ -232,7 +232,7 @@ class ReservedTicket:
             reservation.move(node.id)
         return node
 
-    def wait(self, plan: Wait, deadline: float, wake, expire) -> None:
+    def wait(self, plan: Wait, deadline: float, sink: IWaitSink) -> None:
         raise AssertionError("the broker's candidates never make a request wait")
 
     def retry_after(self) -> int:
@@ -545,9 +545,9 @@ class StandaloneTicket(ReservedTicket):
         nodes, self.reservation = placement.place(candidates, affine)
         return self._placed(nodes)
 
-    def wait(self, plan: Wait, deadline: float, wake, expire) -> None:
+    def wait(self, plan: Wait, deadline: float, sink: IWaitSink) -> None:
         """Wait in the facade's queue, costing no attempt and holding no reservation, until
-        a slot frees (``wake``) or the deadline (``expire``)."""
+        a slot frees (``sink.slot_freed``) or the deadline (``sink.queue_deadline``)."""
         self.release()
         clock = self.placement.clock
         began = clock.seconds()
@@ -556,12 +556,12 @@ class StandaloneTicket(ReservedTicket):
             waiter, self.waiter = self.waiter, None
             self.forced = waiter is not None and waiter.forced
             self.waited += clock.seconds() - began
-            wake()
+            sink.slot_freed()
 
         def expired() -> None:
             self.waiter = None
             self.waited += clock.seconds() - began
-            expire()
+            sink.queue_deadline()
 
         self.waiter = self.placement.wait(self.model, deadline, woken, expired, plan, self.request)
 

@@ -42,6 +42,7 @@ from nvpair_proxy.core.interfaces import (
     IStatusSource,
     ITicket,
     ITruthSink,
+    IWaitSink,
 )
 from nvpair_proxy.facade.ingress import LocalBackend
 from nvpair_proxy.http.client import Client
@@ -118,6 +119,7 @@ class Interfaces(SynchronousTestCase):
             (IConductor, committed),
             (IAttemptSink, committed.dispatch),
             (IAttemptSink, Outcomes()),
+            (IWaitSink, committed.dispatch),
             (IPeek, attempt(FakeAgent(), Clock())),
             (IRequestRecorder, Recorder()),
             (IStatusSource, ProcessService(MemoryReactorClock())),
