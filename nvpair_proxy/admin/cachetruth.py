@@ -5,8 +5,10 @@ whether the cache is helping, with the engines' own figures rather than our affi
 guesses.
 
 * ``exact``: the engine says what it reused (llama.cpp ``timings.cache_n`` beside
-  ``prompt_n``, Anthropic Messages ``cache_read_input_tokens``).
-* ``estimated``: it does not (Ollama, LM Studio). Its answer gives the whole prompt's tokens,
+  ``prompt_n``, Anthropic Messages ``cache_read_input_tokens``, Ollama
+  ``prompt_eval_cached_count``, OpenAI-style ``usage.*_tokens_details.cached_tokens``).
+* ``estimated``: it does not (LM Studio, an Ollama that does not report its cache). Its
+  answer gives the whole prompt's tokens,
   and its own prefill time (Ollama ``prompt_eval_duration``, llama.cpp ``prompt_ms``) or, for
   a stream, dispatch to the first body byte. The tokens read anew are taken as that time at
   the model's cold reading rate on that node (:class:`ColdRate`), capped by the prompt; the

@@ -69,6 +69,7 @@ def _int_key(name: str) -> tuple[str, re.Pattern[str]]:
 
 
 _PROMPT_EVAL_COUNT = _int_key("prompt_eval_count")
+_PROMPT_EVAL_CACHED_COUNT = _int_key("prompt_eval_cached_count")
 _EVAL_COUNT = _int_key("eval_count")
 _EVAL_DURATION = _int_key("eval_duration")
 _PROMPT_EVAL_DURATION = _int_key("prompt_eval_duration")
@@ -155,8 +156,10 @@ class Figures:
     prompt_seen: int | None = None
     #: Prompt tokens the engine took from its cache instead of reading (llama.cpp
     #: ``timings.cache_n``, Anthropic Messages ``usage.cache_read_input_tokens``, which
-    #: llama.cpp's ``/v1/messages`` reports in ``message_start``); None when it does not say,
-    #: which is never "none cached".
+    #: llama.cpp's ``/v1/messages`` reports in ``message_start``, Ollama
+    #: ``prompt_eval_cached_count``, OpenAI-style ``usage.prompt_tokens_details.cached_tokens``
+    #: or ``usage.input_tokens_details.cached_tokens``); None when it does not say, which is
+    #: never "none cached".
     prompt_cached: int | None = None
     #: Seconds the engine itself says it spent reading the prompt (llama.cpp
     #: ``timings.prompt_ms``, Ollama ``prompt_eval_duration``): what the operator's cache
@@ -172,6 +175,10 @@ _USAGE_KEYS = (
     "cache_read_input_tokens",
     "cache_creation_input_tokens",
 )
+#: Where OpenAI-style usage says how much of the prompt came from the cache
+#: (``cached_tokens``, counted in ``prompt_tokens`` or ``input_tokens``): Chat Completions,
+#: then Responses. Ollama's ``/v1`` routes say it; LM Studio's do not (yet).
+_DETAILS = ("prompt_tokens_details", "input_tokens_details")
 _TIMINGS_KEYS = (
     "prompt_n",
     "predicted_n",
@@ -196,9 +203,15 @@ def read_figures(tail: bytes | bytearray) -> Figures:
                 continue
             if key not in usage and (value := _count(obj.get(key))) is not None:
                 usage[key] = value
+        if "cached_tokens" not in usage:
+            for details in _DETAILS:
+                if isinstance(part := obj.get(details), dict):
+                    if (value := _count(part.get("cached_tokens"))) is not None:
+                        usage["cached_tokens"] = value
+                        break
         # prompt_tokens and completion_tokens come first wherever they are read: once both
         # are known, earlier objects can change nothing.
-        if len(usage) == len(_USAGE_KEYS) or (
+        if len(usage) == len(_USAGE_KEYS) + 1 or (
             "prompt_tokens" in usage and "completion_tokens" in usage
         ):
             break
@@ -225,6 +238,14 @@ def read_figures(tail: bytes | bytearray) -> Figures:
 
     # Each is read once: Ollama's count serves the prompt, its rate and what was read.
     evaluated = _last_int(_PROMPT_EVAL_COUNT, text)
+    # An Ollama that says what its cache gave (prompt_eval_cached_count) counts it in
+    # prompt_eval_count, the logical prompt: what it read is the difference.
+    ollama_cached = None
+    if evaluated is not None and (said := _last_int(_PROMPT_EVAL_CACHED_COUNT, text)) is not None:
+        ollama_cached = min(said, evaluated)
+        ollama_read: int | None = evaluated - ollama_cached
+    else:
+        ollama_read = evaluated
     prompt_n = _count(timings.get("prompt_n"))
     whole = usage.get("prompt_tokens")
     if whole is None:
@@ -249,17 +270,24 @@ def read_figures(tail: bytes | bytearray) -> Figures:
         prompt_seconds = prompt_ms / 1000
     elif evaluated is not None and (duration := _last_int(_PROMPT_EVAL_DURATION, text)) is not None:
         prompt_seconds = duration / 1e9
-        if prompt_rate is None and evaluated and duration:
-            prompt_rate = evaluated / prompt_seconds
-    prompt_read = prompt_n if prompt_n is not None else evaluated
+        if prompt_rate is None and ollama_read and duration:
+            prompt_rate = ollama_read / prompt_seconds
+    prompt_read = prompt_n if prompt_n is not None else ollama_read
     prompt_cached = _count(timings.get("cache_n"))
     prompt_seen: int | None
     cache_read = usage.get("cache_read_input_tokens")
+    details_cached = usage.get("cached_tokens")
     if prompt_n is None and cache_read is not None and "input_tokens" in usage:
         # Anthropic Messages (llama.cpp's /v1/messages says nothing in timings):
         # input_tokens are those read anew, beside what the cache gave and what it stored.
         prompt_read = usage["input_tokens"] + usage.get("cache_creation_input_tokens", 0)
         prompt_seen, prompt_cached = prompt_read + cache_read, cache_read
+    elif prompt_n is None and whole is not None and details_cached is not None:
+        # OpenAI-style usage: the whole prompt, of which cached_tokens came from the cache.
+        prompt_cached = min(details_cached, whole)
+        prompt_seen, prompt_read = whole, whole - prompt_cached
+    elif prompt_n is None and ollama_cached is not None:
+        prompt_seen, prompt_cached = evaluated, ollama_cached
     elif whole is not None:
         prompt_seen = whole
     elif prompt_n is not None:

@@ -669,6 +669,19 @@ class EvictedTests(FleetTestCase):
         cache = recorder.cache.node_status("ollama", "a")
         self.assertEqual((cache["reused"], cache["share"]), (0, 0.0))
 
+    def test_an_ollama_that_says_what_its_cache_gave_is_checked_too(self):
+        """Ollama's ``prompt_eval_cached_count`` beside ``prompt_eval_count`` (the whole
+        prompt): a hit that took none of its 1,200 tokens from the cache was evicted."""
+        recorder = Recorder()
+        w = self.fleet("a", recorder=recorder)
+        for turn, (count, cached) in enumerate(((1000, 0), (1100, 1000), (1200, 0))):
+            said = {"prompt_eval_count": count, "prompt_eval_cached_count": cached}
+            self.turn(w, chat(LONG, *["next", "then"][:turn]), timings=said)
+        counts = {r: n for (e, r), n in recorder.affinity.items()}
+        self.assertEqual(counts, {"miss": 1, "hit": 1, "evicted": 1})
+        cache = recorder.cache.node_status("ollama", "a")
+        self.assertEqual((cache["reused"], cache["read"], cache["source"]), (1000, 2300, "exact"))
+
     def test_a_spill_that_reads_it_all_is_no_eviction(self):
         recorder = Recorder()
         w = self.fleet("a", "b", recorder=recorder)

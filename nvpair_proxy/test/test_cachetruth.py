@@ -168,6 +168,30 @@ class ExactTests(WorldTestCase):
         self.assertEqual(client.response().status, 200)
         self.assertEqual(reads, [], "no stats, no recorder: the tail is never parsed")
 
+    def test_an_ollama_that_says_what_its_cache_gave_is_exact(self):
+        """Ollama with ``prompt_eval_cached_count`` (its own count of cached prompt tokens,
+        counted in ``prompt_eval_count``) needs no estimate."""
+        recorder = Recorder()
+        w = self.world(recorder=recorder)
+        w.add("a")
+        for count, cached in ((1000, 0), (1100, 1000)):
+            client = w.chat()
+            end = {
+                "done": True,
+                "prompt_eval_count": count,
+                "prompt_eval_cached_count": cached,
+                "prompt_eval_duration": 100_000_000,
+            }
+            w.agent.last.respond(200, NDJSON, json.dumps(end).encode() + b"\n", finish=True)
+            self.assertEqual(client.response().status, 200)
+        self.assertEqual(
+            reuse_samples(view_of(w, recorder)),
+            {
+                ("nvpair_proxy_prompt_tokens_reused_total", "ollama", "a", "exact"): 1000,
+                ("nvpair_proxy_prompt_tokens_read_total", "ollama", "a", "exact"): 1100,
+            },
+        )
+
 
 class EstimatedTests(WorldTestCase):
     def test_ollama_reuse_is_estimated_from_its_prefill_time_and_labelled(self):

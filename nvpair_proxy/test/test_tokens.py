@@ -624,6 +624,65 @@ class PromptFiguresTests(SynchronousTestCase):
             (figures.prompt_read, figures.prompt_seen, figures.prompt_rate), (300, 300, 200.0)
         )
 
+    def test_an_ollama_that_says_what_its_cache_gave_counts_it_in_the_whole(self):
+        """Ollama since it reports ``prompt_eval_cached_count``: ``prompt_eval_count`` is the
+        logical prompt, cached tokens included, and its prefill rate is what it read."""
+        figures = tokens.read_figures(
+            json.dumps(
+                {
+                    "done": True,
+                    "prompt_eval_count": 1000,
+                    "prompt_eval_cached_count": 900,
+                    "prompt_eval_duration": 500_000_000,
+                    "eval_count": 4,
+                }
+            ).encode()
+        )
+        self.assertEqual(
+            (
+                figures.prompt,
+                figures.prompt_read,
+                figures.prompt_seen,
+                figures.prompt_cached,
+                figures.prompt_rate,
+            ),
+            (1000, 100, 1000, 900, 200.0),
+        )
+
+    def test_openai_usage_details_say_what_the_cache_gave(self):
+        """Chat Completions' ``prompt_tokens_details.cached_tokens`` and Responses'
+        ``input_tokens_details.cached_tokens`` (Ollama's /v1 routes) are counted in the whole
+        prompt; a stream's last usage wins over an earlier one."""
+        chat = (
+            'data: {"usage":{"prompt_tokens":10,"completion_tokens":1,'
+            '"prompt_tokens_details":{"cached_tokens":0}}}\n\n'
+            'data: {"usage":{"prompt_tokens":2000,"completion_tokens":7,'
+            '"prompt_tokens_details":{"cached_tokens":1500}}}\n\n'
+            "data: [DONE]\n\n"
+        ).encode()
+        responses = json.dumps(
+            {
+                "type": "response.completed",
+                "response": {
+                    "usage": {
+                        "input_tokens": 800,
+                        "output_tokens": 3,
+                        "input_tokens_details": {"cached_tokens": 600},
+                    }
+                },
+            }
+        ).encode()
+        for tail, expected in ((chat, (2000, 500, 2000, 1500)), (responses, (800, 200, 800, 600))):
+            figures = tokens.read_figures(tail)
+            self.assertEqual(
+                (figures.prompt, figures.prompt_read, figures.prompt_seen, figures.prompt_cached),
+                expected,
+            )
+
+    def test_usage_without_details_says_nothing_of_the_cache(self):
+        figures = tokens.read_figures(b'{"usage":{"prompt_tokens":50,"completion_tokens":2}}')
+        self.assertEqual((figures.prompt_seen, figures.prompt_cached), (50, None))
+
     def test_an_anthropic_stream_says_what_its_cache_gave_in_message_start(self):
         """llama.cpp's /v1/messages (what Claude Code speaks) has no timings: the cache's
         share is in message_start's usage, as llama.cpp 11434 sends it."""
