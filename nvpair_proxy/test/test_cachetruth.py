@@ -66,6 +66,18 @@ def chat(model: str, stream: bool) -> dict:
     return {"model": model, "stream": stream, "messages": [{"role": "user", "content": "x"}]}
 
 
+def ollama_answers(test: WorldTestCase, recorder: Recorder, ends: list[dict]):
+    """One Ollama node ``a`` answering a chat per entry of ``ends`` with that final line."""
+    w = test.world(recorder=recorder)
+    w.add("a")
+    for end in ends:
+        client = w.chat()
+        line = json.dumps({"done": True, "prompt_eval_duration": 100_000_000, **end})
+        w.agent.last.respond(200, NDJSON, line.encode() + b"\n", finish=True)
+        test.assertEqual(client.response().status, 200)
+    return w
+
+
 class ExactTests(WorldTestCase):
     def llamacpp(self):
         recorder = Recorder()
@@ -172,18 +184,14 @@ class ExactTests(WorldTestCase):
         """Ollama with ``prompt_eval_cached_count`` (its own count of cached prompt tokens,
         counted in ``prompt_eval_count``) needs no estimate."""
         recorder = Recorder()
-        w = self.world(recorder=recorder)
-        w.add("a")
-        for count, cached in ((1000, 0), (1100, 1000)):
-            client = w.chat()
-            end = {
-                "done": True,
-                "prompt_eval_count": count,
-                "prompt_eval_cached_count": cached,
-                "prompt_eval_duration": 100_000_000,
-            }
-            w.agent.last.respond(200, NDJSON, json.dumps(end).encode() + b"\n", finish=True)
-            self.assertEqual(client.response().status, 200)
+        w = ollama_answers(
+            self,
+            recorder,
+            [
+                {"prompt_eval_count": count, "prompt_eval_cached_count": cached}
+                for count, cached in ((1000, 0), (1100, 1000))
+            ],
+        )
         self.assertEqual(
             reuse_samples(view_of(w, recorder)),
             {
@@ -199,13 +207,14 @@ class EstimatedTests(WorldTestCase):
         answer sets the model's rate there (1,000 tokens a second); a later one that read
         1,100 tokens in 0.1 s read 100 of them anew."""
         recorder = Recorder()
-        w = self.world(recorder=recorder)
-        w.add("a")
-        for count, nanoseconds in ((1000, 1_000_000_000), (1100, 100_000_000)):
-            client = w.chat()
-            end = {"done": True, "prompt_eval_count": count, "prompt_eval_duration": nanoseconds}
-            w.agent.last.respond(200, NDJSON, json.dumps(end).encode() + b"\n", finish=True)
-            self.assertEqual(client.response().status, 200)
+        w = ollama_answers(
+            self,
+            recorder,
+            [
+                {"prompt_eval_count": count, "prompt_eval_duration": nanoseconds}
+                for count, nanoseconds in ((1000, 1_000_000_000), (1100, 100_000_000))
+            ],
+        )
         self.assertEqual(
             reuse_samples(view_of(w, recorder)),
             {

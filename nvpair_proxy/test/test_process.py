@@ -255,6 +255,33 @@ class StartupTests(SynchronousTestCase):
         self.assertIn(b"raw fd 1 write", result.stderr)
 
 
+def one_chat_through(
+    test: SynchronousTestCase, link: BrokerChannel, node: str, behaviour: str, chat: dict
+) -> socket.socket:
+    """Over ``link``, the broker enables the Ollama facade and adds one simulated node
+    (``behaviour``: its simfleet settings); then one chat is sent to the facade: its socket."""
+    fleet = start_fleet(
+        test,
+        f'[[node]]\nid = "{node}"\ndialect = "ollama"\nmodels = ["llama3:latest"]\n{behaviour}',
+    )
+    port = free_port()
+    enabled = link.call(
+        "facade/enable", {"engine": "ollama", "port": port, "ignorePersistedPort": True}
+    )
+    test.assertIn("result", enabled)
+    link.call(
+        "ollama:node/add-manual",
+        {"id": node, "port": fleet[node], "addresses": ["127.0.0.1"], "models": ["llama3"]},
+    )
+    body = json.dumps(chat).encode()
+    client = socket.create_connection(("127.0.0.1", port), timeout=30)
+    test.addCleanup(client.close)
+    client.sendall(
+        b"POST /api/chat HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+    )
+    return client
+
+
 class BrokerProcessTests(SynchronousTestCase):
     def test_driven_over_stdio_enable_discover_fail_over_and_shut_down(self):
         fleet = start_fleet(
@@ -357,32 +384,8 @@ class BrokerProcessTests(SynchronousTestCase):
 
     def _broker_with_a_request_in_flight(self) -> BrokerChannel:
         """A proxy whose one request waits on a node that sent headers and nothing else."""
-        import socket
-
-        fleet = start_fleet(
-            self,
-            '[[node]]\nid = "slow"\ndialect = "ollama"\n'
-            'models = ["llama3:latest"]\nhang_after_headers = true\n',
-        )
         link = broker_channel(self)
-        port = free_port()
-        self.assertIn(
-            "result",
-            link.call(
-                "facade/enable", {"engine": "ollama", "port": port, "ignorePersistedPort": True}
-            ),
-        )
-        link.call(
-            "ollama:node/add-manual",
-            {"id": "slow", "port": fleet["slow"], "addresses": ["127.0.0.1"], "models": ["llama3"]},
-        )
-        body = json.dumps({"model": "llama3"}).encode()
-        client = socket.create_connection(("127.0.0.1", port), timeout=30)
-        self.addCleanup(client.close)
-        client.sendall(
-            b"POST /api/chat HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s"
-            % (len(body), body)
-        )
+        one_chat_through(self, link, "slow", "hang_after_headers = true\n", {"model": "llama3"})
         link.wait(
             lambda m: (
                 m.get("method") == "workload:submitted"
@@ -423,30 +426,9 @@ class BrokerDrainTests(SynchronousTestCase):
 
     def streaming(self) -> tuple[BrokerChannel, socket.socket]:
         """A proxy with a drain timeout whose one stream has begun and runs for 2 s more."""
-        fleet = start_fleet(
-            self,
-            '[[node]]\nid = "gpu"\ndialect = "ollama"\nmodels = ["llama3:latest"]\n'
-            "tokens = 20\ntoken_delay = 0.1\n",
-        )
         link = broker_channel(self, ["--drain-timeout", "30s"])
-        port = free_port()
-        self.assertIn(
-            "result",
-            link.call(
-                "facade/enable", {"engine": "ollama", "port": port, "ignorePersistedPort": True}
-            ),
-        )
-        link.call(
-            "ollama:node/add-manual",
-            {"id": "gpu", "port": fleet["gpu"], "addresses": ["127.0.0.1"], "models": ["llama3"]},
-        )
-        body = json.dumps({"model": "llama3", "messages": []}).encode()
-        client = socket.create_connection(("127.0.0.1", port), timeout=30)
-        self.addCleanup(client.close)
-        client.sendall(
-            b"POST /api/chat HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s"
-            % (len(body), body)
-        )
+        chat = {"model": "llama3", "messages": []}
+        client = one_chat_through(self, link, "gpu", "tokens = 20\ntoken_delay = 0.1\n", chat)
         link.wait(lambda m: m.get("method") == "workload:started")
         return link, client
 

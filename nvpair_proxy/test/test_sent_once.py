@@ -85,16 +85,22 @@ class SentOnceTests(WorldTestCase):
         w = self.world(engine, agent=Client(reactor), **kwargs)
         return w, Engine(reactor)
 
-    def test_a_pull_read_and_dropped_on_a_reused_connection_is_sent_once_and_answered_502(self):
-        w, engine = self.world_with_client()
-        w.add("a")
+    def second_pull_dropped(self, w, engine):
+        """A pull answered on the first node's connection, then a second pull on that pooled
+        connection, which the engine reads and drops unanswered: the second's client."""
         first = w.send("POST", "/api/pull", PULL)
         engine.read(0)
         engine.wires[0].reply(PULLED)
         self.assertEqual(first.response().status, 200)
         second = w.send("POST", "/api/pull", PULL)
         self.assertTrue(engine.read(0).startswith(b"POST /api/pull "), "on the pooled one")
-        engine.wires[0].close(ierror.ConnectionLost)  # read, then dropped unanswered
+        engine.wires[0].close(ierror.ConnectionLost)
+        return second
+
+    def test_a_pull_read_and_dropped_on_a_reused_connection_is_sent_once_and_answered_502(self):
+        w, engine = self.world_with_client()
+        w.add("a")
+        second = self.second_pull_dropped(w, engine)
         response = second.response()
         self.assertEqual(response.status, 502)
         self.assertTrue(response.json()["error"].startswith("upstream error: "), response.body)
@@ -108,13 +114,7 @@ class SentOnceTests(WorldTestCase):
         w, engine = self.world_with_client()
         w.add("a", addresses=("10.0.0.1",))
         w.add("b", addresses=("10.0.0.2",))
-        first = w.send("POST", "/api/pull", PULL)
-        engine.read(0)
-        engine.wires[0].reply(PULLED)
-        self.assertEqual(first.response().status, 200)
-        second = w.send("POST", "/api/pull", PULL)
-        self.assertTrue(engine.read(0).startswith(b"POST /api/pull "), "on a's pooled one")
-        engine.wires[0].close(ierror.ConnectionLost)  # a read it, then dropped it unanswered
+        second = self.second_pull_dropped(w, engine)  # a read it, then dropped it
         w.clock.advance(0)
         self.assertTrue(engine.read(1).startswith(b"POST /api/pull "), "then b")
         engine.wires[1].reply(PULLED)
