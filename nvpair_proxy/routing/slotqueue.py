@@ -71,8 +71,11 @@ class _Line:
     #: Each waiting client's requests, in arrival order.
     turns: dict[bytes, deque[Waiter]] = attrs.Factory(dict)
     batch: deque[Waiter] = attrs.Factory(deque)
-    #: When each client's request last left this line for a slot (oldest first).
-    served: dict[bytes, float] = attrs.Factory(dict)
+    #: When each client's request last left this line for a slot (oldest first), as the
+    #: count of turns taken then: a count, not the clock, because several slots can free at
+    #: one clock reading, and ties would give them all to the client that came first.
+    served: dict[bytes, int] = attrs.Factory(dict)
+    taken: int = 0
     size: int = 0
 
     def __len__(self) -> int:
@@ -129,11 +132,12 @@ class _Line:
             self.size -= 1
         return found
 
-    def went(self, waiter: Waiter, now: float) -> None:
-        """``waiter`` was dispatched: its client's turn is taken now."""
+    def went(self, waiter: Waiter) -> None:
+        """``waiter`` was dispatched: its client's turn is taken now, after every other."""
         served = self.served
         served.pop(waiter.client, None)
-        served[waiter.client] = now
+        self.taken += 1
+        served[waiter.client] = self.taken
         if len(served) > REMEMBERED_CLIENTS:
             del served[next(iter(served))]
 
@@ -242,7 +246,7 @@ class SlotQueue:
         else:
             return False
         line.take(waiter)
-        line.went(waiter, self.clock.seconds())
+        line.went(waiter)
         self._left(waiter, line)
         waiter.wake()
         return True

@@ -126,6 +126,21 @@ class QueueTurnTests(SynchronousTestCase):
         )
         queue.close()
 
+    def test_turns_rotate_when_slots_free_at_one_clock_reading(self):
+        """Several slots can free at once (an engine's report, a burst of ends): each goes
+        to the next client in rotation, not all to the client whose requests came first."""
+        queue = SlotQueue(Clock(), 100)
+        arrivals = 0.0
+        for client in (b"A", b"B", b"C"):  # each client's requests together, A's first
+            for _ in range(3):
+                arrivals += 1
+                queue.add(self.waiter(client, arrivals)[0])
+        self.went.clear()
+        for _ in range(9):
+            self.assertTrue(queue.wake_first("m"))  # the clock never moves
+        self.assertEqual([client for client, _ in self.went], [b"A", b"B", b"C"] * 3)
+        queue.close()
+
     def test_a_flooding_client_does_not_hold_back_a_quiet_one(self):
         queue = SlotQueue(Clock(), 100)
         for since in range(20):
@@ -308,6 +323,17 @@ class OneProxyTurnTests(LateBindingWorld):
         # whose client was served longest ago, before ann's other two.
         self.assertEqual(went, ["ann", "bob", "ann", "ann"])
         self.assertEqual([c.response().status for c in [first, *flood, quiet]], [200] * 5)
+
+    def test_equally_busy_clients_get_equal_shares_through_the_proxy(self):
+        """Three clients keep four requests each waiting: every three dispatches that follow,
+        each client has one, whatever order they arrived in."""
+        w = self.scheduled("a")
+        first, stream = self.busy(w)
+        waiting = [self.chat(w, who) for who in ["ann"] * 4 + ["bob"] * 4 + ["cy"] * 4]
+        went = self.serve_all(w, stream, 12)
+        for turn in range(0, 12, 3):
+            self.assertEqual(sorted(went[turn : turn + 3]), ["ann", "bob", "cy"], went)
+        self.assertEqual([c.response().status for c in [first, *waiting]], [200] * 13)
 
     def test_a_client_without_a_key_is_its_address(self):
         w = self.scheduled("a")
