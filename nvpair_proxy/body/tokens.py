@@ -145,10 +145,11 @@ class Figures:
     completion: int | None = None
     rate: float | None = None
     #: Prompt tokens the engine processed per second (llama.cpp ``prompt_per_second``, Ollama
-    #: ``prompt_eval_count`` over ``prompt_eval_duration``): what placement weighs a re-read by.
+    #: the tokens it read over ``prompt_eval_duration``): what placement weighs a re-read by.
     prompt_rate: float | None = None
     #: Prompt tokens the engine read for this request (llama.cpp ``timings.prompt_n``, Ollama
-    #: ``prompt_eval_count``): fewer than the prompt's when it reused a cache.
+    #: ``prompt_eval_count`` less ``prompt_eval_cached_count`` where it says it): fewer than
+    #: the prompt's when it reused a cache.
     prompt_read: int | None = None
     #: The whole prompt's tokens, cached ones included: ``usage``, else llama.cpp
     #: ``prompt_n + cache_n``, else the count ``prompt`` reads. Placement weighs a body's bytes
@@ -179,6 +180,8 @@ _USAGE_KEYS = (
 #: (``cached_tokens``, counted in ``prompt_tokens`` or ``input_tokens``): Chat Completions,
 #: then Responses. Ollama's ``/v1`` routes say it; LM Studio's do not (yet).
 _DETAILS = ("prompt_tokens_details", "input_tokens_details")
+#: The usage keys that give the whole prompt: Chat Completions', then Responses'.
+_WHOLE_KEYS = ("prompt_tokens", "input_tokens")
 _TIMINGS_KEYS = (
     "prompt_n",
     "predicted_n",
@@ -189,11 +192,23 @@ _TIMINGS_KEYS = (
 )
 
 
+def _details_cached(usage: dict) -> int | None:
+    """The ``cached_tokens`` an OpenAI-style usage object says of its prompt, or None."""
+    for details in _DETAILS:
+        if isinstance(part := usage.get(details), dict):
+            if (value := _count(part.get("cached_tokens"))) is not None:
+                return value
+    return None
+
+
 def read_figures(tail: bytes | bytearray) -> Figures:
     """The figures the engine reported in ``tail``, the last one of each winning."""
     text = tail.decode("utf-8", "replace")
 
     usage: dict[str, int] = {}
+    # The cached count said beside each whole-prompt key, from the same object only: an
+    # earlier answer's details never describe a later object's prompt.
+    cached_beside: dict[str, int | None] = {}
     for at, obj in _objects('"usage"', _USAGE, text):
         line = text[text.rfind("\n", 0, at) + 1 : at]
         # Anthropic's message_start reports output_tokens 1 before anything is generated.
@@ -203,15 +218,11 @@ def read_figures(tail: bytes | bytearray) -> Figures:
                 continue
             if key not in usage and (value := _count(obj.get(key))) is not None:
                 usage[key] = value
-        if "cached_tokens" not in usage:
-            for details in _DETAILS:
-                if isinstance(part := obj.get(details), dict):
-                    if (value := _count(part.get("cached_tokens"))) is not None:
-                        usage["cached_tokens"] = value
-                        break
+                if key in _WHOLE_KEYS:
+                    cached_beside[key] = _details_cached(obj)
         # prompt_tokens and completion_tokens come first wherever they are read: once both
         # are known, earlier objects can change nothing.
-        if len(usage) == len(_USAGE_KEYS) + 1 or (
+        if len(usage) == len(_USAGE_KEYS) or (
             "prompt_tokens" in usage and "completion_tokens" in usage
         ):
             break
@@ -240,16 +251,15 @@ def read_figures(tail: bytes | bytearray) -> Figures:
     evaluated = _last_int(_PROMPT_EVAL_COUNT, text)
     # An Ollama that says what its cache gave (prompt_eval_cached_count) counts it in
     # prompt_eval_count, the logical prompt: what it read is the difference.
+    # More cached than the whole is a body at odds with itself: then the cache is unknown.
     ollama_cached = None
+    ollama_read = evaluated
     if evaluated is not None and (said := _last_int(_PROMPT_EVAL_CACHED_COUNT, text)) is not None:
-        ollama_cached = min(said, evaluated)
-        ollama_read: int | None = evaluated - ollama_cached
-    else:
-        ollama_read = evaluated
+        if said <= evaluated:
+            ollama_cached, ollama_read = said, evaluated - said
     prompt_n = _count(timings.get("prompt_n"))
-    whole = usage.get("prompt_tokens")
-    if whole is None:
-        whole = usage.get("input_tokens")
+    whole_key = "prompt_tokens" if "prompt_tokens" in usage else "input_tokens"
+    whole = usage.get(whole_key)
 
     prompt = whole
     if prompt is None:
@@ -276,16 +286,18 @@ def read_figures(tail: bytes | bytearray) -> Figures:
     prompt_cached = _count(timings.get("cache_n"))
     prompt_seen: int | None
     cache_read = usage.get("cache_read_input_tokens")
-    details_cached = usage.get("cached_tokens")
+    details_cached = cached_beside.get(whole_key)
     if prompt_n is None and cache_read is not None and "input_tokens" in usage:
         # Anthropic Messages (llama.cpp's /v1/messages says nothing in timings):
         # input_tokens are those read anew, beside what the cache gave and what it stored.
         prompt_read = usage["input_tokens"] + usage.get("cache_creation_input_tokens", 0)
         prompt_seen, prompt_cached = prompt_read + cache_read, cache_read
     elif prompt_n is None and whole is not None and details_cached is not None:
-        # OpenAI-style usage: the whole prompt, of which cached_tokens came from the cache.
-        prompt_cached = min(details_cached, whole)
-        prompt_seen, prompt_read = whole, whole - prompt_cached
+        # OpenAI-style usage: the whole prompt, of which cached_tokens came from the cache
+        # (more than the whole is a body at odds with itself: then the cache is unknown).
+        prompt_seen = whole
+        if details_cached <= whole:
+            prompt_cached, prompt_read = details_cached, whole - details_cached
     elif prompt_n is None and ollama_cached is not None:
         prompt_seen, prompt_cached = evaluated, ollama_cached
     elif whole is not None:

@@ -101,10 +101,15 @@ class Handoff:
         self._port = None
         self._timer = None
         self.handed_over = False
+        #: This process stops (a drain or a stop began): no successor may start any more.
+        self.stopped = False
 
     def start(self) -> bool:
-        """Start a successor; False when one is already starting or this process has handed
-        over already."""
+        """Start a successor; False when one is already starting, this process has handed
+        over already, or it is stopping."""
+        if self.stopped:
+            log.info("SIGHUP: this process is stopping; no handoff")
+            return False
         if self.process is not None or self.handed_over:
             log.info("SIGHUP: a handoff is already under way")
             return False
@@ -165,9 +170,11 @@ class Handoff:
             _kill(process)
 
     def stop(self) -> None:
-        """The process stops while a successor starts (``systemctl stop`` during a reload):
-        the successor is killed, as the stop was asked of the service, and the notification
-        socket's folder goes with it rather than being left in the temporary directory."""
+        """The process stops (a SIGTERM's drain begins, or the stop itself): a successor
+        still starting (``systemctl stop`` during a reload) is killed, as the stop was asked
+        of the service, before its READY=1 could name it the main process; its notification
+        socket's folder goes with it; and no later SIGHUP starts another."""
+        self.stopped = True
         process, self.process = self.process, None
         self._close()
         if process is not None:

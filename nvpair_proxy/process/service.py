@@ -158,6 +158,8 @@ class ProcessService(MultiService):
             return False
         self.draining = True
         if not handoff:
+            if self.handoff is not None:
+                self.handoff.stop()
             sdnotify.notify("STOPPING=1")
         services = list(self.facades)
         for service in services:

@@ -736,6 +736,7 @@ class PreviousResponseTests(FleetTestCase):
         w.agent.requests[1].respond(200, NDJSON, DONE, finish=True)
 
     def test_a_response_id_is_kept_as_a_digest_in_the_bounded_table_and_never_logged(self):
+        """Held to the table's one bound like every conversation key; never in the log."""
         logs = LogCapture(self, level="debug")
         w = self.fleet("a", "b")
         self.ask(w)
@@ -749,6 +750,10 @@ class PreviousResponseTests(FleetTestCase):
         self.assertTrue(keys)
         self.assertFalse([k for k in keys if b"resp_secret" in k], "digests, not ids")
         self.assertEqual(table.max_keys, MAX_KEYS, "the one bound every key shares")
+        table.max_keys = 1
+        self.ask(w, "a third")
+        self.respond(w, "resp_secret_three")
+        self.assertEqual(len(table), 1, "a response id counts against the bound")
         text = "\n".join(formatEvent(event) + repr(event) for event in logs.events)
         self.assertTrue(text)
         self.assertNotIn("resp_secret", text)

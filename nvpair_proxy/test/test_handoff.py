@@ -197,6 +197,8 @@ class HandoffTests(SynchronousTestCase):
         self.assertEqual(self.drained, [])
         self.handoff.stop()
         self.assertEqual(process.signals, [signal.SIGKILL], "a second stop does nothing")
+        self.assertFalse(self.handoff.start(), "a SIGHUP while stopping starts nothing")
+        self.assertEqual(len(self.reactor.spawned), 1)
 
     def test_the_successor_is_this_command_line_again_with_its_own_pid(self):
         argv = successor_argv(["-c", "--logfile", "x", "nvpair-proxy", "--engine", "ollama"], "py")

@@ -200,6 +200,16 @@ class StopOrderTests(SynchronousTestCase):
         self.successResultOf(root.stopService())
         self.assertEqual(stops, ["successor stopped"])
 
+    def test_a_sigterms_drain_stops_a_starting_successor_before_it_can_take_over(self):
+        """Its READY=1 must not name it the main process of a service that is stopping."""
+        root = self.tree(closes=None)
+        stops: list[str] = []
+        root.handoff = StartingHandoff(stops)  # type: ignore[assignment]
+        root.drain_timeout = 30.0
+        root.facades = []  # nothing admitted: the drain ends at once
+        self.assertTrue(root.drain())
+        self.assertEqual(stops, ["successor stopped"])
+
     def test_ports_that_close_at_once_do_not_wait_for_the_grace(self):
         root = self.tree(closes=None)
         self.successResultOf(root.stopService())

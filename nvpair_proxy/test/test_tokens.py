@@ -683,6 +683,40 @@ class PromptFiguresTests(SynchronousTestCase):
         figures = tokens.read_figures(b'{"usage":{"prompt_tokens":50,"completion_tokens":2}}')
         self.assertEqual((figures.prompt_seen, figures.prompt_cached), (50, None))
 
+    def test_an_earlier_objects_details_never_describe_a_later_prompt(self):
+        """The cached count is read beside the whole prompt it belongs to: a tail holding an
+        earlier answer's usage with details, then the last one without, says nothing."""
+        for earlier, last in (
+            (
+                {
+                    "input_tokens": 100,
+                    "output_tokens": 1,
+                    "input_tokens_details": {"cached_tokens": 90},
+                },
+                {"input_tokens": 5000, "output_tokens": 20},
+            ),
+            (
+                {
+                    "prompt_tokens": 100,
+                    "completion_tokens": 1,
+                    "prompt_tokens_details": {"cached_tokens": 90},
+                },
+                {"prompt_tokens": 5000},
+            ),
+        ):
+            tail = (json.dumps({"usage": earlier}) + "\n" + json.dumps({"usage": last})).encode()
+            figures = tokens.read_figures(tail)
+            self.assertEqual((figures.prompt_seen, figures.prompt_cached), (5000, None), last)
+
+    def test_more_cached_than_the_whole_prompt_is_unknown(self):
+        """A body at odds with itself says nothing of the cache, rather than a full hit."""
+        for said in (
+            {"usage": {"prompt_tokens": 10, "prompt_tokens_details": {"cached_tokens": 11}}},
+            {"done": True, "prompt_eval_count": 10, "prompt_eval_cached_count": 11},
+        ):
+            figures = tokens.read_figures(json.dumps(said).encode())
+            self.assertEqual((figures.prompt_seen, figures.prompt_cached), (10, None), said)
+
     def test_an_anthropic_stream_says_what_its_cache_gave_in_message_start(self):
         """llama.cpp's /v1/messages (what Claude Code speaks) has no timings: the cache's
         share is in message_start's usage, as llama.cpp 11434 sends it."""
