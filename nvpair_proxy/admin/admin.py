@@ -166,8 +166,6 @@ class AdminService(Service):
 
     def startService(self) -> None:
         super().startService()
-        view = self.view
-        assert view is not None  # made in privilegedStartService
         sampling = self._sampling = LoopingCall(self._sample)
         sampling.clock = self.reactor
         sampling.start(HISTORY_INTERVAL, now=False)

@@ -151,8 +151,9 @@ class ProxyCollector(Collector):
             "prompt_tokens_reused",
             "Prompt tokens a node's engine took from its prompt cache instead of reading "
             "them: exact where the engine says (llama.cpp cache_n, Messages "
-            "cache_read_input_tokens), estimated from its prefill time at the node's "
-            "measured reading rate where it does not (Ollama, LM Studio).",
+            "cache_read_input_tokens, Ollama prompt_eval_cached_count, OpenAI-style "
+            "cached_tokens), estimated from its prefill time at the node's measured reading "
+            "rate where it does not (LM Studio, an Ollama that does not report its cache).",
             ["engine", "node", "source"],
             cache.reused,
         )

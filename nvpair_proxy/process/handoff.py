@@ -164,10 +164,7 @@ class Handoff:
 
     def _failed(self, why: str) -> None:
         log.error("hot handoff failed: {why}; this process keeps serving", why=why)
-        process, self.process = self.process, None
-        self._close()
-        if process is not None:
-            _kill(process)
+        self._end_successor()
 
     def stop(self) -> None:
         """The process stops (a SIGTERM's drain begins, or the stop itself): a successor
@@ -175,13 +172,23 @@ class Handoff:
         of the service, before its READY=1 could name it the main process; its notification
         socket's folder goes with it; and no later SIGHUP starts another."""
         self.stopped = True
-        process, self.process = self.process, None
-        self._close()
+        process = self._end_successor()
         if process is not None:
             log.info(
                 "stopping: the successor that was starting (pid {pid}) is killed", pid=process.pid
             )
-            _kill(process)
+
+    def _end_successor(self):
+        """Kill the successor still starting, if any, and close what waited for it: the
+        process that was killed, None when none was starting."""
+        process, self.process = self.process, None
+        self._close()
+        if process is not None:
+            try:
+                process.signalProcess(signal.SIGKILL)
+            except Exception:
+                pass  # it ended meanwhile
+        return process
 
     def _close(self) -> None:
         cancel_pending(self._timer)
@@ -192,10 +199,3 @@ class Handoff:
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
             self._dir = None
-
-
-def _kill(process) -> None:
-    try:
-        process.signalProcess(signal.SIGKILL)
-    except Exception:
-        pass  # it ended meanwhile

@@ -41,6 +41,7 @@ from .events import (
     PromptUse,
     Reporter,
     Workload,
+    ms,
     route_class,
 )
 from .stream import Happened, Stream, StreamEvent
@@ -358,7 +359,7 @@ class Exchange:
                 # (docs/operations.md#placement).
                 request.responseHeaders.setRawHeaders(
                     PLACEMENT_HEADER,
-                    [f"{placed.reason}; node={node.id}; waited={round(placed.waited * 1000)}"],
+                    [f"{placed.reason}; node={node.id}; waited={ms(placed.waited)}"],
                 )
         stream.start()
 

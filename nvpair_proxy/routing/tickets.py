@@ -103,7 +103,6 @@ class PassTicket:
     come, each dispatch claims nothing, and it never waits (a request without a workload,
     or any request of a ``Direct`` placement)."""
 
-    affinity: str | None = None
     placed = NOT_PLACED
 
     def place(self, candidates: list[Node], ahead: bool) -> Plan:

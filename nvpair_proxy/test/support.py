@@ -27,6 +27,7 @@ from nvpair_proxy.core.interfaces import IAttemptSink
 from nvpair_proxy.lan.apikeys import KeyStore, LanGate, parse_cidrs
 from nvpair_proxy.nodes.discovery import Node
 from nvpair_proxy.request.attempt import AddressMemory, Attempt, UpstreamRequest
+from nvpair_proxy.request.events import RequestEnded
 from nvpair_proxy.testing import FakeAgent, processes
 
 KEY = "k" * 24 + "-._~+/=0123"  # 35 characters of the LAN keys' alphabet
@@ -287,3 +288,12 @@ def by_labels(samples: dict, name: str, *labels: str) -> Counter:
             values = tuple(dict(key)[label] for label in labels)
             out[values if len(values) > 1 else values[0]] += value
     return out
+
+
+def request_ended(**fields) -> RequestEnded:
+    """A finished request as the recorder learns it: an Ollama inference completed 200 at
+    0 s in no time, unless ``fields`` say otherwise."""
+    ended = dict(
+        engine="ollama", at=0.0, route="inference", outcome="completed", status=200, duration=0.0
+    )
+    return RequestEnded(**{**ended, **fields})

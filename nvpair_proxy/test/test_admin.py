@@ -26,7 +26,7 @@ from nvpair_proxy.http.server import BoundedSite
 from nvpair_proxy.nodes.selfcheck import self_reason
 from nvpair_proxy.process.options import Options, admin_address
 from nvpair_proxy.request import events
-from nvpair_proxy.test.support import by_labels, gate, scraped, total
+from nvpair_proxy.test.support import by_labels, gate, request_ended, scraped, total
 from nvpair_proxy.test.world import (
     Response,
     WorldStatus,
@@ -429,15 +429,7 @@ class ReasonTests(WorldTestCase):
         """A request's end carries a Reason: its label is what is counted (no text is read
         back), and the metrics vocabulary of docs/operations.md is exactly the labels."""
         for member in answers.Reason:
-            ended = events.RequestEnded(
-                engine="ollama",
-                at=0.0,
-                route="inference",
-                outcome="failed",
-                status=599,
-                duration=0.0,
-                reason=member,
-            )
+            ended = request_ended(outcome="failed", status=599, reason=member)
             self.assertEqual(reason(ended), member.label, member)
         # Wire texts are protocol 5's and 4's, whole or as the fixed start of a detailed one.
         self.assertEqual(
@@ -451,23 +443,9 @@ class ReasonTests(WorldTestCase):
         )
         # An engine's own answer, relayed with no reason of ours: its status, else other.
         for status_code, expected in ((401, "unauthorized"), (418, "other"), (499, "client_gone")):
-            ended = events.RequestEnded(
-                engine="ollama",
-                at=0.0,
-                route="models",
-                outcome="failed",
-                status=status_code,
-                duration=0.0,
-            )
+            ended = request_ended(route="models", outcome="failed", status=status_code)
             self.assertEqual(reason(ended), expected)
-        completed = events.RequestEnded(
-            engine="ollama",
-            at=0.0,
-            route="inference",
-            outcome="completed",
-            status=200,
-            duration=0.0,
-        )
+        completed = request_ended()
         self.assertIsNone(reason(completed))
         operations = open(
             os.path.join(os.path.dirname(__file__), "..", "..", "docs", "operations.md"),

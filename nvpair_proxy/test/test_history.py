@@ -13,6 +13,7 @@ from nvpair_proxy.admin.recorder import Recorder
 from nvpair_proxy.core.interfaces import IStatusSource
 from nvpair_proxy.core.views import EngineView, FacadeView, ProcessSnapshot, RoutingView
 from nvpair_proxy.request.events import PromptUse
+from nvpair_proxy.test.support import request_ended
 
 
 def snapshot(queued: int = 0) -> ProcessSnapshot:
@@ -62,22 +63,10 @@ class HistoryTests(SynchronousTestCase):
 
     def test_the_first_byte_times_kept_between_samples_are_bounded(self):
         from nvpair_proxy.admin.recorder import TTFB_WINDOW
-        from nvpair_proxy.request.events import RequestEnded
 
         recorder = Recorder()
         for _ in range(TTFB_WINDOW + 5):
-            recorder.request_ended(
-                RequestEnded(
-                    engine="e",
-                    at=0,
-                    route="inference",
-                    outcome="completed",
-                    status=200,
-                    duration=1.0,
-                    node="a",
-                    ttfb=0.5,
-                )
-            )
+            recorder.request_ended(request_ended(engine="e", duration=1.0, node="a", ttfb=0.5))
         self.assertEqual(len(recorder.take_ttfbs()), TTFB_WINDOW)
         self.assertEqual(recorder.take_ttfbs(), [])
 
